@@ -1,0 +1,104 @@
+"""Configuration objects: how to execute (`ExecConfig`) and what to optimise (`GRPOConfig`).
+
+Both are keyword-only dataclasses, validated in `__post_init__` with messages that
+name the bad value and the fix. `GRPOConfig` follows TRL's meanings of each field.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from .errors import ConfigError
+
+MODES = ("detached", "exact")
+LOSS_TYPES = ("dapo", "grpo", "dr_grpo")
+SCALE_REWARDS = ("group", "none")
+
+
+def _positive_int(name: str, value, allow_none: bool = False) -> None:
+    if value is None and allow_none:
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ConfigError(f"{name} must be a positive int, got {value!r}")
+
+
+@dataclass(kw_only=True, slots=True)
+class ExecConfig:
+    """How the engine runs one group."""
+
+    chunk_size: int = 4096
+    """Prompt tokens per capture chunk. Any value >= 1; it changes speed and peak
+    memory of capture, never the result (beyond float rounding)."""
+
+    mode: str = "detached"
+    """"detached": the prompt state is a constant (the paper's gradient).
+    "exact": also push gradients through the prompt (the full-sequence gradient)."""
+
+    attention_block_size: int = 1024
+    """Prompt positions per block in the blockwise attention over the captured
+    state. Working memory per layer is O(queries x block), never O(queries x P)."""
+
+    logits_chunk_size: int = 1024
+    """Response tokens per lm_head + log-softmax chunk. Logits for backward are
+    recomputed per chunk, so no [R, vocab] tensor is kept."""
+
+    allow_position_overflow: bool = False
+    """Allow P + R beyond the model's `max_position_embeddings` (RoPE then
+    extrapolates). Off by default: such inputs raise `PositionLimitError`."""
+
+    progress: bool = False
+    """Show a progress bar over capture chunks and branches (stderr)."""
+
+    def __post_init__(self):
+        _positive_int("ExecConfig.chunk_size", self.chunk_size)
+        _positive_int("ExecConfig.attention_block_size", self.attention_block_size)
+        _positive_int("ExecConfig.logits_chunk_size", self.logits_chunk_size)
+        if self.mode not in MODES:
+            raise ConfigError(f"ExecConfig.mode must be one of {MODES}, got {self.mode!r}")
+
+
+@dataclass(kw_only=True, slots=True)
+class GRPOConfig:
+    """The GRPO objective, with TRL's field meanings."""
+
+    loss_type: str = "dapo"
+    """"dapo": sum over every response token of the batch / their count.
+    "grpo": token mean per sequence, then mean over sequences.
+    "dr_grpo": sum / (num_sequences * max_completion_length)."""
+
+    epsilon_low: float = 0.2
+    """Lower clip: the ratio is clipped to [1 - epsilon_low, 1 + epsilon_high]."""
+
+    epsilon_high: float = 0.2
+    """Upper clip (DAPO's clip-higher uses e.g. 0.28)."""
+
+    beta: float = 0.0
+    """Weight of the k3 KL to the reference policy; > 0 needs `group.ref_logprobs`."""
+
+    scale_rewards: str = "group"
+    """"group": advantages (r - mean) / (std_unbiased + 1e-4); "none": r - mean."""
+
+    temperature: float = 1.0
+    """Logits are divided by this before the log-softmax."""
+
+    max_completion_length: int | None = None
+    """Denominator length for "dr_grpo". None: the longest response of the batch."""
+
+    def __post_init__(self):
+        if self.loss_type not in LOSS_TYPES:
+            raise ConfigError(f"GRPOConfig.loss_type must be one of {LOSS_TYPES}, got {self.loss_type!r}")
+        if self.scale_rewards not in SCALE_REWARDS:
+            raise ConfigError(
+                f"GRPOConfig.scale_rewards must be one of {SCALE_REWARDS}, got {self.scale_rewards!r}"
+            )
+        for name in ("epsilon_low", "epsilon_high", "beta"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+                raise ConfigError(f"GRPOConfig.{name} must be a finite number >= 0, got {value!r}")
+        if self.epsilon_low >= 1:
+            raise ConfigError(f"GRPOConfig.epsilon_low must be < 1, got {self.epsilon_low!r}")
+        t = self.temperature
+        if not isinstance(t, (int, float)) or not math.isfinite(t) or t <= 0:
+            raise ConfigError(f"GRPOConfig.temperature must be a finite number > 0, got {t!r}")
+        _positive_int("GRPOConfig.max_completion_length", self.max_completion_length, allow_none=True)

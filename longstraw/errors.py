@@ -1,0 +1,31 @@
+"""Exception types of LongStraw: one per kind of mistake.
+
+Every error is raised before any expensive work starts (capture, replay), so a
+caller that catches it finds the model and its `.grad` exactly as it left them.
+All of them derive from `LongStrawError`; the input errors also derive from
+`ValueError` so that generic handlers keep working.
+"""
+
+
+class LongStrawError(Exception):
+    """Base class of every error LongStraw raises on purpose."""
+
+
+class ConfigError(LongStrawError, ValueError):
+    """An `ExecConfig` or `GRPOConfig` field has a value we cannot run with."""
+
+
+class InvalidGroupError(LongStrawError, ValueError):
+    """The `Group` (prompt, responses, rewards, log-probs) is malformed."""
+
+
+class PositionLimitError(InvalidGroupError):
+    """Prompt + response run past the model's `max_position_embeddings`."""
+
+
+class UnsupportedModelError(LongStrawError, TypeError):
+    """The model's architecture (or a feature of its config) is not supported."""
+
+
+class ModelStateError(LongStrawError, RuntimeError):
+    """The model is in a state we refuse to run (e.g. train mode with dropout)."""

@@ -1,0 +1,98 @@
+"""Route a Hugging Face model's own attention modules through LongStraw's attention.
+
+Every supported family computes q/k/v (projections, q/k norms, RoPE, output gates)
+inside its attention module and then calls the function registered in
+`transformers`' `ALL_ATTENTION_FUNCTIONS` under `config._attn_implementation`. We
+register one function, "longstraw", and switch a model to it only inside
+`routed(...)`. The model's own modules therefore do all the projections, and LoRA /
+PEFT wrappers on them keep working untouched.
+
+Inside the function, the current `AttentionCall` says which prompt state to read and
+whether to append the new K/V to it (capture) or only read it (replay).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from dataclasses import dataclass
+
+import torch
+from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+from ..ops.attention import prefix_causal_attention
+from ..state import AttentionKV, PromptState
+
+IMPLEMENTATION = "longstraw"
+
+
+@dataclass
+class AttentionCall:
+    """What the attention function needs to know about the tokens being run.
+
+    Fields:
+        state: the prompt state; `state.layers[layer_idx]` is an `AttentionKV`.
+        start: absolute position of the first token of this call.
+        append: capture (write the new K/V into the state) or replay (read only).
+        block_size: prefix positions per attention block.
+    """
+
+    state: PromptState
+    start: int
+    append: bool
+    block_size: int
+
+
+_CURRENT: contextvars.ContextVar[AttentionCall | None] = contextvars.ContextVar("longstraw_attention", default=None)
+
+
+def longstraw_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
+                        sliding_window=None, **kwargs):
+    """The registered attention function (HF's attention-interface signature).
+
+    query: [1, H, T, D]; key, value: [1, Hkv, T, D] for the T new tokens, after RoPE.
+    Returns ([1, T, H, Dv], None), as HF's eager attention does.
+    """
+    call = _CURRENT.get()
+    if call is None:
+        raise RuntimeError("longstraw attention was called outside an Engine run")
+    if query.shape[0] != 1:
+        raise RuntimeError(f"longstraw runs one sequence at a time, got batch {query.shape[0]}")
+    if dropout:
+        raise RuntimeError("attention dropout is not supported; put the model in eval mode")
+    kv: AttentionKV = call.state.layers[module.layer_idx]
+    assert kv.window == sliding_window, f"layer {module.layer_idx}: state window {kv.window} != module {sliding_window}"
+    assert kv.end == call.start or not call.append, (kv.end, call.start)
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    prefix_k, prefix_v = kv.keys()
+    out = prefix_causal_attention(
+        query[0], key[0], value[0], prefix_k=prefix_k, prefix_v=prefix_v, q_start=call.start,
+        prefix_start=kv.start, scale=scale, window=sliding_window, block_size=call.block_size,
+    )  # (H, T, Dv)
+    if call.append:
+        kv.append(key[0], value[0])
+    return out.transpose(0, 1)[None], None
+
+
+ALL_ATTENTION_FUNCTIONS.register(IMPLEMENTATION, longstraw_attention)
+
+
+@contextlib.contextmanager
+def routed(config, call: AttentionCall):
+    """Within the block, `config`'s model attends through LongStraw with `call`."""
+    previous = config._attn_implementation_internal
+    token = _CURRENT.set(call)
+    config._attn_implementation_internal = IMPLEMENTATION
+    try:
+        yield
+    finally:
+        config._attn_implementation_internal = previous
+        _CURRENT.reset(token)
+
+
+def run_backbone(backbone, config, input_ids: torch.Tensor, call: AttentionCall) -> torch.Tensor:
+    """Run the model's own decoder stack on T tokens. input_ids [T] -> hidden [T, d]."""
+    positions = torch.arange(call.start, call.start + input_ids.shape[0], device=input_ids.device)
+    with routed(config, call):
+        out = backbone(input_ids=input_ids[None], position_ids=positions[None], use_cache=False)
+    return out.last_hidden_state[0]

@@ -1,0 +1,94 @@
+"""What the engine needs from a model family: the `Adapter` interface.
+
+The engine knows no architecture. An adapter resolves the parts of a stock Hugging
+Face `...ForCausalLM` (unwrapping PEFT), allocates the family's prompt state, and runs
+T tokens from a given position against that state, appending to it (capture) or only
+reading it (replay). It calls the model's own submodules throughout.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from ..errors import ModelStateError, UnsupportedModelError
+from ..state import PromptState
+
+
+def unwrap_causal_lm(model: nn.Module) -> nn.Module:
+    """The Hugging Face `...ForCausalLM` inside `model` (PEFT wrappers are unwrapped;
+    their injected LoRA layers stay in place and keep working)."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    if not hasattr(base, "config") or not hasattr(base, "model") or base.get_output_embeddings() is None:
+        raise UnsupportedModelError(
+            f"expected a Hugging Face ...ForCausalLM (with .model and an lm_head), got {type(base).__name__}"
+        )
+    return base
+
+
+class Adapter:
+    """Base adapter. Subclasses set `model_types` and implement `new_state` and `run`."""
+
+    model_types: tuple[str, ...] = ()
+
+    def __init__(self, model: nn.Module):
+        self.model = model
+        self.causal_lm = unwrap_causal_lm(model)
+        self.config = self.causal_lm.config
+        self.backbone = self.causal_lm.model
+        self.lm_head = self.causal_lm.get_output_embeddings()
+        self.check_config()
+
+    # --- facts the engine validates against --------------------------------
+
+    @property
+    def vocab_size(self) -> int:
+        return self.backbone.get_input_embeddings().num_embeddings
+
+    @property
+    def max_positions(self) -> int | None:
+        return getattr(self.config, "max_position_embeddings", None)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.backbone.get_input_embeddings().weight.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.backbone.get_input_embeddings().weight.device
+
+    def check_config(self) -> None:
+        """Refuse config features the adapter cannot run exactly (override to add)."""
+
+    def check_runnable(self) -> None:
+        """Refuse model states we cannot reproduce exactly; called before each step."""
+        if getattr(self.causal_lm, "is_activation_checkpointing", False):
+            raise ModelStateError(
+                "gradient checkpointing is enabled on the model; LongStraw bounds activation memory itself. "
+                "Call model.gradient_checkpointing_disable() first."
+            )
+        if self.model.training:
+            dropouts = [name for name, m in self.model.named_modules() if isinstance(m, nn.Dropout) and m.p > 0]
+            attn_p = float(getattr(self.config, "attention_dropout", 0.0) or 0.0)
+            if dropouts or attn_p > 0:
+                where = dropouts[0] if dropouts else f"config.attention_dropout={attn_p}"
+                raise ModelStateError(
+                    f"the model is in train mode with dropout > 0 ({where}); dropout would differ between "
+                    "capture and replay. Call model.eval() (or set dropout to 0)."
+                )
+
+    # --- the work ------------------------------------------------------------
+
+    def new_state(self, prompt_positions: int) -> PromptState:
+        """Empty state for `prompt_positions` captured prompt tokens (P - 1)."""
+        raise NotImplementedError
+
+    def run(self, input_ids: torch.Tensor, start: int, state: PromptState, *, append: bool,
+            block_size: int) -> torch.Tensor:
+        """Run tokens input_ids [T] at positions start .. start+T-1 against `state`.
+
+        append=True (capture): write their state, under no_grad by the caller.
+        append=False (replay): only read the state. Returns final hidden states [T, d]
+        (after the final norm), ready for the lm_head.
+        """
+        raise NotImplementedError

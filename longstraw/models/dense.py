@@ -1,0 +1,57 @@
+"""Dense-attention families (`llama`, `mistral`, `qwen2`, `qwen3`).
+
+Each decoder layer is the model's own; its attention module is routed through
+LongStraw's LSE-merged prefix attention (see `attention_hook.py`). The state is one
+`AttentionKV` per layer: K/V per kv head (never GQA-expanded). Sliding-window layers
+keep only their last W - 1 positions and mask by position, exactly as HF does.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..errors import UnsupportedModelError
+from ..state import AttentionKV, PromptState
+from .attention_hook import AttentionCall, run_backbone
+from .base import Adapter
+
+
+def layer_window(config, attn_module) -> int | None:
+    """The sliding window a layer's attention module passes to its attention function."""
+    if hasattr(attn_module, "sliding_window"):  # qwen2 / qwen3: per layer type
+        return attn_module.sliding_window
+    return getattr(config, "sliding_window", None)  # mistral: every layer
+
+
+class DenseAdapter(Adapter):
+    model_types = ("llama", "mistral", "qwen2", "qwen3")
+
+    def check_config(self) -> None:
+        for layer in self.backbone.layers:
+            if not hasattr(layer, "self_attn"):
+                raise UnsupportedModelError(f"{type(layer).__name__} has no self_attn; not a dense-attention layer")
+
+    def attention_geometry(self, attn) -> tuple[int, int]:
+        """(kv_heads, head_dim) of an attention module."""
+        head_dim = attn.head_dim
+        kv_heads = self.config.num_key_value_heads
+        return kv_heads, head_dim
+
+    def new_state(self, prompt_positions: int) -> PromptState:
+        layers = []
+        for layer in self.backbone.layers:
+            attn = layer.self_attn
+            kv_heads, head_dim = self.attention_geometry(attn)
+            layers.append(AttentionKV.empty(
+                kv_heads=kv_heads, head_dim=head_dim, v_head_dim=head_dim, capacity=prompt_positions,
+                window=layer_window(self.config, attn), dtype=self.dtype, device=self.device,
+            ))
+        return PromptState(layers=layers)
+
+    def run(self, input_ids: torch.Tensor, start: int, state: PromptState, *, append: bool,
+            block_size: int) -> torch.Tensor:
+        call = AttentionCall(state=state, start=start, append=append, block_size=block_size)
+        hidden = run_backbone(self.backbone, self.config, input_ids, call)
+        if append:
+            state.length = start + input_ids.shape[0]
+        return hidden

@@ -1,0 +1,162 @@
+"""Attention of new queries over a captured prefix plus their own causal block.
+
+This is the one attention op of the engine, used both by capture (a prompt chunk
+over the state of earlier chunks) and by replay (a response branch over the whole
+prompt state). The two parts are computed separately and merged by log-sum-exp,
+flash-style:
+
+    o = (e^{lse_p} o_p + e^{lse_s} o_s) / (e^{lse_p} + e^{lse_s})
+
+* The prefix part (`PrefixAttention`) walks the prefix in blocks of `block_size`
+  positions with an online softmax. Its custom backward recomputes each block, so
+  per layer it holds O(queries x block) memory, never O(queries x S). The prefix K/V
+  are read in place: never copied, concatenated or saved at full size.
+* The self part is plain torch with autograd: T x T, and T is a chunk or a branch.
+
+Legend: Hkv kv heads, g = H / Hkv queries per kv head, T new tokens, M = g*T query
+rows per kv head, S prefix positions, D head dim, Dv value dim. GQA is done by
+folding the g query heads of a kv head into rows, never by expanding K/V.
+Arithmetic is float32 for half/float32 inputs and float64 for float64 inputs.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
+    """float64 stays float64; everything else accumulates in float32."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _window_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None, causal: bool) -> torch.Tensor | None:
+    """Boolean [M, N] mask, True where a query may NOT see a key (HF semantics:
+    visible iff k <= q and q - k < window)."""
+    masked = None
+    if causal:
+        masked = k_pos[None, :] > q_pos[:, None]
+    if window is not None:
+        far = (q_pos[:, None] - k_pos[None, :]) >= window
+        masked = far if masked is None else (masked | far)
+    return masked
+
+
+class PrefixAttention(torch.autograd.Function):
+    """(o_p, lse_p) of query rows over a prefix of keys, blockwise, with recompute.
+
+    forward(q [Hkv, M, D], k [Hkv, S, D], v [Hkv, S, Dv], q_pos [M], k_start, scale,
+    window, block_size) -> (o [Hkv, M, Dv], lse [Hkv, M]), both in the accumulation
+    dtype. Rows that see no prefix key get o = 0, lse = -inf.
+    Gradients flow to q always, and to k / v only when they require grad (exact mode).
+    """
+
+    @staticmethod
+    def forward(ctx, q, k, v, q_pos, k_start, scale, window, block_size):
+        acc = accumulation_dtype(q.dtype)
+        qa = q.to(acc)
+        hkv, m_rows, _ = q.shape
+        s_len = k.shape[1]
+        row_max = torch.full((hkv, m_rows), float("-inf"), dtype=acc, device=q.device)
+        denom = torch.zeros(hkv, m_rows, dtype=acc, device=q.device)
+        out = torch.zeros(hkv, m_rows, v.shape[2], dtype=acc, device=q.device)
+        for b0 in range(0, s_len, block_size):
+            b1 = min(s_len, b0 + block_size)
+            scores = torch.matmul(qa, k[:, b0:b1].to(acc).transpose(1, 2)) * scale  # (Hkv, M, B)
+            if window is not None:
+                k_pos = torch.arange(k_start + b0, k_start + b1, device=q.device)
+                scores.masked_fill_(_window_mask(q_pos, k_pos, window, causal=False), float("-inf"))
+            new_max = torch.maximum(row_max, scores.amax(dim=-1))
+            safe_max = torch.where(torch.isinf(new_max), torch.zeros_like(new_max), new_max)
+            probs = torch.exp(scores - safe_max[..., None])  # (Hkv, M, B)
+            rescale = torch.exp(row_max - safe_max)
+            denom = denom * rescale + probs.sum(dim=-1)
+            out = out * rescale[..., None] + torch.matmul(probs, v[:, b0:b1].to(acc))
+            row_max = new_max
+        safe_max = torch.where(torch.isinf(row_max), torch.zeros_like(row_max), row_max)
+        out = out / torch.where(denom == 0, torch.ones_like(denom), denom)[..., None]
+        lse = safe_max + torch.log(denom)  # -inf where no key was visible
+        ctx.save_for_backward(q, out, lse, q_pos)
+        # The prefix is held by reference (it is the captured state), not saved.
+        ctx.prefix = (k, v)
+        ctx.k_start, ctx.scale, ctx.window, ctx.block_size = k_start, scale, window, block_size
+        return out, lse
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_out, grad_lse):
+        q, out, lse, q_pos = ctx.saved_tensors
+        k, v = ctx.prefix
+        scale, window, block_size = ctx.scale, ctx.window, ctx.block_size
+        acc = out.dtype
+        qa = q.to(acc)
+        if grad_out is None:
+            grad_out = torch.zeros_like(out)
+        grad_out = grad_out.to(acc)
+        delta = (grad_out * out).sum(dim=-1)  # (Hkv, M)
+        if grad_lse is not None:
+            delta = delta - grad_lse.to(acc)
+        # +inf where no key was visible, so exp(s - lse) is 0 there, never NaN.
+        lse = torch.where(torch.isinf(lse), torch.full_like(lse, float("inf")), lse)
+        need_dk, need_dv = ctx.needs_input_grad[1], ctx.needs_input_grad[2]
+        dq = torch.zeros_like(qa)
+        dk = torch.zeros(k.shape, dtype=k.dtype, device=k.device) if need_dk else None
+        dv = torch.zeros(v.shape, dtype=v.dtype, device=v.device) if need_dv else None
+        for b0 in range(0, k.shape[1], block_size):
+            b1 = min(k.shape[1], b0 + block_size)
+            kb, vb = k[:, b0:b1].to(acc), v[:, b0:b1].to(acc)
+            scores = torch.matmul(qa, kb.transpose(1, 2)) * scale  # (Hkv, M, B)
+            if window is not None:
+                k_pos = torch.arange(ctx.k_start + b0, ctx.k_start + b1, device=q.device)
+                scores.masked_fill_(_window_mask(q_pos, k_pos, window, causal=False), float("-inf"))
+            probs = torch.exp(scores - lse[..., None])
+            dprobs = torch.matmul(grad_out, vb.transpose(1, 2))
+            dscores = probs * (dprobs - delta[..., None])  # (Hkv, M, B)
+            dq += torch.matmul(dscores, kb) * scale
+            if need_dk:
+                dk[:, b0:b1] = (torch.matmul(dscores.transpose(1, 2), qa) * scale).to(k.dtype)
+            if need_dv:
+                dv[:, b0:b1] = torch.matmul(probs.transpose(1, 2), grad_out).to(v.dtype)
+        return dq.to(q.dtype), dk, dv, None, None, None, None, None
+
+
+def causal_self_attention(q, k, v, q_pos, k_pos, scale, window):
+    """(o [Hkv, M, Dv], lse [Hkv, M]) of query rows over the new tokens' own keys,
+    causal (and windowed), in plain torch with autograd. q: [Hkv, M, D]; k, v: [Hkv, T, D]."""
+    acc = accumulation_dtype(q.dtype)
+    scores = torch.matmul(q.to(acc), k.to(acc).transpose(1, 2)) * scale  # (Hkv, M, T)
+    scores = scores.masked_fill(_window_mask(q_pos, k_pos, window, causal=True), float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)
+    out = torch.matmul(torch.exp(scores - lse[..., None]), v.to(acc))
+    return out, lse
+
+
+def prefix_causal_attention(q, k, v, *, prefix_k, prefix_v, q_start: int, prefix_start: int,
+                            scale: float, window: int | None = None, block_size: int = 1024):
+    """Attention of T new tokens over a prefix state plus themselves.
+
+    Args:
+        q: [H, T, D] queries at absolute positions q_start .. q_start + T - 1.
+        k, v: [Hkv, T, D] / [Hkv, T, Dv] keys and values of the same T tokens.
+        prefix_k, prefix_v: [Hkv, S, D] / [Hkv, S, Dv] state at positions
+            prefix_start .. prefix_start + S - 1, all before q_start. S may be 0.
+        scale: softmax scale. window: sliding window W or None.
+        block_size: prefix positions per block.
+
+    Returns:
+        [H, T, Dv] attention output, in q's dtype.
+    """
+    h, t, d = q.shape
+    hkv = k.shape[0]
+    assert h % hkv == 0, f"query heads {h} not a multiple of kv heads {hkv}"
+    assert prefix_k.shape[0] == hkv and prefix_k.shape[2] == d, (prefix_k.shape, k.shape)
+    assert prefix_start + prefix_k.shape[1] <= q_start, "prefix must end before the queries"
+    g = h // hkv
+    rows = q.reshape(hkv, g * t, d)  # (Hkv, M, D): head j*g+i -> kv head j
+    k_pos = torch.arange(q_start, q_start + t, device=q.device)
+    q_pos = k_pos.repeat(g)  # (M,)
+    out, lse = causal_self_attention(rows, k, v, q_pos, k_pos, scale, window)
+    if prefix_k.shape[1] > 0:
+        out_p, lse_p = PrefixAttention.apply(rows, prefix_k, prefix_v, q_pos, prefix_start, scale, window, block_size)
+        lse_all = torch.logaddexp(lse, lse_p)
+        out = torch.exp(lse - lse_all)[..., None] * out + torch.exp(lse_p - lse_all)[..., None] * out_p
+    return out.to(q.dtype).reshape(h, t, -1)

@@ -1,0 +1,97 @@
+"""Per-layer prompt state: what capture keeps so later tokens can attend to the prompt.
+
+Shapes (one prompt, no batch dim):
+    Hkv  key/value heads (never expanded by the GQA group)
+    S    positions held by the state
+    D    head dim (Dv for values)
+
+Each class is small and named, with `nbytes()` and shape checks at the boundary, so
+no bare tuple of tensors travels through the engine.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+
+@dataclass
+class AttentionKV:
+    """K and V of one attention layer, after RoPE and any k-norm.
+
+    Full attention keeps every prompt position; a sliding-window layer keeps only the
+    last `window - 1` positions (all that any later query can see).
+
+    Fields:
+        k: [Hkv, capacity, D]
+        v: [Hkv, capacity, Dv]
+        start: absolute position of index 0.
+        length: positions filled (index `length` is the next to write).
+        window: sliding window W of the layer, or None for full attention.
+    """
+
+    k: torch.Tensor
+    v: torch.Tensor
+    start: int = 0
+    length: int = 0
+    window: int | None = None
+
+    @classmethod
+    def empty(cls, *, kv_heads: int, head_dim: int, v_head_dim: int, capacity: int,
+              window: int | None, dtype: torch.dtype, device) -> "AttentionKV":
+        """Allocate the state for `capacity` prompt positions (full) or none yet (window)."""
+        if window is not None:
+            capacity = 0  # grows by chunk, trimmed to window - 1 after each append
+        k = torch.empty(kv_heads, capacity, head_dim, dtype=dtype, device=device)
+        v = torch.empty(kv_heads, capacity, v_head_dim, dtype=dtype, device=device)
+        return cls(k=k, v=v, window=window)
+
+    @property
+    def end(self) -> int:
+        """Absolute position one past the last one held."""
+        return self.start + self.length
+
+    def keys(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Read-only views (k [Hkv, length, D], v [Hkv, length, Dv]) of the filled part."""
+        return self.k[:, : self.length], self.v[:, : self.length]
+
+    @torch.no_grad()
+    def append(self, k_new: torch.Tensor, v_new: torch.Tensor) -> None:
+        """Write the next positions. k_new: [Hkv, T, D], v_new: [Hkv, T, Dv]."""
+        assert k_new.shape[0] == self.k.shape[0] and k_new.shape[2] == self.k.shape[2], (k_new.shape, self.k.shape)
+        assert v_new.shape[:2] == k_new.shape[:2] and v_new.shape[2] == self.v.shape[2], (v_new.shape, self.v.shape)
+        t = k_new.shape[1]
+        if self.window is None:
+            assert self.length + t <= self.k.shape[1], "AttentionKV overflow: capacity is P - 1"
+            self.k[:, self.length : self.length + t] = k_new
+            self.v[:, self.length : self.length + t] = v_new
+            self.length += t
+            return
+        keep = self.window - 1
+        k = torch.cat([self.k[:, : self.length], k_new.to(self.k.dtype)], dim=1)
+        v = torch.cat([self.v[:, : self.length], v_new.to(self.v.dtype)], dim=1)
+        drop = max(0, k.shape[1] - keep)
+        self.k, self.v = k[:, drop:].clone(), v[:, drop:].clone()
+        self.start += drop
+        self.length = self.k.shape[1]
+
+    def nbytes(self) -> int:
+        """Bytes held (filled part for windowed layers, full capacity otherwise)."""
+        return self.k.numel() * self.k.element_size() + self.v.numel() * self.v.element_size()
+
+
+@dataclass
+class PromptState:
+    """The whole captured prompt state: one entry per decoder layer (None: no state).
+
+    Fields:
+        layers: per-layer state objects, indexed by layer index.
+        length: prompt positions captured (P - 1).
+    """
+
+    layers: list = field(default_factory=list)
+    length: int = 0
+
+    def nbytes(self) -> int:
+        return sum(s.nbytes() for s in self.layers if s is not None)
