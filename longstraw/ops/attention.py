@@ -130,8 +130,51 @@ def causal_self_attention(q, k, v, q_pos, k_pos, scale, window):
     return out, lse
 
 
+def _cpu_flash_attention():
+    """torch's fused CPU flash-attention op, which also returns the log-sum-exp, or None."""
+    return getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+
+
+def _merge(out_a, lse_a, out_b, lse_b):
+    """Log-sum-exp merge of two partial softmax attentions over disjoint key sets."""
+    lse = torch.logaddexp(lse_a, lse_b)
+    return torch.exp(lse_a - lse)[..., None] * out_a + torch.exp(lse_b - lse)[..., None] * out_b
+
+
+def fused_prefix_causal_attention(q, k, v, *, prefix_k, prefix_v, scale: float):
+    """Forward-only fast path (capture, scoring) on CPU: torch's fused flash kernel,
+    which tiles internally (O(rows) memory for any S) and returns the log-sum-exp.
+
+    Same arguments and result as `prefix_causal_attention` without a window;
+    its twin is that function (tested to agree in float64).
+    """
+    flash = _cpu_flash_attention()
+    h, t, d = q.shape
+    hkv = k.shape[0]
+    g = h // hkv
+    # self part: causal over the T new tokens; the chunk's own K/V are expanded (T-sized, never the state)
+    out, lse = flash(q[None], k.repeat_interleave(g, 0)[None], v.repeat_interleave(g, 0)[None], 0.0, True,
+                     scale=scale)  # (1, H, T, Dv), (1, H, T)
+    out, lse = out[0].reshape(hkv, g * t, -1), lse[0].reshape(hkv, g * t)
+    if prefix_k.shape[1] > 0:
+        # prefix part: no mask, so the g query heads of a kv head fold into rows
+        out_p, lse_p = flash(q.reshape(1, hkv, g * t, d), prefix_k[None], prefix_v[None], 0.0, False, scale=scale)
+        out = _merge(out_p[0].to(lse.dtype), lse_p[0], out, lse)
+    return out.to(q.dtype).reshape(h, t, -1)
+
+
+def can_use_fused(q, k, v, prefix_k, window) -> bool:
+    """The fused path needs: no autograd, no window, CPU, a dtype the kernel takes."""
+    if window is not None or q.device.type != "cpu" or _cpu_flash_attention() is None:
+        return False
+    if torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v, prefix_k)):
+        return False
+    return q.dtype in (torch.float32, torch.float64, torch.bfloat16)
+
+
 def prefix_causal_attention(q, k, v, *, prefix_k, prefix_v, q_start: int, prefix_start: int,
-                            scale: float, window: int | None = None, block_size: int = 1024):
+                            scale: float, window: int | None = None, block_size: int = 1024,
+                            allow_fused: bool = True):
     """Attention of T new tokens over a prefix state plus themselves.
 
     Args:
@@ -141,6 +184,8 @@ def prefix_causal_attention(q, k, v, *, prefix_k, prefix_v, q_start: int, prefix
             prefix_start .. prefix_start + S - 1, all before q_start. S may be 0.
         scale: softmax scale. window: sliding window W or None.
         block_size: prefix positions per block.
+        allow_fused: without autograd on CPU, use torch's fused flash kernel
+            (`fused_prefix_causal_attention`); False forces the blockwise torch path.
 
     Returns:
         [H, T, Dv] attention output, in q's dtype.
@@ -151,12 +196,13 @@ def prefix_causal_attention(q, k, v, *, prefix_k, prefix_v, q_start: int, prefix
     assert prefix_k.shape[0] == hkv and prefix_k.shape[2] == d, (prefix_k.shape, k.shape)
     assert prefix_start + prefix_k.shape[1] <= q_start, "prefix must end before the queries"
     g = h // hkv
+    if allow_fused and can_use_fused(q, k, v, prefix_k, window):
+        return fused_prefix_causal_attention(q, k, v, prefix_k=prefix_k, prefix_v=prefix_v, scale=scale)
     rows = q.reshape(hkv, g * t, d)  # (Hkv, M, D): head j*g+i -> kv head j
     k_pos = torch.arange(q_start, q_start + t, device=q.device)
     q_pos = k_pos.repeat(g)  # (M,)
     out, lse = causal_self_attention(rows, k, v, q_pos, k_pos, scale, window)
     if prefix_k.shape[1] > 0:
         out_p, lse_p = PrefixAttention.apply(rows, prefix_k, prefix_v, q_pos, prefix_start, scale, window, block_size)
-        lse_all = torch.logaddexp(lse, lse_p)
-        out = torch.exp(lse - lse_all)[..., None] * out + torch.exp(lse_p - lse_all)[..., None] * out_p
+        out = _merge(out_p, lse_p, out, lse)
     return out.to(q.dtype).reshape(h, t, -1)

@@ -1,0 +1,41 @@
+"""Tiny built-in models for the demo, benchmarks and docs: stock Hugging Face
+classes with random weights, built from configs in code (nothing is downloaded).
+
+`tiny_model("qwen3")` is a Qwen3-shaped dense model: 4 layers, hidden 256, 4 query
+heads over 2 KV heads of dim 32 (GQA), vocab 4096, 128K positions.
+"""
+
+from __future__ import annotations
+
+import torch
+
+TINY_CONFIGS = {
+    "qwen3": dict(vocab_size=4096, hidden_size=256, intermediate_size=768, num_hidden_layers=4,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=131072,
+                  tie_word_embeddings=False, attention_dropout=0.0),
+}
+
+
+def tiny_model(family: str = "qwen3", *, dtype: torch.dtype = torch.float32, seed: int = 0, **overrides):
+    """A stock HF causal LM of `family` with random weights, in eval mode."""
+    import transformers
+
+    if family not in TINY_CONFIGS:
+        raise ValueError(f"no tiny preset for {family!r}; have {sorted(TINY_CONFIGS)}")
+    config = transformers.AutoConfig.for_model(family, **{**TINY_CONFIGS[family], **overrides})
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    return model.to(dtype).eval()
+
+
+def random_group(vocab_size: int, prompt_tokens: int, group_size: int, response_tokens: int, *, seed: int = 0):
+    """A `Group` of random token ids with random rewards in [0, 1)."""
+    from .group import Group
+
+    g = torch.Generator().manual_seed(seed)
+    return Group(
+        prompt=torch.randint(0, vocab_size, (prompt_tokens,), generator=g),
+        responses=[torch.randint(0, vocab_size, (response_tokens,), generator=g) for _ in range(group_size)],
+        rewards=torch.rand(group_size, generator=g),
+    )
