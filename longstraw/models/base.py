@@ -19,10 +19,8 @@ def unwrap_causal_lm(model: nn.Module) -> nn.Module:
     """The Hugging Face `...ForCausalLM` inside `model` (PEFT wrappers are unwrapped;
     their injected LoRA layers stay in place and keep working)."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    if not hasattr(base, "config") or not hasattr(base, "model") or base.get_output_embeddings() is None:
-        raise UnsupportedModelError(
-            f"expected a Hugging Face ...ForCausalLM (with .model and an lm_head), got {type(base).__name__}"
-        )
+    if not hasattr(base, "config") or not hasattr(base.config, "model_type"):
+        raise UnsupportedModelError(f"expected a Hugging Face ...ForCausalLM, got {type(base).__name__}")
     return base
 
 
@@ -34,6 +32,10 @@ class Adapter:
     def __init__(self, model: nn.Module):
         self.model = model
         self.causal_lm = unwrap_causal_lm(model)
+        if not hasattr(self.causal_lm, "model") or self.causal_lm.get_output_embeddings() is None:
+            raise UnsupportedModelError(
+                f"expected a Hugging Face ...ForCausalLM with .model and an lm_head, got {type(self.causal_lm).__name__}"
+            )
         self.config = self.causal_lm.config
         self.backbone = self.causal_lm.model
         self.lm_head = self.causal_lm.get_output_embeddings()
