@@ -6,7 +6,13 @@
    autograd against the read-only state, computes that branch's share of the group
    loss, calls backward, and frees the graph before the next branch. Peak memory is
    parameters + grads + state + one branch's graph, independent of G.
-3. `step` only accumulates `.grad`, exactly as `loss.backward()` would; the caller
+3. Exact mode (`ExecConfig(mode="exact")`): replay also sums dLoss/dState over the
+   branches into buffers the state owns. Then the capture chunks are walked in
+   reverse: each is recomputed with autograd from the state of earlier chunks, and
+   its accumulated state gradient is pushed through it. That adds its parameter
+   gradients and the gradients of earlier chunks' state. The result is the
+   full-sequence gradient at state-sized memory (see docs/exact.md).
+4. `step` only accumulates `.grad`, exactly as `loss.backward()` would; the caller
    steps the optimizer.
 
 The engine knows no architecture: everything model-specific is in `models/`.
@@ -49,8 +55,6 @@ class Engine:
         config = ExecConfig() if config is None else config
         if not isinstance(config, ExecConfig):
             raise ConfigError(f"config must be a longstraw.ExecConfig, got {type(config).__name__}")
-        if config.mode == "exact":
-            raise ConfigError("ExecConfig(mode='exact') is not implemented yet; use mode='detached'")
         self.model = model
         self.config = config
         self.adapter = adapter_for(model)
@@ -88,17 +92,44 @@ class Engine:
     # ------------------------------------------------------------------------
     # the phases
 
-    def capture(self, prompt: torch.Tensor) -> PromptState:
-        """Run prompt[:-1] ([P-1] tokens) in chunks under no_grad; return its state."""
+    def _chunk_starts(self, prompt: torch.Tensor) -> range:
+        return range(0, prompt.shape[0] - 1, self.config.chunk_size)
+
+    def capture(self, prompt: torch.Tensor, *, exact: bool = False) -> PromptState:
+        """Run prompt[:-1] ([P-1] tokens) in chunks under no_grad; return its state.
+        With `exact`, the state also gets zeroed gradient buffers for replay to fill."""
         ids = prompt[:-1].to(self.adapter.device)
-        state = self.adapter.new_state(ids.shape[0])
-        size = self.config.chunk_size
-        starts = range(0, ids.shape[0], size)
+        state = self.adapter.new_state(ids.shape[0], exact=exact)
+        size, starts = self.config.chunk_size, self._chunk_starts(prompt)
         with torch.no_grad():
             for s in _progress(starts, enabled=self.config.progress, desc="capture", total=len(starts)):
-                self.adapter.run(ids[s : s + size], s, state, append=True,
+                self.adapter.run(ids[s : s + size], s, state, phase="capture",
                                  block_size=self.config.attention_block_size)
+        if exact:
+            state.enable_grad_buffers()
         return state
+
+    def reverse_walk(self, state: PromptState, prompt: torch.Tensor) -> None:
+        """Exact mode: push the accumulated state gradients back through the prompt.
+
+        Chunks are recomputed last to first, each with autograd from the state of
+        earlier chunks. The chunk's own state tensors are seeded with their
+        accumulated gradients (complete by now: later chunks and all branches are
+        done); backward adds parameter gradients and the gradients of earlier
+        chunks' state. One chunk's graph is alive at a time.
+        """
+        ids = prompt[:-1].to(self.adapter.device)
+        size, starts = self.config.chunk_size, self._chunk_starts(prompt)
+        for s in _progress(reversed(starts), enabled=self.config.progress, desc="reverse", total=len(starts)):
+            state.seeds = []
+            with torch.enable_grad():
+                self.adapter.run(ids[s : s + size], s, state, phase="recompute",
+                                 block_size=self.config.attention_block_size)
+            seeds = [(t, g) for t, g in state.seeds if t.requires_grad]
+            state.seeds = []
+            if seeds:
+                torch.autograd.backward([t for t, _ in seeds], [g for _, g in seeds])
+            del seeds
 
     def branch_logprobs(self, state: PromptState, prompt: torch.Tensor, response: torch.Tensor,
                         temperature: float = 1.0) -> torch.Tensor:
@@ -106,7 +137,7 @@ class Engine:
         Builds a graph when grad is enabled; the state is only read."""
         device = self.adapter.device
         inputs = torch.cat([prompt[-1:], response[:-1]]).to(device)  # (R,)
-        hidden = self.adapter.run(inputs, prompt.shape[0] - 1, state, append=False,
+        hidden = self.adapter.run(inputs, prompt.shape[0] - 1, state, phase="replay",
                                   block_size=self.config.attention_block_size)
         return token_logprobs(self.adapter.lm_head, hidden, response.to(device), temperature=temperature,
                               chunk_size=self.config.logits_chunk_size)
@@ -162,10 +193,12 @@ class Engine:
         }
         if equal and grpo.beta == 0:
             # Zero advantage and no KL term: the loss and its gradient are exactly 0.
-            metrics.update(skipped_zero_advantage=1.0, state_bytes=0.0, time_capture_s=0.0, time_replay_s=0.0)
+            metrics.update(skipped_zero_advantage=1.0, state_bytes=0.0, state_grad_bytes=0.0, time_capture_s=0.0,
+                           time_replay_s=0.0, time_reverse_s=0.0, time_total_s=0.0)
             return StepResult(loss=0.0, metrics=metrics)
 
-        state = self.capture(group.prompt)
+        exact = self.config.mode == "exact"
+        state = self.capture(group.prompt, exact=exact)
         t1 = time.perf_counter()
         loss_total, n_tok, ratio_sum, clip_sum, kl_sum = 0.0, 0, 0.0, 0.0, 0.0
         branches = list(enumerate(group.responses))
@@ -183,11 +216,16 @@ class Engine:
             clip_sum += float(stats["clipped"].sum())
             kl_sum += float(stats["kl"].sum()) if "kl" in stats else 0.0
         t2 = time.perf_counter()
+        if exact:
+            self.reverse_walk(state, group.prompt)
+        t3 = time.perf_counter()
         metrics.update(
             state_bytes=float(state.nbytes()),
+            state_grad_bytes=float(state.grad_nbytes()),
             time_capture_s=t1 - t0,
             time_replay_s=t2 - t1,
-            time_total_s=t2 - t0,
+            time_reverse_s=t3 - t2,
+            time_total_s=t3 - t0,
             ratio_mean=ratio_sum / n_tok,
             clip_fraction=clip_sum / n_tok,
         )

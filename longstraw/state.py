@@ -29,6 +29,10 @@ class AttentionKV:
         start: absolute position of index 0.
         length: positions filled (index `length` is the next to write).
         window: sliding window W of the layer, or None for full attention.
+        trim: drop positions no later query can see (windowed layers, detached mode).
+            Exact mode keeps them: the reverse walk recomputes every chunk.
+        k_grad, v_grad: exact mode only: dLoss/dk, dLoss/dv, same shapes as k, v,
+            summed over branches and later chunks.
     """
 
     k: torch.Tensor
@@ -36,25 +40,48 @@ class AttentionKV:
     start: int = 0
     length: int = 0
     window: int | None = None
+    trim: bool = True
+    k_grad: torch.Tensor | None = None
+    v_grad: torch.Tensor | None = None
 
     @classmethod
     def empty(cls, *, kv_heads: int, head_dim: int, v_head_dim: int, capacity: int,
-              window: int | None, dtype: torch.dtype, device) -> "AttentionKV":
-        """Allocate the state for `capacity` prompt positions (full) or none yet (window)."""
-        if window is not None:
+              window: int | None, dtype: torch.dtype, device, trim: bool = True) -> "AttentionKV":
+        """Allocate the state for `capacity` prompt positions (full) or none yet (trimmed window)."""
+        trim = trim and window is not None
+        if trim:
             capacity = 0  # grows by chunk, trimmed to window - 1 after each append
         k = torch.empty(kv_heads, capacity, head_dim, dtype=dtype, device=device)
         v = torch.empty(kv_heads, capacity, v_head_dim, dtype=dtype, device=device)
-        return cls(k=k, v=v, window=window)
+        return cls(k=k, v=v, window=window, trim=trim)
 
     @property
     def end(self) -> int:
         """Absolute position one past the last one held."""
         return self.start + self.length
 
-    def keys(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Read-only views (k [Hkv, length, D], v [Hkv, length, Dv]) of the filled part."""
-        return self.k[:, : self.length], self.v[:, : self.length]
+    def keys(self, until: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """Read-only views (k [Hkv, n, D], v [Hkv, n, Dv]) of the positions held
+        before absolute position `until` (default: all filled positions)."""
+        n = self.length if until is None else max(0, min(self.length, until - self.start))
+        return self.k[:, :n], self.v[:, :n]
+
+    def grads(self, until: int | None = None):
+        """Views of (k_grad, v_grad) matching `keys(until)`, or None outside exact mode."""
+        if self.k_grad is None:
+            return None
+        n = self.keys(until)[0].shape[1]
+        return self.k_grad[:, :n], self.v_grad[:, :n]
+
+    def grad_slice(self, start: int, end: int):
+        """(k_grad, v_grad) for absolute positions [start, end): the seeds of a chunk."""
+        a, b = start - self.start, end - self.start
+        return self.k_grad[:, a:b], self.v_grad[:, a:b]
+
+    def enable_grad_buffers(self) -> None:
+        """Exact mode: allocate zeroed dLoss/dk, dLoss/dv buffers for the held positions."""
+        self.k_grad = torch.zeros_like(self.k[:, : self.length])
+        self.v_grad = torch.zeros_like(self.v[:, : self.length])
 
     @torch.no_grad()
     def append(self, k_new: torch.Tensor, v_new: torch.Tensor) -> None:
@@ -62,7 +89,7 @@ class AttentionKV:
         assert k_new.shape[0] == self.k.shape[0] and k_new.shape[2] == self.k.shape[2], (k_new.shape, self.k.shape)
         assert v_new.shape[:2] == k_new.shape[:2] and v_new.shape[2] == self.v.shape[2], (v_new.shape, self.v.shape)
         t = k_new.shape[1]
-        if self.window is None:
+        if not self.trim:
             assert self.length + t <= self.k.shape[1], "AttentionKV overflow: capacity is P - 1"
             self.k[:, self.length : self.length + t] = k_new
             self.v[:, self.length : self.length + t] = v_new
@@ -77,8 +104,14 @@ class AttentionKV:
         self.length = self.k.shape[1]
 
     def nbytes(self) -> int:
-        """Bytes held (filled part for windowed layers, full capacity otherwise)."""
+        """Bytes of K/V held (filled part for trimmed windowed layers, full capacity otherwise)."""
         return self.k.numel() * self.k.element_size() + self.v.numel() * self.v.element_size()
+
+    def grad_nbytes(self) -> int:
+        """Bytes of the exact-mode gradient buffers (0 in detached mode)."""
+        if self.k_grad is None:
+            return 0
+        return self.k_grad.numel() * self.k_grad.element_size() + self.v_grad.numel() * self.v_grad.element_size()
 
 
 @dataclass
@@ -88,10 +121,21 @@ class PromptState:
     Fields:
         layers: per-layer state objects, indexed by layer index.
         length: prompt positions captured (P - 1).
+        seeds: exact mode's reverse walk: (tensor with graph, its accumulated
+            gradient) pairs recorded while recomputing one chunk.
     """
 
     layers: list = field(default_factory=list)
     length: int = 0
+    seeds: list = field(default_factory=list)
 
     def nbytes(self) -> int:
         return sum(s.nbytes() for s in self.layers if s is not None)
+
+    def grad_nbytes(self) -> int:
+        return sum(s.grad_nbytes() for s in self.layers if s is not None)
+
+    def enable_grad_buffers(self) -> None:
+        for s in self.layers:
+            if s is not None:
+                s.enable_grad_buffers()

@@ -132,3 +132,27 @@ def assert_grads_close(got: dict, want: dict, rel: float = 1e-9):
 def assert_loss_close(got: float, want: float, rel: float = 1e-9):
     """Relative, with an absolute floor for losses that are ~0 (on-policy, zero-mean advantages)."""
     assert abs(got - want) <= rel * abs(want) + 1e-13, (got, want)
+
+
+def _float64_rms_norm(self, hidden_states):
+    variance = hidden_states.pow(2).mean(-1, keepdim=True)
+    return self.weight * (hidden_states * torch.rsqrt(variance + self.variance_epsilon))
+
+
+def float64_norms(model):
+    """Make the model's RMSNorms compute in the input dtype instead of float32.
+
+    Stock HF RMSNorm casts to float32 and back, so in a float64 model every gradient
+    that crosses a norm is rounded to float32. The detached reference is unaffected
+    (both sides round identically), but exact mode sums a prompt token's gradient over
+    branches *before* that rounding while per-branch autograd rounds each branch's
+    share, so they can only agree to float32 precision (~1e-7). Patching the norm in
+    both the engine's and the reference's model (the same instance) keeps the
+    comparison at float64 precision. Only llama-style norms (weight * x_hat).
+    """
+    import types
+
+    for module in model.modules():
+        if type(module).__name__.endswith("RMSNorm") and hasattr(module, "variance_epsilon"):
+            module.forward = types.MethodType(_float64_rms_norm, module)
+    return model

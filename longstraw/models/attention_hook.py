@@ -8,7 +8,13 @@ register one function, "longstraw", and switch a model to it only inside
 PEFT wrappers on them keep working untouched.
 
 Inside the function, the current `AttentionCall` says which prompt state to read and
-whether to append the new K/V to it (capture) or only read it (replay).
+what to do with the new tokens' K/V:
+
+    capture    append them to the state (under no_grad)
+    replay     only read the state; in exact mode, backward adds dLoss/dState into
+               the state's gradient buffers
+    recompute  exact mode's reverse walk: attend to the state before `start`, and
+               record (new K/V with graph, their accumulated gradient) as seeds
 """
 
 from __future__ import annotations
@@ -33,13 +39,13 @@ class AttentionCall:
     Fields:
         state: the prompt state; `state.layers[layer_idx]` is an `AttentionKV`.
         start: absolute position of the first token of this call.
-        append: capture (write the new K/V into the state) or replay (read only).
+        phase: "capture", "replay" or "recompute" (see the module docstring).
         block_size: prefix positions per attention block.
     """
 
     state: PromptState
     start: int
-    append: bool
+    phase: str
     block_size: int
 
 
@@ -62,15 +68,20 @@ def longstraw_attention(module, query, key, value, attention_mask, scaling=None,
         raise RuntimeError("attention dropout is not supported; put the model in eval mode")
     kv: AttentionKV = call.state.layers[module.layer_idx]
     assert kv.window == sliding_window, f"layer {module.layer_idx}: state window {kv.window} != module {sliding_window}"
-    assert kv.end == call.start or not call.append, (kv.end, call.start)
+    assert kv.end == call.start or call.phase != "capture", (kv.end, call.start)
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    prefix_k, prefix_v = kv.keys()
+    prefix_k, prefix_v = kv.keys(until=call.start)
     out = prefix_causal_attention(
         query[0], key[0], value[0], prefix_k=prefix_k, prefix_v=prefix_v, q_start=call.start,
         prefix_start=kv.start, scale=scale, window=sliding_window, block_size=call.block_size,
+        prefix_grad=kv.grads(until=call.start),
     )  # (H, T, Dv)
-    if call.append:
+    if call.phase == "capture":
         kv.append(key[0], value[0])
+    elif call.phase == "recompute":
+        end = call.start + key.shape[2]
+        k_seed, v_seed = kv.grad_slice(call.start, end)
+        call.state.seeds += [(key[0], k_seed.clone()), (value[0], v_seed.clone())]
     return out.transpose(0, 1)[None], None
 
 

@@ -81,16 +81,19 @@ class Adapter:
 
     # --- the work ------------------------------------------------------------
 
-    def new_state(self, prompt_positions: int) -> PromptState:
-        """Empty state for `prompt_positions` captured prompt tokens (P - 1)."""
+    def new_state(self, prompt_positions: int, *, exact: bool = False) -> PromptState:
+        """Empty state for `prompt_positions` captured prompt tokens (P - 1); `exact`
+        keeps everything the reverse walk needs to recompute each chunk."""
         raise NotImplementedError
 
-    def run(self, input_ids: torch.Tensor, start: int, state: PromptState, *, append: bool,
+    def run(self, input_ids: torch.Tensor, start: int, state: PromptState, *, phase: str,
             block_size: int) -> torch.Tensor:
         """Run tokens input_ids [T] at positions start .. start+T-1 against `state`.
 
-        append=True (capture): write their state, under no_grad by the caller.
-        append=False (replay): only read the state. Returns final hidden states [T, d]
-        (after the final norm), ready for the lm_head.
+        phase "capture": write their state (the caller holds no_grad).
+        phase "replay": only read the state.
+        phase "recompute": exact mode; read the state before `start` and record the
+        chunk's own state tensors with their accumulated gradients in `state.seeds`.
+        Returns final hidden states [T, d] (after the final norm), ready for the lm_head.
         """
         raise NotImplementedError

@@ -45,13 +45,17 @@ class PrefixAttention(torch.autograd.Function):
     """(o_p, lse_p) of query rows over a prefix of keys, blockwise, with recompute.
 
     forward(q [Hkv, M, D], k [Hkv, S, D], v [Hkv, S, Dv], q_pos [M], k_start, scale,
-    window, block_size) -> (o [Hkv, M, Dv], lse [Hkv, M]), both in the accumulation
-    dtype. Rows that see no prefix key get o = 0, lse = -inf.
-    Gradients flow to q always, and to k / v only when they require grad (exact mode).
+    window, block_size, sink) -> (o [Hkv, M, Dv], lse [Hkv, M]), both in the
+    accumulation dtype. Rows that see no prefix key get o = 0, lse = -inf.
+
+    Gradients flow to q always; to k / v when they require grad; and, when `sink` is
+    a pair of buffers (dk [Hkv, S, D], dv [Hkv, S, Dv]), dLoss/dk and dLoss/dv are
+    added into them in place, block by block (exact mode: the state owns its
+    gradient, summed over branches, never a second full-size temporary).
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, q_pos, k_start, scale, window, block_size):
+    def forward(ctx, q, k, v, q_pos, k_start, scale, window, block_size, sink=None):
         acc = accumulation_dtype(q.dtype)
         qa = q.to(acc)
         hkv, m_rows, _ = q.shape
@@ -78,6 +82,7 @@ class PrefixAttention(torch.autograd.Function):
         ctx.save_for_backward(q, out, lse, q_pos)
         # The prefix is held by reference (it is the captured state), not saved.
         ctx.prefix = (k, v)
+        ctx.sink = sink
         ctx.k_start, ctx.scale, ctx.window, ctx.block_size = k_start, scale, window, block_size
         return out, lse
 
@@ -98,6 +103,7 @@ class PrefixAttention(torch.autograd.Function):
         # +inf where no key was visible, so exp(s - lse) is 0 there, never NaN.
         lse = torch.where(torch.isinf(lse), torch.full_like(lse, float("inf")), lse)
         need_dk, need_dv = ctx.needs_input_grad[1], ctx.needs_input_grad[2]
+        sink = ctx.sink
         dq = torch.zeros_like(qa)
         dk = torch.zeros(k.shape, dtype=k.dtype, device=k.device) if need_dk else None
         dv = torch.zeros(v.shape, dtype=v.dtype, device=v.device) if need_dv else None
@@ -112,11 +118,17 @@ class PrefixAttention(torch.autograd.Function):
             dprobs = torch.matmul(grad_out, vb.transpose(1, 2))
             dscores = probs * (dprobs - delta[..., None])  # (Hkv, M, B)
             dq += torch.matmul(dscores, kb) * scale
-            if need_dk:
-                dk[:, b0:b1] = (torch.matmul(dscores.transpose(1, 2), qa) * scale).to(k.dtype)
-            if need_dv:
-                dv[:, b0:b1] = torch.matmul(probs.transpose(1, 2), grad_out).to(v.dtype)
-        return dq.to(q.dtype), dk, dv, None, None, None, None, None
+            if need_dk or sink is not None:
+                dk_block = torch.matmul(dscores.transpose(1, 2), qa) * scale  # (Hkv, B, D)
+                dv_block = torch.matmul(probs.transpose(1, 2), grad_out)  # (Hkv, B, Dv)
+                if sink is not None:
+                    sink[0][:, b0:b1] += dk_block.to(sink[0].dtype)
+                    sink[1][:, b0:b1] += dv_block.to(sink[1].dtype)
+                if need_dk:
+                    dk[:, b0:b1] = dk_block.to(k.dtype)
+                if need_dv:
+                    dv[:, b0:b1] = dv_block.to(v.dtype)
+        return dq.to(q.dtype), dk, dv, None, None, None, None, None, None
 
 
 def causal_self_attention(q, k, v, q_pos, k_pos, scale, window):
@@ -174,7 +186,7 @@ def can_use_fused(q, k, v, prefix_k, window) -> bool:
 
 def prefix_causal_attention(q, k, v, *, prefix_k, prefix_v, q_start: int, prefix_start: int,
                             scale: float, window: int | None = None, block_size: int = 1024,
-                            allow_fused: bool = True):
+                            allow_fused: bool = True, prefix_grad=None):
     """Attention of T new tokens over a prefix state plus themselves.
 
     Args:
@@ -186,6 +198,8 @@ def prefix_causal_attention(q, k, v, *, prefix_k, prefix_v, q_start: int, prefix
         block_size: prefix positions per block.
         allow_fused: without autograd on CPU, use torch's fused flash kernel
             (`fused_prefix_causal_attention`); False forces the blockwise torch path.
+        prefix_grad: optional (dk [Hkv, S, D], dv [Hkv, S, Dv]) buffers that the
+            backward adds dLoss/d(prefix_k, prefix_v) into (exact mode).
 
     Returns:
         [H, T, Dv] attention output, in q's dtype.
@@ -196,13 +210,14 @@ def prefix_causal_attention(q, k, v, *, prefix_k, prefix_v, q_start: int, prefix
     assert prefix_k.shape[0] == hkv and prefix_k.shape[2] == d, (prefix_k.shape, k.shape)
     assert prefix_start + prefix_k.shape[1] <= q_start, "prefix must end before the queries"
     g = h // hkv
-    if allow_fused and can_use_fused(q, k, v, prefix_k, window):
+    if allow_fused and prefix_grad is None and can_use_fused(q, k, v, prefix_k, window):
         return fused_prefix_causal_attention(q, k, v, prefix_k=prefix_k, prefix_v=prefix_v, scale=scale)
     rows = q.reshape(hkv, g * t, d)  # (Hkv, M, D): head j*g+i -> kv head j
     k_pos = torch.arange(q_start, q_start + t, device=q.device)
     q_pos = k_pos.repeat(g)  # (M,)
     out, lse = causal_self_attention(rows, k, v, q_pos, k_pos, scale, window)
     if prefix_k.shape[1] > 0:
-        out_p, lse_p = PrefixAttention.apply(rows, prefix_k, prefix_v, q_pos, prefix_start, scale, window, block_size)
+        out_p, lse_p = PrefixAttention.apply(rows, prefix_k, prefix_v, q_pos, prefix_start, scale, window, block_size,
+                                             prefix_grad)
         out = _merge(out_p, lse_p, out, lse)
     return out.to(q.dtype).reshape(h, t, -1)

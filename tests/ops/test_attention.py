@@ -86,3 +86,23 @@ def test_fused_forward_path_matches_blockwise_torch_path(s):
         fused = prefix_causal_attention(q, k, v, **kw)
         plain = prefix_causal_attention(q, k, v, allow_fused=False, **kw)
     torch.testing.assert_close(fused, plain, rtol=1e-12, atol=1e-12)
+
+
+def test_gradient_sink_accumulates_state_gradient_over_calls():
+    """Exact mode: two branches' dLoss/dState are summed into buffers the state owns."""
+    q, k, v, pk, pv, dout = _inputs(4, 2, 5, 11, 8, 8)
+    sink = (torch.zeros_like(pk), torch.zeros_like(pv))
+    want_k, want_v = torch.zeros_like(pk), torch.zeros_like(pv)
+    for seed in (1, 2):
+        q2, k2, v2, _, _, d2 = _inputs(4, 2, 5, 11, 8, 8, seed=seed)
+        out = prefix_causal_attention(q2, k2, v2, prefix_k=pk, prefix_v=pv, q_start=11, prefix_start=0, scale=0.3,
+                                      block_size=4, prefix_grad=sink)
+        (out * d2).sum().backward()
+        pk_, pv_ = pk.clone().requires_grad_(), pv.clone().requires_grad_()
+        ref = _naive(q2, k2, v2, pk_, pv_, 11, 0, 0.3, None)
+        gk, gv = torch.autograd.grad(ref, (pk_, pv_), d2)
+        want_k += gk
+        want_v += gv
+    torch.testing.assert_close(sink[0], want_k, rtol=1e-11, atol=1e-11)
+    torch.testing.assert_close(sink[1], want_v, rtol=1e-11, atol=1e-11)
+    assert not pk.requires_grad and pk.grad is None
