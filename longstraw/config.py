@@ -35,6 +35,11 @@ class ExecConfig:
     """"detached": the prompt state is a constant (the paper's gradient).
     "exact": also push gradients through the prompt (the full-sequence gradient)."""
 
+    branch_chunk_size: int | None = None
+    """Replay each branch in pieces of this many tokens, walked back last to first
+    (the paper's 4 x 2048 for an 8K response). None: one piece. It bounds a branch's
+    peak by one piece instead of R, and changes nothing in the result."""
+
     attention_block_size: int = 1024
     """Prompt positions per block in the blockwise attention over the captured
     state. Working memory per layer is O(queries x block), never O(queries x P)."""
@@ -53,6 +58,7 @@ class ExecConfig:
     def __post_init__(self):
         _positive_int("ExecConfig.chunk_size", self.chunk_size)
         _positive_int("ExecConfig.attention_block_size", self.attention_block_size)
+        _positive_int("ExecConfig.branch_chunk_size", self.branch_chunk_size, allow_none=True)
         _positive_int("ExecConfig.logits_chunk_size", self.logits_chunk_size)
         if self.mode not in MODES:
             raise ConfigError(f"ExecConfig.mode must be one of {MODES}, got {self.mode!r}")

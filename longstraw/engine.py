@@ -42,6 +42,26 @@ def _progress(iterable, *, enabled: bool, desc: str, total: int):
     return tqdm(iterable, desc=desc, total=total, leave=False)
 
 
+class _BranchStats:
+    """Running sums of the per-token statistics over all branches and pieces."""
+
+    def __init__(self):
+        self.loss, self.tokens, self.ratio, self.clipped, self.kl = 0.0, 0, 0.0, 0.0, 0.0
+
+    def add(self, loss: torch.Tensor, tok_stats: dict) -> None:
+        self.loss += float(loss.detach())
+        self.tokens += tok_stats["ratio"].numel()
+        self.ratio += float(tok_stats["ratio"].sum())
+        self.clipped += float(tok_stats["clipped"].sum())
+        self.kl += float(tok_stats["kl"].sum()) if "kl" in tok_stats else 0.0
+
+    def summary(self, with_kl: bool) -> dict:
+        out = {"ratio_mean": self.ratio / self.tokens, "clip_fraction": self.clipped / self.tokens}
+        if with_kl:
+            out["kl_mean"] = self.kl / self.tokens
+        return out
+
+
 class Engine:
     """Runs GRPO updates for one long shared prompt at a time.
 
@@ -92,54 +112,85 @@ class Engine:
     # ------------------------------------------------------------------------
     # the phases
 
-    def _chunk_starts(self, prompt: torch.Tensor) -> range:
-        return range(0, prompt.shape[0] - 1, self.config.chunk_size)
+    def _capture_chunks(self, ids: torch.Tensor, start: int, states: list[PromptState], size: int,
+                        desc: str) -> None:
+        """Run ids [T] at positions start.. in chunks of `size` under no_grad,
+        appending their state to states[-1]."""
+        starts = range(0, ids.shape[0], size)
+        with torch.no_grad():
+            for a in _progress(starts, enabled=self.config.progress, desc=desc, total=len(starts)):
+                piece = ids[a : a + size]
+                self.adapter.run(piece, start + a, states, phase="capture", block_size=self.config.attention_block_size)
+                states[-1].length += piece.shape[0]
 
     def capture(self, prompt: torch.Tensor, *, exact: bool = False) -> PromptState:
         """Run prompt[:-1] ([P-1] tokens) in chunks under no_grad; return its state.
         With `exact`, the state also gets zeroed gradient buffers for replay to fill."""
         ids = prompt[:-1].to(self.adapter.device)
         state = self.adapter.new_state(ids.shape[0], exact=exact)
-        size, starts = self.config.chunk_size, self._chunk_starts(prompt)
-        with torch.no_grad():
-            for s in _progress(starts, enabled=self.config.progress, desc="capture", total=len(starts)):
-                self.adapter.run(ids[s : s + size], s, state, phase="capture",
-                                 block_size=self.config.attention_block_size)
+        self._capture_chunks(ids, 0, [state], self.config.chunk_size, "capture")
         if exact:
             state.enable_grad_buffers()
         return state
 
-    def reverse_walk(self, state: PromptState, prompt: torch.Tensor) -> None:
-        """Exact mode: push the accumulated state gradients back through the prompt.
+    def walk_back(self, ids: torch.Tensor, start: int, states: list[PromptState], size: int, *,
+                  piece_loss=None, desc: str = "reverse") -> None:
+        """Recompute the chunks of ids [T] (positions start..) last to first, with
+        autograd, and backpropagate through each before the next.
 
-        Chunks are recomputed last to first, each with autograd from the state of
-        earlier chunks. The chunk's own state tensors are seeded with their
-        accumulated gradients (complete by now: later chunks and all branches are
-        done); backward adds parameter gradients and the gradients of earlier
-        chunks' state. One chunk's graph is alive at a time.
+        states[-1] holds the state these chunks wrote at capture, with gradient
+        buffers. Each chunk's own state tensors are seeded with their accumulated
+        gradients, complete by then (everything later has been walked); backward
+        adds parameter gradients and the gradients of the state before the chunk.
+        `piece_loss(hidden [n, d], a, b)`, if given, is the loss of tokens [a, b)
+        and joins the same backward. One chunk's graph is alive at a time.
         """
-        ids = prompt[:-1].to(self.adapter.device)
-        size, starts = self.config.chunk_size, self._chunk_starts(prompt)
-        for s in _progress(reversed(starts), enabled=self.config.progress, desc="reverse", total=len(starts)):
-            state.seeds = []
+        starts = range(0, ids.shape[0], size)
+        for a in _progress(reversed(starts), enabled=self.config.progress and len(starts) > 1, desc=desc,
+                           total=len(starts)):
+            b = min(ids.shape[0], a + size)
+            states[-1].seeds = []
             with torch.enable_grad():
-                self.adapter.run(ids[s : s + size], s, state, phase="recompute",
-                                 block_size=self.config.attention_block_size)
-            seeds = [(t, g) for t, g in state.seeds if t.requires_grad]
-            state.seeds = []
-            if seeds:
-                torch.autograd.backward([t for t, _ in seeds], [g for _, g in seeds])
-            del seeds
+                hidden = self.adapter.run(ids[a:b], start + a, states, phase="recompute",
+                                          block_size=self.config.attention_block_size)
+                roots = [(t, g) for t, g in states[-1].seeds if t.requires_grad]
+                if piece_loss is not None:
+                    loss = piece_loss(hidden, a, b)
+                    roots.append((loss, torch.ones_like(loss)))
+            states[-1].seeds = []
+            if roots:
+                torch.autograd.backward([t for t, _ in roots], [g for _, g in roots])
+            del roots, hidden
+
+    def replay_branch(self, state: PromptState, prompt: torch.Tensor, response: torch.Tensor, piece_loss) -> None:
+        """Backpropagate one branch's loss against the read-only prompt state.
+
+        The branch `[prompt[-1]] + response[:-1]` runs at positions P-1.. in pieces
+        of `branch_chunk_size` (default: one piece): earlier pieces are captured
+        under no_grad into a branch state, then walked back last to first, so the
+        branch's peak is set by one piece, not by R.
+        """
+        inputs = torch.cat([prompt[-1:], response[:-1]]).to(self.adapter.device)  # (R,)
+        start, size = prompt.shape[0] - 1, self.config.branch_chunk_size or inputs.shape[0]
+        held = (inputs.shape[0] - 1) // size * size  # tokens of every piece but the last
+        branch = self.adapter.new_state(held, start=start, exact=True)
+        self._capture_chunks(inputs[:held], start, [state, branch], size, "pieces")
+        branch.enable_grad_buffers()
+        self.walk_back(inputs, start, [state, branch], size, piece_loss=piece_loss, desc="pieces")
 
     def branch_logprobs(self, state: PromptState, prompt: torch.Tensor, response: torch.Tensor,
                         temperature: float = 1.0) -> torch.Tensor:
-        """Per-token log-probs [R] of one response, replayed against `state`.
-        Builds a graph when grad is enabled; the state is only read."""
+        """Per-token log-probs [R] of one response against `state`, in one piece
+        (used by `score`, without grad; the state is only read)."""
         device = self.adapter.device
         inputs = torch.cat([prompt[-1:], response[:-1]]).to(device)  # (R,)
-        hidden = self.adapter.run(inputs, prompt.shape[0] - 1, state, phase="replay",
+        hidden = self.adapter.run(inputs, prompt.shape[0] - 1, [state], phase="replay",
                                   block_size=self.config.attention_block_size)
-        return token_logprobs(self.adapter.lm_head, hidden, response.to(device), temperature=temperature,
+        return self.logprobs(hidden, response.to(device), temperature)
+
+    def logprobs(self, hidden: torch.Tensor, targets: torch.Tensor, temperature: float) -> torch.Tensor:
+        """Chunked lm_head + log-softmax: hidden [n, d], targets [n] -> [n]."""
+        return token_logprobs(self.adapter.lm_head, hidden, targets, temperature=temperature,
                               chunk_size=self.config.logits_chunk_size)
 
     # ------------------------------------------------------------------------
@@ -200,24 +251,25 @@ class Engine:
         exact = self.config.mode == "exact"
         state = self.capture(group.prompt, exact=exact)
         t1 = time.perf_counter()
-        loss_total, n_tok, ratio_sum, clip_sum, kl_sum = 0.0, 0, 0.0, 0.0, 0.0
+        stats = _BranchStats()
         branches = list(enumerate(group.responses))
         for i, response in _progress(branches, enabled=self.config.progress, desc="replay", total=len(branches)):
-            logp = self.branch_logprobs(state, group.prompt, response, grpo.temperature)  # (R,)
-            old = logp.detach() if group.old_logprobs is None else group.old_logprobs[i].to(logp)
-            ref = group.ref_logprobs[i].to(logp) if grpo.beta > 0 else None
-            per_tok, stats = G.per_token_loss(logp, old, float(adv[i]), grpo, ref)
-            loss = per_tok.sum() * G.branch_weight(grpo, totals, response.numel())
-            loss.backward()
-            del logp, per_tok  # free this branch's graph before the next one
-            loss_total += float(loss.detach())
-            n_tok += response.numel()
-            ratio_sum += float(stats["ratio"].sum())
-            clip_sum += float(stats["clipped"].sum())
-            kl_sum += float(stats["kl"].sum()) if "kl" in stats else 0.0
+            weight = G.branch_weight(grpo, totals, response.numel())
+            target = response.to(self.adapter.device)
+
+            def piece_loss(hidden, a, b, i=i, weight=weight, target=target):
+                logp = self.logprobs(hidden, target[a:b], grpo.temperature)  # (b - a,)
+                old = logp.detach() if group.old_logprobs is None else group.old_logprobs[i][a:b].to(logp)
+                ref = group.ref_logprobs[i][a:b].to(logp) if grpo.beta > 0 else None
+                per_tok, tok_stats = G.per_token_loss(logp, old, float(adv[i]), grpo, ref)
+                loss = per_tok.sum() * weight
+                stats.add(loss, tok_stats)
+                return loss
+
+            self.replay_branch(state, group.prompt, response, piece_loss)
         t2 = time.perf_counter()
         if exact:
-            self.reverse_walk(state, group.prompt)
+            self.walk_back(group.prompt[:-1].to(self.adapter.device), 0, [state], self.config.chunk_size)
         t3 = time.perf_counter()
         metrics.update(
             state_bytes=float(state.nbytes()),
@@ -226,9 +278,6 @@ class Engine:
             time_replay_s=t2 - t1,
             time_reverse_s=t3 - t2,
             time_total_s=t3 - t0,
-            ratio_mean=ratio_sum / n_tok,
-            clip_fraction=clip_sum / n_tok,
+            **stats.summary(with_kl=grpo.beta > 0),
         )
-        if grpo.beta > 0:
-            metrics["kl_mean"] = kl_sum / n_tok
-        return StepResult(loss=loss_total, metrics=metrics)
+        return StepResult(loss=stats.loss, metrics=metrics)

@@ -15,6 +15,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .ops.attention import KVSegment
+
 
 @dataclass
 class AttentionKV:
@@ -45,7 +47,7 @@ class AttentionKV:
     v_grad: torch.Tensor | None = None
 
     @classmethod
-    def empty(cls, *, kv_heads: int, head_dim: int, v_head_dim: int, capacity: int,
+    def empty(cls, *, kv_heads: int, head_dim: int, v_head_dim: int, capacity: int, start: int = 0,
               window: int | None, dtype: torch.dtype, device, trim: bool = True) -> "AttentionKV":
         """Allocate the state for `capacity` prompt positions (full) or none yet (trimmed window)."""
         trim = trim and window is not None
@@ -53,7 +55,7 @@ class AttentionKV:
             capacity = 0  # grows by chunk, trimmed to window - 1 after each append
         k = torch.empty(kv_heads, capacity, head_dim, dtype=dtype, device=device)
         v = torch.empty(kv_heads, capacity, v_head_dim, dtype=dtype, device=device)
-        return cls(k=k, v=v, window=window, trim=trim)
+        return cls(k=k, v=v, start=start, window=window, trim=trim)
 
     @property
     def end(self) -> int:
@@ -66,12 +68,13 @@ class AttentionKV:
         n = self.length if until is None else max(0, min(self.length, until - self.start))
         return self.k[:, :n], self.v[:, :n]
 
-    def grads(self, until: int | None = None):
-        """Views of (k_grad, v_grad) matching `keys(until)`, or None outside exact mode."""
-        if self.k_grad is None:
-            return None
-        n = self.keys(until)[0].shape[1]
-        return self.k_grad[:, :n], self.v_grad[:, :n]
+    def segment(self, until: int | None = None) -> KVSegment:
+        """The held positions before `until` as a `KVSegment` (with its gradient
+        buffers when they exist), for the attention op to read."""
+        k, v = self.keys(until)
+        n = k.shape[1]
+        grad = None if self.k_grad is None else (self.k_grad[:, :n], self.v_grad[:, :n])
+        return KVSegment(k, v, self.start, grad)
 
     def grad_slice(self, start: int, end: int):
         """(k_grad, v_grad) for absolute positions [start, end): the seeds of a chunk."""
@@ -79,7 +82,8 @@ class AttentionKV:
         return self.k_grad[:, a:b], self.v_grad[:, a:b]
 
     def enable_grad_buffers(self) -> None:
-        """Exact mode: allocate zeroed dLoss/dk, dLoss/dv buffers for the held positions."""
+        """Allocate zeroed dLoss/dk, dLoss/dv buffers for the held positions (exact
+        mode's prompt state; the earlier pieces of a branch replayed in pieces)."""
         self.k_grad = torch.zeros_like(self.k[:, : self.length])
         self.v_grad = torch.zeros_like(self.v[:, : self.length])
 
@@ -90,7 +94,7 @@ class AttentionKV:
         assert v_new.shape[:2] == k_new.shape[:2] and v_new.shape[2] == self.v.shape[2], (v_new.shape, self.v.shape)
         t = k_new.shape[1]
         if not self.trim:
-            assert self.length + t <= self.k.shape[1], "AttentionKV overflow: capacity is P - 1"
+            assert self.length + t <= self.k.shape[1], "AttentionKV overflow: more positions than allocated"
             self.k[:, self.length : self.length + t] = k_new
             self.v[:, self.length : self.length + t] = v_new
             self.length += t
@@ -120,12 +124,15 @@ class PromptState:
 
     Fields:
         layers: per-layer state objects, indexed by layer index.
-        length: prompt positions captured (P - 1).
+        start: absolute position of its first token (0 for the prompt; P - 1 for
+            the earlier pieces of a branch replayed in pieces).
+        length: positions captured so far (P - 1 for a full prompt).
         seeds: exact mode's reverse walk: (tensor with graph, its accumulated
             gradient) pairs recorded while recomputing one chunk.
     """
 
     layers: list = field(default_factory=list)
+    start: int = 0
     length: int = 0
     seeds: list = field(default_factory=list)
 

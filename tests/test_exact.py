@@ -97,3 +97,29 @@ def test_exact_with_lora_only_lora_grads():
     _, want = _full_sequence_reference(model, group)
     assert_grads_close(got, want, 1e-9)
     assert all(("lora_" in n) == (g is not None) for n, g in got.items())
+
+
+@pytest.mark.parametrize("piece", [1, 3, 100])
+def test_branch_pieces_exact_mode(piece):
+    model = float64_norms(tiny_model("qwen3"))
+    group = random_group(97, 12, [7, 1, 5], seed=16)
+    _, got = _step(model, group, chunk_size=5, branch_chunk_size=piece)
+    _, want = _full_sequence_reference(model, group)
+    assert_grads_close(got, want, 1e-9)
+
+
+@pytest.mark.parametrize("family,overrides", [("llama", {}), ("mistral", dict(sliding_window=4))])
+@pytest.mark.parametrize("piece", [1, 4])
+def test_branch_pieces_detached_mode_equal_unchunked_replay(family, overrides, piece):
+    from tests.reference import hf_cached_logprobs
+
+    model = tiny_model(family, **overrides)
+    group = random_group(97, 11, [9, 2], seed=17)
+    model.zero_grad(set_to_none=True)
+    result = ls.Engine(model, ls.ExecConfig(chunk_size=4, branch_chunk_size=piece)).step(group, ls.GRPOConfig())
+    got = grads_of(model)
+    model.zero_grad(set_to_none=True)
+    loss = reference_grpo_loss([hf_cached_logprobs(model, group.prompt, r) for r in group.responses], group)
+    loss.backward()
+    assert_loss_close(result.loss, float(loss.detach()))
+    assert_grads_close(got, grads_of(model), 1e-9)

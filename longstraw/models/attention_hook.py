@@ -7,14 +7,15 @@ register one function, "longstraw", and switch a model to it only inside
 `routed(...)`. The model's own modules therefore do all the projections, and LoRA /
 PEFT wrappers on them keep working untouched.
 
-Inside the function, the current `AttentionCall` says which prompt state to read and
-what to do with the new tokens' K/V:
+Inside the function, the current `AttentionCall` names the stacked states to attend
+to (the prompt state; for a branch replayed in pieces, also the state of its earlier
+pieces) and what to do with the new tokens' K/V in the last of them:
 
-    capture    append them to the state (under no_grad)
-    replay     only read the state; in exact mode, backward adds dLoss/dState into
-               the state's gradient buffers
-    recompute  exact mode's reverse walk: attend to the state before `start`, and
-               record (new K/V with graph, their accumulated gradient) as seeds
+    capture    append them (under no_grad)
+    replay     only read; where a state has gradient buffers, backward adds
+               dLoss/dState into them
+    recompute  reverse walk: attend to what lies before `start`, and record (new K/V
+               with graph, their accumulated gradient) as seeds of the last state
 """
 
 from __future__ import annotations
@@ -37,13 +38,14 @@ class AttentionCall:
     """What the attention function needs to know about the tokens being run.
 
     Fields:
-        state: the prompt state; `state.layers[layer_idx]` is an `AttentionKV`.
+        states: stacked states, earliest first; `states[i].layers[layer_idx]` is an
+            `AttentionKV`. Capture and recompute act on the last one.
         start: absolute position of the first token of this call.
         phase: "capture", "replay" or "recompute" (see the module docstring).
         block_size: prefix positions per attention block.
     """
 
-    state: PromptState
+    states: list[PromptState]
     start: int
     phase: str
     block_size: int
@@ -66,22 +68,20 @@ def longstraw_attention(module, query, key, value, attention_mask, scaling=None,
         raise RuntimeError(f"longstraw runs one sequence at a time, got batch {query.shape[0]}")
     if dropout:
         raise RuntimeError("attention dropout is not supported; put the model in eval mode")
-    kv: AttentionKV = call.state.layers[module.layer_idx]
+    layers: list[AttentionKV] = [state.layers[module.layer_idx] for state in call.states]
+    kv = layers[-1]
     assert kv.window == sliding_window, f"layer {module.layer_idx}: state window {kv.window} != module {sliding_window}"
     assert kv.end == call.start or call.phase != "capture", (kv.end, call.start)
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    prefix_k, prefix_v = kv.keys(until=call.start)
     out = prefix_causal_attention(
-        query[0], key[0], value[0], prefix_k=prefix_k, prefix_v=prefix_v, q_start=call.start,
-        prefix_start=kv.start, scale=scale, window=sliding_window, block_size=call.block_size,
-        prefix_grad=kv.grads(until=call.start),
+        query[0], key[0], value[0], prefixes=[layer.segment(until=call.start) for layer in layers],
+        q_start=call.start, scale=scale, window=sliding_window, block_size=call.block_size,
     )  # (H, T, Dv)
     if call.phase == "capture":
         kv.append(key[0], value[0])
-    elif call.phase == "recompute":
-        end = call.start + key.shape[2]
-        k_seed, v_seed = kv.grad_slice(call.start, end)
-        call.state.seeds += [(key[0], k_seed.clone()), (value[0], v_seed.clone())]
+    elif call.phase == "recompute" and call.start + key.shape[2] <= kv.end:  # held: seed it
+        k_seed, v_seed = kv.grad_slice(call.start, call.start + key.shape[2])
+        call.states[-1].seeds += [(key[0], k_seed.clone()), (value[0], v_seed.clone())]
     return out.transpose(0, 1)[None], None
 
 

@@ -81,19 +81,21 @@ class Adapter:
 
     # --- the work ------------------------------------------------------------
 
-    def new_state(self, prompt_positions: int, *, exact: bool = False) -> PromptState:
-        """Empty state for `prompt_positions` captured prompt tokens (P - 1); `exact`
-        keeps everything the reverse walk needs to recompute each chunk."""
+    def new_state(self, positions: int, *, start: int = 0, exact: bool = False) -> PromptState:
+        """Empty state for `positions` tokens from absolute position `start` (the
+        prompt: P - 1 tokens from 0; a branch's pieces: from P - 1). `exact` keeps
+        everything a reverse walk needs to recompute each chunk."""
         raise NotImplementedError
 
-    def run(self, input_ids: torch.Tensor, start: int, state: PromptState, *, phase: str,
+    def run(self, input_ids: torch.Tensor, start: int, states: list[PromptState], *, phase: str,
             block_size: int) -> torch.Tensor:
-        """Run tokens input_ids [T] at positions start .. start+T-1 against `state`.
+        """Run tokens input_ids [T] at positions start .. start+T-1 against `states`
+        (stacked, earliest first: the prompt state, then any earlier branch pieces).
 
-        phase "capture": write their state (the caller holds no_grad).
-        phase "replay": only read the state.
-        phase "recompute": exact mode; read the state before `start` and record the
-        chunk's own state tensors with their accumulated gradients in `state.seeds`.
+        phase "capture": write their state into states[-1] (the caller holds no_grad).
+        phase "replay": only read the states.
+        phase "recompute": read what lies before `start` and record the chunk's own
+        state tensors with their accumulated gradients in `states[-1].seeds`.
         Returns final hidden states [T, d] (after the final norm), ready for the lm_head.
         """
         raise NotImplementedError

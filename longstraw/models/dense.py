@@ -37,21 +37,18 @@ class DenseAdapter(Adapter):
         kv_heads = self.config.num_key_value_heads
         return kv_heads, head_dim
 
-    def new_state(self, prompt_positions: int, *, exact: bool = False) -> PromptState:
+    def new_state(self, positions: int, *, start: int = 0, exact: bool = False) -> PromptState:
         layers = []
         for layer in self.backbone.layers:
             attn = layer.self_attn
             kv_heads, head_dim = self.attention_geometry(attn)
             layers.append(AttentionKV.empty(
-                kv_heads=kv_heads, head_dim=head_dim, v_head_dim=head_dim, capacity=prompt_positions,
+                kv_heads=kv_heads, head_dim=head_dim, v_head_dim=head_dim, capacity=positions, start=start,
                 window=layer_window(self.config, attn), dtype=self.dtype, device=self.device, trim=not exact,
             ))
-        return PromptState(layers=layers)
+        return PromptState(layers=layers, start=start)
 
-    def run(self, input_ids: torch.Tensor, start: int, state: PromptState, *, phase: str,
+    def run(self, input_ids: torch.Tensor, start: int, states: list[PromptState], *, phase: str,
             block_size: int) -> torch.Tensor:
-        call = AttentionCall(state=state, start=start, phase=phase, block_size=block_size)
-        hidden = run_backbone(self.backbone, self.config, input_ids, call)
-        if phase == "capture":
-            state.length = start + input_ids.shape[0]
-        return hidden
+        call = AttentionCall(states=states, start=start, phase=phase, block_size=block_size)
+        return run_backbone(self.backbone, self.config, input_ids, call)

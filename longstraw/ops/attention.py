@@ -21,6 +21,8 @@ Arithmetic is float32 for half/float32 inputs and float64 for float64 inputs.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 
@@ -153,7 +155,23 @@ def _merge(out_a, lse_a, out_b, lse_b):
     return torch.exp(lse_a - lse)[..., None] * out_a + torch.exp(lse_b - lse)[..., None] * out_b
 
 
-def fused_prefix_causal_attention(q, k, v, *, prefix_k, prefix_v, scale: float):
+@dataclass
+class KVSegment:
+    """A run of earlier keys/values the new tokens attend to (read-only).
+
+    Fields:
+        k: [Hkv, S, D]; v: [Hkv, S, Dv] at absolute positions start .. start + S - 1.
+        grad: optional (dk, dv) buffers of the same shapes; backward adds
+            dLoss/dk, dLoss/dv into them (exact mode, and branch pieces).
+    """
+
+    k: torch.Tensor
+    v: torch.Tensor
+    start: int
+    grad: tuple | None = None
+
+
+def fused_prefix_causal_attention(q, k, v, *, prefixes: list[KVSegment], scale: float):
     """Forward-only fast path (capture, scoring) on CPU: torch's fused flash kernel,
     which tiles internally (O(rows) memory for any S) and returns the log-sum-exp.
 
@@ -168,38 +186,40 @@ def fused_prefix_causal_attention(q, k, v, *, prefix_k, prefix_v, scale: float):
     out, lse = flash(q[None], k.repeat_interleave(g, 0)[None], v.repeat_interleave(g, 0)[None], 0.0, True,
                      scale=scale)  # (1, H, T, Dv), (1, H, T)
     out, lse = out[0].reshape(hkv, g * t, -1), lse[0].reshape(hkv, g * t)
-    if prefix_k.shape[1] > 0:
+    for seg in prefixes:
+        if seg.k.shape[1] == 0:
+            continue
         # prefix part: no mask, so the g query heads of a kv head fold into rows
-        out_p, lse_p = flash(q.reshape(1, hkv, g * t, d), prefix_k[None], prefix_v[None], 0.0, False, scale=scale)
-        out = _merge(out_p[0].to(lse.dtype), lse_p[0], out, lse)
+        out_p, lse_p = flash(q.reshape(1, hkv, g * t, d), seg.k[None], seg.v[None], 0.0, False, scale=scale)
+        out_p, lse_p = out_p[0].to(lse.dtype), lse_p[0]
+        out, lse = _merge(out_p, lse_p, out, lse), torch.logaddexp(lse_p, lse)
     return out.to(q.dtype).reshape(h, t, -1)
 
 
-def can_use_fused(q, k, v, prefix_k, window) -> bool:
-    """The fused path needs: no autograd, no window, CPU, a dtype the kernel takes."""
+def can_use_fused(q, k, v, prefixes: list[KVSegment], window) -> bool:
+    """The fused path needs: no autograd, no gradient sinks, no window, CPU, a dtype the kernel takes."""
     if window is not None or q.device.type != "cpu" or _cpu_flash_attention() is None:
         return False
-    if torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v, prefix_k)):
+    if any(seg.grad is not None for seg in prefixes):
+        return False
+    if torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v, *(seg.k for seg in prefixes))):
         return False
     return q.dtype in (torch.float32, torch.float64, torch.bfloat16)
 
 
-def prefix_causal_attention(q, k, v, *, prefix_k, prefix_v, q_start: int, prefix_start: int,
-                            scale: float, window: int | None = None, block_size: int = 1024,
-                            allow_fused: bool = True, prefix_grad=None):
-    """Attention of T new tokens over a prefix state plus themselves.
+def prefix_causal_attention(q, k, v, *, prefixes: list[KVSegment], q_start: int, scale: float,
+                            window: int | None = None, block_size: int = 1024, allow_fused: bool = True):
+    """Attention of T new tokens over earlier state segments plus themselves.
 
     Args:
         q: [H, T, D] queries at absolute positions q_start .. q_start + T - 1.
         k, v: [Hkv, T, D] / [Hkv, T, Dv] keys and values of the same T tokens.
-        prefix_k, prefix_v: [Hkv, S, D] / [Hkv, S, Dv] state at positions
-            prefix_start .. prefix_start + S - 1, all before q_start. S may be 0.
+        prefixes: `KVSegment`s, all before q_start (the prompt state; in a branch
+            replayed in pieces, also the earlier pieces). Empty segments are skipped.
         scale: softmax scale. window: sliding window W or None.
         block_size: prefix positions per block.
         allow_fused: without autograd on CPU, use torch's fused flash kernel
             (`fused_prefix_causal_attention`); False forces the blockwise torch path.
-        prefix_grad: optional (dk [Hkv, S, D], dv [Hkv, S, Dv]) buffers that the
-            backward adds dLoss/d(prefix_k, prefix_v) into (exact mode).
 
     Returns:
         [H, T, Dv] attention output, in q's dtype.
@@ -207,17 +227,19 @@ def prefix_causal_attention(q, k, v, *, prefix_k, prefix_v, q_start: int, prefix
     h, t, d = q.shape
     hkv = k.shape[0]
     assert h % hkv == 0, f"query heads {h} not a multiple of kv heads {hkv}"
-    assert prefix_k.shape[0] == hkv and prefix_k.shape[2] == d, (prefix_k.shape, k.shape)
-    assert prefix_start + prefix_k.shape[1] <= q_start, "prefix must end before the queries"
+    for seg in prefixes:
+        assert seg.k.shape[0] == hkv and seg.k.shape[2] == d, (seg.k.shape, k.shape)
+        assert seg.start + seg.k.shape[1] <= q_start, "a prefix segment must end before the queries"
     g = h // hkv
-    if allow_fused and prefix_grad is None and can_use_fused(q, k, v, prefix_k, window):
-        return fused_prefix_causal_attention(q, k, v, prefix_k=prefix_k, prefix_v=prefix_v, scale=scale)
+    if allow_fused and can_use_fused(q, k, v, prefixes, window):
+        return fused_prefix_causal_attention(q, k, v, prefixes=prefixes, scale=scale)
     rows = q.reshape(hkv, g * t, d)  # (Hkv, M, D): head j*g+i -> kv head j
     k_pos = torch.arange(q_start, q_start + t, device=q.device)
     q_pos = k_pos.repeat(g)  # (M,)
     out, lse = causal_self_attention(rows, k, v, q_pos, k_pos, scale, window)
-    if prefix_k.shape[1] > 0:
-        out_p, lse_p = PrefixAttention.apply(rows, prefix_k, prefix_v, q_pos, prefix_start, scale, window, block_size,
-                                             prefix_grad)
-        out = _merge(out_p, lse_p, out, lse)
+    for seg in prefixes:
+        if seg.k.shape[1] == 0:
+            continue
+        out_p, lse_p = PrefixAttention.apply(rows, seg.k, seg.v, q_pos, seg.start, scale, window, block_size, seg.grad)
+        out, lse = _merge(out_p, lse_p, out, lse), torch.logaddexp(lse_p, lse)
     return out.to(q.dtype).reshape(h, t, -1)

@@ -34,3 +34,52 @@ def naive_token_logprobs(hidden, weight, targets, temperature=1.0, bias=None):
     if bias is not None:
         logits = logits + bias
     return torch.log_softmax(logits / temperature, dim=-1).gather(-1, targets[:, None])[:, 0]
+
+
+def naive_gated_delta_rule(q, k, v, g, beta, initial_state, use_qk_l2norm=True):
+    """Gated delta rule token by token, in the inputs' dtype.
+
+    q, k [T, Hk, Dk] (value head h reads q/k head h // (Hv // Hk)), v [T, Hv, Dv],
+    g, beta [T, Hv], initial_state [Hv, Dk, Dv] or None. q (and k) are L2-normalised
+    with eps 1e-6 inside the sqrt when use_qk_l2norm, then q is scaled by Dk^-1/2.
+    Returns (out [T, Hv, Dv], final_state [Hv, Dk, Dv]).
+    """
+    t, hv, dv = v.shape
+    dk = k.shape[-1]
+    if use_qk_l2norm:
+        q = q / torch.sqrt((q * q).sum(-1, keepdim=True) + 1e-6)
+        k = k / torch.sqrt((k * k).sum(-1, keepdim=True) + 1e-6)
+    q = q / dk ** 0.5
+    q = q.repeat_interleave(hv // q.shape[1], dim=1)
+    k = k.repeat_interleave(hv // k.shape[1], dim=1)
+    state = v.new_zeros(hv, dk, dv) if initial_state is None else initial_state.to(v.dtype)
+    outs = []
+    for i in range(t):
+        state = state * torch.exp(g[i])[:, None, None]
+        predicted = torch.einsum("hk,hkv->hv", k[i], state)
+        delta = (v[i] - predicted) * beta[i][:, None]
+        state = state + k[i][:, :, None] * delta[:, None, :]
+        outs.append(torch.einsum("hk,hkv->hv", q[i], state))
+    out = torch.stack(outs) if outs else v.new_zeros(0, hv, dv)
+    return out, state
+
+
+def naive_causal_conv1d(x, weight, bias=None, tail=None, activation="silu"):
+    """Depthwise causal conv by an explicit loop over output positions.
+
+    x [C, T], weight [C, K], bias [C] or None, tail [C, K-1] or None (zeros).
+    Returns (y [C, T], new_tail [C, K-1] = last K-1 columns of cat(tail, x)).
+    """
+    c, t = x.shape
+    kw = weight.shape[1]
+    if tail is None:
+        tail = x.new_zeros(c, kw - 1)
+    full = torch.cat([tail, x], dim=1)
+    cols = []
+    for i in range(t):
+        col = (full[:, i:i + kw] * weight).sum(-1)
+        cols.append(col if bias is None else col + bias)
+    y = torch.stack(cols, dim=1) if cols else x.new_zeros(c, 0)
+    if activation is not None:
+        y = y * torch.sigmoid(y)
+    return y, full[:, full.shape[1] - (kw - 1):]

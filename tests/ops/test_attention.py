@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from longstraw.ops.attention import prefix_causal_attention
+from longstraw.ops.attention import KVSegment, prefix_causal_attention
 from longstraw.ops.naive import naive_attention
 
 
@@ -32,7 +32,7 @@ def _naive(q, k, v, pk, pv, q_start, p_start, scale, window):
 def test_matches_naive_forward_and_every_input_grad(h, hkv, t, s, block, window):
     q_start, p_start, scale = s + 3, 3, 0.37
     q, k, v, pk, pv, dout = _inputs(h, hkv, t, s, 8, 6)
-    out = prefix_causal_attention(q, k, v, prefix_k=pk, prefix_v=pv, q_start=q_start, prefix_start=p_start,
+    out = prefix_causal_attention(q, k, v, prefixes=[KVSegment(pk, pv, p_start)], q_start=q_start,
                                   scale=scale, window=window, block_size=block)
     grads = torch.autograd.grad(out, (q, k, v), dout)
     ref = _naive(q, k, v, pk, pv, q_start, p_start, scale, window)
@@ -45,7 +45,7 @@ def test_matches_naive_forward_and_every_input_grad(h, hkv, t, s, block, window)
 def test_detached_state_gets_no_gradient_and_is_not_modified():
     q, k, v, pk, pv, dout = _inputs(4, 2, 5, 11, 8, 8)
     pk0, pv0 = pk.clone(), pv.clone()
-    out = prefix_causal_attention(q, k, v, prefix_k=pk, prefix_v=pv, q_start=11, prefix_start=0, scale=0.3, block_size=4)
+    out = prefix_causal_attention(q, k, v, prefixes=[KVSegment(pk, pv, 0)], q_start=11, scale=0.3, block_size=4)
     (out * dout).sum().backward()
     assert pk.grad is None and pv.grad is None and not pk.requires_grad
     assert torch.equal(pk, pk0) and torch.equal(pv, pv0)
@@ -54,7 +54,7 @@ def test_detached_state_gets_no_gradient_and_is_not_modified():
 
 def test_state_gradient_matches_naive_when_state_requires_grad():
     q, k, v, pk, pv, dout = _inputs(4, 2, 5, 11, 8, 8, state_grad=True)
-    out = prefix_causal_attention(q, k, v, prefix_k=pk, prefix_v=pv, q_start=11, prefix_start=0, scale=0.3, block_size=4)
+    out = prefix_causal_attention(q, k, v, prefixes=[KVSegment(pk, pv, 0)], q_start=11, scale=0.3, block_size=4)
     got = torch.autograd.grad(out, (pk, pv), dout)
     ref = _naive(q, k, v, pk, pv, 11, 0, 0.3, None)
     want = torch.autograd.grad(ref, (pk, pv), dout)
@@ -65,7 +65,7 @@ def test_state_gradient_matches_naive_when_state_requires_grad():
 def test_window_that_hides_the_whole_prefix_for_some_rows():
     # window 2: the first new token still sees the last prefix position, later ones see none.
     q, k, v, pk, pv, dout = _inputs(2, 1, 4, 6, 4, 4)
-    out = prefix_causal_attention(q, k, v, prefix_k=pk, prefix_v=pv, q_start=6, prefix_start=0, scale=1.0,
+    out = prefix_causal_attention(q, k, v, prefixes=[KVSegment(pk, pv, 0)], q_start=6, scale=1.0,
                                   window=2, block_size=2)
     ref = _naive(q, k, v, pk, pv, 6, 0, 1.0, 2)
     torch.testing.assert_close(out, ref, rtol=1e-12, atol=1e-12)
@@ -81,7 +81,7 @@ def test_fused_forward_path_matches_blockwise_torch_path(s):
     big = torch.randn(2, s + 7, 8, dtype=torch.float64)
     big[:, :s] = pk  # a non-contiguous view, as the preallocated state hands out
     pk = big[:, :s]
-    kw = dict(prefix_k=pk, prefix_v=pv, q_start=s, prefix_start=0, scale=0.4, block_size=4)
+    kw = dict(prefixes=[KVSegment(pk, pv, 0)], q_start=s, scale=0.4, block_size=4)
     with torch.no_grad():
         fused = prefix_causal_attention(q, k, v, **kw)
         plain = prefix_causal_attention(q, k, v, allow_fused=False, **kw)
@@ -95,8 +95,8 @@ def test_gradient_sink_accumulates_state_gradient_over_calls():
     want_k, want_v = torch.zeros_like(pk), torch.zeros_like(pv)
     for seed in (1, 2):
         q2, k2, v2, _, _, d2 = _inputs(4, 2, 5, 11, 8, 8, seed=seed)
-        out = prefix_causal_attention(q2, k2, v2, prefix_k=pk, prefix_v=pv, q_start=11, prefix_start=0, scale=0.3,
-                                      block_size=4, prefix_grad=sink)
+        out = prefix_causal_attention(q2, k2, v2, prefixes=[KVSegment(pk, pv, 0, sink)], q_start=11, scale=0.3,
+                                      block_size=4)
         (out * d2).sum().backward()
         pk_, pv_ = pk.clone().requires_grad_(), pv.clone().requires_grad_()
         ref = _naive(q2, k2, v2, pk_, pv_, 11, 0, 0.3, None)
@@ -106,3 +106,18 @@ def test_gradient_sink_accumulates_state_gradient_over_calls():
     torch.testing.assert_close(sink[0], want_k, rtol=1e-11, atol=1e-11)
     torch.testing.assert_close(sink[1], want_v, rtol=1e-11, atol=1e-11)
     assert not pk.requires_grad and pk.grad is None
+
+
+@pytest.mark.parametrize("fused", [True, False])
+def test_two_segments_equal_one_concatenated_segment(fused):
+    """A branch replayed in pieces attends to the prompt state and earlier pieces."""
+    q, k, v, pk, pv, dout = _inputs(4, 2, 3, 12, 8, 8)
+    one = [KVSegment(pk, pv, 2)]
+    two = [KVSegment(pk[:, :7], pv[:, :7], 2), KVSegment(pk[:, 7:], pv[:, 7:], 9)]
+    with torch.no_grad():
+        a = prefix_causal_attention(q, k, v, prefixes=one, q_start=14, scale=0.5, allow_fused=fused)
+        b = prefix_causal_attention(q, k, v, prefixes=two, q_start=14, scale=0.5, allow_fused=fused)
+    torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+    ga = torch.autograd.grad(prefix_causal_attention(q, k, v, prefixes=one, q_start=14, scale=0.5), q, dout)
+    gb = torch.autograd.grad(prefix_causal_attention(q, k, v, prefixes=two, q_start=14, scale=0.5), q, dout)
+    torch.testing.assert_close(ga[0], gb[0], rtol=1e-11, atol=1e-11)
