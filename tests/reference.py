@@ -11,7 +11,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import importlib
 
 import torch
 import transformers
@@ -67,11 +69,35 @@ def _gather_logprobs(logits, targets, temperature):
     return torch.log_softmax(logits / temperature, dim=-1).gather(-1, targets[:, None])[:, 0]
 
 
+def _out_of_place_linear_cache(cache):
+    """HF's linear-attention cache layers write states with in-place `copy_`, which
+    breaks autograd through a replayed branch. Rebind the copy's update methods to
+    assign new tensors instead (same values), and route single-token steps through
+    the same path (`record_past`), so HF's own GDN forward can be differentiated."""
+    import types
+
+    def update_conv_state(self, conv_states, state_idx=0, conv_kernel_size=None, **kwargs):
+        full = torch.cat([self.conv_states[state_idx], conv_states], dim=-1)
+        self.conv_states[state_idx] = full[..., -self.conv_kernel_size[state_idx]:]
+        return full
+
+    def update_recurrent_state(self, recurrent_states, state_idx=0, **kwargs):
+        self.recurrent_states[state_idx] = recurrent_states
+        return recurrent_states
+
+    for layer in getattr(cache, "layers", []):
+        if hasattr(layer, "recurrent_states"):
+            layer.update_conv_state = types.MethodType(update_conv_state, layer)
+            layer.update_recurrent_state = types.MethodType(update_recurrent_state, layer)
+            layer.record_past = True
+    return cache
+
+
 def hf_cached_logprobs(model, prompt, response, temperature=1.0):
     """HF's cached continuation: [R] log-probs, with graph when grad is enabled."""
     with torch.no_grad():
         cache = model(prompt[:-1][None], use_cache=True).past_key_values
-    cache = copy.deepcopy(cache)
+    cache = _out_of_place_linear_cache(copy.deepcopy(cache))
     inputs = torch.cat([prompt[-1:], response[:-1]])
     logits = model(inputs[None], past_key_values=cache, use_cache=True).logits[0]
     return _gather_logprobs(logits, response, temperature)
@@ -156,3 +182,91 @@ def float64_norms(model):
         if type(module).__name__.endswith("RMSNorm") and hasattr(module, "variance_epsilon"):
             module.forward = types.MethodType(_float64_rms_norm, module)
     return model
+
+
+# ----------------------------------------------------------------------------
+# hybrid recurrent + attention families (Qwen3.5 / 3.6, Qwen3.5-MoE, Qwen3-Next)
+
+HYBRID_FAMILIES = ("qwen3_5", "qwen3_5_moe", "qwen3_next")
+_HYBRID = dict(vocab_size=97, hidden_size=32, intermediate_size=48, num_hidden_layers=4, num_attention_heads=4,
+               num_key_value_heads=2, head_dim=8, linear_num_key_heads=2, linear_num_value_heads=4,
+               linear_key_head_dim=8, linear_value_head_dim=6, linear_conv_kernel_dim=4, max_position_embeddings=512,
+               layer_types=["linear_attention", "full_attention", "linear_attention", "linear_attention"],
+               tie_word_embeddings=False, initializer_range=0.2, attention_dropout=0.0)
+_MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=16, shared_expert_intermediate_size=16)
+
+
+def tiny_hybrid(family: str, *, dtype=torch.float64, seed: int = 0, **overrides):
+    """A stock HF hybrid causal LM (2+ GDN layers and one full-attention layer)."""
+    if family == "qwen3_5":
+        config_cls, model_cls, extra = transformers.Qwen3_5TextConfig, transformers.Qwen3_5ForCausalLM, {}
+    elif family == "qwen3_5_moe":
+        config_cls, model_cls, extra = transformers.Qwen3_5MoeTextConfig, transformers.Qwen3_5MoeForCausalLM, _MOE
+    else:
+        config_cls, model_cls, extra = transformers.Qwen3NextConfig, transformers.Qwen3NextForCausalLM, _MOE
+    config = config_cls(**{**_HYBRID, **extra, **overrides})
+    config._attn_implementation = "sdpa"
+    config._experts_implementation = "eager"  # torch's grouped_mm takes no float64
+    torch.manual_seed(seed)
+    model = model_cls(config).to(dtype).eval()
+    with torch.no_grad():  # HF initialises some norm weights / A_log to constants; randomise them
+        for name, p in model.named_parameters():
+            if p.dim() == 1:
+                p.add_(0.1 * torch.randn_like(p))
+    return model
+
+
+def _hf_gdn_float64(query, key, value, g, beta, chunk_size=64, initial_state=None, output_final_state=False,
+                    use_qk_l2norm_in_kernel=False, **kwargs):
+    """HF's gated-delta-rule signature ([B, T, H, D]) on our float64 naive twin."""
+    from longstraw.ops.naive import naive_gated_delta_rule
+
+    outs, finals = [], []
+    for i in range(query.shape[0]):
+        h0 = None if initial_state is None else initial_state[i]
+        o, s = naive_gated_delta_rule(query[i], key[i], value[i], g[i].to(value.dtype), beta[i].to(value.dtype), h0,
+                                      use_qk_l2norm=use_qk_l2norm_in_kernel)
+        outs.append(o)
+        finals.append(s)
+    return torch.stack(outs), (torch.stack(finals) if output_final_state else None)
+
+
+def _norm_1p(self, x):  # Qwen3.5 / Qwen3-Next RMSNorm: x_hat * (1 + w), in x's dtype
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * (1.0 + self.weight)
+
+
+def _norm_gated(self, x, gate):  # gated RMSNorm: w * x_hat * silu(gate), in x's dtype
+    x_hat = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.variance_epsilon)
+    return self.weight * x_hat * torch.nn.functional.silu(gate)
+
+
+@contextlib.contextmanager
+def float64_hybrid(model):
+    """Run a hybrid model's HF internals in float64 where stock HF computes in float32
+    (the GDN kernel, and the RMSNorms and gated norms). Same maths; it lets the
+    engine be compared with HF at float64 precision. The engine does not call HF's
+    GDN kernel, so only the reference side changes there; the norms are shared."""
+    import types
+
+    modules = [importlib.import_module(f"transformers.models.{m}.modeling_{m}") for m in HYBRID_FAMILIES]
+    kernels = ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule")
+    saved = [(m, name, getattr(m, name)) for m in modules for name in kernels]
+    for m, name, _ in saved:
+        setattr(m, name, _hf_gdn_float64)
+    patched = []
+    for module in model.modules():
+        name = type(module).__name__
+        if name.endswith("RMSNormGated"):
+            module.forward = types.MethodType(_norm_gated, module)
+        elif name.endswith("RMSNorm") and hasattr(module, "eps"):
+            module.forward = types.MethodType(_norm_1p, module)
+        else:
+            continue
+        patched.append(module)
+    try:
+        yield model
+    finally:
+        for m, name, fn in saved:
+            setattr(m, name, fn)
+        for module in patched:
+            del module.forward

@@ -7,8 +7,9 @@ from torch import nn
 from ..errors import UnsupportedModelError
 from .base import Adapter, unwrap_causal_lm
 from .dense import DenseAdapter
+from .hybrid import HybridAdapter
 
-ADAPTERS: dict[str, type[Adapter]] = {t: DenseAdapter for t in DenseAdapter.model_types}
+ADAPTERS: dict[str, type[Adapter]] = {t: cls for cls in (DenseAdapter, HybridAdapter) for t in cls.model_types}
 
 
 def supported_model_types() -> list[str]:

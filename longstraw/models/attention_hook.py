@@ -54,6 +54,14 @@ class AttentionCall:
 _CURRENT: contextvars.ContextVar[AttentionCall | None] = contextvars.ContextVar("longstraw_attention", default=None)
 
 
+def current_call() -> AttentionCall:
+    """The `AttentionCall` of the run in progress."""
+    call = _CURRENT.get()
+    if call is None:
+        raise RuntimeError("a longstraw-routed layer was called outside an Engine run")
+    return call
+
+
 def longstraw_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
                         sliding_window=None, **kwargs):
     """The registered attention function (HF's attention-interface signature).
@@ -61,9 +69,7 @@ def longstraw_attention(module, query, key, value, attention_mask, scaling=None,
     query: [1, H, T, D]; key, value: [1, Hkv, T, D] for the T new tokens, after RoPE.
     Returns ([1, T, H, Dv], None), as HF's eager attention does.
     """
-    call = _CURRENT.get()
-    if call is None:
-        raise RuntimeError("longstraw attention was called outside an Engine run")
+    call = current_call()
     if query.shape[0] != 1:
         raise RuntimeError(f"longstraw runs one sequence at a time, got batch {query.shape[0]}")
     if dropout:

@@ -1,0 +1,111 @@
+"""Route a Hugging Face Gated DeltaNet layer (Qwen3.5 / Qwen3.6, Qwen3-Next) through
+LongStraw's own state.
+
+HF's GDN forward reads and writes its cache with in-place `copy_`, which breaks
+autograd in branch replay, so we never hand it a cache. Instead, inside `routed_gdn`,
+each GDN module's `forward` is replaced (on the instance, for the duration only) by
+`gdn_forward`, which calls the module's own projections, conv weight, gates, gated
+norm and output projection, and our `causal_conv1d_with_tail` and
+`chunk_gated_delta_rule`, starting from the snapshot in LongStraw's `RecurrentState`.
+
+Per phase (see `attention_hook.py`):
+    capture    start from the snapshot at `start`, record the snapshot at the end
+    replay     start from the snapshot at `start`, record nothing
+    recompute  start from the snapshot as a leaf that requires grad when its owner
+               tracks gradients (a hook adds dL/dsnapshot into the owner); seed the
+               end state with the gradient accumulated for it, if any
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+import torch.nn.functional as F
+
+from ..ops.causal_conv import causal_conv1d_with_tail
+from ..ops.gated_delta import chunk_gated_delta_rule
+from ..state import RecurrentState
+from .attention_hook import current_call
+
+
+def _initial_snapshot(states, layer_idx: int, position: int):
+    """(recurrent, conv_tail) at `position`, found in the stacked states (latest first).
+    Where the owner tracks gradients and grad is on, they are fresh leaves whose
+    gradient is added into the owner's `grads[position]`."""
+    for state in reversed(states):
+        layer: RecurrentState = state.layers[layer_idx]
+        if position in layer.snapshots:
+            pair = layer.snapshots[position]
+            if layer.grads is None or not torch.is_grad_enabled():
+                return pair
+            out = []
+            for which, t in enumerate(pair):
+                if t is None:
+                    out.append(None)
+                    continue
+                leaf = t.detach().requires_grad_()
+                leaf.register_hook(lambda g, layer=layer, which=which: layer.add_grad(position, which, g))
+                out.append(leaf)
+            return tuple(out)
+    raise AssertionError(f"layer {layer_idx}: no recurrent snapshot at position {position}")
+
+
+def _project(module, x):
+    """(mixed_qkv [T, conv_dim], z [T, Hv, Dv], b [T, Hv], a [T, Hv]) from x [T, d],
+    with each family's own projection layout."""
+    t = x.shape[0]
+    if hasattr(module, "in_proj_qkvz"):  # Qwen3-Next: grouped per key head
+        q, k, v, z, b, a = module.fix_query_key_value_ordering(module.in_proj_qkvz(x[None]), module.in_proj_ba(x[None]))
+        mixed = torch.cat([y.reshape(1, t, -1) for y in (q, k, v)], dim=-1)[0]
+        return mixed, z[0], b[0], a[0]
+    mixed = module.in_proj_qkv(x)  # Qwen3.5 / 3.6: flat [q | k | v]
+    z = module.in_proj_z(x).reshape(t, -1, module.head_v_dim)
+    return mixed, z, module.in_proj_b(x), module.in_proj_a(x)
+
+
+def gdn_forward(module, hidden_states, cache_params=None, attention_mask=None, **kwargs):
+    """Drop-in for a GDN module's forward: hidden_states [1, T, d] -> [1, T, d]."""
+    call = current_call()
+    x = hidden_states[0]  # (T, d)
+    t = x.shape[0]
+    mixed, z, b, a = _project(module, x)
+    rec0, tail0 = _initial_snapshot(call.states, module.layer_idx, call.start)
+    weight = module.conv1d.weight[:, 0, :]  # (conv_dim, K)
+    conv, tail1 = causal_conv1d_with_tail(mixed.transpose(0, 1), weight, module.conv1d.bias, tail0,
+                                          activation=module.activation)  # (conv_dim, T)
+    q, k, v = torch.split(conv.transpose(0, 1), [module.key_dim, module.key_dim, module.value_dim], dim=-1)
+    q = q.reshape(t, -1, module.head_k_dim)
+    k = k.reshape(t, -1, module.head_k_dim)
+    v = v.reshape(t, -1, module.head_v_dim)
+    beta = b.sigmoid()
+    g = -module.A_log.float().exp() * F.softplus(a.float() + module.dt_bias)  # as HF: log decay, (T, Hv)
+    out, rec1 = chunk_gated_delta_rule(q, k, v, g, beta, rec0, use_qk_l2norm=True)  # (T, Hv, Dv)
+    out = module.norm(out.reshape(-1, module.head_v_dim), z.reshape(-1, module.head_v_dim))
+    out = module.out_proj(out.reshape(1, t, -1))
+
+    end = call.start + t
+    layer: RecurrentState = call.states[-1].layers[module.layer_idx]
+    if call.phase == "capture":
+        layer.put(end, rec1, tail1)
+    elif call.phase == "recompute" and layer.grads is not None and end in layer.grads:
+        for tensor, grad in zip((rec1, tail1), layer.grads[end]):
+            if grad is not None:
+                call.states[-1].seeds.append((tensor, grad))
+    return out
+
+
+@contextlib.contextmanager
+def routed_gdn(modules):
+    """Within the block, each GDN module in `modules` runs `gdn_forward`."""
+    saved = [(m, m.__dict__.get("forward")) for m in modules]
+    for m in modules:
+        m.forward = gdn_forward.__get__(m)
+    try:
+        yield
+    finally:
+        for m, previous in saved:
+            if previous is None:
+                del m.forward
+            else:
+                m.forward = previous

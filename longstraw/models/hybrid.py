@@ -1,0 +1,49 @@
+"""Hybrid recurrent + full-attention families: Qwen3.5 / Qwen3.6 (`qwen3_5`), its MoE
+(`qwen3_5_moe`) and Qwen3-Next (`qwen3_next`).
+
+Three of every four layers are Gated DeltaNet (GDN); their state is a constant-size
+`RecurrentState` (recurrent state [Hv, Dk, Dv] in fp32 + conv tail [conv_dim, K-1]),
+routed through `gated_deltanet.py`. The full-attention layers (output gate, q/k norms,
+partial RoPE, all inside HF's module) keep `AttentionKV` and are routed through the
+same attention hook as the dense families. MLP / MoE blocks and norms are the model's
+own modules, untouched.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..errors import UnsupportedModelError
+from ..state import AttentionKV, PromptState, RecurrentState
+from .attention_hook import AttentionCall, run_backbone
+from .dense import DenseAdapter
+from .gated_deltanet import routed_gdn
+
+
+class HybridAdapter(DenseAdapter):
+    model_types = ("qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text", "qwen3_next")
+
+    def check_config(self) -> None:
+        layers = self.backbone.layers
+        if not all(hasattr(layer, "linear_attn") or hasattr(layer, "self_attn") for layer in layers):
+            raise UnsupportedModelError("every hybrid layer needs a linear_attn (GDN) or a self_attn module")
+        self.gdn_modules = [layer.linear_attn for layer in layers if hasattr(layer, "linear_attn")]
+
+    def new_state(self, positions: int, *, start: int = 0, exact: bool = False) -> PromptState:
+        layers = []
+        for layer in self.backbone.layers:
+            if hasattr(layer, "linear_attn"):
+                layers.append(RecurrentState.empty(start=start, keep_all=exact))
+                continue
+            kv_heads, head_dim = self.attention_geometry(layer.self_attn)
+            layers.append(AttentionKV.empty(
+                kv_heads=kv_heads, head_dim=head_dim, v_head_dim=head_dim, capacity=positions, start=start,
+                window=None, dtype=self.dtype, device=self.device,
+            ))
+        return PromptState(layers=layers, start=start)
+
+    def run(self, input_ids: torch.Tensor, start: int, states: list[PromptState], *, phase: str,
+            block_size: int) -> torch.Tensor:
+        call = AttentionCall(states=states, start=start, phase=phase, block_size=block_size)
+        with routed_gdn(self.gdn_modules):
+            return run_backbone(self.backbone, self.config, input_ids, call)
