@@ -198,3 +198,90 @@ class RecurrentState:
 
     def grad_nbytes(self) -> int:
         return 0 if self.grads is None else sum(self._bytes(pair) for pair in self.grads.values())
+
+
+class LatentKV(AttentionKV):
+    """One MLA layer's prompt state: per position the normalized compressed latent
+    [kv_lora_rank] followed by the RoPE'd shared rope key [rope_dim], as ONE row, never
+    expanded per head. Absorbed MLA reads it as a single-head (MQA) key [1, S, R + Dr]
+    whose value is a view of the same rows' first R columns; gradient buffers share
+    memory the same way, so the key and value gradients of a latent add up in place.
+    """
+
+    @classmethod
+    def empty_latent(cls, *, rank: int, rope_dim: int, capacity: int, start: int = 0, dtype, device) -> "LatentKV":
+        k = torch.empty(1, capacity, rank + rope_dim, dtype=dtype, device=device)
+        return cls(k=k, v=k[..., :rank], start=start, trim=False)
+
+    @torch.no_grad()
+    def append(self, k_new: torch.Tensor, v_new: torch.Tensor | None = None) -> None:
+        """Write the next rows: k_new [1, T, R + Dr] (the value is its first R columns)."""
+        t = k_new.shape[1]
+        assert self.length + t <= self.k.shape[1], "LatentKV overflow: more positions than allocated"
+        self.k[:, self.length : self.length + t] = k_new
+        self.length += t
+
+    def enable_grad_buffers(self) -> None:
+        self.k_grad = torch.zeros_like(self.k[:, : self.length])
+        self.v_grad = self.k_grad[..., : self.v.shape[-1]]
+
+    def nbytes(self) -> int:
+        return self.k.numel() * self.k.element_size()
+
+    def grad_nbytes(self) -> int:
+        return 0 if self.k_grad is None else self.k_grad.numel() * self.k_grad.element_size()
+
+
+@dataclass
+class IndexKeys:
+    """One DSA indexer's keys for the prompt, [capacity, index_head_dim] (model dtype).
+    The indexer runs without grad (as in HF), so these never get a gradient.
+
+    Fields:
+        keys: [capacity, Di]; start: absolute position of row 0; length: rows filled.
+    """
+
+    keys: torch.Tensor
+    start: int = 0
+    length: int = 0
+
+    @property
+    def end(self) -> int:
+        return self.start + self.length
+
+    def until(self, position: int) -> torch.Tensor:
+        """Rows held before absolute `position`: [n, Di]."""
+        return self.keys[: max(0, min(self.length, position - self.start))]
+
+    @torch.no_grad()
+    def append(self, keys: torch.Tensor) -> None:
+        t = keys.shape[0]
+        assert self.length + t <= self.keys.shape[0], "IndexKeys overflow"
+        self.keys[self.length : self.length + t] = keys
+        self.length += t
+
+    def nbytes(self) -> int:
+        return self.keys.numel() * self.keys.element_size()
+
+    def grad_nbytes(self) -> int:
+        return 0
+
+    def enable_grad_buffers(self) -> None:
+        """Indexer keys take no gradient."""
+
+
+@dataclass
+class MLAState:
+    """An MLA(+DSA) layer: its latent rows, and its indexer keys if it runs an indexer."""
+
+    latent: LatentKV
+    index: IndexKeys | None = None
+
+    def nbytes(self) -> int:
+        return self.latent.nbytes() + (self.index.nbytes() if self.index is not None else 0)
+
+    def grad_nbytes(self) -> int:
+        return self.latent.grad_nbytes()
+
+    def enable_grad_buffers(self) -> None:
+        self.latent.enable_grad_buffers()

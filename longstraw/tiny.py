@@ -3,26 +3,41 @@ classes with random weights, built from configs in code (nothing is downloaded).
 
 `tiny_model("qwen3")` is a Qwen3-shaped dense model: 4 layers, hidden 256, 4 query
 heads over 2 KV heads of dim 32 (GQA), vocab 4096, 128K positions.
+
+`tiny_model("qwen3_5")` (the default) is shaped like the paper's Qwen3.6-27B, scaled
+down: 4 layers in its 3 Gated DeltaNet : 1 full attention pattern, hidden 256; the
+attention layer has an output gate, 4 query heads over 2 KV heads of dim 64; the GDN
+layers have 2 QK heads and 6 V heads of dim 32 (Qwen3.6: 16 and 48 of dim 128), conv
+kernel 4; vocab 4096, 256K positions.
 """
 
 from __future__ import annotations
 
 import torch
 
+DEFAULT_FAMILY = "qwen3_5"
+
 TINY_CONFIGS = {
+    "qwen3_5": dict(model_type="qwen3_5_text", vocab_size=4096, hidden_size=256, intermediate_size=768,
+                    num_hidden_layers=4, layer_types=["linear_attention"] * 3 + ["full_attention"],
+                    num_attention_heads=4, num_key_value_heads=2, head_dim=64, linear_num_key_heads=2,
+                    linear_num_value_heads=6, linear_key_head_dim=32, linear_value_head_dim=32,
+                    linear_conv_kernel_dim=4, max_position_embeddings=262144, tie_word_embeddings=False,
+                    attention_dropout=0.0),
     "qwen3": dict(vocab_size=4096, hidden_size=256, intermediate_size=768, num_hidden_layers=4,
                   num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=131072,
                   tie_word_embeddings=False, attention_dropout=0.0),
 }
 
 
-def tiny_model(family: str = "qwen3", *, dtype: torch.dtype = torch.float32, seed: int = 0, **overrides):
+def tiny_model(family: str = DEFAULT_FAMILY, *, dtype: torch.dtype = torch.float32, seed: int = 0, **overrides):
     """A stock HF causal LM of `family` with random weights, in eval mode."""
     import transformers
 
     if family not in TINY_CONFIGS:
         raise ValueError(f"no tiny preset for {family!r}; have {sorted(TINY_CONFIGS)}")
-    config = transformers.AutoConfig.for_model(family, **{**TINY_CONFIGS[family], **overrides})
+    fields = {**TINY_CONFIGS[family], **overrides}
+    config = transformers.AutoConfig.for_model(fields.pop("model_type", family), **fields)
     config._attn_implementation = "sdpa"
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config)

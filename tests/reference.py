@@ -270,3 +270,36 @@ def float64_hybrid(model):
             setattr(m, name, fn)
         for module in patched:
             del module.forward
+
+
+# ----------------------------------------------------------------------------
+# MLA (+ DSA) families: GLM-5.x, DeepSeek-V3.2, DeepSeek-V3
+
+MLA_FAMILIES = ("glm_moe_dsa", "deepseek_v32", "deepseek_v3")
+_MLA = dict(vocab_size=97, hidden_size=32, intermediate_size=48, moe_intermediate_size=16, num_hidden_layers=3,
+            num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=16, q_lora_rank=24, qk_rope_head_dim=8,
+            qk_nope_head_dim=12, v_head_dim=10, n_routed_experts=4, num_experts_per_tok=2, n_shared_experts=1,
+            first_k_dense_replace=1, n_group=1, topk_group=1, max_position_embeddings=512, initializer_range=0.2,
+            tie_word_embeddings=False, attention_dropout=0.0)
+_DSA = dict(index_head_dim=16, index_n_heads=16, index_topk=8)
+
+
+def tiny_mla(family: str, *, dtype=torch.float64, seed: int = 0, **overrides):
+    """A stock HF MLA model; DSA families get 16 indexer heads (no exact score ties)."""
+    classes = {
+        "glm_moe_dsa": (transformers.GlmMoeDsaConfig, transformers.GlmMoeDsaForCausalLM,
+                        dict(_DSA, indexer_types=["full", "shared", "full"])),
+        "deepseek_v32": (transformers.DeepseekV32Config, transformers.DeepseekV32ForCausalLM, _DSA),
+        "deepseek_v3": (transformers.DeepseekV3Config, transformers.DeepseekV3ForCausalLM, dict(rope_interleave=True)),
+    }
+    config_cls, model_cls, extra = classes[family]
+    config = config_cls(**{**_MLA, **extra, **overrides})
+    config._attn_implementation = "sdpa"
+    config._experts_implementation = "eager"
+    torch.manual_seed(seed)
+    model = model_cls(config).to(dtype).eval()
+    with torch.no_grad():  # e_score_correction_bias etc. start at constants; randomise 1-D params
+        for name, p in model.named_parameters():
+            if p.dim() == 1:
+                p.add_(0.1 * torch.randn_like(p))
+    return model

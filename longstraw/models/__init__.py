@@ -8,8 +8,11 @@ from ..errors import UnsupportedModelError
 from .base import Adapter, unwrap_causal_lm
 from .dense import DenseAdapter
 from .hybrid import HybridAdapter
+from .mla import MLAAdapter
 
-ADAPTERS: dict[str, type[Adapter]] = {t: cls for cls in (DenseAdapter, HybridAdapter) for t in cls.model_types}
+ADAPTERS: dict[str, type[Adapter]] = {
+    t: cls for cls in (DenseAdapter, HybridAdapter, MLAAdapter) for t in cls.model_types
+}
 
 
 def supported_model_types() -> list[str]:

@@ -197,8 +197,9 @@ def fused_prefix_causal_attention(q, k, v, *, prefixes: list[KVSegment], scale: 
 
 
 def can_use_fused(q, k, v, prefixes: list[KVSegment], window) -> bool:
-    """The fused path needs: no autograd, no gradient sinks, no window, CPU, a dtype the kernel takes."""
-    if window is not None or q.device.type != "cpu" or _cpu_flash_attention() is None:
+    """The fused path needs: no autograd, no gradient sinks, no window, CPU, value dim =
+    key dim (the kernel's constraint; absorbed MLA has Dv < D), a dtype the kernel takes."""
+    if window is not None or q.device.type != "cpu" or _cpu_flash_attention() is None or v.shape[-1] != q.shape[-1]:
         return False
     if any(seg.grad is not None for seg in prefixes):
         return False

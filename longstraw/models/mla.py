@@ -1,0 +1,204 @@
+"""Compressed-attention MoE families: GLM-5.x (`glm_moe_dsa`), DeepSeek-V3.2
+(`deepseek_v32`) and DeepSeek-V3 (`deepseek_v3`, MLA without DSA).
+
+State per token per layer (`MLAState`): the normalized compressed latent
+[kv_lora_rank] and the RoPE'd shared rope key [qk_rope_head_dim], one row
+(`LatentKV`), plus the indexer key [index_head_dim] for layers with their own DSA
+indexer (`IndexKeys`). Nothing is ever expanded per head at prompt scale.
+
+Each attention module's `forward` is replaced, on the instance and only inside
+`routed_mla`, by `mla_forward`, which calls the module's own projections and norms and
+the model file's own RoPE functions, and then attends in absorbed form (the maths of
+DeepSeek's inference):
+
+    q_abs[h]  = W_uk[h]^T q_nope[h]                    query into latent space   (H, T, R)
+    score     = q_abs . latent + q_rope . k_rope       one shared (MQA) key row  (R + Dr)
+    o_lat[h]  = softmax(score) @ latent                                           (H, T, R)
+    out[h]    = W_uv[h] o_lat[h]                       back out through kv_b_proj's value half
+
+where W_uk / W_uv are the key / value halves of kv_b_proj's effective weight (its LoRA
+delta included when PEFT wraps it). DSA layers select per query the top-k positions
+(prompt + branch) with the model's own indexer modules, no grad, ties broken by the
+lower position (HF breaks ties arbitrarily; ours never depends on chunking), globally
+over the whole prompt; "shared" layers (GLM-5) reuse the previous layer's selection.
+Attention is then restricted to the selected rows by gathering them
+(`ops/dsa.sparse_latent_attention`), not by a dense mask over P.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import sys
+
+import torch
+
+from ..errors import UnsupportedModelError
+from ..ops.attention import prefix_causal_attention
+from ..state import IndexKeys, LatentKV, MLAState, PromptState
+from .attention_hook import AttentionCall, current_call, run_backbone
+from .base import Adapter
+
+
+def effective_weight(linear) -> torch.Tensor:
+    """The weight a (possibly PEFT-LoRA-wrapped) Linear applies, differentiably."""
+    if hasattr(linear, "base_layer") and hasattr(linear, "get_delta_weight"):
+        weight = linear.base_layer.weight
+        if not getattr(linear, "merged", False) and not getattr(linear, "disable_adapters", False):
+            for name in linear.active_adapters:
+                if name in getattr(linear, "lora_A", {}):
+                    weight = weight + linear.get_delta_weight(name)
+        return weight
+    return linear.weight
+
+
+def _rope_functions(module, model_type: str):
+    """(main MLA rope, indexer rope) from the model's own modeling file."""
+    mod = sys.modules[type(module).__module__]
+    interleave, half = mod.apply_rotary_pos_emb_interleave, getattr(mod, "apply_rotary_pos_emb", None)
+    if model_type == "deepseek_v3":
+        return (interleave if module.config.rope_interleave else half), None
+    if model_type == "deepseek_v32":
+        return interleave, half
+    return interleave, interleave  # glm_moe_dsa
+
+
+def _indexer_inputs(indexer, x, q_resid, cos, sin, index_rope):
+    """The model's own indexer projections for the T new tokens, no grad (as in HF):
+    queries [T, Hi, Di], keys [T, Di] (model dtype) and head weights [T, Hi] (fp32)."""
+    t = x.shape[0]
+    with torch.no_grad():
+        q = indexer.wq_b(q_resid).view(1, t, indexer.n_heads, indexer.head_dim)
+        split = [indexer.qk_rope_head_dim, indexer.head_dim - indexer.qk_rope_head_dim]
+        q_rot, q_pass = torch.split(q, split, dim=-1)
+        k_rot, k_pass = torch.split(indexer.k_norm(indexer.wk(x[None])).unsqueeze(2), split, dim=-1)  # (1, T, 1, *)
+        q_rot, k_rot = index_rope(q_rot, k_rot, cos, sin, unsqueeze_dim=2)
+        q = torch.cat([q_rot, q_pass], dim=-1)[0]  # (T, Hi, Di)
+        keys = torch.cat([k_rot, k_pass], dim=-1)[0, :, 0]  # (T, Di)
+        weights = indexer.weights_proj(x.to(indexer.weights_proj.weight.dtype)).float() * indexer.n_heads ** -0.5
+    return q, keys, weights
+
+
+def _select(indexer, layer_idx, q, keys, weights, call):
+    """Top-k absolute positions [T, K] (-1: none) over the whole prompt and the new
+    tokens (causal), scored in float32 as HF does, ties to the lower position."""
+    from ..ops.dsa import indexer_topk
+
+    segments = [(s.layers[layer_idx].index.until(call.start).float(), s.layers[layer_idx].index.start)
+                for s in call.states if s.layers[layer_idx].index is not None]
+    with torch.no_grad():
+        return indexer_topk(q.float(), weights, segments, keys.float(), call.start, indexer.index_topk,
+                            scale=indexer.softmax_scale)
+
+
+def mla_forward(module, spec, hidden_states, position_embeddings=None, attention_mask=None, past_key_values=None,
+                position_ids=None, prev_topk_indices=None, **kwargs):
+    """Drop-in for an MLA attention module's forward: hidden_states [1, T, d] ->
+    [1, T, d] (and, for GLM-5, the top-k indices the next "shared" layer reuses).
+    `spec` holds the family's RoPE functions and DSA layout (see `MLAAdapter`)."""
+    call = current_call()
+    indexer = getattr(module, "indexer", None)
+    x = hidden_states[0]  # (T, d)
+    t, h = x.shape[0], module.num_heads
+    nope, rope, rank, vdim = module.qk_nope_head_dim, module.qk_rope_head_dim, module.kv_lora_rank, module.v_head_dim
+    if getattr(module, "q_lora_rank", None) is not None:
+        q_resid = module.q_a_layernorm(module.q_a_proj(x))
+        q = module.q_b_proj(q_resid)
+    else:
+        q_resid, q = None, module.q_proj(x)
+    q = q.view(t, h, nope + rope).transpose(0, 1)  # (H, T, nope + rope)
+    q_pass, q_rot = torch.split(q, [nope, rope], dim=-1)
+    kv_pass, k_rot = torch.split(module.kv_a_proj_with_mqa(x), [rank, rope], dim=-1)
+    latent = module.kv_a_layernorm(kv_pass)  # (T, R)
+    cos, sin = position_embeddings
+    q_rot, k_rot = spec["rope"](q_rot[None], k_rot.view(1, 1, t, rope), cos, sin)
+    q_rot, k_rot = q_rot[0], k_rot[0, 0]  # (H, T, Dr), (T, Dr)
+
+    w = effective_weight(module.kv_b_proj).view(h, nope + vdim, rank)
+    w_uk, w_uv = w[:, :nope], w[:, nope:]  # (H, nope, R), (H, Dv, R)
+    q_full = torch.cat([torch.einsum("htn,hnr->htr", q_pass, w_uk), q_rot], dim=-1)  # (H, T, R + Dr)
+    k_new = torch.cat([latent, k_rot], dim=-1)  # (T, R + Dr)
+
+    layers: list[MLAState] = [s.layers[module.layer_idx] for s in call.states]
+    segments = [layer.latent.segment(until=call.start) for layer in layers]
+    topk = indexer.index_topk if indexer is not None else spec["shared_topk"]
+    indices, new_index_keys = None, None
+    if indexer is not None:
+        index_q, new_index_keys, index_w = _indexer_inputs(indexer, x, q_resid, cos, sin, spec["index_rope"])
+    if topk is not None and topk < call.start + t:  # some query sees more than top-k positions
+        from ..ops.dsa import sparse_latent_attention
+
+        if indexer is not None:
+            indices = _select(indexer, module.layer_idx, index_q, new_index_keys, index_w, call)
+        else:
+            indices = prev_topk_indices
+            assert indices is not None, "a shared DSA layer needs the previous layer's selection"
+        o_lat = sparse_latent_attention(q_full, k_new, latent, indices, prefixes=segments, q_start=call.start,
+                                        scale=module.scaling)
+    else:  # every query selects all it sees: dense (the indexer keys are still kept)
+        o_lat = prefix_causal_attention(q_full, k_new[None], latent[None], prefixes=segments, q_start=call.start,
+                                        scale=module.scaling, block_size=call.block_size)  # (H, T, R)
+    out = torch.einsum("htr,hvr->thv", o_lat, w_uv).reshape(1, t, h * vdim)
+    out = module.o_proj(out)
+
+    own = layers[-1]
+    if call.phase == "capture":
+        own.latent.append(k_new[None])
+        if own.index is not None:
+            own.index.append(new_index_keys)
+    elif call.phase == "recompute" and call.start + t <= own.latent.end:
+        call.states[-1].seeds.append((k_new, own.latent.grad_slice(call.start, call.start + t)[0][0].clone()))
+    return (out, None, indices) if spec["returns_topk"] else (out, None)
+
+
+@contextlib.contextmanager
+def routed_mla(modules, specs):
+    """Within the block, each MLA attention module in `modules` runs `mla_forward`."""
+    saved = [(m, m.__dict__.get("forward")) for m in modules]
+    for m, spec in zip(modules, specs):
+        m.forward = functools.partial(mla_forward, m, spec)
+    try:
+        yield
+    finally:
+        for m, previous in saved:
+            if previous is None:
+                del m.forward
+            else:
+                m.forward = previous
+
+
+class MLAAdapter(Adapter):
+    model_types = ("glm_moe_dsa", "deepseek_v32", "deepseek_v3")
+
+    def check_config(self) -> None:
+        model_type = self.config.model_type
+        self.attn_modules = [layer.self_attn for layer in self.backbone.layers]
+        self.specs = []
+        for i, attn in enumerate(self.attn_modules):
+            if not hasattr(attn, "kv_a_proj_with_mqa") or not hasattr(attn, "kv_b_proj"):
+                raise UnsupportedModelError(f"layer {i}: {type(attn).__name__} is not an MLA attention module")
+            main_rope, index_rope = _rope_functions(attn, model_type)
+            shared = model_type == "glm_moe_dsa" and getattr(attn, "indexer", None) is None
+            if shared and i == 0:
+                raise UnsupportedModelError("the first GLM-5 layer must run its own indexer (indexer_types[0])")
+            self.specs.append(dict(rope=main_rope, index_rope=index_rope,
+                                   shared_topk=self.config.index_topk if shared else None,
+                                   returns_topk=model_type == "glm_moe_dsa"))
+
+    def new_state(self, positions: int, *, start: int = 0, exact: bool = False) -> PromptState:
+        layers = []
+        for attn in self.attn_modules:
+            latent = LatentKV.empty_latent(rank=attn.kv_lora_rank, rope_dim=attn.qk_rope_head_dim, capacity=positions,
+                                           start=start, dtype=self.dtype, device=self.device)
+            index = None
+            if getattr(attn, "indexer", None) is not None:
+                keys = torch.empty(positions, attn.indexer.head_dim, dtype=self.dtype, device=self.device)
+                index = IndexKeys(keys=keys, start=start)
+            layers.append(MLAState(latent=latent, index=index))
+        return PromptState(layers=layers, start=start)
+
+    def run(self, input_ids: torch.Tensor, start: int, states: list[PromptState], *, phase: str,
+            block_size: int) -> torch.Tensor:
+        call = AttentionCall(states=states, start=start, phase=phase, block_size=block_size)
+        with routed_mla(self.attn_modules, self.specs):
+            return run_backbone(self.backbone, self.config, input_ids, call)
