@@ -2,6 +2,9 @@
 
     longstraw demo [--prompt-tokens 32768] [--group 8] [--response-tokens 256]
                    [--chunk-size 4096] [--mode detached] [--family qwen3] [--dtype float32]
+    longstraw plan --model PRESET_OR_CONFIG_JSON --prompt-tokens N --group G --response-tokens R
+                   [--mode detached|exact] [--gpus W] [--gpu-memory 96GiB] [--dtype bf16]
+                   [--lora-rank r] [--chunk-size 4096] [--throughput-tflops 400] [--json] ...
 """
 
 from __future__ import annotations
@@ -60,6 +63,59 @@ def demo(args) -> int:
     return 0
 
 
+_PLAN_FIELDS = ("prompt_tokens", "group", "response_tokens", "mode", "gpus", "gpu_memory", "reserve", "dtype",
+                "weight_dtype", "lora_rank", "lora_targets", "chunk_size", "branch_chunk_size", "attention_block_size",
+                "logits_chunk_size", "self_attention", "shard_params", "offload_state", "score_passes",
+                "throughput_tflops")
+
+
+def plan(args) -> int:
+    from longstraw.plan import PlanConfig, estimate, format_report
+
+    report = estimate(args.model, PlanConfig(**{name: getattr(args, name) for name in _PLAN_FIELDS}))
+    print(json.dumps(report) if args.json else format_report(report))
+    return 0
+
+
+def _add_plan_parser(sub) -> None:
+    p = sub.add_parser("plan", help="capacity planner: memory per rank and time of one GRPO step (no model loaded)",
+                       description="Estimate state, weights, working sets, peak memory per rank and time of one "
+                                   "LongStraw GRPO step from a model config. See docs/planner.md.")
+    p.add_argument("--model", required=True, help="preset name (e.g. qwen3.6-27b, glm-5.2, tiny-qwen3) or a path "
+                                                  "to an HF config.json")
+    p.add_argument("--prompt-tokens", type=int, required=True, help="P, shared prompt tokens")
+    p.add_argument("--group", type=int, required=True, help="G, responses per group")
+    p.add_argument("--response-tokens", type=int, required=True, help="R, tokens per response")
+    p.add_argument("--mode", default="detached", choices=["detached", "exact"])
+    p.add_argument("--gpus", type=int, default=1, help="W, context-parallel ranks (default 1)")
+    p.add_argument("--gpu-memory", default="96GiB", help="memory per rank: 96GB = 96e9 B, 96GiB = 96*2^30 B "
+                                                         "(default 96GiB)")
+    p.add_argument("--reserve", default="1GiB", help="headroom outside the peak: CUDA context, fragmentation "
+                                                     "(default 1GiB)")
+    p.add_argument("--dtype", default=None, help="compute/state dtype: bf16, fp16, fp32, fp64 "
+                                                 "(default: the config's, else bf16)")
+    p.add_argument("--weight-dtype", default=None, help="frozen weight storage: a dtype or nf4/fp8/int8 "
+                                                        "(needs --lora-rank; default: --dtype)")
+    p.add_argument("--lora-rank", type=int, default=None, help="train LoRA adapters of this rank (default: full)")
+    p.add_argument("--lora-targets", default="attention", choices=["attention", "all-linear"],
+                   help="LoRA on the token-mixer projections only (default) or on every linear layer")
+    p.add_argument("--chunk-size", type=int, default=4096, help="capture chunk (default 4096)")
+    p.add_argument("--branch-chunk-size", type=int, default=None, help="replay each branch in pieces of this size "
+                                                                       "(default: one piece)")
+    p.add_argument("--attention-block-size", type=int, default=1024, help="prompt block of the attention (1024)")
+    p.add_argument("--logits-chunk-size", type=int, default=1024, help="lm_head chunk (default 1024)")
+    p.add_argument("--self-attention", default="dense", choices=["dense", "fused-nograd", "flash"],
+                   help="self part of attention: dense = plain torch [heads,T,T] scores (today on CUDA); "
+                        "fused-nograd = fused capture, dense replay (today on CPU); flash = fused everywhere")
+    p.add_argument("--shard-params", action="store_true", help="shard weights/grads/optimizer 1/W (FSDP-style)")
+    p.add_argument("--offload-state", action="store_true", help="keep the prompt state in host memory")
+    p.add_argument("--score-passes", type=int, default=0, help="no-grad scoring forwards per branch (old/ref "
+                                                               "log-probs; the paper: 2; default 0)")
+    p.add_argument("--throughput-tflops", type=float, default=400.0,
+                   help="effective TFLOP/s per rank (default 400, an H100/H200-class GPU in bf16)")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="longstraw", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -72,11 +128,12 @@ def main(argv=None) -> int:
     p.add_argument("--family", default="qwen3", help="tiny model family (default qwen3)")
     p.add_argument("--dtype", default="float32", choices=["float32", "float64"])
     p.add_argument("--seed", type=int, default=0)
+    _add_plan_parser(sub)
     args = parser.parse_args(argv)
     from longstraw.errors import LongStrawError
 
     try:
-        return demo(args)
+        return plan(args) if args.command == "plan" else demo(args)
     except LongStrawError as exc:
         print(f"longstraw: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 2

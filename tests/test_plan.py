@@ -1,0 +1,224 @@
+"""The capacity planner: published figures it must reproduce exactly, its CLI, its errors,
+and the directions its estimates must move in. No model is built (fast)."""
+
+import json
+
+import pytest
+
+from longstraw.cli import main
+from longstraw.errors import ConfigError, UnsupportedModelError
+from longstraw.plan import PlanConfig, estimate, load_presets, parse_bytes
+
+GiB, MiB = 2**30, 2**20
+KEYS = ("state_bytes_per_token", "state_bytes_fixed", "state_bytes_total", "param_bytes", "grad_bytes",
+        "optimizer_bytes", "replay_working_bytes", "capture_working_bytes", "peak_bytes_per_rank", "fits",
+        "estimated_time_s_detached", "estimated_time_s_exact")
+
+
+def plan(model="qwen3-8b", **kw):
+    kw = {"prompt_tokens": 131072, "group": 8, "response_tokens": 1024, **kw}
+    return estimate(model, PlanConfig(**kw))
+
+
+def run_cli(capsys, *args):
+    code = main(["plan", *map(str, args)])
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+# ---------------------------------------------------------------------------- exact figures
+
+
+def test_glm_5_2_state_matches_paper():
+    r = plan("glm-5.2", prompt_tokens=2_097_152, dtype="bf16")
+    assert r["state_bytes_per_token"] == 95_232 == (512 + 64) * 2 * 78 + 128 * 2 * 21
+    assert r["state_bytes_fixed"] == 0
+    assert r["state_bytes_total"] == 199_715_979_264 == 186 * GiB
+    assert r["layer_counts"] == {"mla": 78, "dsa_indexer": 21, "moe": 75}
+    # the paper's 5.8125 GiB per rank over 32 ranks
+    assert plan("glm-5.2", prompt_tokens=2_097_152, gpus=32)["state_bytes_per_rank"] == 5.8125 * GiB
+
+
+def test_qwen3_6_27b_state_matches_paper():
+    r = plan("qwen3.6-27b", prompt_tokens=2_097_152, dtype="bf16")
+    assert r["state_bytes_per_token"] == 65_536 == 16 * 4 * 256 * 2 * 2
+    gdn = r["breakdown"]["state"]
+    assert gdn["recurrent_fixed"] == 144 * MiB == 48 * 48 * 128 * 128 * 4
+    assert gdn["conv_tail_fixed"] == 48 * (2 * 16 * 128 + 48 * 128) * 3 * 2  # [conv_dim, kernel-1] in bf16
+    assert r["state_bytes_fixed"] == 144 * MiB + gdn["conv_tail_fixed"]
+    assert r["state_bytes_total"] == 128 * GiB + r["state_bytes_fixed"]
+    assert r["layer_counts"] == {"full_attention": 16, "gated_deltanet": 48}
+
+
+def test_qwen3_6_27b_lora_count_matches_paper():
+    # NF4 QLoRA at rank 16 on every linear layer: the paper's 116.7M trainable parameters
+    r = plan("qwen3.6-27b", lora_rank=16, lora_targets="all-linear", weight_dtype="nf4")
+    assert r["trainable_parameters"] == 116_727_808
+    assert plan("qwen3.6-27b", lora_rank=16)["trainable_parameters"] < 116_727_808 / 2  # attention only
+
+
+@pytest.mark.parametrize("name", sorted(load_presets()))
+def test_parameter_count_matches_published(name):
+    r = plan(name)
+    published = load_presets()[name]["num_parameters"]
+    assert r["num_parameters"] == pytest.approx(published, rel=0.01)
+
+
+def test_tiny_preset_is_the_tiny_model():
+    from longstraw.tiny import TINY_CONFIGS
+
+    preset = load_presets()["tiny-qwen3"]["config"]
+    assert {k: preset[k] for k in TINY_CONFIGS["qwen3"]} == TINY_CONFIGS["qwen3"]
+    r = plan("tiny-qwen3", prompt_tokens=32768, response_tokens=256)
+    assert r["dtype"] == "float32"
+    assert r["num_parameters"] == 4_852_224  # sum(p.numel()) of tiny_model("qwen3")
+    assert r["state_bytes_per_token"] == 4 * 2 * 32 * 2 * 4
+    assert r["param_bytes"] == 4 * 4_852_224 and r["optimizer_bytes"] == 8 * 4_852_224  # fp32: no master copy
+
+
+def test_full_training_bytes():
+    r = plan("llama-3.1-8b")
+    n = 8_030_261_248
+    assert (r["param_bytes"], r["grad_bytes"], r["optimizer_bytes"]) == (2 * n, 2 * n, 12 * n)
+
+
+# ---------------------------------------------------------------------------- CLI
+
+
+def test_cli_json_has_the_keys(capsys):
+    code, out, _ = run_cli(capsys, "--model", "qwen3.6-27b", "--prompt-tokens", 2_097_152, "--group", 8,
+                           "--response-tokens", 8192, "--gpus", 8, "--json")
+    assert code == 0
+    report = json.loads(out)  # exactly one JSON object
+    assert isinstance(report, dict)
+    for key in KEYS:
+        assert key in report, key
+    assert report["state_bytes_per_token"] == 65_536
+    assert report["estimated_time_s_exact"] > report["estimated_time_s_detached"] > 0
+
+
+def test_cli_table(capsys):
+    code, out, _ = run_cli(capsys, "--model", "tiny-qwen3", "--prompt-tokens", 32768, "--group", 8,
+                           "--response-tokens", 256, "--mode", "exact", "--throughput-tflops", 0.17)
+    assert code == 0
+    assert "PEAK per rank" in out and "state per prompt token" in out and "2,048 B" in out
+
+
+def test_config_json_path(tmp_path, capsys):
+    # a Qwen3.5-style checkpoint: the text model nested under "text_config"
+    text = {**load_presets()["qwen3.6-27b"]["config"], "model_type": "qwen3_5_text"}
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({"model_type": "qwen3_5", "text_config": text, "vision_config": {}}))
+    code, out, _ = run_cli(capsys, "--model", path, "--prompt-tokens", 1000, "--group", 2, "--response-tokens", 10,
+                           "--json")
+    assert code == 0 and json.loads(out)["state_bytes_per_token"] == 65_536
+    # a directory holding config.json works too, and a plain llama config without head_dim
+    llama = {"model_type": "llama", "num_hidden_layers": 2, "hidden_size": 64, "intermediate_size": 128,
+             "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 100, "torch_dtype": "float32"}
+    (tmp_path / "llama").mkdir()
+    (tmp_path / "llama" / "config.json").write_text(json.dumps(llama))
+    r = estimate(str(tmp_path / "llama"), PlanConfig(prompt_tokens=100, group=2, response_tokens=4))
+    assert r["state_bytes_per_token"] == 2 * 2 * 16 * 2 * 4
+
+
+def test_sliding_window_state_is_constant():
+    cfg = {"model_type": "mistral", "num_hidden_layers": 2, "hidden_size": 64, "intermediate_size": 128,
+           "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 100, "sliding_window": 16}
+    a, b = (estimate(cfg, PlanConfig(prompt_tokens=p, group=2, response_tokens=4, dtype="fp32")) for p in (1000, 9000))
+    assert a["state_bytes_per_token"] == 0
+    assert a["state_bytes_total"] == b["state_bytes_total"] == 2 * 15 * 2 * 2 * 16 * 4
+
+
+def test_unknown_preset_is_a_clear_error(capsys):
+    with pytest.raises(ConfigError, match="unknown model 'gpt-9'.*Presets:.*qwen3.6-27b"):
+        plan("gpt-9")
+    code, _, err = run_cli(capsys, "--model", "gpt-9", "--prompt-tokens", 10, "--group", 2, "--response-tokens", 2)
+    assert code == 2 and "unknown model 'gpt-9'" in err and "glm-5.2" in err
+
+
+def test_unknown_model_type_lists_supported(tmp_path):
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({"model_type": "gpt2", "num_hidden_layers": 2}))
+    with pytest.raises(UnsupportedModelError, match="'gpt2'.*supported: llama.*glm_moe_dsa"):
+        plan(str(path))
+
+
+def test_bad_inputs():
+    with pytest.raises(ConfigError, match="prompt_tokens"):
+        plan(prompt_tokens=0)
+    with pytest.raises(ConfigError, match="dtype"):
+        plan(dtype="bf17")
+    with pytest.raises(ConfigError, match="lora_rank"):
+        plan(weight_dtype="nf4")
+    with pytest.raises(ConfigError, match="memory size"):
+        plan(gpu_memory="lots")
+
+
+def test_parse_bytes():
+    assert parse_bytes("96GB") == 96 * 10**9
+    assert parse_bytes("96GiB") == parse_bytes("96G") == 96 * GiB
+    assert parse_bytes("1.5 MiB") == 1.5 * MiB and parse_bytes(123) == parse_bytes("123") == 123
+
+
+# ---------------------------------------------------------------------------- directions
+
+
+def test_peak_per_rank_decreases_with_gpus():
+    peaks = [plan("qwen3.6-27b", prompt_tokens=2_097_152, gpus=w)["peak_bytes_per_rank"] for w in (1, 2, 4, 8)]
+    assert peaks == sorted(peaks, reverse=True) and len(set(peaks)) == 4
+    times = [plan("qwen3.6-27b", prompt_tokens=2_097_152, gpus=w)["estimated_time_s"] for w in (1, 8)]
+    assert times[1] == pytest.approx(times[0] / 8)
+
+
+def test_fits_flips_with_gpu_memory(capsys):
+    r = plan("llama-3.1-8b", lora_rank=16, gpus=4)
+    need = r["peak_bytes_per_rank"] + r["reserve_bytes"]
+    assert plan("llama-3.1-8b", lora_rank=16, gpus=4, gpu_memory=need)["fits"]
+    assert not plan("llama-3.1-8b", lora_rank=16, gpus=4, gpu_memory=need - 1)["fits"]
+    args = ["--model", "llama-3.1-8b", "--prompt-tokens", 131072, "--group", 8, "--response-tokens", 1024,
+            "--lora-rank", 16, "--json"]
+    assert json.loads(run_cli(capsys, *args, "--gpu-memory", "80GB")[1])["fits"]
+    assert not json.loads(run_cli(capsys, *args, "--gpu-memory", "16GB")[1])["fits"]
+
+
+def test_peak_does_not_grow_with_group():
+    a, b = plan(group=2), plan(group=64)
+    assert a["peak_bytes_per_rank"] == b["peak_bytes_per_rank"]
+    assert b["estimated_time_s"] > a["estimated_time_s"]
+
+
+def test_exact_mode_costs_more():
+    d, e = plan("qwen3.6-27b", chunk_size=512), plan("qwen3.6-27b", chunk_size=512, mode="exact")
+    assert e["state_grad_bytes_per_rank"] == d["state_bytes_per_rank"]
+    assert e["exact_checkpoint_bytes_per_rank"] == (131072 // 512) * d["state_bytes_fixed"]  # one per chunk
+    assert e["peak_bytes_per_rank"] > d["peak_bytes_per_rank"]
+    extra = 3 * e["breakdown"]["time_s"]["capture"]  # recompute x1 + backward x2 of the prompt forward
+    assert e["estimated_time_s_exact"] == pytest.approx(e["estimated_time_s_detached"] + extra)
+
+
+def test_lora_and_quantization_shrink_static_memory():
+    full = plan("qwen3.6-27b")
+    lora = plan("qwen3.6-27b", lora_rank=16)
+    qlora = plan("qwen3.6-27b", lora_rank=16, weight_dtype="nf4")
+    assert full["static_bytes_per_rank"] > lora["static_bytes_per_rank"] > qlora["static_bytes_per_rank"]
+
+
+def test_branch_pieces_shrink_replay():
+    one = plan("qwen3.6-27b", response_tokens=8192)
+    pieces = plan("qwen3.6-27b", response_tokens=8192, branch_chunk_size=2048)
+    assert pieces["replay_working_bytes"] < one["replay_working_bytes"] / 2
+    assert pieces["breakdown"]["replay"]["held_branch_tokens"] == 6144
+
+
+def test_shard_params_and_offload_state():
+    base = plan("glm-5.2", prompt_tokens=2_097_152, gpus=32, lora_rank=8)
+    sharded = plan("glm-5.2", prompt_tokens=2_097_152, gpus=32, lora_rank=8, shard_params=True, offload_state=True)
+    assert sharded["param_bytes"] == pytest.approx(base["param_bytes"] / 32, rel=1e-6)
+    assert sharded["state_bytes_host_per_rank"] == 5.8125 * GiB
+    assert sharded["state_bytes_on_gpu_per_rank"] < base["state_bytes_on_gpu_per_rank"] / 10
+
+
+def test_score_passes_add_time_not_replay_memory():
+    a, b = plan("qwen3.6-27b"), plan("qwen3.6-27b", score_passes=2)
+    assert b["flops_replay_per_branch"] == pytest.approx(a["flops_replay_per_branch"] * 5 / 3)
+    assert b["replay_working_bytes"] == a["replay_working_bytes"] and b["score_working_bytes"] > 0
