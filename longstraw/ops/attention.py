@@ -11,7 +11,9 @@ flash-style:
   positions with an online softmax. Its custom backward recomputes each block, so
   per layer it holds O(queries x block) memory, never O(queries x S). The prefix K/V
   are read in place: never copied, concatenated or saved at full size.
-* The self part is plain torch with autograd: T x T, and T is a chunk or a branch.
+* The self part (causal over the T new tokens) runs through the same blockwise
+  kernel with a causal mask; its backward returns dk, dv of the new tokens, so a long
+  branch never holds a T x T score matrix for backward.
 
 Legend: Hkv kv heads, g = H / Hkv queries per kv head, T new tokens, M = g*T query
 rows per kv head, S prefix positions, D head dim, Dv value dim. GQA is done by
@@ -57,7 +59,7 @@ class PrefixAttention(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, q_pos, k_start, scale, window, block_size, sink=None):
+    def forward(ctx, q, k, v, q_pos, k_start, scale, window, block_size, sink=None, causal=False):
         acc = accumulation_dtype(q.dtype)
         qa = q.to(acc)
         hkv, m_rows, _ = q.shape
@@ -68,9 +70,9 @@ class PrefixAttention(torch.autograd.Function):
         for b0 in range(0, s_len, block_size):
             b1 = min(s_len, b0 + block_size)
             scores = torch.matmul(qa, k[:, b0:b1].to(acc).transpose(1, 2)) * scale  # (Hkv, M, B)
-            if window is not None:
+            if window is not None or causal:
                 k_pos = torch.arange(k_start + b0, k_start + b1, device=q.device)
-                scores.masked_fill_(_window_mask(q_pos, k_pos, window, causal=False), float("-inf"))
+                scores.masked_fill_(_window_mask(q_pos, k_pos, window, causal), float("-inf"))
             new_max = torch.maximum(row_max, scores.amax(dim=-1))
             safe_max = torch.where(torch.isinf(new_max), torch.zeros_like(new_max), new_max)
             probs = torch.exp(scores - safe_max[..., None])  # (Hkv, M, B)
@@ -85,7 +87,7 @@ class PrefixAttention(torch.autograd.Function):
         # The prefix is held by reference (it is the captured state), not saved.
         ctx.prefix = (k, v)
         ctx.sink = sink
-        ctx.k_start, ctx.scale, ctx.window, ctx.block_size = k_start, scale, window, block_size
+        ctx.k_start, ctx.scale, ctx.window, ctx.block_size, ctx.causal = k_start, scale, window, block_size, causal
         return out, lse
 
     @staticmethod
@@ -113,9 +115,9 @@ class PrefixAttention(torch.autograd.Function):
             b1 = min(k.shape[1], b0 + block_size)
             kb, vb = k[:, b0:b1].to(acc), v[:, b0:b1].to(acc)
             scores = torch.matmul(qa, kb.transpose(1, 2)) * scale  # (Hkv, M, B)
-            if window is not None:
+            if window is not None or ctx.causal:
                 k_pos = torch.arange(ctx.k_start + b0, ctx.k_start + b1, device=q.device)
-                scores.masked_fill_(_window_mask(q_pos, k_pos, window, causal=False), float("-inf"))
+                scores.masked_fill_(_window_mask(q_pos, k_pos, window, ctx.causal), float("-inf"))
             probs = torch.exp(scores - lse[..., None])
             dprobs = torch.matmul(grad_out, vb.transpose(1, 2))
             dscores = probs * (dprobs - delta[..., None])  # (Hkv, M, B)
@@ -130,18 +132,7 @@ class PrefixAttention(torch.autograd.Function):
                     dk[:, b0:b1] = dk_block.to(k.dtype)
                 if need_dv:
                     dv[:, b0:b1] = dv_block.to(v.dtype)
-        return dq.to(q.dtype), dk, dv, None, None, None, None, None, None
-
-
-def causal_self_attention(q, k, v, q_pos, k_pos, scale, window):
-    """(o [Hkv, M, Dv], lse [Hkv, M]) of query rows over the new tokens' own keys,
-    causal (and windowed), in plain torch with autograd. q: [Hkv, M, D]; k, v: [Hkv, T, D]."""
-    acc = accumulation_dtype(q.dtype)
-    scores = torch.matmul(q.to(acc), k.to(acc).transpose(1, 2)) * scale  # (Hkv, M, T)
-    scores = scores.masked_fill(_window_mask(q_pos, k_pos, window, causal=True), float("-inf"))
-    lse = torch.logsumexp(scores, dim=-1)
-    out = torch.matmul(torch.exp(scores - lse[..., None]), v.to(acc))
-    return out, lse
+        return dq.to(q.dtype), dk, dv, None, None, None, None, None, None, None
 
 
 def _cpu_flash_attention():
@@ -237,7 +228,9 @@ def prefix_causal_attention(q, k, v, *, prefixes: list[KVSegment], q_start: int,
     rows = q.reshape(hkv, g * t, d)  # (Hkv, M, D): head j*g+i -> kv head j
     k_pos = torch.arange(q_start, q_start + t, device=q.device)
     q_pos = k_pos.repeat(g)  # (M,)
-    out, lse = causal_self_attention(rows, k, v, q_pos, k_pos, scale, window)
+    # self part: the same blockwise kernel, causal, with gradients to the new K/V; it
+    # holds O(M x block) like the prefix part, never the O(M x T) score matrix
+    out, lse = PrefixAttention.apply(rows, k, v, q_pos, q_start, scale, window, block_size, None, True)
     for seg in prefixes:
         if seg.k.shape[1] == 0:
             continue
