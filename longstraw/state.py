@@ -18,6 +18,28 @@ import torch
 from .ops.attention import KVSegment
 
 
+@dataclass(frozen=True)
+class Shard:
+    """Which prompt positions a context-parallel rank holds: blocks of `block`
+    positions, dealt round-robin (block b belongs to rank b % world), so causal work
+    is balanced across ranks."""
+
+    rank: int
+    world: int
+    block: int
+
+    def count(self, n: int) -> int:
+        """Positions this rank owns in [0, n)."""
+        cycle = self.block * self.world
+        full, rem = divmod(max(n, 0), cycle)
+        return full * self.block + min(max(rem - self.rank * self.block, 0), self.block)
+
+    def owned(self, start: int, end: int) -> torch.Tensor:
+        """Bool [end - start]: which of the absolute positions start..end-1 are ours."""
+        positions = torch.arange(start, end)
+        return (positions // self.block) % self.world == self.rank
+
+
 @dataclass
 class AttentionKV:
     """K and V of one attention layer, after RoPE and any k-norm.
@@ -35,6 +57,9 @@ class AttentionKV:
             Exact mode keeps them: the reverse walk recomputes every chunk.
         k_grad, v_grad: exact mode only: dLoss/dk, dLoss/dv, same shapes as k, v,
             summed over branches and later chunks.
+        shard: context parallelism: hold only this rank's positions (rows in position
+            order); None holds every position.
+        consumed: positions consumed since `start`, held or not.
     """
 
     k: torch.Tensor
@@ -45,27 +70,42 @@ class AttentionKV:
     trim: bool = True
     k_grad: torch.Tensor | None = None
     v_grad: torch.Tensor | None = None
+    shard: Shard | None = None
+    consumed: int = 0
 
     @classmethod
     def empty(cls, *, kv_heads: int, head_dim: int, v_head_dim: int, capacity: int, start: int = 0,
-              window: int | None, dtype: torch.dtype, device, trim: bool = True) -> "AttentionKV":
-        """Allocate the state for `capacity` prompt positions (full) or none yet (trimmed window)."""
+              window: int | None, dtype: torch.dtype, device, trim: bool = True,
+              shard: Shard | None = None) -> "AttentionKV":
+        """Allocate the state for `capacity` prompt positions (full), this rank's share
+        of them (sharded), or none yet (trimmed window)."""
         trim = trim and window is not None
+        assert not (shard is not None and window is not None), "sharded state has no sliding window"
         if trim:
             capacity = 0  # grows by chunk, trimmed to window - 1 after each append
+        elif shard is not None:
+            capacity = shard.count(start + capacity) - shard.count(start)
         k = torch.empty(kv_heads, capacity, head_dim, dtype=dtype, device=device)
         v = torch.empty(kv_heads, capacity, v_head_dim, dtype=dtype, device=device)
-        return cls(k=k, v=v, start=start, window=window, trim=trim)
+        return cls(k=k, v=v, start=start, window=window, trim=trim, shard=shard)
 
     @property
     def end(self) -> int:
-        """Absolute position one past the last one held."""
-        return self.start + self.length
+        """Absolute position one past the last one consumed."""
+        return self.start + self.consumed
+
+    def _rows_before(self, position: int) -> int:
+        """Rows held for absolute positions before `position`."""
+        if self.shard is None:
+            n = position - self.start
+        else:
+            n = self.shard.count(position) - self.shard.count(self.start)
+        return max(0, min(self.length, n))
 
     def keys(self, until: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Read-only views (k [Hkv, n, D], v [Hkv, n, Dv]) of the positions held
         before absolute position `until` (default: all filled positions)."""
-        n = self.length if until is None else max(0, min(self.length, until - self.start))
+        n = self.length if until is None else self._rows_before(until)
         return self.k[:, :n], self.v[:, :n]
 
     def segment(self, until: int | None = None) -> KVSegment:
@@ -76,10 +116,19 @@ class AttentionKV:
         grad = None if self.k_grad is None else (self.k_grad[:, :n], self.v_grad[:, :n])
         return KVSegment(k, v, self.start, grad)
 
-    def grad_slice(self, start: int, end: int):
-        """(k_grad, v_grad) for absolute positions [start, end): the seeds of a chunk."""
-        a, b = start - self.start, end - self.start
-        return self.k_grad[:, a:b], self.v_grad[:, a:b]
+    def chunk_grads(self, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(dk [Hkv, T, D], dv [Hkv, T, Dv]) accumulated for absolute positions
+        [start, end): the seeds of a chunk. Sharded: this rank's rows, zeros elsewhere
+        (the caller sums over ranks)."""
+        a, b = self._rows_before(start), self._rows_before(end)
+        if self.shard is None:
+            return self.k_grad[:, a:b].clone(), self.v_grad[:, a:b].clone()
+        mine = self.shard.owned(start, end).to(self.k.device)
+        dk = self.k_grad.new_zeros(self.k_grad.shape[0], end - start, self.k_grad.shape[2])
+        dv = self.v_grad.new_zeros(self.v_grad.shape[0], end - start, self.v_grad.shape[2])
+        dk[:, mine] = self.k_grad[:, a:b]
+        dv[:, mine] = self.v_grad[:, a:b]
+        return dk, dv
 
     def enable_grad_buffers(self) -> None:
         """Allocate zeroed dLoss/dk, dLoss/dv buffers for the held positions (exact
@@ -94,10 +143,11 @@ class AttentionKV:
         assert v_new.shape[:2] == k_new.shape[:2] and v_new.shape[2] == self.v.shape[2], (v_new.shape, self.v.shape)
         t = k_new.shape[1]
         if not self.trim:
-            assert self.length + t <= self.k.shape[1], "AttentionKV overflow: more positions than allocated"
-            self.k[:, self.length : self.length + t] = k_new
-            self.v[:, self.length : self.length + t] = v_new
-            self.length += t
+            if self.shard is not None:
+                mine = self.shard.owned(self.end, self.end + t).to(k_new.device)
+                k_new, v_new = k_new[:, mine], v_new[:, mine]
+            self._write(k_new, v_new)
+            self.consumed += t
             return
         keep = self.window - 1
         k = torch.cat([self.k[:, : self.length], k_new.to(self.k.dtype)], dim=1)
@@ -105,7 +155,14 @@ class AttentionKV:
         drop = max(0, k.shape[1] - keep)
         self.k, self.v = k[:, drop:].clone(), v[:, drop:].clone()
         self.start += drop
-        self.length = self.k.shape[1]
+        self.length = self.consumed = self.k.shape[1]
+
+    def _write(self, k_new: torch.Tensor, v_new: torch.Tensor) -> None:
+        n = k_new.shape[1]
+        assert self.length + n <= self.k.shape[1], "AttentionKV overflow: more positions than allocated"
+        self.k[:, self.length : self.length + n] = k_new
+        self.v[:, self.length : self.length + n] = v_new
+        self.length += n
 
     def nbytes(self) -> int:
         """Bytes of K/V held (filled part for trimmed windowed layers, full capacity otherwise)."""
@@ -209,17 +266,19 @@ class LatentKV(AttentionKV):
     """
 
     @classmethod
-    def empty_latent(cls, *, rank: int, rope_dim: int, capacity: int, start: int = 0, dtype, device) -> "LatentKV":
+    def empty_latent(cls, *, rank: int, rope_dim: int, capacity: int, start: int = 0, dtype, device,
+                     shard: Shard | None = None) -> "LatentKV":
+        if shard is not None:
+            capacity = shard.count(start + capacity) - shard.count(start)
         k = torch.empty(1, capacity, rank + rope_dim, dtype=dtype, device=device)
-        return cls(k=k, v=k[..., :rank], start=start, trim=False)
+        return cls(k=k, v=k[..., :rank], start=start, trim=False, shard=shard)
 
-    @torch.no_grad()
-    def append(self, k_new: torch.Tensor, v_new: torch.Tensor | None = None) -> None:
-        """Write the next rows: k_new [1, T, R + Dr] (the value is its first R columns)."""
-        t = k_new.shape[1]
-        assert self.length + t <= self.k.shape[1], "LatentKV overflow: more positions than allocated"
-        self.k[:, self.length : self.length + t] = k_new
-        self.length += t
+    def _write(self, k_new: torch.Tensor, v_new: torch.Tensor) -> None:
+        """Write the next rows [1, n, R + Dr]; the value is a view of their first R columns."""
+        n = k_new.shape[1]
+        assert self.length + n <= self.k.shape[1], "LatentKV overflow: more positions than allocated"
+        self.k[:, self.length : self.length + n] = k_new
+        self.length += n
 
     def enable_grad_buffers(self) -> None:
         self.k_grad = torch.zeros_like(self.k[:, : self.length])

@@ -86,8 +86,8 @@ def longstraw_attention(module, query, key, value, attention_mask, scaling=None,
     if call.phase == "capture":
         kv.append(key[0], value[0])
     elif call.phase == "recompute" and call.start + key.shape[2] <= kv.end:  # held: seed it
-        k_seed, v_seed = kv.grad_slice(call.start, call.start + key.shape[2])
-        call.states[-1].seeds += [(key[0], k_seed.clone()), (value[0], v_seed.clone())]
+        k_seed, v_seed = kv.chunk_grads(call.start, call.start + key.shape[2])
+        call.states[-1].seeds += [(key[0], k_seed), (value[0], v_seed)]
     return out.transpose(0, 1)[None], None
 
 

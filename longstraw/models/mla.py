@@ -143,11 +143,11 @@ def mla_forward(module, spec, hidden_states, position_embeddings=None, attention
 
     own = layers[-1]
     if call.phase == "capture":
-        own.latent.append(k_new[None])
+        own.latent.append(k_new[None], latent[None])
         if own.index is not None:
             own.index.append(new_index_keys)
     elif call.phase == "recompute" and call.start + t <= own.latent.end:
-        call.states[-1].seeds.append((k_new, own.latent.grad_slice(call.start, call.start + t)[0][0].clone()))
+        call.states[-1].seeds.append((k_new, own.latent.chunk_grads(call.start, call.start + t)[0][0]))
     return (out, None, indices) if spec["returns_topk"] else (out, None)
 
 
