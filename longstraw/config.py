@@ -48,6 +48,15 @@ class ExecConfig:
     """Response tokens per lm_head + log-softmax chunk. Logits for backward are
     recomputed per chunk, so no [R, vocab] tensor is kept."""
 
+    context_parallel: bool = False
+    """Shard the prompt state over the ranks of the initialized torch.distributed
+    process group (every rank calls `step` with the same group). See
+    docs/distributed.md."""
+
+    shard_block_size: int | None = None
+    """Context parallelism: positions per round-robin block of the sharded state.
+    None: `attention_block_size`."""
+
     allow_position_overflow: bool = False
     """Allow P + R beyond the model's `max_position_embeddings` (RoPE then
     extrapolates). Off by default: such inputs raise `PositionLimitError`."""
@@ -59,6 +68,7 @@ class ExecConfig:
         _positive_int("ExecConfig.chunk_size", self.chunk_size)
         _positive_int("ExecConfig.attention_block_size", self.attention_block_size)
         _positive_int("ExecConfig.branch_chunk_size", self.branch_chunk_size, allow_none=True)
+        _positive_int("ExecConfig.shard_block_size", self.shard_block_size, allow_none=True)
         _positive_int("ExecConfig.logits_chunk_size", self.logits_chunk_size)
         if self.mode not in MODES:
             raise ConfigError(f"ExecConfig.mode must be one of {MODES}, got {self.mode!r}")

@@ -27,6 +27,8 @@ class Shard:
     rank: int
     world: int
     block: int
+    cp: object = field(default=None, compare=False)
+    """the `distributed.ContextParallel` the shard belongs to"""
 
     def count(self, n: int) -> int:
         """Positions this rank owns in [0, n)."""
@@ -114,7 +116,7 @@ class AttentionKV:
         k, v = self.keys(until)
         n = k.shape[1]
         grad = None if self.k_grad is None else (self.k_grad[:, :n], self.v_grad[:, :n])
-        return KVSegment(k, v, self.start, grad)
+        return KVSegment(k, v, self.start, grad, cp=self.shard.cp if self.shard is not None else None)
 
     def chunk_grads(self, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(dk [Hkv, T, D], dv [Hkv, T, Dv]) accumulated for absolute positions

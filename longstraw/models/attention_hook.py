@@ -87,6 +87,10 @@ def longstraw_attention(module, query, key, value, attention_mask, scaling=None,
         kv.append(key[0], value[0])
     elif call.phase == "recompute" and call.start + key.shape[2] <= kv.end:  # held: seed it
         k_seed, v_seed = kv.chunk_grads(call.start, call.start + key.shape[2])
+        if kv.shard is not None:  # each rank holds its rows' gradients: sum them
+            from ..distributed import all_reduce_sum
+
+            all_reduce_sum(k_seed, kv.shard.cp), all_reduce_sum(v_seed, kv.shard.cp)
         call.states[-1].seeds += [(key[0], k_seed), (value[0], v_seed)]
     return out.transpose(0, 1)[None], None
 

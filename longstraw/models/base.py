@@ -62,6 +62,9 @@ class Adapter:
     def check_config(self) -> None:
         """Refuse config features the adapter cannot run exactly (override to add)."""
 
+    def check_context_parallel(self, total_positions: int) -> None:
+        """Refuse what context parallelism cannot run exactly (override to add)."""
+
     def check_runnable(self) -> None:
         """Refuse model states we cannot reproduce exactly; called before each step."""
         if getattr(self.causal_lm, "is_activation_checkpointing", False):
@@ -81,10 +84,11 @@ class Adapter:
 
     # --- the work ------------------------------------------------------------
 
-    def new_state(self, positions: int, *, start: int = 0, exact: bool = False) -> PromptState:
+    def new_state(self, positions: int, *, start: int = 0, exact: bool = False, shard=None) -> PromptState:
         """Empty state for `positions` tokens from absolute position `start` (the
         prompt: P - 1 tokens from 0; a branch's pieces: from P - 1). `exact` keeps
-        everything a reverse walk needs to recompute each chunk."""
+        everything a reverse walk needs to recompute each chunk. `shard`
+        (context parallelism) keeps only this rank's per-token rows."""
         raise NotImplementedError
 
     def run(self, input_ids: torch.Tensor, start: int, states: list[PromptState], *, phase: str,

@@ -37,14 +37,27 @@ class DenseAdapter(Adapter):
         kv_heads = self.config.num_key_value_heads
         return kv_heads, head_dim
 
-    def new_state(self, positions: int, *, start: int = 0, exact: bool = False) -> PromptState:
+    def check_context_parallel(self, total_positions: int) -> None:
+        for i, layer in enumerate(self.backbone.layers):
+            attn = getattr(layer, "self_attn", None)
+            window = layer_window(self.config, attn) if attn is not None else None
+            if window is not None and window < total_positions:
+                raise UnsupportedModelError(
+                    f"layer {i} uses a sliding window ({window}) shorter than the sequence ({total_positions}); "
+                    "context parallelism supports full attention only"
+                )
+
+    def new_state(self, positions: int, *, start: int = 0, exact: bool = False, shard=None) -> PromptState:
         layers = []
         for layer in self.backbone.layers:
             attn = layer.self_attn
             kv_heads, head_dim = self.attention_geometry(attn)
+            window = layer_window(self.config, attn)
+            if shard is not None and window is not None and window >= start + positions:
+                window = None  # the window covers the whole sequence: full attention (checked beforehand)
             layers.append(AttentionKV.empty(
                 kv_heads=kv_heads, head_dim=head_dim, v_head_dim=head_dim, capacity=positions, start=start,
-                window=layer_window(self.config, attn), dtype=self.dtype, device=self.device, trim=not exact,
+                window=window, dtype=self.dtype, device=self.device, trim=not exact, shard=shard,
             ))
         return PromptState(layers=layers, start=start)
 

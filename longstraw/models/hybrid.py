@@ -29,7 +29,7 @@ class HybridAdapter(DenseAdapter):
             raise UnsupportedModelError("every hybrid layer needs a linear_attn (GDN) or a self_attn module")
         self.gdn_modules = [layer.linear_attn for layer in layers if hasattr(layer, "linear_attn")]
 
-    def new_state(self, positions: int, *, start: int = 0, exact: bool = False) -> PromptState:
+    def new_state(self, positions: int, *, start: int = 0, exact: bool = False, shard=None) -> PromptState:
         layers = []
         for layer in self.backbone.layers:
             if hasattr(layer, "linear_attn"):
@@ -38,7 +38,7 @@ class HybridAdapter(DenseAdapter):
             kv_heads, head_dim = self.attention_geometry(layer.self_attn)
             layers.append(AttentionKV.empty(
                 kv_heads=kv_heads, head_dim=head_dim, v_head_dim=head_dim, capacity=positions, start=start,
-                window=None, dtype=self.dtype, device=self.device,
+                window=None, dtype=self.dtype, device=self.device, shard=shard,
             ))
         return PromptState(layers=layers, start=start)
 

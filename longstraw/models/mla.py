@@ -147,7 +147,12 @@ def mla_forward(module, spec, hidden_states, position_embeddings=None, attention
         if own.index is not None:
             own.index.append(new_index_keys)
     elif call.phase == "recompute" and call.start + t <= own.latent.end:
-        call.states[-1].seeds.append((k_new, own.latent.chunk_grads(call.start, call.start + t)[0][0]))
+        seed = own.latent.chunk_grads(call.start, call.start + t)[0]
+        if own.latent.shard is not None:  # each rank holds its rows' gradients: sum them
+            from ..distributed import all_reduce_sum
+
+            all_reduce_sum(seed, own.latent.shard.cp)
+        call.states[-1].seeds.append((k_new, seed[0]))
     return (out, None, indices) if spec["returns_topk"] else (out, None)
 
 
@@ -185,11 +190,20 @@ class MLAAdapter(Adapter):
                                    shared_topk=self.config.index_topk if shared else None,
                                    returns_topk=model_type == "glm_moe_dsa"))
 
-    def new_state(self, positions: int, *, start: int = 0, exact: bool = False) -> PromptState:
+    def check_context_parallel(self, total_positions: int) -> None:
+        topk = getattr(self.config, "index_topk", None)
+        if topk is not None and topk < total_positions:
+            raise UnsupportedModelError(
+                f"DSA top-k selection ({topk} < {total_positions} positions) under context parallelism is not "
+                "implemented yet (it must stay global over the whole prompt); run single-process, or with "
+                "index_topk >= P + R"
+            )
+
+    def new_state(self, positions: int, *, start: int = 0, exact: bool = False, shard=None) -> PromptState:
         layers = []
         for attn in self.attn_modules:
             latent = LatentKV.empty_latent(rank=attn.kv_lora_rank, rope_dim=attn.qk_rope_head_dim, capacity=positions,
-                                           start=start, dtype=self.dtype, device=self.device)
+                                           start=start, dtype=self.dtype, device=self.device, shard=shard)
             index = None
             if getattr(attn, "indexer", None) is not None:
                 keys = torch.empty(positions, attn.indexer.head_dim, dtype=self.dtype, device=self.device)

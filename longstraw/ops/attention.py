@@ -154,37 +154,15 @@ class KVSegment:
         k: [Hkv, S, D]; v: [Hkv, S, Dv] at absolute positions start .. start + S - 1.
         grad: optional (dk, dv) buffers of the same shapes; backward adds
             dLoss/dk, dLoss/dv into them (exact mode, and branch pieces).
+        cp: a `distributed.ContextParallel` when k, v are this rank's rows of a
+            position-sharded state; None when they are the whole segment.
     """
 
     k: torch.Tensor
     v: torch.Tensor
     start: int
     grad: tuple | None = None
-
-
-def fused_prefix_causal_attention(q, k, v, *, prefixes: list[KVSegment], scale: float):
-    """Forward-only fast path (capture, scoring) on CPU: torch's fused flash kernel,
-    which tiles internally (O(rows) memory for any S) and returns the log-sum-exp.
-
-    Same arguments and result as `prefix_causal_attention` without a window;
-    its twin is that function (tested to agree in float64).
-    """
-    flash = _cpu_flash_attention()
-    h, t, d = q.shape
-    hkv = k.shape[0]
-    g = h // hkv
-    # self part: causal over the T new tokens; the chunk's own K/V are expanded (T-sized, never the state)
-    out, lse = flash(q[None], k.repeat_interleave(g, 0)[None], v.repeat_interleave(g, 0)[None], 0.0, True,
-                     scale=scale)  # (1, H, T, Dv), (1, H, T)
-    out, lse = out[0].reshape(hkv, g * t, -1), lse[0].reshape(hkv, g * t)
-    for seg in prefixes:
-        if seg.k.shape[1] == 0:
-            continue
-        # prefix part: no mask, so the g query heads of a kv head fold into rows
-        out_p, lse_p = flash(q.reshape(1, hkv, g * t, d), seg.k[None], seg.v[None], 0.0, False, scale=scale)
-        out_p, lse_p = out_p[0].to(lse.dtype), lse_p[0]
-        out, lse = _merge(out_p, lse_p, out, lse), torch.logaddexp(lse_p, lse)
-    return out.to(q.dtype).reshape(h, t, -1)
+    cp: object = None
 
 
 def can_use_fused(q, k, v, prefixes: list[KVSegment], window) -> bool:
@@ -199,6 +177,22 @@ def can_use_fused(q, k, v, prefixes: list[KVSegment], window) -> bool:
     return q.dtype in (torch.float32, torch.float64, torch.bfloat16)
 
 
+def _flash_partial(q, k, v, scale: float, causal: bool):
+    """Forward-only partial attention with torch's fused CPU flash kernel, which tiles
+    internally (O(rows) memory for any S) and returns the log-sum-exp.
+    q [H, T, D]; k, v [Hkv, S, D] -> (o [Hkv, g*T, Dv], lse [Hkv, g*T]) in row layout."""
+    flash = _cpu_flash_attention()
+    h, t, d = q.shape
+    hkv = k.shape[0]
+    g = h // hkv
+    if causal:  # the new tokens' own keys: expand them over the GQA group (T-sized, never the state)
+        out, lse = flash(q[None], k.repeat_interleave(g, 0)[None], v.repeat_interleave(g, 0)[None], 0.0, True,
+                         scale=scale)  # (1, H, T, Dv), (1, H, T)
+    else:  # no mask, so the g query heads of a kv head fold into rows
+        out, lse = flash(q.reshape(1, hkv, g * t, d), k[None], v[None], 0.0, False, scale=scale)
+    return out[0].reshape(hkv, g * t, -1).to(lse.dtype), lse[0].reshape(hkv, g * t)
+
+
 def prefix_causal_attention(q, k, v, *, prefixes: list[KVSegment], q_start: int, scale: float,
                             window: int | None = None, block_size: int = 1024, allow_fused: bool = True):
     """Attention of T new tokens over earlier state segments plus themselves.
@@ -208,10 +202,12 @@ def prefix_causal_attention(q, k, v, *, prefixes: list[KVSegment], q_start: int,
         k, v: [Hkv, T, D] / [Hkv, T, Dv] keys and values of the same T tokens.
         prefixes: `KVSegment`s, all before q_start (the prompt state; in a branch
             replayed in pieces, also the earlier pieces). Empty segments are skipped.
+            A segment with `cp` set holds only this rank's rows of a context-parallel
+            shard: its partial attention is merged across ranks (`distributed.py`).
         scale: softmax scale. window: sliding window W or None.
         block_size: prefix positions per block.
         allow_fused: without autograd on CPU, use torch's fused flash kernel
-            (`fused_prefix_causal_attention`); False forces the blockwise torch path.
+            (`_flash_partial`); False forces the blockwise torch path.
 
     Returns:
         [H, T, Dv] attention output, in q's dtype.
@@ -223,17 +219,34 @@ def prefix_causal_attention(q, k, v, *, prefixes: list[KVSegment], q_start: int,
         assert seg.k.shape[0] == hkv and seg.k.shape[2] == d, (seg.k.shape, k.shape)
         assert seg.start + seg.k.shape[1] <= q_start, "a prefix segment must end before the queries"
     g = h // hkv
-    if allow_fused and can_use_fused(q, k, v, prefixes, window):
-        return fused_prefix_causal_attention(q, k, v, prefixes=prefixes, scale=scale)
+    fused = allow_fused and can_use_fused(q, k, v, prefixes, window)
     rows = q.reshape(hkv, g * t, d)  # (Hkv, M, D): head j*g+i -> kv head j
     k_pos = torch.arange(q_start, q_start + t, device=q.device)
     q_pos = k_pos.repeat(g)  # (M,)
-    # self part: the same blockwise kernel, causal, with gradients to the new K/V; it
-    # holds O(M x block) like the prefix part, never the O(M x T) score matrix
-    out, lse = PrefixAttention.apply(rows, k, v, q_pos, q_start, scale, window, block_size, None, True)
+
+    def attend(rows_in, seg_k, seg_v, seg_start, grad, causal):
+        if fused and seg_k.shape[1] == 0:  # an empty shard on this rank: contributes nothing
+            acc = accumulation_dtype(q.dtype)
+            return (q.new_zeros(hkv, g * t, seg_v.shape[-1], dtype=acc),
+                    q.new_full((hkv, g * t), float("-inf"), dtype=acc))
+        if fused:
+            return _flash_partial(q, seg_k, seg_v, scale, causal)
+        return PrefixAttention.apply(rows_in, seg_k, seg_v, q_pos, seg_start, scale, window, block_size, grad, causal)
+
+    # self part: causal over the new tokens. The blockwise kernel holds O(M x block)
+    # and returns dk, dv of the new tokens, never keeping an O(M x T) score matrix.
+    out, lse = attend(rows, k, v, q_start, None, True)
     for seg in prefixes:
-        if seg.k.shape[1] == 0:
+        if seg.cp is not None:  # this rank's shard: merge the partial across ranks
+            if q_start <= seg.start:
+                continue  # no rank holds anything before the queries
+            from ..distributed import MergeAcrossRanks, SumGradAcrossRanks
+
+            rows_in = rows if fused else SumGradAcrossRanks.apply(rows, seg.cp)
+            out_p, lse_p = MergeAcrossRanks.apply(*attend(rows_in, seg.k, seg.v, seg.start, seg.grad, False), seg.cp)
+        elif seg.k.shape[1] == 0:
             continue
-        out_p, lse_p = PrefixAttention.apply(rows, seg.k, seg.v, q_pos, seg.start, scale, window, block_size, seg.grad)
+        else:
+            out_p, lse_p = attend(rows, seg.k, seg.v, seg.start, seg.grad, False)
         out, lse = _merge(out_p, lse_p, out, lse), torch.logaddexp(lse_p, lse)
     return out.to(q.dtype).reshape(h, t, -1)

@@ -83,3 +83,38 @@ def naive_causal_conv1d(x, weight, bias=None, tail=None, activation="silu"):
     if activation is not None:
         y = y * torch.sigmoid(y)
     return y, full[:, full.shape[1] - (kw - 1):]
+
+
+def naive_indexer_scores(q_idx, weights, keys_all, key_positions, q_positions, scale):
+    """Dense DSA index scores, HF's formula: sum_h weights[t,h] * relu(scale * q_idx[t,h] . key[n]).
+
+    q_idx [T, Hi, Di], weights [T, Hi], keys_all [N, Di] at absolute positions key_positions [N],
+    queries at q_positions [T]. Returns [T, N] with -inf where key_positions > q_positions (causal)."""
+    scores = torch.relu(torch.einsum("thd,nd->thn", q_idx, keys_all) * scale)
+    index = (weights[:, :, None] * scores).sum(1)
+    return index.masked_fill(key_positions[None, :] > q_positions[:, None], float("-inf"))
+
+
+def naive_indexer_topk(q_idx, weights, keys_all, key_positions, q_positions, topk, scale):
+    """Top-k by Python sort on (-score, position) over the visible keys: best first, ties by lower
+    position, rows padded with -1 when fewer than topk keys are visible. Returns LongTensor [T, topk]."""
+    scores = naive_indexer_scores(q_idx, weights, keys_all, key_positions, q_positions, scale)
+    rows = []
+    for t in range(scores.shape[0]):
+        cand = sorted((-float(scores[t, n]), int(key_positions[n])) for n in range(scores.shape[1])
+                      if int(key_positions[n]) <= int(q_positions[t]))
+        picked = [p for _, p in cand[:topk]]
+        rows.append(picked + [-1] * (topk - len(picked)))
+    return torch.tensor(rows, dtype=torch.long).reshape(scores.shape[0], topk)
+
+
+def naive_sparse_attention(q, keys_all, values_all, positions_all, indices, q_positions, scale):
+    """Dense masked softmax over all N keys, masked to the selected positions (MQA: one key/value head).
+
+    q [H, T, D], keys_all [N, D], values_all [N, Dv] at absolute positions positions_all [N],
+    indices [T, K] selected absolute positions (-1 = none), q_positions [T] (unused: the selection
+    alone decides visibility). Returns [H, T, Dv]."""
+    selected = (positions_all[None, None, :] == indices[:, :, None]).any(1)  # [T, N]
+    scores = (q @ keys_all.T) * scale  # (H, T, N)
+    scores = scores.masked_fill(~selected[None], float("-inf"))
+    return torch.softmax(scores, dim=-1) @ values_all

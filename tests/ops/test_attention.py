@@ -77,6 +77,7 @@ def test_window_that_hides_the_whole_prefix_for_some_rows():
 
 @pytest.mark.parametrize("s", [0, 1, 13])
 def test_fused_forward_path_matches_blockwise_torch_path(s):
+    """The no-grad fast path (torch's CPU flash kernel) against the blockwise kernel."""
     q, k, v, pk, pv, _ = _inputs(6, 2, 5, s, 8, 8)
     big = torch.randn(2, s + 7, 8, dtype=torch.float64)
     big[:, :s] = pk  # a non-contiguous view, as the preallocated state hands out

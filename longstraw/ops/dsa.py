@@ -1,0 +1,364 @@
+"""DeepSeek Sparse Attention (DSA) over the MLA latent: the indexer's top-k and the
+sparse attention it restricts (GLM-5.x, DeepSeek-V3.2).
+
+* `indexer_topk` scores every visible position for each new token with HF's formula
+
+      score[t, p] = sum_h weights[t, h] * relu(scale * q_idx[t, h] . key[p])
+
+  and keeps the `topk` best. Unlike HF (`torch.topk`, arbitrary among ties) ties are
+  broken by the LOWER absolute position, so the selection does not depend on how the
+  positions are split into segments or the queries into blocks/chunks.
+* `sparse_latent_attention` is absorbed-MLA attention (MQA, one shared key/value row
+  per position) restricted to the selected positions. It gathers only the selected
+  rows per query block and recomputes them in backward, so memory is
+  O(query_block x K x D), never O(T x S); the state segments are read in place and
+  their gradient, when wanted, is added into their `KVSegment.grad` sinks.
+
+Index convention (both ops): indices are ABSOLUTE positions (LongTensor [T, K]);
+-1 means "no position" (a query that sees fewer than K positions). Rows are ordered
+by score, best first, ties by lower position; the -1 entries come last.
+
+Legend: T new tokens at absolute positions q_start .. q_start + T - 1, S_j positions of
+segment j (all before q_start), N = sum S_j + T, Hi/Di indexer heads/dim, H query heads,
+D = kv_lora_rank + rope_dim key dim, Dv = kv_lora_rank value dim, K = topk.
+Arithmetic is float32 for half/float32 inputs and float64 for float64 inputs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from longstraw.ops.attention import KVSegment, accumulation_dtype
+
+__all__ = ["indexer_topk", "sparse_latent_attention", "SparseLatentAttention"]
+
+
+# ---------------------------------------------------------------------------------------------
+# indexer
+
+
+def _select_topk(scores: torch.Tensor, pos: torch.Tensor, topk: int) -> torch.Tensor:
+    """Top-k of each row of `scores` [B, n] (-inf = invisible), columns at increasing absolute
+    positions `pos` [n]. Returns [B, topk] positions, best first, ties by lower position,
+    -1 where a row has fewer than topk visible columns.
+
+    Exact and O(B x n): the k-th largest value is the threshold; everything above it is in,
+    and of the columns equal to it the leftmost (= lowest positions) fill the rest."""
+    bsz, n = scores.shape
+    device = scores.device
+    sel_pos = torch.full((bsz, topk), -1, dtype=torch.long, device=device)
+    if n == 0 or topk == 0:
+        return sel_pos
+    kt = min(topk, n)
+    thr = scores.topk(kt, dim=-1, sorted=False).values.amin(dim=-1, keepdim=True)  # k-th largest, [B, 1]
+    greater = scores > thr
+    # thr == -inf: the row sees fewer than kt positions; all visible (finite) ones are in.
+    eq = (scores == thr) & torch.isfinite(thr)
+    need = kt - greater.sum(dim=-1, keepdim=True, dtype=torch.int32)
+    chosen = greater | (eq & (eq.cumsum(dim=-1, dtype=torch.int32) <= need))
+    del greater, eq
+    rows, cols = chosen.nonzero(as_tuple=True)  # row-major: columns ascending within a row
+    counts = chosen.sum(dim=-1)
+    del chosen
+    rank = torch.arange(rows.numel(), device=device) - (torch.cumsum(counts, 0) - counts)[rows]
+    sel_pos[rows, rank] = pos[cols]
+    sel_score = torch.full((bsz, topk), float("-inf"), dtype=scores.dtype, device=device)
+    sel_score[rows, rank] = scores[rows, cols]
+    # stable: among equal scores the lower position (earlier slot) stays first; -1 slots (-inf) last
+    order = torch.sort(sel_score, dim=-1, descending=True, stable=True).indices
+    return sel_pos.gather(-1, order)
+
+
+@torch.no_grad()
+def indexer_topk(q_idx, weights, key_segments, new_keys, q_start, topk, *, scale, query_block=128,
+                 key_block=1024):
+    """DSA indexer: the top-k visible positions of each new token.
+
+    Args:
+        q_idx: [T, Hi, Di] indexer queries of the new tokens (positions q_start .. q_start+T-1).
+        weights: [T, Hi] per-head weights, already including HF's n_heads**-0.5 factor.
+        key_segments: list of (keys [S_j, Di], start_j): indexer keys of earlier positions
+            start_j .. start_j + S_j - 1, non-overlapping, all < q_start, in any order.
+        new_keys: [T, Di] indexer keys of the new tokens.
+        q_start: absolute position of the first new token.
+        topk: number of positions to keep per query (K).
+        scale: indexer softmax scale (HF: index_head_dim**-0.5), applied before the relu.
+        query_block: queries scored at once; memory is O(query_block x N).
+        key_block: keys per matmul; bounds the [query_block, Hi, key_block] temporary.
+
+    Returns:
+        LongTensor [T, topk] of absolute positions. Visible to query t: every segment
+        position and the new positions <= q_start + t. Ordered by score, best first; equal
+        scores by LOWER position (deterministic, so chunking never changes the selection).
+        Where fewer than topk positions are visible the row is padded with -1 at the end.
+    """
+    t, hi, di = q_idx.shape
+    assert weights.shape == (t, hi), (weights.shape, q_idx.shape)
+    assert new_keys.shape == (t, di), (new_keys.shape, q_idx.shape)
+    acc = accumulation_dtype(q_idx.dtype)
+    device = q_idx.device
+    segs = sorted(((k, int(s)) for k, s in key_segments if k.shape[0] > 0), key=lambda ks: ks[1])
+    end = None
+    for k, s in segs:
+        assert k.dim() == 2 and k.shape[1] == di, (k.shape, di)
+        assert end is None or s >= end, "key segments overlap"
+        end = s + k.shape[0]
+    assert end is None or end <= q_start, "a key segment must end before the queries"
+    s_total = sum(k.shape[0] for k, _ in segs)
+    # columns in increasing absolute position: the segments (sorted), then the new tokens
+    pos_all = torch.cat([torch.arange(s, s + k.shape[0], device=device) for k, s in segs]
+                        + [torch.arange(q_start, q_start + t, device=device)])
+    out = torch.full((t, topk), -1, dtype=torch.long, device=device)
+    if t == 0 or topk == 0:
+        return out
+    w_all = weights.to(acc)
+    for b0 in range(0, t, query_block):
+        b1 = min(t, b0 + query_block)
+        bsz = b1 - b0
+        n = s_total + b1  # new tokens after b1 - 1 are invisible to this whole block
+        scores = torch.empty(bsz, n, dtype=acc, device=device)
+        qb = q_idx[b0:b1].to(acc).reshape(bsz * hi, di)
+        wb = w_all[b0:b1, None, :]  # [B, 1, Hi]
+        col = 0
+        for keys in [k for k, _ in segs] + [new_keys[:b1]]:
+            for c0 in range(0, keys.shape[0], key_block):
+                c1 = min(keys.shape[0], c0 + key_block)
+                s = torch.matmul(qb, keys[c0:c1].to(acc).T).view(bsz, hi, c1 - c0)
+                s.mul_(scale).relu_()  # HF: relu(q @ k^T * scale)
+                scores[:, col + c0:col + c1] = torch.bmm(wb, s)[:, 0]  # HF: weights @ scores
+            col += keys.shape[0]
+        j = torch.arange(b1, device=device)
+        qi = torch.arange(b0, b1, device=device)
+        scores[:, s_total:].masked_fill_(j[None, :] > qi[:, None], float("-inf"))
+        out[b0:b1] = _select_topk(scores, pos_all[:n], topk)
+        del scores
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# sparse attention
+
+
+def _is_leading_columns(part: torch.Tensor, whole: torch.Tensor) -> bool:
+    """True when `part` is the view whole[..., :part.shape[-1]] (same memory, same strides)."""
+    return (part.device == whole.device and part.dtype == whole.dtype and part.dim() == whole.dim()
+            and part.untyped_storage().data_ptr() == whole.untyped_storage().data_ptr()
+            and part.storage_offset() == whole.storage_offset() and part.stride() == whole.stride()
+            and part.shape[:-1] == whole.shape[:-1] and part.shape[-1] <= whole.shape[-1])
+
+
+@dataclass
+class _Source:
+    """A run of key/value rows at absolute positions start .. start + n - 1: a prefix segment
+    (k [n, D], v [n, Dv], its sink rows or None) or, last in the list, the new tokens."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    start: int
+    sink: tuple | None = None
+
+
+def _sources(prefixes, k_new, v_new, q_start) -> list[_Source]:
+    out = [_Source(seg.k[0], seg.v[0], seg.start, None if seg.grad is None else (seg.grad[0][0], seg.grad[1][0]))
+           for seg in prefixes if seg.k.shape[1] > 0]
+    out.append(_Source(k_new, v_new, q_start))
+    return out
+
+
+class _Plan:
+    """Where each entry of a query block's indices [B, K] lives.
+
+    The source holding most entries is `primary`: it is gathered / scattered over all B*K entries
+    at once (row index clamped; the other entries are overwritten / zeroed), the others only over
+    their own entries. So the big rows are read with one index_select into a reused buffer and
+    their gradient written with one index_add_ per sink tensor."""
+
+    def __init__(self, idx: torch.Tensor, sources: list[_Source]):
+        flat = idx.reshape(-1)
+        self.n = flat.numel()
+        valid = flat >= 0
+        masks = [(flat >= s.start) & (flat < s.start + s.k.shape[0]) for s in sources]
+        counts = torch.stack([valid.sum()] + [m.sum() for m in masks]).tolist()  # one sync
+        if sum(counts[1:]) != counts[0] or not torch.equal(torch.stack(masks).any(0), valid):
+            raise ValueError("an index is neither -1 nor a position of exactly one prefix segment or new token")
+        counts = counts[1:]
+        self.primary = max(range(len(sources)), key=counts.__getitem__)
+        p = sources[self.primary]
+        self.primary_rel = (flat - p.start).clamp_(0, p.k.shape[0] - 1)
+        self.others = []  # (source index, entry ids, rows in that source)
+        for j, (src, m) in enumerate(zip(sources, masks)):
+            if j != self.primary and counts[j] > 0:
+                sel = m.nonzero().squeeze(1)
+                self.others.append((j, sel, flat[sel] - src.start))
+        self.not_primary = (~masks[self.primary]).nonzero().squeeze(1)
+        self.invalid = (~valid).nonzero().squeeze(1)
+        self.valid = valid.view(idx.shape)
+
+    def gather(self, sources: list[_Source], attr: str, buf: torch.Tensor) -> torch.Tensor:
+        """Rows [n, width] of `attr` ('k' or 'v') of every entry, written into buf, zero at -1."""
+        out = buf[:self.n]
+        src = getattr(sources[self.primary], attr)
+        if src.dtype == out.dtype:
+            torch.index_select(src, 0, self.primary_rel, out=out)
+        else:
+            out.copy_(src.index_select(0, self.primary_rel))
+        for j, sel, rel in self.others:
+            out.index_copy_(0, sel, getattr(sources[j], attr).index_select(0, rel).to(out.dtype))
+        if self.invalid.numel():
+            out.index_fill_(0, self.invalid, 0)
+        return out
+
+    def scatter(self, targets: list, dk_rows: torch.Tensor, dv_rows: torch.Tensor) -> None:
+        """Add the entries' key/value gradient rows [n, D] / [n, Dv] into each source's targets
+        (dk, dv) (either may be None). dk_rows / dv_rows are scratch: they get overwritten."""
+        for j, sel, rel in self.others:
+            tk, tv = targets[j] or (None, None)
+            if tk is not None:
+                tk.index_add_(0, rel, dk_rows.index_select(0, sel).to(tk.dtype))
+            if tv is not None:
+                tv.index_add_(0, rel, dv_rows.index_select(0, sel).to(tv.dtype))
+        tk, tv = targets[self.primary] or (None, None)
+        if tk is None and tv is None:
+            return
+        if self.not_primary.numel():  # other sources' rows are done; -1 rows are zero already
+            dk_rows.index_fill_(0, self.not_primary, 0)
+            dv_rows.index_fill_(0, self.not_primary, 0)
+        if tk is not None and tv is not None and _is_leading_columns(tv, tk):
+            # a latent sink: dv lives in dk's first Dv columns, so one scatter adds both
+            dk_rows[:, :dv_rows.shape[1]] += dv_rows
+            tv = None
+        if tk is not None:
+            tk.index_add_(0, self.primary_rel, dk_rows.to(tk.dtype))
+        if tv is not None:
+            tv.index_add_(0, self.primary_rel, dv_rows.to(tv.dtype))
+
+
+def _block_rows(plan, sources, latent, kbuf, vbuf, bsz, kk):
+    """Gathered keys [B, K, D] and values [B, K, Dv] of a block (values a view of keys if latent)."""
+    kb = plan.gather(sources, "k", kbuf).view(bsz, kk, -1)
+    if latent:
+        return kb, kb[..., :sources[-1].v.shape[1]]
+    return kb, plan.gather(sources, "v", vbuf).view(bsz, kk, -1)
+
+
+class SparseLatentAttention(torch.autograd.Function):
+    """out [H, T, Dv] (accumulation dtype) of MQA restricted to selected positions, with recompute.
+
+    forward(q [H, T, D], k_new [T, D], v_new [T, Dv], indices [T, K], prefixes, q_start, scale,
+    query_block). Saves q, k_new, v_new, indices, out and lse; the prefix segments are held by
+    reference. Gradients go to q, k_new, v_new, and into each segment's `grad` sink (if any);
+    the segments themselves are constants to autograd.
+    """
+
+    @staticmethod
+    def forward(ctx, q, k_new, v_new, indices, prefixes, q_start, scale, query_block):
+        acc = accumulation_dtype(q.dtype)
+        h, t, d = q.shape
+        dv, kk = v_new.shape[1], indices.shape[1]
+        sources = _sources(prefixes, k_new, v_new, q_start)
+        latent = all(_is_leading_columns(s.v, s.k) for s in sources)
+        bmax = min(t, query_block)
+        kbuf = torch.empty(bmax * kk, d, dtype=acc, device=q.device)
+        vbuf = None if latent else torch.empty(bmax * kk, dv, dtype=acc, device=q.device)
+        out = torch.zeros(h, t, dv, dtype=acc, device=q.device)
+        lse = torch.full((h, t), float("-inf"), dtype=acc, device=q.device)
+        for b0 in range(0, t, query_block):
+            b1 = min(t, b0 + query_block)
+            plan = _Plan(indices[b0:b1], sources)
+            kb, vb = _block_rows(plan, sources, latent, kbuf, vbuf, b1 - b0, kk)
+            qb = q[:, b0:b1].to(acc).transpose(0, 1)  # [B, H, D]
+            scores = torch.matmul(qb, kb.transpose(1, 2)).mul_(scale)  # [B, H, K]
+            scores.masked_fill_(~plan.valid[:, None, :], float("-inf"))
+            row_max = scores.amax(dim=-1)
+            safe_max = torch.where(torch.isinf(row_max), torch.zeros_like(row_max), row_max)
+            probs = scores.sub_(safe_max[..., None]).exp_()
+            denom = probs.sum(dim=-1)
+            ob = torch.matmul(probs, vb) / torch.where(denom == 0, torch.ones_like(denom), denom)[..., None]
+            out[:, b0:b1] = ob.transpose(0, 1)
+            lse[:, b0:b1] = (safe_max + torch.log(denom)).transpose(0, 1)  # -inf for a row with no index
+        ctx.save_for_backward(q, k_new, v_new, indices, out, lse)
+        ctx.prefixes = prefixes
+        ctx.q_start, ctx.scale, ctx.query_block = q_start, scale, query_block
+        return out
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_out):
+        q, k_new, v_new, indices, out, lse = ctx.saved_tensors
+        q_start, scale, query_block = ctx.q_start, ctx.scale, ctx.query_block
+        acc = out.dtype
+        h, t, d = q.shape
+        dv, kk = v_new.shape[1], indices.shape[1]
+        sources = _sources(ctx.prefixes, k_new, v_new, q_start)
+        latent = all(_is_leading_columns(s.v, s.k) for s in sources)
+        grad_out = grad_out.to(acc)
+        delta = (grad_out * out).sum(dim=-1)  # [H, T]
+        # +inf where a row had no index, so exp(s - lse) is 0 there, never NaN.
+        lse = torch.where(torch.isinf(lse), torch.full_like(lse, float("inf")), lse)
+        need_dk, need_dv = ctx.needs_input_grad[1], ctx.needs_input_grad[2]
+        dq = torch.zeros(q.shape, dtype=acc, device=q.device)
+        dk_new = torch.zeros(k_new.shape, dtype=acc, device=q.device) if need_dk else None
+        dv_new = torch.zeros(v_new.shape, dtype=acc, device=q.device) if need_dv else None
+        targets = [s.sink for s in sources[:-1]] + [(dk_new, dv_new)]
+        need_rows = need_dk or need_dv or any(s.sink is not None for s in sources[:-1])
+        bmax = min(t, query_block)
+        kbuf = torch.empty(bmax * kk, d, dtype=acc, device=q.device)
+        vbuf = None if latent else torch.empty(bmax * kk, dv, dtype=acc, device=q.device)
+        dkbuf = torch.empty(bmax * kk, d, dtype=acc, device=q.device) if need_rows else None
+        dvbuf = torch.empty(bmax * kk, dv, dtype=acc, device=q.device) if need_rows else None
+        for b0 in range(0, t, query_block):
+            b1 = min(t, b0 + query_block)
+            bsz = b1 - b0
+            plan = _Plan(indices[b0:b1], sources)
+            kb, vb = _block_rows(plan, sources, latent, kbuf, vbuf, bsz, kk)
+            qb = q[:, b0:b1].to(acc).transpose(0, 1)  # [B, H, D]
+            scores = torch.matmul(qb, kb.transpose(1, 2)).mul_(scale)  # [B, H, K]
+            scores.masked_fill_(~plan.valid[:, None, :], float("-inf"))
+            probs = scores.sub_(lse[:, b0:b1].transpose(0, 1)[..., None]).exp_()
+            gob = grad_out[:, b0:b1].transpose(0, 1)  # [B, H, Dv]
+            dscores = torch.matmul(gob, vb.transpose(1, 2))
+            dscores.sub_(delta[:, b0:b1].transpose(0, 1)[..., None]).mul_(probs)
+            dq[:, b0:b1] = torch.matmul(dscores, kb).mul_(scale).transpose(0, 1)
+            if not need_rows:
+                continue
+            n = bsz * kk
+            dkb = torch.bmm(dscores.transpose(1, 2), qb, out=dkbuf[:n].view(bsz, kk, d)).mul_(scale)
+            dvb = torch.bmm(probs.transpose(1, 2), gob, out=dvbuf[:n].view(bsz, kk, dv))
+            plan.scatter(targets, dkb.view(n, d), dvb.view(n, dv))
+        return (dq.to(q.dtype), None if dk_new is None else dk_new.to(k_new.dtype),
+                None if dv_new is None else dv_new.to(v_new.dtype), None, None, None, None, None)
+
+
+def sparse_latent_attention(q, k_new, v_new, indices, *, prefixes: list[KVSegment], q_start: int, scale: float,
+                            query_block: int = 64):
+    """Absorbed-MLA attention of T new tokens restricted to the DSA-selected positions.
+
+    Args:
+        q: [H, T, D] queries (absorbed into latent space) at positions q_start .. q_start + T - 1.
+        k_new, v_new: [T, D] / [T, Dv] the new tokens' shared key/value rows (v_new may be a view
+            of k_new[:, :Dv]).
+        indices: LongTensor [T, K] absolute positions to attend to, -1 = none (e.g. from
+            `indexer_topk`); each must lie in exactly one prefix segment or be a new position
+            (else ValueError); order is irrelevant; no duplicates other than -1. Causality is the
+            indices' business (`indexer_topk` only selects visible positions).
+        prefixes: `KVSegment`s with k [1, S, D], v [1, S, Dv] (v may be a view of k[..., :Dv]),
+            all before q_start; optional grad = (dk [1, S, D], dv [1, S, Dv]) sinks, added into
+            in place by backward (dv may be a view into dk's first Dv columns).
+        scale: softmax scale. query_block: queries per gathered block; memory O(query_block x K x D).
+
+    Returns:
+        [H, T, Dv] in q's dtype. A row whose indices are all -1 gets zeros (and no gradient).
+    """
+    h, t, d = q.shape
+    assert k_new.shape == (t, d), (k_new.shape, q.shape)
+    assert v_new.dim() == 2 and v_new.shape[0] == t, (v_new.shape, q.shape)
+    assert indices.dim() == 2 and indices.shape[0] == t, (indices.shape, q.shape)
+    for seg in prefixes:
+        assert seg.k.dim() == 3 and seg.k.shape[0] == 1 and seg.k.shape[2] == d, (seg.k.shape, d)
+        assert seg.v.shape == (1, seg.k.shape[1], v_new.shape[1]), (seg.v.shape, v_new.shape)
+        assert seg.start + seg.k.shape[1] <= q_start, "a prefix segment must end before the queries"
+        assert getattr(seg, "cp", None) is None, "a position-sharded (context-parallel) segment is not supported"
+    out = SparseLatentAttention.apply(q, k_new, v_new, indices.long(), list(prefixes), q_start, scale, query_block)
+    return out.to(q.dtype)
