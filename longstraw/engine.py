@@ -27,11 +27,12 @@ from torch import nn
 
 from . import grpo as G
 from .config import ExecConfig, GRPOConfig
+from .distributed import ContextParallel, check_same_group
 from .errors import ConfigError, InvalidGroupError, PositionLimitError
 from .group import BatchTotals, Group, StepResult, validate_group
 from .logprobs import token_logprobs
 from .models import adapter_for
-from .state import PromptState
+from .state import PromptState, Shard
 
 
 def _progress(iterable, *, enabled: bool, desc: str, total: int):
@@ -40,6 +41,15 @@ def _progress(iterable, *, enabled: bool, desc: str, total: int):
     from tqdm.auto import tqdm
 
     return tqdm(iterable, desc=desc, total=total, leave=False)
+
+
+def _fingerprint(group: Group, rewards) -> torch.Tensor:
+    """A small float64 summary of a group, to check that every rank got the same one."""
+    sums = [float(group.prompt.numel()), float(group.prompt.sum()), float(group.size)]
+    sums += [float(r.numel()) + 1e-3 * float(r.sum()) for r in group.responses]
+    if rewards is not None:
+        sums += [float(x) for x in rewards]
+    return torch.tensor(sums, dtype=torch.float64)
 
 
 class _BranchStats:
@@ -71,13 +81,14 @@ class Engine:
         config: how to execute (`ExecConfig`); defaults to `ExecConfig()`.
     """
 
-    def __init__(self, model: nn.Module, config: ExecConfig | None = None):
+    def __init__(self, model: nn.Module, config: ExecConfig | None = None, *, process_group=None):
         config = ExecConfig() if config is None else config
         if not isinstance(config, ExecConfig):
             raise ConfigError(f"config must be a longstraw.ExecConfig, got {type(config).__name__}")
         self.model = model
         self.config = config
         self.adapter = adapter_for(model)
+        self.cp = ContextParallel.from_default_group(process_group) if config.context_parallel else None
 
     # ------------------------------------------------------------------------
     # validation: everything is checked before the first expensive step
@@ -95,6 +106,9 @@ class Engine:
                 "ExecConfig(allow_position_overflow=True)"
             )
         self.adapter.check_runnable()
+        if self.cp is not None:
+            self.adapter.check_context_parallel(total)
+            check_same_group(_fingerprint(group, rewards), self.cp)
         return rewards
 
     @staticmethod
@@ -127,7 +141,11 @@ class Engine:
         """Run prompt[:-1] ([P-1] tokens) in chunks under no_grad; return its state.
         With `exact`, the state also gets zeroed gradient buffers for replay to fill."""
         ids = prompt[:-1].to(self.adapter.device)
-        state = self.adapter.new_state(ids.shape[0], exact=exact)
+        shard = None
+        if self.cp is not None:
+            block = self.config.shard_block_size or self.config.attention_block_size
+            shard = Shard(rank=self.cp.rank, world=self.cp.world, block=block, cp=self.cp)
+        state = self.adapter.new_state(ids.shape[0], exact=exact, shard=shard)
         self._capture_chunks(ids, 0, [state], self.config.chunk_size, "capture")
         if exact:
             state.enable_grad_buffers()
@@ -231,6 +249,7 @@ class Engine:
         equal = bool(rewards.max() == rewards.min())
         adv = torch.zeros_like(rewards) if equal else G.advantages(rewards, grpo)
         metrics = {
+            "context_parallel_world": float(self.cp.world if self.cp is not None else 1),
             "prompt_tokens": float(group.prompt.numel()),
             "response_tokens": float(group.response_tokens),
             "num_branches": float(group.size),

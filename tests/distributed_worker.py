@@ -1,0 +1,89 @@
+"""Worker processes for tests/test_distributed.py (spawned, gloo, CPU, float64).
+
+Each rank runs every case with context parallelism and compares its loss and every
+parameter gradient with a single-process run of the same engine in the same
+process. A mismatch raises, which fails the spawning test.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+
+import torch
+import torch.distributed as dist
+
+import longstraw as ls
+from tests.reference import (assert_grads_close, float64_hybrid, grads_of, random_group, tiny_hybrid, tiny_mla,
+                             tiny_model)
+
+CASES = {
+    "dense": lambda: tiny_model("qwen3"),
+    "hybrid": lambda: tiny_hybrid("qwen3_5"),
+    "mla": lambda: tiny_mla("deepseek_v3"),
+    "glm": lambda: tiny_mla("glm_moe_dsa", index_topk=64),
+}
+
+
+def _init(rank: int, world: int, init_file: str) -> None:
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
+                           timeout=datetime.timedelta(seconds=60))
+    torch.set_num_threads(1)
+
+
+def run_cases(rank: int, world: int, init_file: str, cases: list[str], modes: list[str]) -> None:
+    _init(rank, world, init_file)
+    try:
+        for name in cases:
+            model = CASES[name]()
+            group = random_group(97, 23, [5, 1, 7], seed=3)
+            for mode in modes:
+                exec_kw = dict(chunk_size=6, attention_block_size=4, shard_block_size=3, mode=mode)
+                ctx = float64_hybrid(model) if name == "hybrid" else _null()
+                with ctx:
+                    model.zero_grad(set_to_none=True)
+                    single = ls.Engine(model, ls.ExecConfig(**exec_kw)).step(group)
+                    want = grads_of(model)
+                    model.zero_grad(set_to_none=True)
+                    engine = ls.Engine(model, ls.ExecConfig(context_parallel=True, **exec_kw))
+                    result = engine.step(group)
+                    got = grads_of(model)
+                assert abs(result.loss - single.loss) <= 1e-9 * abs(single.loss) + 1e-13, (name, mode)
+                assert_grads_close(got, want, 1e-9)
+                # each rank holds ~1/W of the per-token state (within one block of 3 positions)
+                mine = _per_token_bytes(engine.capture(group.prompt))
+                total = _per_token_bytes(ls.Engine(model, ls.ExecConfig(**exec_kw)).capture(group.prompt))
+                assert abs(mine - total / world) <= total / (group.prompt.numel() - 1) * 3, (name, mine, total)
+    finally:
+        dist.destroy_process_group()
+
+
+def _per_token_bytes(state) -> int:
+    """Bytes of the position-sharded state (K/V, MLA latents); GDN state is replicated."""
+    from longstraw.state import AttentionKV, MLAState
+
+    return sum(layer.nbytes() if isinstance(layer, AttentionKV) else layer.latent.nbytes()
+               for layer in state.layers if isinstance(layer, (AttentionKV, MLAState)))
+
+
+class _null:
+    def __enter__(self):
+        return None
+
+    def __exit__(self, *exc):
+        return False
+
+
+def crash_one_rank(rank: int, world: int, init_file: str, flag_dir: str) -> None:
+    """Rank 1 raises before its step; the others must fail fast, not hang."""
+    _init(rank, world, init_file)
+    model = tiny_model("llama")
+    group = random_group(97, 30, [4, 4], seed=1)
+    engine = ls.Engine(model, ls.ExecConfig(context_parallel=True, chunk_size=8))
+    if rank == 1:
+        raise RuntimeError("rank 1 fails on purpose")
+    try:
+        engine.step(group)
+    except ls.LongStrawError as exc:
+        open(os.path.join(flag_dir, f"rank{rank}.failed"), "w").write(str(exc))
+        raise
