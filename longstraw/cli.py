@@ -104,9 +104,10 @@ def _add_plan_parser(sub) -> None:
                                                                        "(default: one piece)")
     p.add_argument("--attention-block-size", type=int, default=1024, help="prompt block of the attention (1024)")
     p.add_argument("--logits-chunk-size", type=int, default=1024, help="lm_head chunk (default 1024)")
-    p.add_argument("--self-attention", default="dense", choices=["dense", "fused-nograd", "flash"],
-                   help="self part of attention: dense = plain torch [heads,T,T] scores (today on CUDA); "
-                        "fused-nograd = fused capture, dense replay (today on CPU); flash = fused everywhere")
+    p.add_argument("--self-attention", default="flash", choices=["dense", "fused-nograd", "flash"],
+                   help="self part of attention: flash = blockwise with recompute, O(T) kept (today's code); "
+                        "dense = plain torch [heads,T,T] scores (to compare); fused-nograd = fused capture, "
+                        "dense autograd passes")
     p.add_argument("--shard-params", action="store_true", help="shard weights/grads/optimizer 1/W (FSDP-style)")
     p.add_argument("--offload-state", action="store_true", help="keep the prompt state in host memory")
     p.add_argument("--score-passes", type=int, default=0, help="no-grad scoring forwards per branch (old/ref "

@@ -474,12 +474,13 @@ class PlanConfig:
     logits_chunk_size: int = 1024
     """Response tokens per lm_head + log-softmax chunk (ExecConfig)."""
 
-    self_attention: str = "dense"
+    self_attention: str = "flash"
     """How a replayed piece or a captured chunk attends to itself (and, without
-    autograd, to the prompt). 'dense': plain torch, [heads, T, T] fp32 scores and
-    probabilities per attention layer (today's code on CUDA). 'fused-nograd': capture
-    uses torch's fused flash kernel, autograd passes are dense (today's code on CPU).
-    'flash': a fused kernel everywhere, O(T) kept (what a GPU build would use)."""
+    autograd, to the prompt). 'flash' (today's code): the blockwise causal kernel with
+    recompute, O(T) kept and an O(T x block) working set, in every pass. 'dense': plain
+    torch [heads, T, T] fp32 scores and probabilities per attention layer (LongStraw
+    before the blockwise self part; kept to compare). 'fused-nograd': a fused capture
+    with dense autograd passes."""
 
     shard_params: bool = False
     """Shard weights, gradients and optimizer state 1/W over the ranks (FSDP / ZeRO-3
