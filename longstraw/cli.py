@@ -18,6 +18,21 @@ def _mib(n: float) -> str:
     return f"{n / 2**20:,.1f} MiB"
 
 
+def _init_torchrun():
+    """Under torchrun (WORLD_SIZE > 1): init the default process group; return the rank."""
+    import datetime
+    import os
+
+    import torch
+    import torch.distributed as dist
+
+    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
+        return None
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    dist.init_process_group(backend, timeout=datetime.timedelta(minutes=10))
+    return dist.get_rank()
+
+
 def demo(args) -> int:
     import torch
 
@@ -25,19 +40,27 @@ def demo(args) -> int:
     from longstraw.memory import naive_bytes_per_token, peak_rss_bytes, rss_bytes
     from longstraw.tiny import random_group, tiny_model
 
+    rank = _init_torchrun()
+    lead = rank in (None, 0)  # only one rank prints
     torch.manual_seed(args.seed)
     dtype = {"float32": torch.float32, "float64": torch.float64}[args.dtype]
     model = tiny_model(args.family, dtype=dtype, seed=args.seed)
     vocab = model.config.vocab_size
     n_params = sum(p.numel() for p in model.parameters())
     group = random_group(vocab, args.prompt_tokens, args.group, args.response_tokens, seed=args.seed)
-    print(f"LongStraw demo: tiny {args.family} ({n_params / 1e6:.1f}M params, {args.dtype}), "
-          f"P={args.prompt_tokens:,}, G={args.group}, R={args.response_tokens}, "
-          f"chunk={args.chunk_size}, mode={args.mode}", file=sys.stderr)
-    engine = ls.Engine(model, ls.ExecConfig(chunk_size=args.chunk_size, mode=args.mode, progress=True))
+    world = 1 if rank is None else torch.distributed.get_world_size()
+    if lead:
+        print(f"LongStraw demo: tiny {args.family} ({n_params / 1e6:.1f}M params, {args.dtype}), "
+              f"P={args.prompt_tokens:,}, G={args.group}, R={args.response_tokens}, chunk={args.chunk_size}, "
+              f"mode={args.mode}" + (f", context-parallel over {world} ranks" if world > 1 else ""), file=sys.stderr)
+    config = ls.ExecConfig(chunk_size=args.chunk_size, mode=args.mode, branch_chunk_size=args.branch_chunk_size,
+                           progress=lead, context_parallel=world > 1)
+    engine = ls.Engine(model, config)
     rss_model = rss_bytes()
     result = engine.step(group, ls.GRPOConfig())
     peak_above = peak_rss_bytes() - rss_model
+    if not lead:
+        return 0
     grad_norm = torch.sqrt(sum((p.grad.double() ** 2).sum() for p in model.parameters() if p.grad is not None))
     per_token = naive_bytes_per_token(model, vocab)
     naive_branch = per_token * (args.prompt_tokens + args.response_tokens)
@@ -45,10 +68,15 @@ def demo(args) -> int:
     rows = [
         ("loss (0 on-policy when all R_i are equal)", f"{result.loss:.6f}"),
         ("gradient norm", f"{float(grad_norm):.4e}"),
-        ("prompt state", _mib(m["state_bytes"])),
+        ("prompt state" + (" (this rank)" if world > 1 else ""), _mib(m["state_bytes"])),
         ("peak RSS above loaded model", _mib(peak_above)),
         ("time: capture", f"{m['time_capture_s']:.2f} s"),
         ("time: replay (all branches)", f"{m['time_replay_s']:.2f} s"),
+    ]
+    if args.mode == "exact":
+        rows += [("state gradient buffers", _mib(m["state_grad_bytes"])),
+                 ("time: reverse walk", f"{m['time_reverse_s']:.2f} s")]
+    rows += [
         ("naive graph, one full sequence*", _mib(naive_branch)),
         ("naive graph, G sequences batched*", _mib(naive_branch * args.group)),
     ]
@@ -118,6 +146,8 @@ def _add_plan_parser(sub) -> None:
 
 
 def main(argv=None) -> int:
+    from longstraw.tiny import DEFAULT_FAMILY, TINY_CONFIGS
+
     parser = argparse.ArgumentParser(prog="longstraw", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("demo", help="one GRPO step on a tiny built-in model (no download)")
@@ -126,7 +156,9 @@ def main(argv=None) -> int:
     p.add_argument("--response-tokens", type=int, default=256, help="R per response (default 256)")
     p.add_argument("--chunk-size", type=int, default=4096, help="capture chunk (default 4096)")
     p.add_argument("--mode", default="detached", choices=["detached", "exact"])
-    p.add_argument("--family", default="qwen3", help="tiny model family (default qwen3)")
+    p.add_argument("--family", default=DEFAULT_FAMILY, choices=sorted(TINY_CONFIGS),
+                   help=f"tiny model family (default {DEFAULT_FAMILY}: Qwen3.6-shaped hybrid GDN + attention)")
+    p.add_argument("--branch-chunk-size", type=int, default=None, help="replay each branch in pieces of this size")
     p.add_argument("--dtype", default="float32", choices=["float32", "float64"])
     p.add_argument("--seed", type=int, default=0)
     _add_plan_parser(sub)

@@ -135,9 +135,28 @@ class PrefixAttention(torch.autograd.Function):
         return dq.to(q.dtype), dk, dv, None, None, None, None, None, None, None
 
 
-def _cpu_flash_attention():
-    """torch's fused CPU flash-attention op, which also returns the log-sum-exp, or None."""
-    return getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+FUSED_ENABLED = True
+"""Allow the forward-only fused kernels (set False to force the blockwise path)."""
+
+
+def _fused_kernel(device_type: str, dtype: torch.dtype):
+    """torch's fused flash-attention op for this device and dtype, as a function
+    (q, k, v, causal, scale) -> (out, lse) on [B, H, L, D] inputs, or None.
+
+    CPU: `_scaled_dot_product_flash_attention_for_cpu` (float32/float64/bfloat16).
+    CUDA: `_scaled_dot_product_flash_attention` (FlashAttention-2; half types only).
+    Both return the natural-log log-sum-exp [B, H, L] in float32 (float64 on CPU for
+    float64 inputs), which is what the LSE merge needs."""
+    if not FUSED_ENABLED:
+        return None
+    if device_type == "cpu" and dtype in (torch.float32, torch.float64, torch.bfloat16):
+        op = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+        return None if op is None else (lambda q, k, v, causal, scale: op(q, k, v, 0.0, causal, scale=scale)[:2])
+    if device_type == "cuda" and dtype in (torch.float16, torch.bfloat16):
+        op = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention", None)
+        return None if op is None else (lambda q, k, v, causal, scale: op(q, k, v, 0.0, causal, False,
+                                                                          scale=scale)[:2])
+    return None
 
 
 def _merge(out_a, lse_a, out_b, lse_b):
@@ -168,28 +187,30 @@ class KVSegment:
 def can_use_fused(q, k, v, prefixes: list[KVSegment], window) -> bool:
     """The fused path needs: no autograd, no gradient sinks, no window, CPU, value dim =
     key dim (the kernel's constraint; absorbed MLA has Dv < D), a dtype the kernel takes."""
-    if window is not None or q.device.type != "cpu" or _cpu_flash_attention() is None or v.shape[-1] != q.shape[-1]:
+    if window is not None or v.shape[-1] != q.shape[-1] or _fused_kernel(q.device.type, q.dtype) is None:
+        return False
+    if q.device.type == "cuda" and q.shape[-1] > 256:
         return False
     if any(seg.grad is not None for seg in prefixes):
         return False
     if torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v, *(seg.k for seg in prefixes))):
         return False
-    return q.dtype in (torch.float32, torch.float64, torch.bfloat16)
+    return True
 
 
 def _flash_partial(q, k, v, scale: float, causal: bool):
-    """Forward-only partial attention with torch's fused CPU flash kernel, which tiles
+    """Forward-only partial attention with torch's fused flash kernel, which tiles
     internally (O(rows) memory for any S) and returns the log-sum-exp.
     q [H, T, D]; k, v [Hkv, S, D] -> (o [Hkv, g*T, Dv], lse [Hkv, g*T]) in row layout."""
-    flash = _cpu_flash_attention()
+    flash = _fused_kernel(q.device.type, q.dtype)
     h, t, d = q.shape
     hkv = k.shape[0]
     g = h // hkv
     if causal:  # the new tokens' own keys: expand them over the GQA group (T-sized, never the state)
-        out, lse = flash(q[None], k.repeat_interleave(g, 0)[None], v.repeat_interleave(g, 0)[None], 0.0, True,
-                         scale=scale)  # (1, H, T, Dv), (1, H, T)
+        out, lse = flash(q[None], k.repeat_interleave(g, 0)[None], v.repeat_interleave(g, 0)[None], True,
+                         scale)  # (1, H, T, Dv), (1, H, T)
     else:  # no mask, so the g query heads of a kv head fold into rows
-        out, lse = flash(q.reshape(1, hkv, g * t, d), k[None], v[None], 0.0, False, scale=scale)
+        out, lse = flash(q.reshape(1, hkv, g * t, d), k[None], v[None], False, scale)
     return out[0].reshape(hkv, g * t, -1).to(lse.dtype), lse[0].reshape(hkv, g * t)
 
 
@@ -206,8 +227,9 @@ def prefix_causal_attention(q, k, v, *, prefixes: list[KVSegment], q_start: int,
             shard: its partial attention is merged across ranks (`distributed.py`).
         scale: softmax scale. window: sliding window W or None.
         block_size: prefix positions per block.
-        allow_fused: without autograd on CPU, use torch's fused flash kernel
-            (`_flash_partial`); False forces the blockwise torch path.
+        allow_fused: without autograd, use torch's fused flash kernel where one fits
+            (`_fused_kernel`: CPU, or CUDA in half precision); False forces the
+            blockwise torch path.
 
     Returns:
         [H, T, Dv] attention output, in q's dtype.
