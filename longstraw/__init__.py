@@ -6,8 +6,14 @@ G response branches one at a time with autograd against it.
 
 from .config import ExecConfig, GRPOConfig
 from .engine import Engine
-from .errors import (ConfigError, InvalidGroupError, LongStrawError, ModelStateError, PositionLimitError,
-                     UnsupportedModelError)
+from .errors import (
+                     ConfigError,
+                     InvalidGroupError,
+                     LongStrawError,
+                     ModelStateError,
+                     PositionLimitError,
+                     UnsupportedModelError,
+)
 from .group import BatchTotals, Group, StepResult
 from .models import supported_model_types
 

@@ -14,8 +14,15 @@ import torch
 import torch.distributed as dist
 
 import longstraw as ls
-from tests.reference import (assert_grads_close, float64_hybrid, grads_of, random_group, tiny_hybrid, tiny_mla,
-                             tiny_model)
+from tests.reference import (
+    assert_grads_close,
+    float64_hybrid,
+    grads_of,
+    random_group,
+    tiny_hybrid,
+    tiny_mla,
+    tiny_model,
+)
 
 CASES = {
     "dense": lambda: tiny_model("qwen3"),

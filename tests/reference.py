@@ -303,3 +303,19 @@ def tiny_mla(family: str, *, dtype=torch.float64, seed: int = 0, **overrides):
             if p.dim() == 1:
                 p.add_(0.1 * torch.randn_like(p))
     return model
+
+
+def compare_step(model, group, exec_cfg, reference_logprobs, rel):
+    """Engine.step against the reference GRPO loss over `reference_logprobs` (HF's
+    cached continuation or full sequence): loss and every parameter gradient."""
+    import longstraw as ls
+
+    model.zero_grad(set_to_none=True)
+    result = ls.Engine(model, exec_cfg).step(group, ls.GRPOConfig())
+    got = grads_of(model)
+    model.zero_grad(set_to_none=True)
+    loss = reference_grpo_loss([reference_logprobs(model, group.prompt, r) for r in group.responses], group)
+    loss.backward()
+    assert_loss_close(result.loss, float(loss.detach()), rel)
+    assert_grads_close(got, grads_of(model), rel)
+    return result

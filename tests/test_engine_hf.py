@@ -4,8 +4,16 @@ import pytest
 import torch
 
 import longstraw as ls
-from tests.reference import (FAMILIES, assert_grads_close, assert_loss_close, grads_of, hf_cached_logprobs, random_group,
-                             reference_grpo_loss, tiny_model)
+from tests.reference import (
+    FAMILIES,
+    assert_grads_close,
+    assert_loss_close,
+    grads_of,
+    hf_cached_logprobs,
+    random_group,
+    reference_grpo_loss,
+    tiny_model,
+)
 
 
 def _engine_step(model, group, exec_cfg, grpo):

@@ -12,8 +12,17 @@ import pytest
 import torch
 
 import longstraw as ls
-from tests.reference import (FAMILIES, assert_grads_close, assert_loss_close, float64_norms, grads_of,
-                             hf_full_logprobs, random_group, reference_grpo_loss, tiny_model)
+from tests.reference import (
+    FAMILIES,
+    assert_grads_close,
+    assert_loss_close,
+    float64_norms,
+    grads_of,
+    hf_full_logprobs,
+    random_group,
+    reference_grpo_loss,
+    tiny_model,
+)
 
 
 def _full_sequence_reference(model, group, **grpo_kwargs):

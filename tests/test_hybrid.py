@@ -12,27 +12,21 @@ Tolerances, and why:
   makes one per branch. The same holds for a branch replayed in pieces.
 """
 
-import contextlib
 
 import pytest
 import torch
 
 import longstraw as ls
 from longstraw.state import AttentionKV, RecurrentState
-from tests.reference import (HYBRID_FAMILIES, assert_grads_close, assert_loss_close, float64_hybrid, grads_of,
-                             hf_cached_logprobs, hf_full_logprobs, random_group, reference_grpo_loss, tiny_hybrid)
-
-
-def _compare(model, group, exec_cfg, reference_logprobs, rel):
-    model.zero_grad(set_to_none=True)
-    result = ls.Engine(model, exec_cfg).step(group, ls.GRPOConfig())
-    got = grads_of(model)
-    model.zero_grad(set_to_none=True)
-    loss = reference_grpo_loss([reference_logprobs(model, group.prompt, r) for r in group.responses], group)
-    loss.backward()
-    assert_loss_close(result.loss, float(loss.detach()), rel)
-    assert_grads_close(got, grads_of(model), rel)
-    return result
+from tests.reference import (
+    HYBRID_FAMILIES,
+    compare_step,
+    float64_hybrid,
+    hf_cached_logprobs,
+    hf_full_logprobs,
+    random_group,
+    tiny_hybrid,
+)
 
 
 @pytest.mark.parametrize("family", HYBRID_FAMILIES)
@@ -40,7 +34,7 @@ def test_detached_matches_hf_cached_continuation(family):
     model = tiny_hybrid(family)
     group = random_group(97, 20, [5, 1, 7], seed=1)
     with float64_hybrid(model):
-        _compare(model, group, ls.ExecConfig(chunk_size=6, attention_block_size=4), hf_cached_logprobs, 1e-9)
+        compare_step(model, group, ls.ExecConfig(chunk_size=6, attention_block_size=4), hf_cached_logprobs, 1e-9)
         scores = ls.Engine(model, ls.ExecConfig(chunk_size=7)).score(group)
         with torch.no_grad():
             for s, r in zip(scores, group.responses):
@@ -52,7 +46,7 @@ def test_exact_matches_full_sequence(family):
     model = tiny_hybrid(family)
     group = random_group(97, 18, [4, 6], seed=2)
     with float64_hybrid(model):
-        result = _compare(model, group, ls.ExecConfig(chunk_size=5, mode="exact"), hf_full_logprobs, 1e-6)
+        result = compare_step(model, group, ls.ExecConfig(chunk_size=5, mode="exact"), hf_full_logprobs, 1e-6)
     assert result.metrics["state_grad_bytes"] > 0
 
 
@@ -60,8 +54,8 @@ def test_exact_matches_full_sequence(family):
 def test_against_stock_hf_float32_internals(family):
     model = tiny_hybrid(family)
     group = random_group(97, 16, [4, 3], seed=3)
-    _compare(model, group, ls.ExecConfig(chunk_size=6), hf_cached_logprobs, 1e-3)
-    _compare(model, group, ls.ExecConfig(chunk_size=6, mode="exact"), hf_full_logprobs, 1e-3)
+    compare_step(model, group, ls.ExecConfig(chunk_size=6), hf_cached_logprobs, 1e-3)
+    compare_step(model, group, ls.ExecConfig(chunk_size=6, mode="exact"), hf_full_logprobs, 1e-3)
 
 
 @pytest.mark.parametrize("mode", ["detached", "exact"])
@@ -78,7 +72,7 @@ def test_edges(mode, chunk, prompt_len, lens, piece):
     with float64_hybrid(model):
         # one backward per piece or chunk: A_log's float32-rounded gradient (see the module docstring)
         rel = 1e-9 if mode == "detached" and piece is None else 1e-6
-        _compare(model, group, ls.ExecConfig(chunk_size=chunk, mode=mode, branch_chunk_size=piece), reference, rel)
+        compare_step(model, group, ls.ExecConfig(chunk_size=chunk, mode=mode, branch_chunk_size=piece), reference, rel)
 
 
 def test_state_bytes_match_the_formula_and_state_is_read_only():
@@ -113,5 +107,5 @@ def test_lora_on_gdn_projections():
         r=2, target_modules=["in_proj_qkv", "out_proj", "q_proj", "v_proj"], init_lora_weights=False)).eval()
     group = random_group(97, 12, [4, 3], seed=6)
     with float64_hybrid(model):
-        _compare(model, group, ls.ExecConfig(chunk_size=5), hf_cached_logprobs, 1e-9)
+        compare_step(model, group, ls.ExecConfig(chunk_size=5), hf_cached_logprobs, 1e-9)
     assert all(("lora_" in n) == (p.grad is not None) for n, p in model.named_parameters())

@@ -13,20 +13,15 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 import longstraw as ls
 from longstraw.state import MLAState
-from tests.reference import (MLA_FAMILIES, assert_grads_close, assert_loss_close, float64_norms, grads_of,
-                             hf_cached_logprobs, hf_full_logprobs, random_group, reference_grpo_loss, tiny_mla)
-
-
-def _compare(model, group, exec_cfg, reference_logprobs, rel):
-    model.zero_grad(set_to_none=True)
-    result = ls.Engine(model, exec_cfg).step(group, ls.GRPOConfig())
-    got = grads_of(model)
-    model.zero_grad(set_to_none=True)
-    loss = reference_grpo_loss([reference_logprobs(model, group.prompt, r) for r in group.responses], group)
-    loss.backward()
-    assert_loss_close(result.loss, float(loss.detach()), rel)
-    assert_grads_close(got, grads_of(model), rel)
-    return result
+from tests.reference import (
+    MLA_FAMILIES,
+    compare_step,
+    float64_norms,
+    hf_cached_logprobs,
+    hf_full_logprobs,
+    random_group,
+    tiny_mla,
+)
 
 
 @pytest.mark.parametrize("family", MLA_FAMILIES)
@@ -36,7 +31,7 @@ def test_dense_selection_matches_hf(family, mode):
     model = float64_norms(tiny_mla(family, index_topk=64) if family != "deepseek_v3" else tiny_mla(family))
     group = random_group(97, 20, [5, 1, 7], seed=1)
     reference = hf_cached_logprobs if mode == "detached" else hf_full_logprobs
-    _compare(model, group, ls.ExecConfig(chunk_size=6, mode=mode, attention_block_size=5), reference, 1e-6)
+    compare_step(model, group, ls.ExecConfig(chunk_size=6, mode=mode, attention_block_size=5), reference, 1e-6)
     if mode == "detached":
         for s, r in zip(ls.Engine(model, ls.ExecConfig(chunk_size=7)).score(group), group.responses):
             with torch.no_grad():
@@ -54,13 +49,13 @@ def test_sparse_selection_matches_hf(family, mode, chunk):
     assert model.config.index_topk < 20
     group = random_group(97, 20, [5, 1, 7], seed=1)
     reference = hf_cached_logprobs if mode == "detached" else hf_full_logprobs
-    _compare(model, group, ls.ExecConfig(chunk_size=chunk, mode=mode), reference, 1e-6)
+    compare_step(model, group, ls.ExecConfig(chunk_size=chunk, mode=mode), reference, 1e-6)
 
 
 def test_stock_model_within_float32_tolerance():
     model = tiny_mla("glm_moe_dsa", index_topk=64)
     group = random_group(97, 15, [4, 6], seed=2)
-    _compare(model, group, ls.ExecConfig(chunk_size=4), hf_cached_logprobs, 1e-5)
+    compare_step(model, group, ls.ExecConfig(chunk_size=4), hf_cached_logprobs, 1e-5)
 
 
 def test_state_bytes_per_token_formula():
@@ -115,6 +110,6 @@ def test_lora_wrapped_kv_b_proj_uses_effective_weight():
     model = peft.get_peft_model(float64_norms(tiny_mla("deepseek_v3")), peft.LoraConfig(
         r=2, target_modules=["kv_b_proj", "q_b_proj", "o_proj"], init_lora_weights=False)).eval()
     group = random_group(97, 12, [4, 3], seed=4)
-    _compare(model, group, ls.ExecConfig(chunk_size=5), hf_cached_logprobs, 1e-6)
+    compare_step(model, group, ls.ExecConfig(chunk_size=5), hf_cached_logprobs, 1e-6)
     assert all(("lora_" in n) == (p.grad is not None) for n, p in model.named_parameters())
     assert any("kv_b_proj" in n and p.grad is not None for n, p in model.named_parameters())

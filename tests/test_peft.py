@@ -4,8 +4,15 @@ import pytest
 import torch
 
 import longstraw as ls
-from tests.reference import (assert_grads_close, assert_loss_close, grads_of, hf_cached_logprobs, random_group,
-                             reference_grpo_loss, tiny_model)
+from tests.reference import (
+    assert_grads_close,
+    assert_loss_close,
+    grads_of,
+    hf_cached_logprobs,
+    random_group,
+    reference_grpo_loss,
+    tiny_model,
+)
 
 peft = pytest.importorskip("peft")
 

@@ -8,6 +8,8 @@ reading it (replay). It calls the model's own submodules throughout.
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from torch import nn
 
@@ -22,6 +24,23 @@ def unwrap_causal_lm(model: nn.Module) -> nn.Module:
     if not hasattr(base, "config") or not hasattr(base.config, "model_type"):
         raise UnsupportedModelError(f"expected a Hugging Face ...ForCausalLM, got {type(base).__name__}")
     return base
+
+
+@contextlib.contextmanager
+def forwards_replaced(modules, forwards):
+    """Within the block, module i runs forwards[i] instead of its own `forward` (set on
+    the instance only, and restored after, so the model is untouched outside)."""
+    saved = [(m, m.__dict__.get("forward")) for m in modules]
+    for m, forward in zip(modules, forwards):
+        m.forward = forward
+    try:
+        yield
+    finally:
+        for m, previous in saved:
+            if previous is None:
+                del m.forward
+            else:
+                m.forward = previous
 
 
 class Adapter:

@@ -18,8 +18,6 @@ Per phase (see `attention_hook.py`):
 
 from __future__ import annotations
 
-import contextlib
-
 import torch
 import torch.nn.functional as F
 
@@ -27,6 +25,7 @@ from ..ops.causal_conv import causal_conv1d_with_tail
 from ..ops.gated_delta import chunk_gated_delta_rule
 from ..state import RecurrentState
 from .attention_hook import current_call
+from .base import forwards_replaced
 
 
 def _initial_snapshot(states, layer_idx: int, position: int):
@@ -95,17 +94,6 @@ def gdn_forward(module, hidden_states, cache_params=None, attention_mask=None, *
     return out
 
 
-@contextlib.contextmanager
 def routed_gdn(modules):
     """Within the block, each GDN module in `modules` runs `gdn_forward`."""
-    saved = [(m, m.__dict__.get("forward")) for m in modules]
-    for m in modules:
-        m.forward = gdn_forward.__get__(m)
-    try:
-        yield
-    finally:
-        for m, previous in saved:
-            if previous is None:
-                del m.forward
-            else:
-                m.forward = previous
+    return forwards_replaced(modules, [gdn_forward.__get__(m) for m in modules])

@@ -27,7 +27,6 @@ Attention is then restricted to the selected rows by gathering them
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import sys
 
@@ -37,7 +36,7 @@ from ..errors import UnsupportedModelError
 from ..ops.attention import prefix_causal_attention
 from ..state import IndexKeys, LatentKV, MLAState, PromptState
 from .attention_hook import AttentionCall, current_call, run_backbone
-from .base import Adapter
+from .base import Adapter, forwards_replaced
 
 
 def effective_weight(linear) -> torch.Tensor:
@@ -156,20 +155,9 @@ def mla_forward(module, spec, hidden_states, position_embeddings=None, attention
     return (out, None, indices) if spec["returns_topk"] else (out, None)
 
 
-@contextlib.contextmanager
 def routed_mla(modules, specs):
     """Within the block, each MLA attention module in `modules` runs `mla_forward`."""
-    saved = [(m, m.__dict__.get("forward")) for m in modules]
-    for m, spec in zip(modules, specs):
-        m.forward = functools.partial(mla_forward, m, spec)
-    try:
-        yield
-    finally:
-        for m, previous in saved:
-            if previous is None:
-                del m.forward
-            else:
-                m.forward = previous
+    return forwards_replaced(modules, [functools.partial(mla_forward, m, spec) for m, spec in zip(modules, specs)])
 
 
 class MLAAdapter(Adapter):
