@@ -9,6 +9,11 @@ down: 4 layers in its 3 Gated DeltaNet : 1 full attention pattern, hidden 256; t
 attention layer has an output gate, 4 query heads over 2 KV heads of dim 64; the GDN
 layers have 2 QK heads and 6 V heads of dim 32 (Qwen3.6: 16 and 48 of dim 128), conv
 kernel 4; vocab 4096, 256K positions.
+
+`tiny_model("glm_moe_dsa")` is shaped like GLM-5.x, scaled down: 4 layers (the first
+dense, then MoE with 8 experts, 2 per token, 1 shared), MLA with kv_lora_rank 64, rope
+16, nope 32, value 32, q_lora_rank 96, 4 heads; DSA indexer with 8 heads of dim 32 and
+top-k 256, run in layers 0 and 2 and shared by layers 1 and 3; vocab 4096.
 """
 
 from __future__ import annotations
@@ -24,6 +29,13 @@ TINY_CONFIGS = {
                     linear_num_value_heads=6, linear_key_head_dim=32, linear_value_head_dim=32,
                     linear_conv_kernel_dim=4, max_position_embeddings=262144, tie_word_embeddings=False,
                     attention_dropout=0.0),
+    "glm_moe_dsa": dict(vocab_size=4096, hidden_size=256, intermediate_size=512, moe_intermediate_size=128,
+                        num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=64,
+                        q_lora_rank=96, qk_rope_head_dim=16, qk_nope_head_dim=32, v_head_dim=32,
+                        n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1,
+                        index_head_dim=32, index_n_heads=8, index_topk=256,
+                        indexer_types=["full", "shared", "full", "shared"], max_position_embeddings=131072,
+                        tie_word_embeddings=False, attention_dropout=0.0),
     "qwen3": dict(vocab_size=4096, hidden_size=256, intermediate_size=768, num_hidden_layers=4,
                   num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=131072,
                   tie_word_embeddings=False, attention_dropout=0.0),
