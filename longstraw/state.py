@@ -36,6 +36,16 @@ class Shard:
         full, rem = divmod(max(n, 0), cycle)
         return full * self.block + min(max(rem - self.rank * self.block, 0), self.block)
 
+    def count_tensor(self, n: torch.Tensor) -> torch.Tensor:
+        """`count` elementwise for a LongTensor of positions."""
+        cycle = self.block * self.world
+        rem = torch.remainder(n, cycle) - self.rank * self.block
+        return torch.div(n, cycle, rounding_mode="floor") * self.block + rem.clamp(0, self.block)
+
+    def owns(self, positions: torch.Tensor) -> torch.Tensor:
+        """Bool mask: which of these absolute positions (LongTensor) are ours."""
+        return torch.remainder(torch.div(positions, self.block, rounding_mode="floor"), self.world) == self.rank
+
     def owned(self, start: int, end: int) -> torch.Tensor:
         """Bool [end - start]: which of the absolute positions start..end-1 are ours."""
         positions = torch.arange(start, end)
@@ -300,26 +310,53 @@ class IndexKeys:
 
     Fields:
         keys: [capacity, Di]; start: absolute position of row 0; length: rows filled.
+        shard: context parallelism: hold only this rank's positions (as `AttentionKV`).
+        consumed: positions consumed since `start`, held or not.
     """
 
     keys: torch.Tensor
     start: int = 0
     length: int = 0
+    shard: Shard | None = None
+    consumed: int = 0
+
+    @classmethod
+    def empty(cls, *, capacity: int, dim: int, start: int = 0, dtype, device, shard: Shard | None = None):
+        if shard is not None:
+            capacity = shard.count(start + capacity) - shard.count(start)
+        return cls(keys=torch.empty(capacity, dim, dtype=dtype, device=device), start=start, shard=shard)
 
     @property
     def end(self) -> int:
-        return self.start + self.length
+        return self.start + self.consumed
+
+    def _rows_before(self, position: int) -> int:
+        n = position - self.start if self.shard is None else self.shard.count(position) - self.shard.count(self.start)
+        return max(0, min(self.length, n))
 
     def until(self, position: int) -> torch.Tensor:
         """Rows held before absolute `position`: [n, Di]."""
-        return self.keys[: max(0, min(self.length, position - self.start))]
+        return self.keys[: self._rows_before(position)]
+
+    def positions(self, until: int) -> torch.Tensor:
+        """Absolute positions [n] of the rows `until(until)` returns, increasing."""
+        n = self._rows_before(until)
+        pos = torch.arange(self.start, self.start + (self.consumed if self.shard is not None else n),
+                           device=self.keys.device)
+        if self.shard is not None:
+            pos = pos[self.shard.owns(pos)]
+        return pos[:n]
 
     @torch.no_grad()
     def append(self, keys: torch.Tensor) -> None:
         t = keys.shape[0]
-        assert self.length + t <= self.keys.shape[0], "IndexKeys overflow"
-        self.keys[self.length : self.length + t] = keys
-        self.length += t
+        if self.shard is not None:
+            keys = keys[self.shard.owned(self.end, self.end + t).to(keys.device)]
+        n = keys.shape[0]
+        assert self.length + n <= self.keys.shape[0], "IndexKeys overflow"
+        self.keys[self.length : self.length + n] = keys
+        self.length += n
+        self.consumed += t
 
     def nbytes(self) -> int:
         return self.keys.numel() * self.keys.element_size()

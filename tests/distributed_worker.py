@@ -29,6 +29,8 @@ CASES = {
     "hybrid": lambda: tiny_hybrid("qwen3_5"),
     "mla": lambda: tiny_mla("deepseek_v3"),
     "glm": lambda: tiny_mla("glm_moe_dsa", index_topk=64),
+    "glm_sparse": lambda: tiny_mla("glm_moe_dsa"),  # index_topk 8 < P: global top-k across ranks
+    "dsv32_sparse": lambda: tiny_mla("deepseek_v32"),
 }
 
 

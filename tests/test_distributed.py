@@ -1,7 +1,7 @@
 """Context parallelism on torch.distributed (gloo, CPU, float64), in spawned processes.
 
-With W = 2 and 3 ranks, for a dense, a hybrid (GDN) and two MLA models, in detached and
-exact mode, every rank's loss and every parameter gradient equal the single-process
+With W = 2 and 3 ranks, for a dense, a hybrid (GDN) and MLA models (DeepSeek-V3; GLM-5
+with dense and with sparse DSA selection; DeepSeek-V3.2 sparse), in detached and exact mode, every rank's loss and every parameter gradient equal the single-process
 result, and each rank holds ~1/W of the per-token state. A rank that fails makes the
 others fail fast with a LongStrawError instead of hanging.
 """
@@ -15,7 +15,8 @@ import torch.multiprocessing as mp
 from tests import distributed_worker as worker
 
 
-@pytest.mark.parametrize("world,cases", [(2, ["dense", "hybrid", "mla", "glm"]), (3, ["dense", "hybrid"])])
+@pytest.mark.parametrize("world,cases", [(2, ["dense", "hybrid", "mla", "glm", "glm_sparse"]),
+                                         (3, ["dense", "hybrid", "dsv32_sparse"])])
 def test_context_parallel_equals_single_process(tmp_path, world, cases):
     mp.spawn(worker.run_cases, args=(world, str(tmp_path / "init"), cases, ["detached", "exact"]), nprocs=world,
              join=True)

@@ -83,11 +83,83 @@ def _select(indexer, layer_idx, q, keys, weights, call):
     tokens (causal), scored in float32 as HF does, ties to the lower position."""
     from ..ops.dsa import indexer_topk
 
-    segments = [(s.layers[layer_idx].index.until(call.start).float(), s.layers[layer_idx].index.start)
-                for s in call.states if s.layers[layer_idx].index is not None]
+    held = [s.layers[layer_idx].index for s in call.states if s.layers[layer_idx].index is not None]
+    if any(ix.shard is not None for ix in held):
+        return _select_across_ranks(indexer, q, keys, weights, call, held)
+    segments = [(ix.until(call.start).float(), ix.start) for ix in held]
     with torch.no_grad():
         return indexer_topk(q.float(), weights, segments, keys.float(), call.start, indexer.index_topk,
                             scale=indexer.softmax_scale)
+
+
+@torch.no_grad()
+def _select_across_ranks(indexer, q, keys, weights, call, held, query_block: int = 128):
+    """Context parallelism: the same global selection as one process. Each rank takes the
+    top-k of its own shard of the prompt's indexer keys; an all-gather collects every
+    rank's candidates (positions and scores); the replicated keys (a branch's earlier
+    pieces, the new tokens) add theirs; the top-k of that union, by the same order
+    (score, then lower position), is the global top-k, since every member of the global
+    top-k is in its own shard's top-k."""
+    from ..distributed import all_gather
+    from ..ops.dsa import _select_topk, indexer_scores, select_candidates
+
+    topk, scale, t = indexer.index_topk, indexer.softmax_scale, q.shape[0]
+    shard_ix = next(ix for ix in held if ix.shard is not None)
+    cp = shard_ix.shard.cp
+    local_keys, local_pos = shard_ix.until(call.start).float(), shard_ix.positions(call.start)
+    others = [ix for ix in held if ix.shard is None]
+    rep_keys = torch.cat([ix.until(call.start).float() for ix in others] + [keys.float()])
+    rep_pos = torch.cat([ix.positions(call.start) for ix in others]
+                        + [torch.arange(call.start, call.start + t, device=q.device)])
+    out = torch.empty(t, topk, dtype=torch.long, device=q.device)
+    for b0 in range(0, t, query_block):
+        b1 = min(t, b0 + query_block)
+        qb, wb = q[b0:b1].float(), weights[b0:b1]
+        scores = indexer_scores(qb, wb, local_keys, scale=scale)  # (B, n_local)
+        pos = _select_topk(scores, local_pos, topk)  # (B, topk), -1 padded
+        cols = torch.searchsorted(local_pos, pos.clamp(min=0)).clamp(max=max(local_pos.numel() - 1, 0))
+        sc = scores.gather(-1, cols) if scores.shape[1] else torch.full(pos.shape, float("-inf"), device=q.device)
+        sc = torch.where(pos < 0, torch.full_like(sc, float("-inf")), sc)
+        rep_sc = indexer_scores(qb, wb, rep_keys, scale=scale)  # (B, n_rep)
+        query_pos = torch.arange(call.start + b0, call.start + b1, device=q.device)
+        visible = rep_pos[None, :] <= query_pos[:, None]
+        cand_pos = torch.cat(all_gather(pos, cp) + [torch.where(visible, rep_pos[None, :], -1)], dim=1)
+        cand_sc = torch.cat(all_gather(sc, cp) + [rep_sc], dim=1)
+        out[b0:b1] = select_candidates(cand_sc, cand_pos, topk)
+    return out
+
+
+def _sparse_attention(q_full, k_new, latent, indices, latents, call, scale):
+    """Gathered sparse attention over the selected rows of `latents` (the stacked states'
+    `LatentKV`s) and the new tokens. With a context-parallel shard among them, each rank
+    attends over the selected rows it holds, the partials are merged across ranks, and
+    the replicated rows (a branch's earlier pieces, the new tokens) are merged in after.
+    Returns [H, T, R]."""
+    from ..ops.attention import KVSegment, _merge
+    from ..ops.dsa import sparse_latent_attention
+
+    segments = [kv.segment(until=call.start) for kv in latents]
+    sharded = [kv for kv in latents if kv.shard is not None]
+    if not sharded:
+        return sparse_latent_attention(q_full, k_new, latent, indices, prefixes=segments, q_start=call.start,
+                                       scale=scale)
+    from ..distributed import MergeAcrossRanks, SumGradAcrossRanks
+
+    kv = sharded[0]
+    seg, shard = kv.segment(until=call.start), kv.shard
+    safe = indices.clamp(min=0)
+    in_shard = (indices >= kv.start) & (indices < min(kv.end, call.start))
+    rows = shard.count_tensor(safe) - shard.count(kv.start)  # local row of an owned position
+    local = torch.where(in_shard & shard.owns(safe), kv.start + rows, torch.full_like(indices, -1))
+    own = KVSegment(seg.k, seg.v, seg.start, seg.grad)  # this rank's rows, addressed as consecutive positions
+    out_a, lse_a = sparse_latent_attention(SumGradAcrossRanks.apply(q_full, seg.cp), k_new, latent, local,
+                                           prefixes=[own], q_start=call.start, scale=scale, return_lse=True)
+    out_a, lse_a = MergeAcrossRanks.apply(out_a, lse_a, seg.cp)
+    rest = torch.where(in_shard, torch.full_like(indices, -1), indices)
+    replicated = [s for s, k in zip(segments, latents) if k.shard is None]
+    out_b, lse_b = sparse_latent_attention(q_full, k_new, latent, rest, prefixes=replicated, q_start=call.start,
+                                           scale=scale, return_lse=True)
+    return _merge(out_a, lse_a, out_b, lse_b).to(q_full.dtype)
 
 
 def mla_forward(module, spec, hidden_states, position_embeddings=None, attention_mask=None, past_key_values=None,
@@ -125,15 +197,13 @@ def mla_forward(module, spec, hidden_states, position_embeddings=None, attention
     if indexer is not None:
         index_q, new_index_keys, index_w = _indexer_inputs(indexer, x, q_resid, cos, sin, spec["index_rope"])
     if topk is not None and topk < call.start + t:  # some query sees more than top-k positions
-        from ..ops.dsa import sparse_latent_attention
-
         if indexer is not None:
             indices = _select(indexer, module.layer_idx, index_q, new_index_keys, index_w, call)
         else:
             indices = prev_topk_indices
             assert indices is not None, "a shared DSA layer needs the previous layer's selection"
-        o_lat = sparse_latent_attention(q_full, k_new, latent, indices, prefixes=segments, q_start=call.start,
-                                        scale=module.scaling)
+        o_lat = _sparse_attention(q_full, k_new, latent, indices, [layer.latent for layer in layers], call,
+                                  module.scaling)
     else:  # every query selects all it sees: dense (the indexer keys are still kept)
         o_lat = prefix_causal_attention(q_full, k_new[None], latent[None], prefixes=segments, q_start=call.start,
                                         scale=module.scaling, block_size=call.block_size)  # (H, T, R)
@@ -178,15 +248,6 @@ class MLAAdapter(Adapter):
                                    shared_topk=self.config.index_topk if shared else None,
                                    returns_topk=model_type == "glm_moe_dsa"))
 
-    def check_context_parallel(self, total_positions: int) -> None:
-        topk = getattr(self.config, "index_topk", None)
-        if topk is not None and topk < total_positions:
-            raise UnsupportedModelError(
-                f"DSA top-k selection ({topk} < {total_positions} positions) under context parallelism is not "
-                "implemented yet (it must stay global over the whole prompt); run single-process, or with "
-                "index_topk >= P + R"
-            )
-
     def new_state(self, positions: int, *, start: int = 0, exact: bool = False, shard=None) -> PromptState:
         layers = []
         for attn in self.attn_modules:
@@ -194,8 +255,8 @@ class MLAAdapter(Adapter):
                                            start=start, dtype=self.dtype, device=self.device, shard=shard)
             index = None
             if getattr(attn, "indexer", None) is not None:
-                keys = torch.empty(positions, attn.indexer.head_dim, dtype=self.dtype, device=self.device)
-                index = IndexKeys(keys=keys, start=start)
+                index = IndexKeys.empty(capacity=positions, dim=attn.indexer.head_dim, start=start, dtype=self.dtype,
+                                        device=self.device, shard=shard)
             layers.append(MLAState(latent=latent, index=index))
         return PromptState(layers=layers, start=start)
 

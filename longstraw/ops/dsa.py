@@ -32,7 +32,8 @@ import torch
 
 from longstraw.ops.attention import KVSegment, accumulation_dtype
 
-__all__ = ["indexer_topk", "sparse_latent_attention", "SparseLatentAttention"]
+__all__ = ["indexer_topk", "indexer_scores", "select_candidates", "sparse_latent_attention",
+           "SparseLatentAttention"]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -69,6 +70,38 @@ def _select_topk(scores: torch.Tensor, pos: torch.Tensor, topk: int) -> torch.Te
     # stable: among equal scores the lower position (earlier slot) stays first; -1 slots (-inf) last
     order = torch.sort(sel_score, dim=-1, descending=True, stable=True).indices
     return sel_pos.gather(-1, order)
+
+
+@torch.no_grad()
+def indexer_scores(q_idx, weights, keys, *, scale, key_block=1024):
+    """HF's index score of each query [T] for each key row [n]: [T, n] (accumulation
+    dtype). q_idx [T, Hi, Di], weights [T, Hi], keys [n, Di]. No masking."""
+    t, hi, di = q_idx.shape
+    acc = accumulation_dtype(q_idx.dtype)
+    q = q_idx.to(acc).reshape(t * hi, di)
+    w = weights.to(acc)[:, None, :]  # [T, 1, Hi]
+    out = torch.empty(t, keys.shape[0], dtype=acc, device=q_idx.device)
+    for c0 in range(0, keys.shape[0], key_block):
+        c1 = min(keys.shape[0], c0 + key_block)
+        s = torch.matmul(q, keys[c0:c1].to(acc).T).view(t, hi, c1 - c0).mul_(scale).relu_()
+        out[:, c0:c1] = torch.bmm(w, s)[:, 0]
+    return out
+
+
+def select_candidates(scores: torch.Tensor, positions: torch.Tensor, topk: int) -> torch.Tensor:
+    """Per row, the top-k of candidate (score, position) pairs [T, n] (-1 positions are
+    empty slots): best score first, ties to the lower position. Returns [T, topk]
+    positions, -1-padded. Used to merge per-shard candidates into the global selection."""
+    scores = torch.where(positions < 0, torch.full_like(scores, float("-inf")), scores)
+    key = torch.where(positions < 0, torch.full_like(positions, torch.iinfo(torch.long).max), positions)
+    by_pos = torch.sort(key, dim=-1, stable=True).indices
+    scores, positions = scores.gather(-1, by_pos), positions.gather(-1, by_pos)
+    order = torch.sort(scores, dim=-1, descending=True, stable=True).indices[:, :topk]
+    out = positions.gather(-1, order)
+    out = torch.where(torch.isinf(scores.gather(-1, order)), torch.full_like(out, -1), out)
+    if out.shape[1] < topk:
+        out = torch.cat([out, out.new_full((out.shape[0], topk - out.shape[1]), -1)], dim=1)
+    return out
 
 
 @torch.no_grad()
@@ -281,11 +314,11 @@ class SparseLatentAttention(torch.autograd.Function):
         ctx.save_for_backward(q, k_new, v_new, indices, out, lse)
         ctx.prefixes = prefixes
         ctx.q_start, ctx.scale, ctx.query_block = q_start, scale, query_block
-        return out
+        return out, lse
 
     @staticmethod
     @torch.autograd.function.once_differentiable
-    def backward(ctx, grad_out):
+    def backward(ctx, grad_out, grad_lse=None):
         q, k_new, v_new, indices, out, lse = ctx.saved_tensors
         q_start, scale, query_block = ctx.q_start, ctx.scale, ctx.query_block
         acc = out.dtype
@@ -293,8 +326,10 @@ class SparseLatentAttention(torch.autograd.Function):
         dv, kk = v_new.shape[1], indices.shape[1]
         sources = _sources(ctx.prefixes, k_new, v_new, q_start)
         latent = all(_is_leading_columns(s.v, s.k) for s in sources)
-        grad_out = grad_out.to(acc)
+        grad_out = torch.zeros_like(out) if grad_out is None else grad_out.to(acc)
         delta = (grad_out * out).sum(dim=-1)  # [H, T]
+        if grad_lse is not None:  # d lse / d score = softmax: enters like a shift of delta
+            delta = delta - grad_lse.to(acc)
         # +inf where a row had no index, so exp(s - lse) is 0 there, never NaN.
         lse = torch.where(torch.isinf(lse), torch.full_like(lse, float("inf")), lse)
         need_dk, need_dv = ctx.needs_input_grad[1], ctx.needs_input_grad[2]
@@ -332,7 +367,7 @@ class SparseLatentAttention(torch.autograd.Function):
 
 
 def sparse_latent_attention(q, k_new, v_new, indices, *, prefixes: list[KVSegment], q_start: int, scale: float,
-                            query_block: int = 64):
+                            query_block: int = 64, return_lse: bool = False):
     """Absorbed-MLA attention of T new tokens restricted to the DSA-selected positions.
 
     Args:
@@ -350,6 +385,8 @@ def sparse_latent_attention(q, k_new, v_new, indices, *, prefixes: list[KVSegmen
 
     Returns:
         [H, T, Dv] in q's dtype. A row whose indices are all -1 gets zeros (and no gradient).
+        With `return_lse`, also the log-sum-exp [H, T] (accumulation dtype; -inf for such a
+        row), differentiable, for merging with attention over other positions.
     """
     h, t, d = q.shape
     assert k_new.shape == (t, d), (k_new.shape, q.shape)
@@ -359,6 +396,7 @@ def sparse_latent_attention(q, k_new, v_new, indices, *, prefixes: list[KVSegmen
         assert seg.k.dim() == 3 and seg.k.shape[0] == 1 and seg.k.shape[2] == d, (seg.k.shape, d)
         assert seg.v.shape == (1, seg.k.shape[1], v_new.shape[1]), (seg.v.shape, v_new.shape)
         assert seg.start + seg.k.shape[1] <= q_start, "a prefix segment must end before the queries"
-        assert getattr(seg, "cp", None) is None, "a position-sharded (context-parallel) segment is not supported"
-    out = SparseLatentAttention.apply(q, k_new, v_new, indices.long(), list(prefixes), q_start, scale, query_block)
-    return out.to(q.dtype)
+        assert getattr(seg, "cp", None) is None, "split a sharded segment off first (see models/mla.py)"
+    out, lse = SparseLatentAttention.apply(q, k_new, v_new, indices.long(), list(prefixes), q_start, scale,
+                                           query_block)
+    return (out, lse) if return_lse else out.to(q.dtype)
