@@ -32,3 +32,7 @@ def test_a_failing_rank_fails_the_job_quickly(tmp_path):
     while not os.path.exists(tmp_path / "rank0.failed") and time.monotonic() < deadline:
         time.sleep(0.2)
     assert "collective" in (tmp_path / "rank0.failed").read_text()
+
+
+def test_fsdp2_sharded_layers_get_matching_gradient_slices(tmp_path):
+    mp.spawn(worker.run_fsdp, args=(2, str(tmp_path / "init")), nprocs=2, join=True)

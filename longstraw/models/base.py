@@ -43,6 +43,14 @@ def forwards_replaced(modules, forwards):
                 m.forward = previous
 
 
+def _is_fsdp_module(module: nn.Module) -> bool:
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # torch without distributed
+        return False
+    return isinstance(module, FSDPModule)
+
+
 class Adapter:
     """Base adapter. Subclasses set `model_types` and implement `new_state` and `run`."""
 
@@ -86,6 +94,12 @@ class Adapter:
 
     def check_runnable(self) -> None:
         """Refuse model states we cannot reproduce exactly; called before each step."""
+        if _is_fsdp_module(self.causal_lm):
+            raise UnsupportedModelError(
+                "the ...ForCausalLM itself is wrapped with FSDP2 fully_shard; LongStraw calls its decoder stack and "
+                "lm_head directly, so wrap the decoder layers only (fully_shard(layer) for each layer) and keep "
+                "the embeddings, final norm and lm_head replicated"
+            )
         if getattr(self.causal_lm, "is_activation_checkpointing", False):
             raise ModelStateError(
                 "gradient checkpointing is enabled on the model; LongStraw bounds activation memory itself. "
