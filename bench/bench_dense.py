@@ -23,15 +23,16 @@ One GRPO group is a shared prompt of P tokens and G responses of R tokens each.
 
 Both paths accumulate the gradient into `.grad`, so both pay for the parameter grads.
 The two gradients are NOT expected to be identical: the naive full-sequence gradient
-also flows through the prompt's K/V ("exact"), the detached one does not. The script
-reports their cosine similarity for information only; exactness of LongStraw against HF
-is covered by the test suite (`tests/test_engine_hf.py`, HF's cached continuation).
+also flows through the prompt's K/V, the detached one does not; their cosine is printed
+for information. The baseline itself is validated instead against LongStraw's exact mode
+(`ExecConfig(mode="exact")`, the full-sequence gradient), which must agree with it to
+float32 rounding (one extra run at the smallest G; skipped if exact mode is unavailable).
 
 Measurement
 -----------
 Machine: CPU only, `torch.set_num_threads(2)` (the dev box has 2 cores). dtype float32.
 Model: `longstraw.tiny.tiny_model("qwen3")` (4 layers, hidden 256, 4 query heads over 2
-KV heads of dim 32, vocab 4096, ~4.6M parameters, ~18 MiB fp32).
+KV heads of dim 32, vocab 4096: 4.85M parameters, 18.5 MiB fp32, as are its grads).
 Group: `longstraw.tiny.random_group(4096, P, G, R, seed=0)`.
 Defaults: P = 8192, R = 128, G in {2, 8}; `--quick`: P = 1024, R = 32.
 
@@ -40,19 +41,36 @@ build model and group, `gc.collect()`, read current RSS (`rss_after_model`), run
 step (timed with `time.perf_counter`), then read the process's peak RSS
 (`ru_maxrss`). `peak_above_model = peak_rss - rss_after_model`. The worker also reads
 `ru_maxrss` right before the step: if the process had already peaked higher while
-importing/building (so the step's own peak is hidden), the row is flagged.
+importing/building (so the step's own peak is hidden), the row is flagged. The driver
+never imports torch while workers run: Linux carries a parent's high-water RSS into a
+fork+exec'd child's `ru_maxrss`, so a big driver would put a floor under every worker.
 
-glibc note: RSS is what the OS sees, not what torch's CPU allocator holds. Large blocks
-(above glibc's mmap threshold, 128 KiB growing dynamically up to 32 MiB) are mmapped and
-returned on free; smaller ones come from malloc arenas that may retain freed pages.
-Retention can only make a later allocation reuse memory, so peak RSS is an upper bound of
-the true live-tensor peak plus allocator slack, for both methods alike. The environment
-is left as is (no MALLOC_* tuning).
+What "peak above model" contains, besides the algorithm's tensors:
+* one-time runtime memory of the first forward/backward in a process (~20 MiB here:
+  library code paged in, printed per run as "library code paged in", plus oneDNN/MKL
+  and autograd buffers). Both methods pay it; it is independent of P and G.
+* glibc allocator slack. Blocks above glibc's mmap threshold (128 KiB, raised
+  dynamically up to 32 MiB after each free of an mmapped block) are mmapped and returned
+  on free; smaller ones come from malloc arenas that may keep freed pages and fragment.
+  So RSS can creep from branch to branch even when live tensors do not. The environment
+  is left as is; `--malloc-mmap-threshold 65536` re-runs with a fixed threshold to
+  separate slack from live memory (it costs time: more mmap/munmap and page faults).
+To separate these from the algorithm, one extra fresh process per (method, G) reruns the
+step under `torch.profiler(profile_memory=True)` and reports the peak of live torch
+tensors ("live tensors", allocator-neutral; `--no-live-peak` skips it).
+
+The machine is shared: other processes on the 2 cores inflate step times (an OpenMP
+step with 2 threads on 2 busy cores can slow down several-fold). Before each run the
+driver waits (up to `--wait-idle` s) for an idle second, and each run records the CPU
+time other processes used during its step; runs where that exceeds 10% of the step's
+wall time are listed in a warning. `--repeat N` runs every (method, G) N times (fresh
+processes) and reports the median peak and the fastest time.
 
 Usage:
     .venv/bin/python bench/bench_dense.py                 # full size, a few minutes
     .venv/bin/python bench/bench_dense.py --quick         # smoke run
     .venv/bin/python bench/bench_dense.py --groups 2 8 --prompt-tokens 8192 --response-tokens 128
+    .venv/bin/python bench/bench_dense.py --repeat 3           # median peak / fastest time of 3
 """
 
 from __future__ import annotations
@@ -71,6 +89,7 @@ if REPO not in sys.path:
     sys.path.insert(0, REPO)  # `tests.reference` (the naive baseline) and `longstraw`
 
 METHODS = ("longstraw", "naive")
+EXACT = "longstraw-exact"  # only for the gradient check: ExecConfig(mode="exact") must give the naive gradient
 THREADS = 2
 VOCAB = 4096
 MIB = 2**20
@@ -79,6 +98,7 @@ MIB = 2**20
 TARGET_PEAK_RATIO = 10.0  # naive / LongStraw peak above model, at each G
 TARGET_G_FLAT = 1.02  # LongStraw peak(G=max) <= 1.02 * peak(G=min)
 TARGET_TIME_RATIO = 10.0  # naive / LongStraw step time at the largest G
+CONTENDED_FRACTION = 0.1  # a run is "contended" if other processes used > 10% of its wall time in CPU-seconds
 
 
 # ----------------------------------------------------------------------------
@@ -98,10 +118,49 @@ def _current_rss() -> int:
         raise
 
 
+def _vm_hwm() -> int:
+    """This process's own high-water RSS (VmHWM), which, unlike ru_maxrss, is not
+    inherited from the parent across fork + exec."""
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    return -1
+
+
+def _rss_split() -> tuple[int, int]:
+    """(RssAnon, RssFile) of this process: heap/tensors vs file-backed pages (the code of
+    libtorch, MKL, oneDNN ... paged in the first time a kernel runs)."""
+    out = {}
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(("RssAnon:", "RssFile:")):
+                out[line.split(":")[0]] = int(line.split()[1]) * 1024
+    return out.get("RssAnon", -1), out.get("RssFile", -1)
+
+
 def _peak_rss() -> int:
     import resource
 
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
+
+
+def _own_cpu_s() -> float:
+    import resource
+
+    ru = resource.getrusage(resource.RUSAGE_SELF)
+    return ru.ru_utime + ru.ru_stime
+
+
+def _machine_busy_s() -> float:
+    """CPU-seconds the whole machine has spent busy (all cores), from /proc/stat."""
+    try:
+        with open("/proc/stat") as f:
+            fields = [int(x) for x in f.readline().split()[1:]]
+    except OSError:
+        return float("nan")
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
+    return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
 
 
 def _naive_step(model, group, grpo):
@@ -140,6 +199,54 @@ def _longstraw_step(model, group, grpo, exec_kwargs):
     return result.loss, result.metrics
 
 
+def _exec_kwargs(args) -> dict:
+    """LongStraw's public ExecConfig knobs the CLI exposes."""
+    return {"chunk_size": args.chunk_size, "attention_block_size": args.attention_block_size,
+            "logits_chunk_size": args.logits_chunk_size}
+
+
+def live_tensor_peak(step) -> int | None:
+    """Peak bytes of live torch CPU tensors allocated during step(), from the profiler's
+    allocation events (+size on alloc, -size on free, in time order). Unlike RSS this
+    is blind to the allocator (glibc retention, fragmentation) and to the runtime's own
+    one-time buffers: it is the memory the algorithm itself holds. None if the
+    profiler's event API is unavailable."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        step()
+    try:
+        events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
+        events.sort(key=lambda e: e.start_ns())
+    except AttributeError:  # private API moved
+        return None
+    live = peak = 0
+    for e in events:
+        live += e.nbytes()
+        peak = max(peak, live)
+    return peak
+
+
+def worker_live(args) -> dict:
+    """Separate fresh process: the step under the profiler, for the live-tensor peak only
+    (the profiler's own bookkeeping would pollute RSS, so this run reports no RSS)."""
+    import torch
+
+    torch.set_num_threads(THREADS)
+    import longstraw as ls
+    from longstraw.tiny import random_group, tiny_model
+
+    model = tiny_model("qwen3", dtype=torch.float32)
+    group = random_group(VOCAB, args.prompt_tokens, args.worker_g, args.response_tokens, seed=0)
+    grpo = ls.GRPOConfig()
+    exec_kwargs = _exec_kwargs(args)
+    if args.worker_method == "naive":
+        peak = live_tensor_peak(lambda: _naive_step(model, group, grpo))
+    else:
+        peak = live_tensor_peak(lambda: _longstraw_step(model, group, grpo, exec_kwargs))
+    return {"method": args.worker_method, "G": args.worker_g, "live_tensor_peak": peak}
+
+
 def worker(args) -> dict:
     import gc
     import time
@@ -153,20 +260,28 @@ def worker(args) -> dict:
     model = tiny_model("qwen3", dtype=torch.float32)
     group = random_group(VOCAB, args.prompt_tokens, args.worker_g, args.response_tokens, seed=0)
     grpo = ls.GRPOConfig()
-    exec_kwargs = dict(chunk_size=args.chunk_size, attention_block_size=args.attention_block_size,
-                       logits_chunk_size=args.logits_chunk_size)
+    exec_kwargs = _exec_kwargs(args)
     gc.collect()
     rss_after_model = _current_rss()
     peak_before_step = _peak_rss()
+    load_1m = os.getloadavg()[0]
+    anon0, file0 = _rss_split()
 
+    busy0, own0 = _machine_busy_s(), _own_cpu_s()
     t0 = time.perf_counter()
     if args.worker_method == "naive":
         loss, metrics = _naive_step(model, group, grpo)
+    elif args.worker_method == EXACT:
+        loss, metrics = _longstraw_step(model, group, grpo, {**exec_kwargs, "mode": "exact"})
     else:
         loss, metrics = _longstraw_step(model, group, grpo, exec_kwargs)
     step_time = time.perf_counter() - t0
+    own_cpu = _own_cpu_s() - own0
+    foreign_cpu = max(0.0, _machine_busy_s() - busy0 - own_cpu)  # other processes on this machine
     peak_rss = _peak_rss()
+    vm_hwm = _vm_hwm()
     rss_after_step = _current_rss()
+    anon1, file1 = _rss_split()
 
     if args.grad_out:
         flat = torch.cat([p.grad.reshape(-1) for p in model.parameters() if p.grad is not None])
@@ -183,35 +298,64 @@ def worker(args) -> dict:
         "rss_after_model": rss_after_model,
         "peak_before_step": peak_before_step,
         "peak_rss": peak_rss,
+        "vm_hwm": vm_hwm,
         "rss_after_step": rss_after_step,
+        "rss_file_growth": file1 - file0,
+        "rss_anon_growth_retained": anon1 - anon0,
         "peak_above_model": peak_rss - rss_after_model,
         "baseline_hid_peak": peak_before_step >= peak_rss,
         "step_time_s": step_time,
+        "cpu_time_s": own_cpu,
+        "foreign_cpu_s": foreign_cpu,
+        "loadavg_1m_before": load_1m,
         "time_capture_s": metrics.get("time_capture_s"),
         "time_replay_s": metrics.get("time_replay_s"),
         "state_bytes": metrics.get("state_bytes"),
         "loss": loss,
-        "exec_config": exec_kwargs if args.worker_method == "longstraw" else None,
+        "exec_config": exec_kwargs if args.worker_method != "naive" else None,
+        "malloc_mmap_threshold": os.environ.get("MALLOC_MMAP_THRESHOLD_"),
+        "longstraw_file": ls.__file__,
     }
 
 
 # ----------------------------------------------------------------------------
-# driver
+# driver (keeps no torch in memory while workers run: see machine_info)
 
 
-def run_one(method: str, g: int, args, grad_out: str | None) -> dict:
-    cmd = [sys.executable, os.path.abspath(__file__), "--worker", "--worker-method", method, "--worker-g", str(g),
+def wait_for_idle(max_wait_s: float, busy_cores: float = 0.25) -> float:
+    """Wait (at most max_wait_s) until the machine has been idle for a second: other
+    processes on these 2 cores would inflate the step times. Returns seconds waited."""
+    import time
+
+    t0 = time.perf_counter()
+    while time.perf_counter() - t0 < max_wait_s:
+        b0 = _machine_busy_s()
+        time.sleep(1.0)
+        if _machine_busy_s() - b0 < busy_cores:
+            break
+    return time.perf_counter() - t0
+
+
+def run_one(method: str, g: int, args, grad_out: str | None, live: bool = False) -> dict:
+    cmd = [sys.executable, os.path.abspath(__file__), "--worker-live" if live else "--worker",
+           "--worker-method", method, "--worker-g", str(g),
            "--prompt-tokens", str(args.prompt_tokens), "--response-tokens", str(args.response_tokens),
            "--chunk-size", str(args.chunk_size), "--attention-block-size", str(args.attention_block_size),
            "--logits-chunk-size", str(args.logits_chunk_size)]
     if grad_out:
         cmd += ["--grad-out", grad_out]
-    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO)
+    env = dict(os.environ)
+    if args.malloc_mmap_threshold is not None:
+        env["MALLOC_MMAP_THRESHOLD_"] = str(args.malloc_mmap_threshold)
+    waited = wait_for_idle(args.wait_idle) if args.wait_idle > 0 else 0.0
+    proc = subprocess.run(cmd, capture_output=True, text=True, cwd=REPO, env=env, check=False)
     if proc.returncode != 0:
         sys.stderr.write(proc.stderr)
         raise SystemExit(f"worker {method} G={g} failed with exit code {proc.returncode}")
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
-    return json.loads(lines[-1])
+    row = json.loads(lines[-1])
+    row["waited_idle_s"] = waited
+    return row
 
 
 def grad_agreement(path_a: str, path_b: str) -> dict:
@@ -226,7 +370,10 @@ def grad_agreement(path_a: str, path_b: str) -> dict:
 
 
 def machine_info() -> dict:
-    import torch
+    # No `import torch` here: the driver must stay small. ru_maxrss of a child started by
+    # fork + exec starts at the parent's high-water RSS (Linux carries it across exec), so a
+    # big parent would put a floor under every worker's peak.
+    from importlib.metadata import version
 
     cpu = platform.processor() or ""
     try:
@@ -234,12 +381,68 @@ def machine_info() -> dict:
             cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), cpu)
     except OSError:
         pass
-    return {"platform": platform.platform(), "python": platform.python_version(), "torch": torch.__version__,
-            "nproc": os.cpu_count(), "cpu": cpu, "threads": THREADS}
+    try:
+        import psutil
+
+        mem = psutil.virtual_memory().total
+    except ImportError:  # pragma: no cover
+        mem = None
+    try:
+        import ctypes
+
+        glibc = ctypes.CDLL("libc.so.6").gnu_get_libc_version
+        glibc.restype = ctypes.c_char_p
+        libc = glibc().decode()
+    except (OSError, AttributeError):
+        libc = platform.libc_ver()[1]
+    return {"platform": platform.platform(), "python": platform.python_version(), "torch": version("torch"),
+            "transformers": version("transformers"), "nproc": os.cpu_count(), "cpu": cpu, "threads": THREADS,
+            "mem_total": mem, "glibc": libc}
+
+
+def code_info() -> dict:
+    """Which longstraw was measured: the git revision, and whether longstraw/ had
+    uncommitted changes (the numbers then belong to the working tree, not the commit)."""
+    def git(*a):
+        try:
+            return subprocess.run(["git", "-C", REPO, *a], capture_output=True, text=True, timeout=30,
+                                  check=False).stdout.strip()
+        except (OSError, subprocess.SubprocessError):
+            return ""
+    return {"git_rev": git("rev-parse", "HEAD") or None,
+            "longstraw_dirty": bool(git("status", "--porcelain", "--", "longstraw"))}
 
 
 def _status(ok: bool) -> str:
     return "PASS" if ok else "MISS"
+
+
+def _median(xs):
+    xs = sorted(xs)
+    n = len(xs)
+    return xs[n // 2] if n % 2 else 0.5 * (xs[n // 2 - 1] + xs[n // 2])
+
+
+def _contended(run: dict) -> bool:
+    """Other processes used > 10% of the step's wall time in CPU-seconds."""
+    return run["foreign_cpu_s"] > CONTENDED_FRACTION * run["step_time_s"]
+
+
+def aggregate(runs: list[dict]) -> dict:
+    """One (method, G) over its repeats: median peak, and the fastest step time among
+    the runs no other process disturbed (or the fastest of all, flagged, if none)."""
+    quiet = [r for r in runs if not _contended(r)]
+    best = min(quiet or runs, key=lambda r: r["step_time_s"])
+    out = dict(best)
+    out.update(
+        time_contended=not quiet,
+        repeats=len(runs),
+        peak_above_model=_median([r["peak_above_model"] for r in runs]),
+        peak_above_model_all=[r["peak_above_model"] for r in runs],
+        step_time_s=best["step_time_s"],
+        step_time_all=[r["step_time_s"] for r in runs],
+    )
+    return out
 
 
 def main(argv=None) -> int:
@@ -249,14 +452,25 @@ def main(argv=None) -> int:
     p.add_argument("--groups", type=int, nargs="+", default=[2, 8], help="group sizes G (default: 2 8)")
     p.add_argument("--out", default=os.path.join(REPO, "bench", "out", "dense.csv"), help="CSV of the rows")
     p.add_argument("--quick", action="store_true", help="smoke run: P=1024, R=32")
+    p.add_argument("--repeat", type=int, default=1,
+                   help="fresh processes per (method, G); the table shows the median peak and the fastest time")
+    p.add_argument("--wait-idle", type=float, default=60.0, metavar="SECONDS",
+                   help="before each run, wait up to this long for the CPUs to be idle (0: don't)")
+    p.add_argument("--no-live-peak", action="store_true",
+                   help="skip the extra profiled run per (method, G) that measures the live-tensor peak")
     p.add_argument("--no-grad-check", action="store_true", help="skip the naive-vs-LongStraw gradient comparison")
+    p.add_argument("--malloc-mmap-threshold", type=int, default=None, metavar="BYTES",
+                   help="diagnostic: run the workers with glibc's MALLOC_MMAP_THRESHOLD_=BYTES (a fixed threshold: "
+                        "every block above it is mmapped and returned on free), to separate allocator "
+                        "retention from live memory. Default: the environment as is")
     # LongStraw's public ExecConfig knobs (defaults: ExecConfig's own)
-    p.add_argument("--chunk-size", type=int, default=4096)
-    p.add_argument("--attention-block-size", type=int, default=1024)
-    p.add_argument("--logits-chunk-size", type=int, default=1024)
+    p.add_argument("--chunk-size", type=int, default=4096, help="LongStraw ExecConfig.chunk_size")
+    p.add_argument("--attention-block-size", type=int, default=1024, help="LongStraw ExecConfig.attention_block_size")
+    p.add_argument("--logits-chunk-size", type=int, default=1024, help="LongStraw ExecConfig.logits_chunk_size")
     # internal
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    p.add_argument("--worker-method", choices=METHODS, help=argparse.SUPPRESS)
+    p.add_argument("--worker-live", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--worker-method", choices=(*METHODS, EXACT), help=argparse.SUPPRESS)
     p.add_argument("--worker-g", type=int, help=argparse.SUPPRESS)
     p.add_argument("--grad-out", default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
@@ -268,39 +482,83 @@ def main(argv=None) -> int:
     if args.worker:
         print(json.dumps(worker(args)))
         return 0
+    if args.worker_live:
+        print(json.dumps(worker_live(args)))
+        return 0
 
     groups = sorted(set(args.groups))
     P, R = args.prompt_tokens, args.response_tokens
-    info = machine_info()
-    print(f"LongStraw vs naive HF full-sequence GRPO step | tiny qwen3, float32, CPU x{THREADS} threads "
-          f"(nproc={info['nproc']}, {info['cpu']}), torch {info['torch']}")
-    print(f"P={P} R={R} G={groups} | LongStraw ExecConfig(chunk_size={args.chunk_size}, "
-          f"attention_block_size={args.attention_block_size}, logits_chunk_size={args.logits_chunk_size})")
-    print("each row runs in a fresh subprocess ...", flush=True)
+    info, code = machine_info(), code_info()
+    print(f"LongStraw vs naive HF full-sequence GRPO step | tiny qwen3, float32, CPU, {THREADS} threads "
+          f"(nproc={info['nproc']}, {info['cpu']}), torch {info['torch']}, glibc {info['glibc']}")
+    print(f"P={P} R={R} G={groups} repeat={args.repeat} | LongStraw ExecConfig(chunk_size={args.chunk_size}, "
+          f"attention_block_size={args.attention_block_size}, logits_chunk_size={args.logits_chunk_size})"
+          + (f" | MALLOC_MMAP_THRESHOLD_={args.malloc_mmap_threshold}" if args.malloc_mmap_threshold else ""))
+    if code["longstraw_dirty"]:
+        print(f"note: longstraw/ has uncommitted changes (HEAD {str(code['git_rev'])[:9]}): "
+              "these numbers are for the working tree")
+    print("each run is a fresh subprocess ...", flush=True)
 
-    rows, agreement = [], {}
+    runs, agreement, exact_agreement = [], {}, None
     with tempfile.TemporaryDirectory() as tmp:
-        for g in groups:
-            paths = {}
-            for method in METHODS:
-                paths[method] = None if args.no_grad_check else os.path.join(tmp, f"{method}-{g}.pt")
-                row = run_one(method, g, args, paths[method])
-                rows.append(row)
-                print(f"  {method:9s} G={g:<3d} peak above model {row['peak_above_model'] / MIB:9.1f} MiB  "
-                      f"step {row['step_time_s']:8.2f} s", flush=True)
-            if not args.no_grad_check:
-                agreement[g] = grad_agreement(paths["longstraw"], paths["naive"])
+        grad_path = {}
+        for rep in range(args.repeat):
+            for g in groups:
+                for method in METHODS:
+                    path = None
+                    if rep == 0 and not args.no_grad_check:
+                        path = grad_path[method, g] = os.path.join(tmp, f"{method}-{g}.pt")
+                    row = run_one(method, g, args, path)
+                    row["rep"] = rep
+                    runs.append(row)
+                    print(f"  [{rep}] {method:9s} G={g:<3d} peak above model {row['peak_above_model'] / MIB:8.1f} MiB"
+                          f" (library code paged in {row['rss_file_growth'] / MIB:4.1f})  step {row['step_time_s']:7.2f} s"
+                          f"  (cpu {row['cpu_time_s']:6.1f} s, other processes "
+                          f"{row['foreign_cpu_s']:5.1f} cpu-s)", flush=True)
+        live = {}
+        if not args.no_live_peak:
+            for g in groups:
+                for method in METHODS:
+                    live[method, g] = run_one(method, g, args, None, live=True)["live_tensor_peak"]
+                    lp = live[method, g]
+                    print(f"  [live] {method:9s} G={g:<3d} live-tensor peak "
+                          + (f"{lp / MIB:8.1f} MiB" if lp is not None else "n/a"), flush=True)
+        if not args.no_grad_check:  # only after every worker ran: this imports torch into the driver
+            # Validates the baseline itself: LongStraw's exact mode computes the full-sequence
+            # gradient, so it must match the naive path to float32 rounding.
+            g = groups[0]
+            grad_path[EXACT, g] = os.path.join(tmp, f"{EXACT}-{g}.pt")
+            try:
+                exact_row = run_one(EXACT, g, args, grad_path[EXACT, g])
+            except SystemExit as e:  # exact mode unavailable in this longstraw: report, don't fail
+                exact_row = None
+                print(f"  (exact-mode gradient check skipped: {e})")
+            for g in groups:
+                agreement[g] = grad_agreement(grad_path["longstraw", g], grad_path["naive", g])
+            if exact_row is not None:
+                g = groups[0]
+                exact_agreement = {**grad_agreement(grad_path[EXACT, g], grad_path["naive", g]), "G": g,
+                                   "peak_above_model": exact_row["peak_above_model"],
+                                   "step_time_s": exact_row["step_time_s"]}
 
-    by = {(r["method"], r["G"]): r for r in rows}
+    by = {(m, g): aggregate([r for r in runs if r["method"] == m and r["G"] == g]) for g in groups for m in METHODS}
+    for row in [*by.values(), *runs]:
+        row["live_tensor_peak"] = live.get((row["method"], row["G"]))
+    rows = [by[m, g] for g in groups for m in METHODS]
     g_lo, g_hi = groups[0], groups[-1]
     peak_ratio = {g: by["naive", g]["peak_above_model"] / by["longstraw", g]["peak_above_model"] for g in groups}
     ls_flat = by["longstraw", g_hi]["peak_above_model"] / by["longstraw", g_lo]["peak_above_model"]
     time_ratio = {g: by["naive", g]["step_time_s"] / by["longstraw", g]["step_time_s"] for g in groups}
+    contended = [r for r in runs if _contended(r)]
+    time_reliable = not any(by[m, g_hi]["time_contended"] for m in METHODS)
+    have_live = all(by[m, g]["live_tensor_peak"] for g in groups for m in METHODS)
+    live_ratio = ({g: by["naive", g]["live_tensor_peak"] / by["longstraw", g]["live_tensor_peak"] for g in groups}
+                  if have_live else {})
 
     # ---------------------------------------------------------------- table
     print()
     hdr = (f"{'method':10s} {'G':>3s} {'RSS model':>10s} {'peak RSS':>10s} {'peak above model':>17s} "
-           f"{'state':>9s} {'step time':>10s} {'capture':>8s} {'replay':>8s}")
+           f"{'live tensors':>13s} {'state':>9s} {'step time':>10s} {'capture':>8s} {'replay':>8s}")
     print(hdr)
     print("-" * len(hdr))
     for r in rows:
@@ -308,50 +566,83 @@ def main(argv=None) -> int:
         cap = f"{r['time_capture_s']:7.2f}s" if r["time_capture_s"] is not None else f"{'-':>8s}"
         rep = f"{r['time_replay_s']:7.2f}s" if r["time_replay_s"] is not None else f"{'-':>8s}"
         flag = "  (!) process peaked before the step" if r["baseline_hid_peak"] else ""
+        lt = r["live_tensor_peak"]
+        lt = f"{lt / MIB:9.1f} MiB" if lt else f"{'-':>13s}"
         print(f"{r['method']:10s} {r['G']:3d} {r['rss_after_model'] / MIB:8.1f} M {r['peak_rss'] / MIB:8.1f} M "
-              f"{r['peak_above_model'] / MIB:13.1f} MiB {state} {r['step_time_s']:9.2f}s {cap} {rep}{flag}")
+              f"{r['peak_above_model'] / MIB:13.1f} MiB {lt} {state} {r['step_time_s']:9.2f}{'*' if r['time_contended'] else 's'} "
+              f"{cap} {rep}{flag}")
+    if any(r["time_contended"] for r in rows):
+        print("* step time from a run that other processes disturbed: inflated")
+    if args.repeat > 1:
+        print(f"(over {args.repeat} fresh processes each: median peak above model, fastest step time of "
+              "the runs no other process disturbed; RSS columns and phase times are from that run)")
     print()
     for g in groups:
         print(f"naive / LongStraw peak above model, G={g}: {peak_ratio[g]:7.2f}x   "
               f"[target >= {TARGET_PEAK_RATIO:g}x: {_status(peak_ratio[g] >= TARGET_PEAK_RATIO)}]")
-    print(f"LongStraw peak above model, G={g_hi} / G={g_lo}: {ls_flat:7.3f}   "
-          f"[target <= {TARGET_G_FLAT:g}: {_status(ls_flat <= TARGET_G_FLAT)}]")
+    for g, v in live_ratio.items():
+        print(f"naive / LongStraw live-tensor peak, G={g}: {v:7.2f}x   (informational: allocator-neutral)")
+    if have_live and g_hi != g_lo:
+        lf = by["longstraw", g_hi]["live_tensor_peak"] / by["longstraw", g_lo]["live_tensor_peak"]
+        print(f"LongStraw live-tensor peak, G={g_hi} / G={g_lo}: {lf:7.3f}   (informational)")
+    if g_hi != g_lo:
+        print(f"LongStraw peak above model, G={g_hi} / G={g_lo}: {ls_flat:7.3f}   "
+              f"[target <= {TARGET_G_FLAT:g}: {_status(ls_flat <= TARGET_G_FLAT)}]")
     for g in groups:
-        target = f"   [target >= {TARGET_TIME_RATIO:g}x: {_status(time_ratio[g] >= TARGET_TIME_RATIO)}]" if g == g_hi else ""
+        target = ""
+        if g == g_hi:
+            verdict = _status(time_ratio[g] >= TARGET_TIME_RATIO) if time_reliable else "UNRELIABLE (contended)"
+            target = f"   [target >= {TARGET_TIME_RATIO:g}x: {verdict}]"
         print(f"naive / LongStraw step time, G={g}: {time_ratio[g]:7.2f}x{target}")
     for g, a in agreement.items():
         print(f"grad agreement G={g} (detached vs full-sequence gradient, not expected to be equal): "
               f"cosine {a['cosine']:.4f}, ||ls - naive|| / ||naive|| = {a['rel_diff']:.3e}, "
               f"norm ratio {a['norm_ratio']:.4f}")
+    if exact_agreement:
+        a = exact_agreement
+        print(f"baseline check G={a['G']}: LongStraw ExecConfig(mode='exact') vs naive full-sequence gradient: "
+              f"||exact - naive|| / ||naive|| = {a['rel_diff']:.2e}, cosine {a['cosine']:.7f} "
+              f"(exact mode: peak above model {a['peak_above_model'] / MIB:.1f} MiB, {a['step_time_s']:.2f} s)")
+    if contended:
+        print(f"warning: {len(contended)} of {len(runs)} runs shared the CPUs with other processes (> 10% of their "
+              "wall time in other processes' CPU-seconds); their step times are inflated: "
+              + ", ".join(f"{r['method']} G={r['G']} rep {r['rep']} ({r['foreign_cpu_s']:.1f} cpu-s)" for r in contended))
 
-    # ---------------------------------------------------------------- CSV
+    # ---------------------------------------------------------------- CSV (every run)
     out = os.path.abspath(args.out)
     os.makedirs(os.path.dirname(out), exist_ok=True)
-    fields = ["method", "G", "P", "R", "dtype", "params", "param_bytes", "rss_after_model", "peak_before_step",
-              "peak_rss", "rss_after_step", "peak_above_model", "baseline_hid_peak", "step_time_s", "time_capture_s",
-              "time_replay_s", "state_bytes", "loss"]
+    fields = ["method", "G", "rep", "P", "R", "dtype", "params", "param_bytes", "rss_after_model", "peak_before_step",
+              "peak_rss", "vm_hwm", "rss_after_step", "rss_file_growth", "rss_anon_growth_retained", "peak_above_model",
+              "live_tensor_peak", "baseline_hid_peak", "step_time_s",
+              "cpu_time_s", "foreign_cpu_s", "loadavg_1m_before", "time_capture_s", "time_replay_s", "state_bytes",
+              "loss", "malloc_mmap_threshold", "waited_idle_s"]
     with open(out, "w", newline="") as f:
         w = csv.DictWriter(f, fieldnames=fields, extrasaction="ignore")
         w.writeheader()
-        w.writerows(rows)
-    print(f"\nrows written to {os.path.relpath(out, os.getcwd())}")
+        w.writerows(runs)
+    print(f"\nruns written to {os.path.relpath(out, os.getcwd())}")
 
     targets = {
         "peak_ratio_ge_10": {str(g): peak_ratio[g] >= TARGET_PEAK_RATIO for g in groups},
-        "longstraw_g_flat_le_1.02": ls_flat <= TARGET_G_FLAT,
-        "time_ratio_ge_10_at_max_g": time_ratio[g_hi] >= TARGET_TIME_RATIO,
+        "longstraw_g_flat_le_1.02": (ls_flat <= TARGET_G_FLAT) if g_hi != g_lo else None,
+        "time_ratio_ge_10_at_max_g": (time_ratio[g_hi] >= TARGET_TIME_RATIO) if time_reliable else None,
     }
     summary = {
-        "bench": "dense", "machine": info, "dtype": "float32", "model": "longstraw.tiny.tiny_model('qwen3')",
-        "sizes": {"P": P, "R": R, "G": groups},
+        "bench": "dense", "machine": info, "code": code, "dtype": "float32",
+        "model": "longstraw.tiny.tiny_model('qwen3')", "sizes": {"P": P, "R": R, "G": groups},
         "exec_config": {"chunk_size": args.chunk_size, "attention_block_size": args.attention_block_size,
                         "logits_chunk_size": args.logits_chunk_size},
+        "repeat": args.repeat, "malloc_mmap_threshold": args.malloc_mmap_threshold,
         "rows": rows,
         "ratios": {"naive_over_longstraw_peak_above_model": {str(g): v for g, v in peak_ratio.items()},
                    f"longstraw_peak_G{g_hi}_over_G{g_lo}": ls_flat,
-                   "naive_over_longstraw_step_time": {str(g): v for g, v in time_ratio.items()}},
+                   "naive_over_longstraw_step_time": {str(g): v for g, v in time_ratio.items()},
+                   "naive_over_longstraw_live_tensor_peak": {str(g): v for g, v in live_ratio.items()}},
         "grad_agreement": {str(g): a for g, a in agreement.items()},
+        "exact_mode_vs_naive": exact_agreement,
         "targets": targets,
+        "contended_runs": len(contended),
+        "time_reliable": time_reliable,
     }
     print(json.dumps(summary))
     return 0
