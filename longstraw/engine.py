@@ -5,13 +5,16 @@
 2. Replay runs each branch `[prompt[-1]] + response[:-1]` at positions P-1 .. with
    autograd against the read-only state, computes that branch's share of the group
    loss, calls backward, and frees the graph before the next branch. Peak memory is
-   parameters + grads + state + one branch's graph, independent of G.
+   parameters + grads + state + the larger of one capture chunk's working set and one
+   branch's (or piece's) graph: independent of G. (At the default chunk_size=4096 on
+   small models the capture chunk sets it; bench/ and docs/results-dense.md measure it.)
 3. Exact mode (`ExecConfig(mode="exact")`): replay also sums dLoss/dState over the
    branches into buffers the state owns. Then the capture chunks are walked in
    reverse: each is recomputed with autograd from the state of earlier chunks, and
    its accumulated state gradient is pushed through it. That adds its parameter
    gradients and the gradients of earlier chunks' state. The result is the
-   full-sequence gradient at state-sized memory (see docs/exact.md).
+   full-sequence gradient; memory is state + state gradients + one chunk's autograd
+   graph, so pick chunk_size well below P in this mode (see docs/exact.md).
 4. `step` only accumulates `.grad`, exactly as `loss.backward()` would; the caller
    steps the optimizer.
 
