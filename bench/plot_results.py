@@ -1,9 +1,11 @@
 """Plots of the peer comparison (bench/bench_step.py rows): peak memory vs P, step time
 vs P, peak memory vs G, one line per method, one panel per model family.
 
-    .venv/bin/python bench/plot_results.py bench/results/issue7_sweep.csv --out-dir docs
+    .venv/bin/python bench/plot_results.py bench/results/issue7_sweep.csv bench/results/issue7_exact256.csv \
+        --out-dir docs
 
-Reads every row with status "ok" (repeats: median peak, fastest time). Writes
+Reads every row with status "ok" (repeats: median peak, fastest time); exact-mode rows
+with a chunk other than 1024 get their own line. Writes
 peak_vs_p.png, time_vs_p.png and peak_vs_g.png. The sweep along P uses --g (default 4),
 the sweep along G uses --p (default 4096).
 """
@@ -22,7 +24,8 @@ import matplotlib.pyplot as plt  # noqa: E402
 
 METHOD_STYLE = {
     "detached": ("LongStraw detached", "tab:blue", "o"),
-    "exact": ("LongStraw exact", "tab:green", "s"),
+    "exact": ("LongStraw exact (chunk 1024)", "tab:green", "s"),
+    "exact@256": ("LongStraw exact (chunk 256)", "tab:olive", "P"),
     "naive": ("HF naive (G sequential)", "tab:red", "v"),
     "batched": ("HF batched (TRL)", "tab:orange", "^"),
     "prefix_grouper": ("Prefix Grouper", "tab:purple", "D"),
@@ -38,7 +41,10 @@ def load(paths):
             rows += [r for r in csv.DictReader(f) if r["status"] == "ok"]
     agg = {}
     for r in rows:
-        key = (r["family"], r["method"], int(r["P"]), int(r["G"]))
+        method = r["method"]
+        if method == "exact" and r.get("chunk_size") not in (None, "", "1024"):
+            method = f"exact@{r['chunk_size']}"  # exact mode with another chunk: its own line
+        key = (r["family"], method, int(r["P"]), int(r["G"]))
         peak, t = float(r["peak_above_model"]), float(r["step_time_s"])
         agg.setdefault(key, ([], []))
         agg[key][0].append(peak)
