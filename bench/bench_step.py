@@ -415,6 +415,10 @@ def worker(args) -> dict:
     model = tiny_model(args.family, dtype=torch.float32)
     group = random_group(VOCAB, P, G, args.response_tokens, seed=0)
     dsa = _install_dsa_timers() if args.dsa_timing else None
+    if args.warmup:  # fault in the code paths (file-backed pages) before the baseline; drop its grads
+        run_method(method, model, random_group(VOCAB, min(P, 512), G, args.response_tokens, seed=1), args)
+        for p in model.parameters():
+            p.grad = None
     gc.collect()
     if args.live_peak_worker:
         peak = live_tensor_peak(lambda: run_method(method, model, group, args))
@@ -443,6 +447,8 @@ def worker(args) -> dict:
         "grad_bytes_allocated": sum(p.grad.numel() * p.grad.element_size() for p in model.parameters()
                                     if p.grad is not None),
         "param_bytes": sum(p.numel() * p.element_size() for p in model.parameters()),
+        "warmup": bool(args.warmup),
+        "malloc_env": " ".join(f"{k}={v}" for k, v in sorted(os.environ.items()) if k.startswith("MALLOC_")),
     }
     if method in ("detached", "exact", "capture"):
         kw = _exec_kwargs(args, method)
@@ -601,6 +607,8 @@ def _worker_cmd(args, method, P, G, live=False) -> list[str]:
         cmd += ["--branch-chunk-size", str(args.branch_chunk_size)]
     if args.dsa_timing and not live:
         cmd.append("--dsa-timing")
+    if args.warmup:
+        cmd.append("--warmup")
     if live:
         cmd.append("--live-peak-worker")
     return cmd
@@ -620,7 +628,7 @@ CSV_FIELDS = [
     "plan_grad_bytes", "plan_optimizer_bytes", "plan_state_bytes", "plan_state_grad_bytes", "plan_checkpoint_bytes",
     "plan_replay_working_bytes", "plan_capture_working_bytes", "plan_recompute_working_bytes", "plan_peak_phase",
     "plan_num_parameters", "model_num_parameters", "plan_error", "cpu", "threads", "torch", "transformers",
-    "git_rev", "longstraw_dirty", "timestamp",
+    "git_rev", "longstraw_dirty", "timestamp", "warmup", "malloc_env",
 ]
 
 
@@ -751,6 +759,8 @@ def main(argv=None) -> int:
     p.add_argument("--retry-contended", type=int, default=2,
                    help="rerun a measurement up to N times when other processes used > 10%% of its wall time")
     p.add_argument("--live-peak", action="store_true", help="also measure the live-tensor peak (extra process)")
+    p.add_argument("--warmup", action="store_true",
+                   help="run the method once at P = 512 before the baseline RSS (gradients dropped after)")
     p.add_argument("--dsa-timing", action="store_true", help="time the DSA ops in capture / replay (glm_moe_dsa)")
     p.add_argument("--plan-self-attention", default="flash", choices=("flash", "dense", "fused-nograd"))
     p.add_argument("--selfcheck", action="store_true", help="check the baselines against each other, small P")

@@ -93,8 +93,8 @@ def demo(args) -> int:
 
 _PLAN_FIELDS = ("prompt_tokens", "group", "response_tokens", "mode", "gpus", "gpu_memory", "reserve", "dtype",
                 "weight_dtype", "lora_rank", "lora_targets", "chunk_size", "branch_chunk_size", "attention_block_size",
-                "logits_chunk_size", "self_attention", "shard_params", "offload_state", "score_passes",
-                "throughput_tflops")
+                "logits_chunk_size", "self_attention", "gdn_kernel", "grads_during_capture", "shard_params",
+                "offload_state", "score_passes", "throughput_tflops")
 
 
 def plan(args) -> int:
@@ -136,6 +136,12 @@ def _add_plan_parser(sub) -> None:
                    help="self part of attention: flash = blockwise with recompute, O(T) kept (today's code); "
                         "dense = plain torch [heads,T,T] scores (to compare); fused-nograd = fused capture, "
                         "dense autograd passes")
+    p.add_argument("--gdn-kernel", default="torch", choices=["torch", "fla"],
+                   help="GDN chunk kernel: torch = ops/gated_delta.py, fp32 (measured; default); fla = "
+                        "flash-linear-attention on CUDA in bf16/fp16 (smaller, estimated)")
+    p.add_argument("--first-group", dest="grads_during_capture", action="store_false",
+                   help="plan the first group after zero_grad(set_to_none=True): no gradient buffers during "
+                        "capture (default: a later group of the batch, gradients already allocated)")
     p.add_argument("--shard-params", action="store_true", help="shard weights/grads/optimizer 1/W (FSDP-style)")
     p.add_argument("--offload-state", action="store_true", help="keep the prompt state in host memory")
     p.add_argument("--score-passes", type=int, default=0, help="no-grad scoring forwards per branch (old/ref "

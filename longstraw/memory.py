@@ -1,6 +1,6 @@
-"""Memory measurement helpers: process RSS, its peak, and the activation bytes an
-autograd graph saves (used to size the naive full-sequence path without running it
-at full length)."""
+"""Memory measurement helpers: process RSS, its peak, the peak of live torch tensors,
+and the activation bytes an autograd graph saves (used to size the naive full-sequence
+path without running it at full length)."""
 
 from __future__ import annotations
 
@@ -26,6 +26,23 @@ def peak_rss_bytes() -> int:
     """Peak resident set size of this process so far."""
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     return peak if sys.platform == "darwin" else peak * 1024
+
+
+def live_tensor_peak(fn) -> int:
+    """Peak bytes of torch CPU tensors allocated during fn() and alive at once (tensors
+    that existed before are not counted), from the profiler's allocation events: the CPU
+    analogue of `torch.cuda.max_memory_allocated`, blind to allocator and runtime slack."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
+    events.sort(key=lambda e: e.start_ns())
+    live = peak = 0
+    for e in events:
+        live += e.nbytes()
+        peak = max(peak, live)
+    return peak
 
 
 def saved_activation_bytes(fn) -> int:

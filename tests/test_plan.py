@@ -222,3 +222,56 @@ def test_score_passes_add_time_not_replay_memory():
     a, b = plan("qwen3.6-27b"), plan("qwen3.6-27b", score_passes=2)
     assert b["flops_replay_per_branch"] == pytest.approx(a["flops_replay_per_branch"] * 5 / 3)
     assert b["replay_working_bytes"] == a["replay_working_bytes"] and b["score_working_bytes"] > 0
+
+
+# ---------------------------------------------------------------------------- working-set model
+
+
+def test_kernel_constants_mirror_the_ops():
+    """The planner's working sets assume the kernels' default block sizes."""
+    import inspect
+
+    from longstraw.ops import dsa, gated_delta
+    from longstraw.plan import arch
+
+    def default(fn, name):
+        return inspect.signature(fn).parameters[name].default
+
+    assert default(dsa.indexer_topk, "query_block") == arch.INDEXER_QUERY_BLOCK
+    assert default(dsa.indexer_topk, "key_block") == arch.INDEXER_KEY_BLOCK
+    assert default(dsa.sparse_latent_attention, "query_block") == arch.SPARSE_QUERY_BLOCK
+    assert default(gated_delta.chunk_gated_delta_rule, "chunk_size") == arch.GDN_CHUNK
+
+
+def test_first_group_capture_has_no_gradients():
+    later, first = plan("qwen3.6-27b", prompt_tokens=1 << 20), plan("qwen3.6-27b", prompt_tokens=1 << 20,
+                                                                      grads_during_capture=False)
+    phases_later, phases_first = later["breakdown"]["phase_peak_bytes"], first["breakdown"]["phase_peak_bytes"]
+    assert phases_later["capture"] - phases_first["capture"] == later["grad_bytes"] > 0
+    assert phases_later["replay"] == phases_first["replay"]
+    assert first["peak_bytes_per_rank"] <= later["peak_bytes_per_rank"]
+    assert later["peak_bytes_per_rank"] == max(phases_later.values())
+
+
+def test_fla_kernel_needs_less_than_the_torch_path():
+    torch_path = plan("qwen3.6-27b", prompt_tokens=1 << 20, gdn_kernel="torch")
+    fla = plan("qwen3.6-27b", prompt_tokens=1 << 20, gdn_kernel="fla")
+    assert fla["capture_working_bytes"] < torch_path["capture_working_bytes"]
+    assert fla["replay_working_bytes"] < torch_path["replay_working_bytes"]
+    assert fla["state_bytes_total"] == torch_path["state_bytes_total"]
+    with pytest.raises(ConfigError, match="gdn_kernel"):
+        plan(gdn_kernel="triton")
+
+
+def test_dsa_selection_grows_with_the_prompt():
+    """The indexer scores a [128, P] block per query block: capture working grows with P."""
+    small, big = plan("glm-5.2", prompt_tokens=1 << 16), plan("glm-5.2", prompt_tokens=1 << 21)
+    grown = big["capture_working_bytes"] - small["capture_working_bytes"]
+    assert grown >= 14 * 128 * ((1 << 21) - (1 << 16))
+
+
+def test_cli_first_group_and_gdn_kernel(capsys):
+    code, out, _ = run_cli(capsys, "--model", "qwen3.6-27b", "--prompt-tokens", 65536, "--group", 2,
+                           "--response-tokens", 512, "--first-group", "--gdn-kernel", "fla", "--json")
+    r = json.loads(out)
+    assert code == 0 and r["inputs"]["grads_during_capture"] is False and r["inputs"]["gdn_kernel"] == "fla"

@@ -28,6 +28,16 @@ QUANT_BYTES = {"nf4": 4.127 / 8, "fp8": 1.0, "int8": 1.0}
 NF4 = "nf4"
 BACKWARD_FACTOR = 2.0  # backward FLOPs ~ 2x forward (input grads + weight grads)
 GDN_CHUNK = 64  # chunked delta-rule kernels keep one [v_heads, dk, dv] fp32 state per 64 tokens
+GDN_KERNELS = ("torch", "fla")  # ops/gated_delta.py's chunked torch path, or flash-linear-attention
+# Working-set constants of LongStraw's DSA kernels; they mirror the defaults of
+# ops/dsa.py (indexer_topk, sparse_latent_attention), which tests/test_plan.py checks.
+INDEXER_QUERY_BLOCK = 128  # queries scored at once: a [128, N] score block over all N visible keys
+INDEXER_KEY_BLOCK = 1024  # keys per indexer matmul: a [128, index_heads, 1024] temporary
+SPARSE_QUERY_BLOCK = 64  # queries per gathered block of the sparse attention
+# Bytes per (query, key) element of the exact top-k selection (ops/dsa._select_topk): the
+# fp32 score, int32 running count, and the bool masks alive at once. Measured: 14.06 B
+# (live tensors of indexer_topk at 4,096 queries over 16K vs 64K keys, tiny glm_moe_dsa).
+TOPK_SELECT_BYTES = 14
 LORA_TARGETS = ("attention", "all-linear")
 SELF_ATTENTION = ("dense", "fused-nograd", "flash")
 
@@ -342,7 +352,7 @@ def _other_params(arch: Arch, layer: LayerSpec) -> int:
         n += 2 * arch.index_dim if layer.indexer else 0  # indexer k_norm (LayerNorm)
     if layer.mlp == "moe":
         n += h * arch.experts + (h if arch.qwen_moe and arch.shared_intermediate else 0)  # router, shared gate
-        n += 0 if arch.qwen_moe else arch.experts  # score-correction bias
+        # (DeepSeek / GLM's e_score_correction_bias is a buffer in HF, not a parameter)
     return n
 
 

@@ -11,7 +11,7 @@ from ..errors import ConfigError
 from .arch import (
     BACKWARD_FACTOR,
     DTYPE_BYTES,
-    GDN_CHUNK,
+    GDN_KERNELS,
     LORA_TARGETS,
     QUANT_BYTES,
     SELF_ATTENTION,
@@ -25,6 +25,7 @@ from .arch import (
     load_model_config,
     parse_bytes,
 )
+from .working import attention_working, autograd_pass, graph_bytes_per_token, nograd_bytes_per_token, self_scores
 
 # ----------------------------------------------------------------------------
 # the plan
@@ -95,6 +96,18 @@ class PlanConfig:
     before the blockwise self part; kept to compare). 'fused-nograd': a fused capture
     with dense autograd passes."""
 
+    gdn_kernel: str = "torch"
+    """Chunked gated-delta kernel of GDN layers: 'torch' (ops/gated_delta.py, fp32
+    arithmetic; what runs without flash-linear-attention, and on CPU) or 'fla'
+    (flash-linear-attention, used on CUDA in bf16/fp16 when installed; a smaller working
+    set, not measured by us). The default is the larger, measured one."""
+
+    grads_during_capture: bool = True
+    """Parameter gradients already exist while the prompt is captured: true for every
+    group after the first of a batch (they accumulate until the optimizer step), so the
+    safe default. False: the first group after `zero_grad(set_to_none=True)`, whose
+    gradient buffers appear only in its first backward (what a one-group benchmark sees)."""
+
     shard_params: bool = False
     """Shard weights, gradients and optimizer state 1/W over the ranks (FSDP / ZeRO-3
     style; two layers' weights gathered at a time) instead of replicating them."""
@@ -128,6 +141,8 @@ class PlanConfig:
             raise ConfigError(f"PlanConfig.mode must be 'detached' or 'exact', got {self.mode!r}")
         if self.lora_targets not in LORA_TARGETS:
             raise ConfigError(f"PlanConfig.lora_targets must be one of {LORA_TARGETS}, got {self.lora_targets!r}")
+        if self.gdn_kernel not in GDN_KERNELS:
+            raise ConfigError(f"PlanConfig.gdn_kernel must be one of {GDN_KERNELS}, got {self.gdn_kernel!r}")
         if self.self_attention not in SELF_ATTENTION:
             raise ConfigError(f"PlanConfig.self_attention must be one of {SELF_ATTENTION}, got {self.self_attention!r}")
         if not (isinstance(self.throughput_tflops, (int, float)) and math.isfinite(self.throughput_tflops)
@@ -171,100 +186,6 @@ def _layer_state_bytes(arch: Arch, layer: LayerSpec, b: int, rb: int, positions:
     """State bytes of one layer holding `positions` positions."""
     s = _state_sizes(arch, b, rb, positions, [layer])
     return s["per_token"] * positions + s["fixed"]
-
-
-def _graph_bytes_per_token(arch: Arch, layer: LayerSpec, ab: int) -> float:
-    """Activation bytes one token leaves in the autograd graph of one layer.
-
-    Element counts (each x ab bytes): an RMSNorm keeps ~3 x its width (input, fp32
-    intermediate, output), two per layer; projections keep their outputs; SwiGLU keeps
-    gate, up, act and act*up (4 x width). Calibrated on tiny-qwen3 against HF's saved
-    tensors (5,376 vs 5,388 elements per token per layer, fp32).
-    """
-    h, H = arch.hidden, arch.heads
-    e = 6 * h
-    extra = 0.0
-    if layer.mixer == "attention":
-        qk_copies = 3 if arch.qk_norm else 2  # projection, (norm), rope
-        e += qk_copies * (H + arch.kv_heads) * arch.head_dim + arch.kv_heads * arch.head_dim + H * arch.head_dim
-        e += 3 * H * arch.head_dim if arch.attn_gate else 0  # gate half, sigmoid, gated product
-    elif layer.mixer == "gdn":
-        kd, vd = arch.gdn_k_heads * arch.gdn_k_dim, arch.gdn_v_heads * arch.gdn_v_dim
-        # projections + conv in/out/act, l2-normed q/k, gated norm, decay / beta
-        e += 4 * arch.conv_dim + 4 * kd + 6 * vd + 4 * arch.gdn_v_heads
-        extra = arch.gdn_v_heads * arch.gdn_k_dim * arch.gdn_v_dim * 4 / GDN_CHUNK  # chunk states, fp32
-    else:  # absorbed MLA: q latent per head, latent output per head
-        H, kl, r = arch.heads, arch.kv_lora_rank, arch.rope_dim
-        e += 4 * (arch.q_lora_rank or 0) + H * (arch.nope_dim + r) + H * (kl + r) + 4 * (kl + r) + H * kl
-        e += H * arch.v_head_dim
-    if layer.mlp == "dense":
-        e += 4 * arch.intermediate
-    else:
-        e += 2 * arch.experts + arch.experts_per_token * (4 * arch.moe_intermediate + 2 * h)
-        e += 4 * arch.shared_intermediate
-    return e * ab + extra
-
-
-def _attention_working(arch: Arch, layer: LayerSpec, queries: int, keys: int, block: int, acc: int, *,
-                       backward: bool, fused: bool = False) -> float:
-    """Transient bytes of the attention of `queries` rows over `keys` held positions in
-    one layer. Blockwise torch path: scores and probabilities of one block (backward adds
-    dprobs, dscores) in the accumulation dtype, the upcast K/V block, and q / out / dq in
-    the accumulation dtype. `fused`: a flash kernel, only the q / out / lse rows."""
-    if layer.mixer == "gdn" or keys == 0:
-        return 0.0
-    tiles = 4 if backward else 2
-    if layer.mixer == "attention":
-        d = 2 * arch.head_dim
-        rows = 3 * arch.heads * queries * d / 2 * acc
-        if fused:
-            return rows
-        B = min(block, keys, layer.window or keys)
-        return tiles * arch.heads * queries * B * acc + arch.kv_heads * B * d * acc + rows
-    kl, r = arch.kv_lora_rank, arch.rope_dim
-    rows = 3 * arch.heads * queries * (kl + r) * acc
-    B = min(block, keys, arch.index_topk if layer.sparse else keys)
-    w = rows if fused else tiles * arch.heads * queries * B * acc + B * (kl + r) * acc + rows
-    if layer.sparse:  # DSA selection: blockwise indexer scores + running top-k (value fp32 + index int64)
-        w += (arch.index_heads + 1) * queries * min(block, keys) * acc + queries * min(arch.index_topk, keys) * 12
-    return w
-
-
-def _self_scores(arch: Arch, layer: LayerSpec, t: int, acc: int) -> float:
-    """Dense self part of attention: [heads, T, T] scores + probs kept for backward."""
-    if layer.mixer == "gdn":
-        return 0.0
-    return 2 * arch.heads * t * min(t, layer.window or t) * acc
-
-
-def _autograd_pass(arch: Arch, tokens: int, keys: int, block: int, b: int, acc: int, dense_self: bool):
-    """(graph bytes, largest transient) of `tokens` queries run with autograd through all
-    layers against `keys` held positions: the per-token graph, plus the dense self part's
-    [heads, T, T] scores + probs per attention layer; the transient is one layer's
-    blockwise-attention backward (or the dense self part's backward)."""
-    graph = tokens * (sum(_graph_bytes_per_token(arch, l, b) for l in arch.layers) + 3 * arch.hidden * b)
-    attn = max(_attention_working(arch, l, tokens, keys, block, acc, backward=True) for l in arch.layers)
-    if dense_self:
-        graph += sum(_self_scores(arch, l, tokens, acc) for l in arch.layers)
-        attn = max(attn, max(_self_scores(arch, l, tokens, acc) for l in arch.layers))
-    return graph, attn
-
-
-def _live_elements_per_token(arch: Arch, layer: LayerSpec) -> float:
-    """Largest no-grad transient of one layer per token (elements): the residual stream
-    and its norm, plus the wider of the mixer's projections and the MLP's gate/up/act."""
-    h = arch.hidden
-    if layer.mixer == "attention":
-        mix = (2 * arch.heads + 2 * arch.kv_heads) * arch.head_dim * (2 if arch.attn_gate else 1)
-    elif layer.mixer == "gdn":
-        mix = 3 * arch.conv_dim + 3 * arch.gdn_v_heads * arch.gdn_v_dim
-    else:
-        mix = arch.heads * (arch.nope_dim + 2 * arch.rope_dim + 2 * arch.kv_lora_rank + arch.v_head_dim)
-    if layer.mlp == "dense":
-        mlp = 3 * arch.intermediate
-    else:
-        mlp = arch.experts + arch.experts_per_token * (3 * arch.moe_intermediate + h) + 3 * arch.shared_intermediate
-    return 3 * h + max(mix, mlp)
 
 
 def _pairs(n_q: int, prefix: int, limit: int | None) -> float:
@@ -373,29 +294,33 @@ def estimate(model, config: PlanConfig) -> dict:
     T = min(R, c.branch_chunk_size or R)  # tokens in one replayed piece
     held = (R - 1) // T * T if T < R else 0  # branch tokens held as a state while pieces are walked back
     C = min(c.chunk_size, p_rank)  # capture / recompute chunk on one rank
-    graph_tok = sum(_graph_bytes_per_token(arch, l, b) for l in arch.layers) + 3 * arch.hidden * b
+    gk = c.gdn_kernel
+    graph_tok = sum(graph_bytes_per_token(arch, l, b, gk) for l in arch.layers) + 3 * arch.hidden * b
     dense_grad = c.self_attention != "flash"  # self part of autograd passes (replay, recompute)
     fused_nograd = c.self_attention != "dense"  # capture through a fused kernel
     blk = c.attention_block_size
     # under CP a rank's queries read its own shard of the prompt (plus the branch's held pieces)
-    replay_graph, replay_attn = _autograd_pass(arch, T, p_rank + held, blk, b, acc, dense_grad)
+    replay_graph, replay_attn = autograd_pass(arch, T, p_rank + held, blk, b, acc, dense_grad, gk)
     logits = min(T, c.logits_chunk_size) * arch.vocab * (b + 3 * 4) + T * arch.hidden * b
     # the earlier pieces' state (and the recurrent state at each piece start), with grad buffers
     branch_state = 2 * (st["per_token"] * held + held // T * (st["recurrent_fixed"] + st["conv_tail_fixed"]))
     replay_working = replay_graph + max(replay_attn, logits) + branch_state
-    capture_live = C * max(_live_elements_per_token(arch, l) for l in arch.layers) * b
-    capture_attn = max(_attention_working(arch, l, C, p_rank, blk, acc, backward=False, fused=fused_nograd)
-                       + (0 if fused_nograd else _self_scores(arch, l, C, acc)) for l in arch.layers)
-    capture_working = capture_live + capture_attn
-    recompute_working = sum(_autograd_pass(arch, C, p_rank, blk, b, acc, dense_grad)) if exact else 0.0
+
+    def nograd_working(tokens: int) -> float:
+        """One no-grad pass of `tokens` queries over the rank's prompt: the largest layer
+        (its activations plus its attention's working set)."""
+        return max(tokens * nograd_bytes_per_token(arch, l, b, gk)
+                   + attention_working(arch, l, tokens, p_rank, blk, acc, backward=False, fused=fused_nograd, b=b)
+                   + (0 if fused_nograd else self_scores(arch, l, tokens, acc)) for l in arch.layers)
+
+    capture_working = nograd_working(C)
+    recompute_working = sum(autograd_pass(arch, C, p_rank, blk, b, acc, dense_grad, gk)) if exact else 0.0
     score_working = 0.0
     if c.score_passes:  # one whole branch without autograd; fp32 logits + log-softmax of one chunk
-        score_working = (R * max(_live_elements_per_token(arch, l) for l in arch.layers) * b
-                         + max(_attention_working(arch, l, R, p_rank, blk, acc, backward=False, fused=fused_nograd)
-                               + (0 if fused_nograd else _self_scores(arch, l, R, acc)) for l in arch.layers)
-                         + min(R, c.logits_chunk_size) * arch.vocab * (b + 2 * 4))
+        score_working = nograd_working(R) + min(R, c.logits_chunk_size) * arch.vocab * (b + 2 * 4)
     static = param_bytes + grad_bytes + optimizer_bytes + gathered + state_gpu + state_grad + checkpoints
-    phases = {"capture": capture_working, "replay": replay_working}
+    # what each phase holds beyond the static memory (capture may run before any gradient exists)
+    phases = {"capture": capture_working - (0 if c.grads_during_capture else grad_bytes), "replay": replay_working}
     if exact:
         phases["recompute"] = recompute_working
     if c.score_passes:
@@ -430,6 +355,11 @@ def estimate(model, config: PlanConfig) -> dict:
         "capture x1, replay x(1 + backward) per branch (+ x1 per score pass; pieces add a no-grad forward of the "
         "held tokens), exact adds x(1 + backward) of the prompt forward",
         f"time = FLOPs / W / {c.throughput_tflops:g} TFLOP/s effective per rank (perfect CP scaling assumed)",
+        f"GDN kernel: {gk} " + ("(ops/gated_delta.py, fp32 arithmetic)" if gk == "torch" else
+                                "(flash-linear-attention; working set estimated, not measured)"),
+        "capture " + ("counted with the parameter gradients allocated (any group after the first of a batch)"
+                      if c.grads_during_capture else
+                      "counted before any parameter gradient exists (first group after zero_grad(set_to_none))"),
         f"fits = peak + reserve ({human_bytes(c.reserve)}) <= gpu_memory",
     ]
     published = preset.get("num_parameters")
@@ -485,7 +415,8 @@ def estimate(model, config: PlanConfig) -> dict:
             "replay": {"piece_tokens": T, "held_branch_tokens": held, "graph_bytes_per_token": graph_tok,
                        "graph_bytes": replay_graph, "attention_working_bytes": replay_attn,
                        "logits_working_bytes": logits, "branch_state_bytes": branch_state},
-            "capture": {"chunk_tokens": C, "live_bytes": capture_live, "attention_working_bytes": capture_attn},
+            "capture": {"chunk_tokens": C, "working_bytes": capture_working},
+            "phase_peak_bytes": {k: int(static + v) for k, v in phases.items()},
             "time_s": {"capture": flops_capture / W / thr, "replay_per_branch": flops_branch / W / thr,
                        "exact_extra": flops_exact_extra / W / thr},
         },

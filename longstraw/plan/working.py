@@ -1,0 +1,169 @@
+"""Capacity planner, working sets: the bytes LongStraw's passes hold beyond the weights
+and the prompt state, per layer kind and kernel. `estimate.py` combines them into the
+peak of each phase (capture, replay, recompute, score).
+
+Two kinds of figure:
+  * graph bytes: what one token leaves in the autograd graph of one layer (kept until
+    the backward of the piece / chunk);
+  * transient bytes: what one layer's kernel holds for a moment (no-grad capture, a
+    blockwise attention's backward, the DSA top-k selection); only the largest counts.
+
+Each formula follows the code it models (named in its docstring); the constants that
+mirror kernel defaults live in `arch.py`. Shapes: T queries (tokens of a chunk or a
+replayed piece), N keys (held prompt positions), H heads, acc = the accumulation dtype's
+bytes (fp32, fp64 under fp64), b = the compute dtype's bytes.
+"""
+
+from __future__ import annotations
+
+from .arch import (
+    GDN_CHUNK,
+    INDEXER_KEY_BLOCK,
+    INDEXER_QUERY_BLOCK,
+    SPARSE_QUERY_BLOCK,
+    TOPK_SELECT_BYTES,
+    Arch,
+    LayerSpec,
+)
+
+
+def gdn_kernel_bytes_per_token(arch: Arch, b: int, kernel: str, *, graph: bool) -> float:
+    """Bytes per token inside the chunked gated-delta kernel of one GDN layer.
+
+    'torch' (ops/gated_delta.py, arithmetic in acc = max(4, b) bytes): q/k/v chunked and
+    expanded to the value heads, k*beta, the two triangular solves' inputs and outputs,
+    the state reads / writes (~8 x Hv x Dk + 4 x Hv x Dv elements), and three [Hv, C, C]
+    matrices per chunk (pair decay, the system, the intra-chunk scores; one more as a
+    temporary), i.e. 4 x Hv x C per token; the autograd graph keeps about the same, plus
+    one [Hv, Dk, Dv] state per chunk. Check: tiny qwen3_5 capture, 4,096-token chunk,
+    planner 89.3 MB against 84.1 MB of live tensors.
+    'fla' (flash-linear-attention, bf16/fp16 on CUDA): q/k expanded, v, out, w, u in b,
+    the [T, Hv, C] fp32 intra-chunk matrix and one fp32 state per chunk (not measured here).
+    """
+    hv, dk, dv, c = arch.gdn_v_heads, arch.gdn_k_dim, arch.gdn_v_dim, GDN_CHUNK
+    states = hv * dk * dv * 4 / c
+    if kernel == "torch":
+        acc = max(4, b)
+        return (8 * hv * dk + 4 * hv * dv + 4 * hv * c) * acc + (states if graph else 0.0)
+    return (4 * hv * dk + 3 * hv * dv) * b + hv * c * 4 + states
+
+
+def graph_bytes_per_token(arch: Arch, layer: LayerSpec, ab: int, gdn_kernel: str) -> float:
+    """Activation bytes one token leaves in the autograd graph of one layer.
+
+    Element counts (each x ab bytes): an RMSNorm keeps ~3 x its width (input, fp32
+    intermediate, output), two per layer; projections keep their outputs; SwiGLU keeps
+    gate, up, act and act*up (4 x width). Calibrated on tiny-qwen3 against HF's saved
+    tensors (5,376 vs 5,388 elements per token per layer, fp32). A GDN layer adds its
+    kernel's graph (`gdn_kernel_bytes_per_token`).
+    """
+    h, H = arch.hidden, arch.heads
+    e = 6 * h
+    extra = 0.0
+    if layer.mixer == "attention":
+        qk_copies = 3 if arch.qk_norm else 2  # projection, (norm), rope
+        e += qk_copies * (H + arch.kv_heads) * arch.head_dim + arch.kv_heads * arch.head_dim + H * arch.head_dim
+        e += 3 * H * arch.head_dim if arch.attn_gate else 0  # gate half, sigmoid, gated product
+    elif layer.mixer == "gdn":
+        # projections + conv in/out/act, gated norm, decay / beta
+        e += 4 * arch.conv_dim + 2 * arch.gdn_v_heads * arch.gdn_v_dim + 4 * arch.gdn_v_heads
+        extra = gdn_kernel_bytes_per_token(arch, ab, gdn_kernel, graph=True)
+    else:  # absorbed MLA: q latent per head, latent output per head
+        H, kl, r = arch.heads, arch.kv_lora_rank, arch.rope_dim
+        e += 4 * (arch.q_lora_rank or 0) + H * (arch.nope_dim + r) + H * (kl + r) + 4 * (kl + r) + H * kl
+        e += H * arch.v_head_dim
+    if layer.mlp == "dense":
+        e += 4 * arch.intermediate
+    else:
+        e += 2 * arch.experts + arch.experts_per_token * (4 * arch.moe_intermediate + 2 * h)
+        e += 4 * arch.shared_intermediate
+    return e * ab + extra
+
+
+def dsa_selection_bytes(arch: Arch, queries: int, keys: int, b: int, acc: int) -> float:
+    """Transient bytes of the DSA indexer's exact top-k (ops/dsa.indexer_topk) for
+    `queries` new tokens over `keys` held positions: a [query block, N] score block and
+    its selection masks, the [query block, index heads, key block] per-head scores, and,
+    under a half dtype, the held indexer keys of one layer upcast to fp32. Check (with the
+    [T, K] int64 selection that `attention_working` adds): `indexer_topk` of 4,096 queries
+    over 65,536 positions (tiny glm_moe_dsa shapes) holds 130.8 MB of live tensors at its
+    peak; planner 134.2 MB."""
+    qb, n = min(queries, INDEXER_QUERY_BLOCK), keys + queries
+    w = TOPK_SELECT_BYTES * qb * n + 2 * qb * arch.index_heads * min(INDEXER_KEY_BLOCK, n) * acc
+    return w + (keys * arch.index_dim * 4 if b < 4 else 0)
+
+
+def attention_working(arch: Arch, layer: LayerSpec, queries: int, keys: int, block: int, acc: int, *,
+                      backward: bool, fused: bool = False, b: int = 4) -> float:
+    """Transient bytes of the attention of `queries` rows over `keys` held positions in
+    one layer.
+
+    Softmax attention (ops/attention.py): scores and probabilities of one block (backward
+    adds dprobs, dscores) in acc, the upcast K/V block, and q / out / dq rows in acc;
+    `fused` (a flash kernel): only the q / out / lse rows.
+    MLA with DSA (ops/dsa.py): the larger of the indexer's top-k selection and the gathered
+    sparse attention (a [64, K, D] row block, its [64, H, K] scores), plus the selected
+    positions [T, K] (int64) and the latent q / out rows. Dense MLA: as softmax attention
+    over the latent.
+    """
+    if layer.mixer == "gdn" or keys == 0:
+        return 0.0
+    tiles = 4 if backward else 2
+    if layer.mixer == "attention":
+        d = 2 * arch.head_dim
+        rows = 3 * arch.heads * queries * d / 2 * acc
+        if fused:
+            return rows
+        B = min(block, keys, layer.window or keys)
+        return tiles * arch.heads * queries * B * acc + arch.kv_heads * B * d * acc + rows
+    kl, r = arch.kv_lora_rank, arch.rope_dim
+    rows = 3 * arch.heads * queries * (kl + r) * acc
+    if not layer.sparse:
+        B = min(block, keys)
+        return rows if fused else tiles * arch.heads * queries * B * acc + B * (kl + r) * acc + rows
+    K = min(arch.index_topk, keys + queries)
+    qb = min(queries, SPARSE_QUERY_BLOCK)
+    gathered = qb * K * (kl + r) * acc * (2 if backward else 1) + tiles * qb * arch.heads * K * acc
+    selection = dsa_selection_bytes(arch, queries, keys, b, acc) if layer.indexer else 0.0
+    return max(selection, gathered) + queries * K * 8 + rows
+
+
+def self_scores(arch: Arch, layer: LayerSpec, t: int, acc: int) -> float:
+    """Dense self part of attention: [heads, T, T] scores + probs kept for backward."""
+    if layer.mixer == "gdn":
+        return 0.0
+    return 2 * arch.heads * t * min(t, layer.window or t) * acc
+
+
+def autograd_pass(arch: Arch, tokens: int, keys: int, block: int, b: int, acc: int, dense_self: bool,
+                  gdn_kernel: str):
+    """(graph bytes, largest transient) of `tokens` queries run with autograd through all
+    layers against `keys` held positions: the per-token graph, plus the dense self part's
+    [heads, T, T] scores + probs per attention layer; the transient is one layer's
+    blockwise-attention backward (or the dense self part's backward)."""
+    per_token = sum(graph_bytes_per_token(arch, l, b, gdn_kernel) for l in arch.layers) + 3 * arch.hidden * b
+    graph = tokens * per_token
+    attn = max(attention_working(arch, l, tokens, keys, block, acc, backward=True, b=b) for l in arch.layers)
+    if dense_self:
+        graph += sum(self_scores(arch, l, tokens, acc) for l in arch.layers)
+        attn = max(attn, max(self_scores(arch, l, tokens, acc) for l in arch.layers))
+    return graph, attn
+
+
+def nograd_bytes_per_token(arch: Arch, layer: LayerSpec, b: int, gdn_kernel: str) -> float:
+    """Largest no-grad transient of one layer per token (bytes): the residual stream and
+    its norm, plus the larger of the mixer (projections; for GDN the conv and the chunked
+    kernel) and the MLP's gate / up / act."""
+    h = arch.hidden
+    if layer.mixer == "attention":
+        mix = (2 * arch.heads + 2 * arch.kv_heads) * arch.head_dim * (2 if arch.attn_gate else 1) * b
+    elif layer.mixer == "gdn":
+        proj = (2 * arch.conv_dim + arch.gdn_v_heads * arch.gdn_v_dim + 2 * arch.gdn_v_heads) * b
+        mix = proj + gdn_kernel_bytes_per_token(arch, b, gdn_kernel, graph=False)
+    else:
+        mix = arch.heads * (arch.nope_dim + 2 * arch.rope_dim + 2 * arch.kv_lora_rank + arch.v_head_dim) * b
+    if layer.mlp == "dense":
+        mlp = 3 * arch.intermediate
+    else:
+        mlp = arch.experts + arch.experts_per_token * (3 * arch.moe_intermediate + h) + 3 * arch.shared_intermediate
+    return 3 * h * b + max(mix, mlp * b)

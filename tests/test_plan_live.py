@@ -1,0 +1,28 @@
+"""The capacity planner against a real step: for each tiny family, the planner's peak
+(above the loaded weights, no optimizer, first group) must match the peak of live torch
+tensors during one detached `Engine.step` within 15%, the issue-7 target. Larger P is
+validated in bench/validate_planner.py (docs/results.md)."""
+
+import pytest
+import torch
+
+import longstraw as ls
+from longstraw.memory import live_tensor_peak
+from longstraw.plan import PlanConfig, estimate
+from longstraw.tiny import random_group, tiny_model
+
+P, G, R, CHUNK = 4096, 2, 64, 2048
+
+
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_5", "glm_moe_dsa"])
+def test_planner_matches_live_tensors(family):
+    torch.manual_seed(0)
+    model = tiny_model(family, dtype=torch.float32)
+    group = random_group(model.config.vocab_size, P, G, R, seed=0)
+    engine = ls.Engine(model, ls.ExecConfig(chunk_size=CHUNK))
+    measured = live_tensor_peak(lambda: engine.step(group, ls.GRPOConfig()))
+    plan = estimate(model.config.to_dict(), PlanConfig(prompt_tokens=P, group=G, response_tokens=R, dtype="float32",
+                                                       chunk_size=CHUNK, grads_during_capture=False))
+    assert plan["num_parameters"] == sum(p.numel() for p in model.parameters())
+    predicted = plan["peak_bytes_per_rank"] - plan["param_bytes"] - plan["optimizer_bytes"]
+    assert abs(predicted / measured - 1) <= 0.15, (family, predicted, measured, plan["peak_phase"])
