@@ -87,6 +87,8 @@ import tempfile
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:
     sys.path.insert(0, REPO)  # `tests.reference` (the naive baseline) and `longstraw`
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from proc import machine_busy_s, own_cpu_s, peak_rss, status_bytes  # noqa: E402  (torch-free)
 
 METHODS = ("longstraw", "naive")
 EXACT = "longstraw-exact"  # only for the gradient check: ExecConfig(mode="exact") must give the naive gradient
@@ -103,64 +105,6 @@ CONTENDED_FRACTION = 0.1  # a run is "contended" if other processes used > 10% o
 
 # ----------------------------------------------------------------------------
 # worker: one (method, G) in a fresh process
-
-
-def _current_rss() -> int:
-    try:
-        import psutil
-
-        return int(psutil.Process().memory_info().rss)
-    except ImportError:  # pragma: no cover - psutil is in the venv
-        with open("/proc/self/status") as f:
-            for line in f:
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1]) * 1024
-        raise
-
-
-def _vm_hwm() -> int:
-    """This process's own high-water RSS (VmHWM), which, unlike ru_maxrss, is not
-    inherited from the parent across fork + exec."""
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) * 1024
-    return -1
-
-
-def _rss_split() -> tuple[int, int]:
-    """(RssAnon, RssFile) of this process: heap/tensors vs file-backed pages (the code of
-    libtorch, MKL, oneDNN ... paged in the first time a kernel runs)."""
-    out = {}
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(("RssAnon:", "RssFile:")):
-                out[line.split(":")[0]] = int(line.split()[1]) * 1024
-    return out.get("RssAnon", -1), out.get("RssFile", -1)
-
-
-def _peak_rss() -> int:
-    import resource
-
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
-
-
-def _own_cpu_s() -> float:
-    import resource
-
-    ru = resource.getrusage(resource.RUSAGE_SELF)
-    return ru.ru_utime + ru.ru_stime
-
-
-def _machine_busy_s() -> float:
-    """CPU-seconds the whole machine has spent busy (all cores), from /proc/stat."""
-    try:
-        with open("/proc/stat") as f:
-            fields = [int(x) for x in f.readline().split()[1:]]
-    except OSError:
-        return float("nan")
-    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
-    return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
 
 
 def _naive_step(model, group, grpo):
@@ -205,28 +149,6 @@ def _exec_kwargs(args) -> dict:
             "logits_chunk_size": args.logits_chunk_size}
 
 
-def live_tensor_peak(step) -> int | None:
-    """Peak bytes of live torch CPU tensors allocated during step(), from the profiler's
-    allocation events (+size on alloc, -size on free, in time order). Unlike RSS this
-    is blind to the allocator (glibc retention, fragmentation) and to the runtime's own
-    one-time buffers: it is the memory the algorithm itself holds. None if the
-    profiler's event API is unavailable."""
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        step()
-    try:
-        events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
-        events.sort(key=lambda e: e.start_ns())
-    except AttributeError:  # private API moved
-        return None
-    live = peak = 0
-    for e in events:
-        live += e.nbytes()
-        peak = max(peak, live)
-    return peak
-
-
 def worker_live(args) -> dict:
     """Separate fresh process: the step under the profiler, for the live-tensor peak only
     (the profiler's own bookkeeping would pollute RSS, so this run reports no RSS)."""
@@ -234,6 +156,7 @@ def worker_live(args) -> dict:
 
     torch.set_num_threads(THREADS)
     import longstraw as ls
+    from longstraw.memory import live_tensor_peak
     from longstraw.tiny import random_group, tiny_model
 
     model = tiny_model("qwen3", dtype=torch.float32)
@@ -262,12 +185,12 @@ def worker(args) -> dict:
     grpo = ls.GRPOConfig()
     exec_kwargs = _exec_kwargs(args)
     gc.collect()
-    rss_after_model = _current_rss()
-    peak_before_step = _peak_rss()
+    rss_after_model = status_bytes("VmRSS")
+    peak_before_step = peak_rss()
     load_1m = os.getloadavg()[0]
-    anon0, file0 = _rss_split()
+    anon0, file0 = (status_bytes("RssAnon"), status_bytes("RssFile"))
 
-    busy0, own0 = _machine_busy_s(), _own_cpu_s()
+    busy0, own0 = machine_busy_s(), own_cpu_s()
     t0 = time.perf_counter()
     if args.worker_method == "naive":
         loss, metrics = _naive_step(model, group, grpo)
@@ -276,12 +199,12 @@ def worker(args) -> dict:
     else:
         loss, metrics = _longstraw_step(model, group, grpo, exec_kwargs)
     step_time = time.perf_counter() - t0
-    own_cpu = _own_cpu_s() - own0
-    foreign_cpu = max(0.0, _machine_busy_s() - busy0 - own_cpu)  # other processes on this machine
-    peak_rss = _peak_rss()
-    vm_hwm = _vm_hwm()
-    rss_after_step = _current_rss()
-    anon1, file1 = _rss_split()
+    own_cpu = own_cpu_s() - own0
+    foreign_cpu = max(0.0, machine_busy_s() - busy0 - own_cpu)  # other processes on this machine
+    peak = peak_rss()
+    vm_hwm = status_bytes("VmHWM")
+    rss_after_step = status_bytes("VmRSS")
+    anon1, file1 = (status_bytes("RssAnon"), status_bytes("RssFile"))
 
     if args.grad_out:
         flat = torch.cat([p.grad.reshape(-1) for p in model.parameters() if p.grad is not None])
@@ -297,13 +220,13 @@ def worker(args) -> dict:
         "param_bytes": params * 4,
         "rss_after_model": rss_after_model,
         "peak_before_step": peak_before_step,
-        "peak_rss": peak_rss,
+        "peak_rss": peak,
         "vm_hwm": vm_hwm,
         "rss_after_step": rss_after_step,
         "rss_file_growth": file1 - file0,
         "rss_anon_growth_retained": anon1 - anon0,
-        "peak_above_model": peak_rss - rss_after_model,
-        "baseline_hid_peak": peak_before_step >= peak_rss,
+        "peak_above_model": peak - rss_after_model,
+        "baseline_hid_peak": peak_before_step >= peak,
         "step_time_s": step_time,
         "cpu_time_s": own_cpu,
         "foreign_cpu_s": foreign_cpu,
@@ -329,9 +252,9 @@ def wait_for_idle(max_wait_s: float, busy_cores: float = 0.25) -> float:
 
     t0 = time.perf_counter()
     while time.perf_counter() - t0 < max_wait_s:
-        b0 = _machine_busy_s()
+        b0 = machine_busy_s()
         time.sleep(1.0)
-        if _machine_busy_s() - b0 < busy_cores:
+        if machine_busy_s() - b0 < busy_cores:
             break
     return time.perf_counter() - t0
 

@@ -222,8 +222,8 @@ def issue7():
             if not present:
                 continue
             title = (f"**{fam}**, G = 4, along P" if axis == "P" else f"**{fam}**, P = 4,096, along G")
-            hdr = [axis] + [f"{m} peak MiB (x det)" for m in present] + [f"{m} time s (x det)" for m in present]
-            body = []
+            hdr = [axis] + present
+            body_p, body_t = [], []
             for x in xs:
                 key = lambda m: (fam, m, x, fixed) if axis == "P" else (fam, m, fixed, x)  # noqa: E731
                 d = a.get(key("detached"))
@@ -241,16 +241,12 @@ def issue7():
                         xt = f" ({r['time'] / d['time']:.1f}x)" if d and d["n"] and m != "detached" else ""
                         cells_p.append(f"{r['peak'] / MIB:,.0f}{xp}")
                         cells_t.append(f"{r['time']:,.2f}{xt}")
-                body.append([f"{int(x):,}"] + cells_p + cells_t)
-            out += [title, "", table(hdr, body), ""]
-    notes = [r for r in rows if r["status"] not in ("ok",) and r.get("note")]
-    seen = set()
-    for r in notes:
-        key = (r["family"], r["method"], r["P"], r["G"])
-        if key in seen:
-            continue
-        seen.add(key)
-        out.append(f"- {r['family']} {r['method']} P={r['P']} G={r['G']}: {r['status']} ({r['note']})")
+                body_p.append([f"{int(x):,}"] + cells_p)
+                body_t.append([f"{int(x):,}"] + cells_t)
+            out += [f"{title}: peak RSS above model, MiB (x detached)", "", table(hdr, body_p), "",
+                    f"{title}: step time, s (x detached)", "", table(hdr, body_t), ""]
+    notes = {(r["method"], r["family"], r["note"]) for r in rows if r["status"] not in ("ok",) and r.get("note")}
+    out += [f"- {m} on {fam}: {note}" for m, fam, note in sorted(notes)]
     return "\n".join(out)
 
 

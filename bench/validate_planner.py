@@ -3,6 +3,7 @@ families at P = 4K, 16K and 64K against the peak measured on this machine.
 
     .venv/bin/python bench/validate_planner.py --run   # measure (~40 min on 2 cores), then compare
     .venv/bin/python bench/validate_planner.py         # compare the committed runs with today's planner
+    .venv/bin/python bench/validate_planner.py --gpu   # the same for the H200 run (gpu_qwen36_stack.json)
 
 Measurement (`bench/bench_step.py`, one fresh process per run): one GRPO step, G = 2,
 R = 128, fp32, after a warm-up step at P = 512 (`--warmup`: code pages and one-time
@@ -115,6 +116,27 @@ def markdown(out: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def compare_gpu() -> str:
+    """The H200 run of bench/gpu_qwen36_stack.py (bf16, one group from zero gradients, no
+    optimizer) against today's planner for the same step, as a Markdown table."""
+    import json
+
+    from longstraw.plan import PlanConfig, estimate
+
+    with open(os.path.join(HERE, "results", "gpu_qwen36_stack.json")) as f:
+        run = json.load(f)
+    model = os.path.join(HERE, "results", "gpu_qwen36_stack_config.json")
+    lines = ["| P | measured CUDA peak | planner − optimizer | planner / measured | peak phase |", "|---|---|---|---|---|"]
+    for row in run["rows"]:
+        r = estimate(model, PlanConfig(prompt_tokens=row["prompt_tokens"], group=row["group"],
+                                       response_tokens=row["response_tokens"], chunk_size=8192, dtype="bf16",
+                                       gdn_kernel="torch", grads_during_capture=False))
+        pred = r["peak_bytes_per_rank"] - r["optimizer_bytes"]
+        lines.append(f"| {row['prompt_tokens']:,} | {row['peak_bytes'] / 2**30:.2f} GiB | {pred / 2**30:.2f} GiB "
+                     f"| {pred / row['peak_bytes']:.3f} | {r['peak_phase']} |")
+    return "\n".join(lines)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--run", action="store_true", help="measure first (appends to bench/results/"
@@ -122,7 +144,11 @@ def main(argv=None) -> int:
     ap.add_argument("--families", nargs="+", default=list(FAMILIES), choices=FAMILIES)
     ap.add_argument("--modes", nargs="+", default=["detached", "exact"], choices=["detached", "exact"])
     ap.add_argument("--repeat", type=int, default=2, help="runs per detached point (exact: 1)")
+    ap.add_argument("--gpu", action="store_true", help="compare the committed H200 run instead")
     args = ap.parse_args(argv)
+    if args.gpu:
+        print(compare_gpu())
+        return 0
     if args.run:
         run_sweep(args.families, args.modes, args.repeat)
     with open(RUNS, newline="") as f:

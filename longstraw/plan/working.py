@@ -30,13 +30,16 @@ from .arch import (
 def gdn_kernel_bytes_per_token(arch: Arch, b: int, kernel: str, *, graph: bool) -> float:
     """Bytes per token inside the chunked gated-delta kernel of one GDN layer.
 
-    'torch' (ops/gated_delta.py, arithmetic in acc = max(4, b) bytes): q/k/v chunked and
-    expanded to the value heads, k*beta, the two triangular solves' inputs and outputs,
-    the state reads / writes (~8 x Hv x Dk + 4 x Hv x Dv elements), and three [Hv, C, C]
-    matrices per chunk (pair decay, the system, the intra-chunk scores; one more as a
-    temporary), i.e. 4 x Hv x C per token; the autograd graph keeps about the same, plus
-    one [Hv, Dk, Dv] state per chunk. Check: tiny qwen3_5 capture, 4,096-token chunk,
-    planner 89.3 MB against 84.1 MB of live tensors.
+    'torch' (ops/gated_delta.py, arithmetic in acc = max(4, b) bytes), elements per token:
+    q/k expanded to the value heads and chunked, k*beta, W_k, the state reads / writes
+    (8 x Hv x Dk); v chunked and W_v (2 x Hv x Dv); then the larger of two moments: the
+    three [Hv, C, C] matrices per chunk (pair decay, the system, the intra-chunk scores)
+    plus one temporary (4 x Hv x C), or the chunk outputs and their concatenation
+    (2 x Hv x Dv) with the three matrices. Its autograd graph keeps q/k/v, k*beta, both
+    solves' inputs and outputs, the read / write terms, the chunk values and the matrices
+    (~8 x Hv x Dk + 4 x Hv x Dv + 4 x Hv x C), plus one [Hv, Dk, Dv] state per chunk.
+    Check: tiny qwen3_5, one detached step at P = 4,096 in one chunk: planner 87.3 MB,
+    live tensors 88.4 MB.
     'fla' (flash-linear-attention, bf16/fp16 on CUDA): q/k expanded, v, out, w, u in b,
     the [T, Hv, C] fp32 intra-chunk matrix and one fp32 state per chunk (not measured here).
     """
@@ -44,7 +47,9 @@ def gdn_kernel_bytes_per_token(arch: Arch, b: int, kernel: str, *, graph: bool) 
     states = hv * dk * dv * 4 / c
     if kernel == "torch":
         acc = max(4, b)
-        return (8 * hv * dk + 4 * hv * dv + 4 * hv * c) * acc + (states if graph else 0.0)
+        if graph:
+            return (8 * hv * dk + 4 * hv * dv + 4 * hv * c) * acc + states
+        return (8 * hv * dk + 2 * hv * dv + max(4 * hv * c, 2 * hv * dv + 3 * hv * c)) * acc
     return (4 * hv * dk + 3 * hv * dv) * b + hv * c * 4 + states
 
 

@@ -1,0 +1,46 @@
+"""Process measurements shared by the benchmark scripts, from /proc and getrusage.
+
+Torch-free on purpose: the drivers import it without importing torch, so they put no
+floor under their workers' figures. (`longstraw.memory` has the in-library RSS helpers,
+but importing `longstraw` imports torch.)
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+
+
+def status_bytes(field: str, pid: int | str = "self") -> int:
+    """A size field of /proc/PID/status (VmRSS, VmHWM, RssAnon, RssFile) in bytes; -1 if
+    the process or the field is not there."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return -1
+
+
+def peak_rss() -> int:
+    """This process's peak RSS (ru_maxrss, KiB on Linux), in bytes."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def own_cpu_s() -> float:
+    """CPU-seconds (user + system) this process has used."""
+    ru = resource.getrusage(resource.RUSAGE_SELF)
+    return ru.ru_utime + ru.ru_stime
+
+
+def machine_busy_s() -> float:
+    """CPU-seconds the whole machine has spent busy (all cores), from /proc/stat."""
+    try:
+        with open("/proc/stat") as f:
+            fields = [int(x) for x in f.readline().split()[1:]]
+    except OSError:
+        return float("nan")
+    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
+    return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
