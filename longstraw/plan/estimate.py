@@ -25,7 +25,7 @@ from .arch import (
     load_model_config,
     parse_bytes,
 )
-from .working import attention_working, autograd_pass, graph_bytes_per_token, nograd_bytes_per_token, self_scores
+from .working import autograd_pass, graph_bytes_per_token, nograd_layer_bytes
 
 # ----------------------------------------------------------------------------
 # the plan
@@ -307,11 +307,9 @@ def estimate(model, config: PlanConfig) -> dict:
     replay_working = replay_graph + max(replay_attn, logits) + branch_state
 
     def nograd_working(tokens: int) -> float:
-        """One no-grad pass of `tokens` queries over the rank's prompt: the largest layer
-        (its activations plus its attention's working set)."""
-        return max(tokens * nograd_bytes_per_token(arch, l, b, gk)
-                   + attention_working(arch, l, tokens, p_rank, blk, acc, backward=False, fused=fused_nograd, b=b)
-                   + (0 if fused_nograd else self_scores(arch, l, tokens, acc)) for l in arch.layers)
+        """One no-grad pass of `tokens` queries over the rank's prompt: the largest layer."""
+        return max(nograd_layer_bytes(arch, l, tokens, p_rank, blk, acc, b, gk, fused=fused_nograd)
+                   for l in arch.layers)
 
     capture_working = nograd_working(C)
     recompute_working = sum(autograd_pass(arch, C, p_rank, blk, b, acc, dense_grad, gk)) if exact else 0.0

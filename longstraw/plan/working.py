@@ -92,9 +92,9 @@ def dsa_selection_bytes(arch: Arch, queries: int, keys: int, b: int, acc: int) -
     under a half dtype, the held indexer keys of one layer upcast to fp32. Check (with the
     [T, K] int64 selection that `attention_working` adds): `indexer_topk` of 4,096 queries
     over 65,536 positions (tiny glm_moe_dsa shapes) holds 130.8 MB of live tensors at its
-    peak; planner 134.2 MB."""
+    peak; planner 130.0 MB."""
     qb, n = min(queries, INDEXER_QUERY_BLOCK), keys + queries
-    w = TOPK_SELECT_BYTES * qb * n + 2 * qb * arch.index_heads * min(INDEXER_KEY_BLOCK, n) * acc
+    w = TOPK_SELECT_BYTES * qb * n + qb * arch.index_heads * min(INDEXER_KEY_BLOCK, n) * acc
     return w + (keys * arch.index_dim * 4 if b < 4 else 0)
 
 
@@ -107,9 +107,11 @@ def attention_working(arch: Arch, layer: LayerSpec, queries: int, keys: int, blo
     adds dprobs, dscores) in acc, the upcast K/V block, and q / out / dq rows in acc;
     `fused` (a flash kernel): only the q / out / lse rows.
     MLA with DSA (ops/dsa.py): the larger of the indexer's top-k selection and the gathered
-    sparse attention (a [64, K, D] row block, its [64, H, K] scores), plus the selected
-    positions [T, K] (int64) and the latent q / out rows. Dense MLA: as softmax attention
-    over the latent.
+    sparse attention (a [64, K, D] key and value block, its [64, H, K] scores), plus the
+    latent q / out rows [H, T, 2 x kv_lora + rope] and the selected positions [T, K]
+    (int64): twice in an indexer layer of a model whose other DSA layers reuse the
+    selection (GLM-5), since HF's layer loop holds the previous one meanwhile. Dense MLA:
+    as softmax attention over the latent.
     """
     if layer.mixer == "gdn" or keys == 0:
         return 0.0
@@ -122,15 +124,16 @@ def attention_working(arch: Arch, layer: LayerSpec, queries: int, keys: int, blo
         B = min(block, keys, layer.window or keys)
         return tiles * arch.heads * queries * B * acc + arch.kv_heads * B * d * acc + rows
     kl, r = arch.kv_lora_rank, arch.rope_dim
-    rows = 3 * arch.heads * queries * (kl + r) * acc
+    rows = arch.heads * queries * (2 * kl + r) * acc
     if not layer.sparse:
         B = min(block, keys)
         return rows if fused else tiles * arch.heads * queries * B * acc + B * (kl + r) * acc + rows
     K = min(arch.index_topk, keys + queries)
     qb = min(queries, SPARSE_QUERY_BLOCK)
-    gathered = qb * K * (kl + r) * acc * (2 if backward else 1) + tiles * qb * arch.heads * K * acc
+    gathered = qb * K * (2 * kl + r) * acc * (2 if backward else 1) + tiles * qb * arch.heads * K * acc
     selection = dsa_selection_bytes(arch, queries, keys, b, acc) if layer.indexer else 0.0
-    return max(selection, gathered) + queries * K * 8 + rows
+    shared = layer.indexer and any(l.sparse and not l.indexer for l in arch.layers)
+    return max(selection, gathered) + queries * K * 8 * (2 if shared else 1) + rows
 
 
 def self_scores(arch: Arch, layer: LayerSpec, t: int, acc: int) -> float:
@@ -155,20 +158,49 @@ def autograd_pass(arch: Arch, tokens: int, keys: int, block: int, b: int, acc: i
     return graph, attn
 
 
-def nograd_bytes_per_token(arch: Arch, layer: LayerSpec, b: int, gdn_kernel: str) -> float:
-    """Largest no-grad transient of one layer per token (bytes): the residual stream and
-    its norm, plus the larger of the mixer (projections; for GDN the conv and the chunked
-    kernel) and the MLP's gate / up / act."""
-    h = arch.hidden
+def mixer_nograd_bytes_per_token(arch: Arch, layer: LayerSpec, b: int, gdn_kernel: str) -> float:
+    """Bytes per token a token mixer holds without autograd, besides its attention
+    working set: its projections' outputs (attention: q, k, v, o and the gate; MLA: the
+    q / kv down- and up-projections and the indexer's q / k / weights; GDN: the conv input,
+    output and z, plus the chunked kernel)."""
     if layer.mixer == "attention":
-        mix = (2 * arch.heads + 2 * arch.kv_heads) * arch.head_dim * (2 if arch.attn_gate else 1) * b
-    elif layer.mixer == "gdn":
+        return (2 * arch.heads + 2 * arch.kv_heads) * arch.head_dim * (2 if arch.attn_gate else 1) * b
+    if layer.mixer == "gdn":
         proj = (2 * arch.conv_dim + arch.gdn_v_heads * arch.gdn_v_dim + 2 * arch.gdn_v_heads) * b
-        mix = proj + gdn_kernel_bytes_per_token(arch, b, gdn_kernel, graph=False)
-    else:
-        mix = arch.heads * (arch.nope_dim + 2 * arch.rope_dim + 2 * arch.kv_lora_rank + arch.v_head_dim) * b
+        return proj + gdn_kernel_bytes_per_token(arch, b, gdn_kernel, graph=False)
+    e = (arch.q_lora_rank or 0) + arch.heads * (arch.nope_dim + arch.rope_dim) + 2 * (arch.kv_lora_rank + arch.rope_dim)
+    if layer.indexer:
+        e += arch.index_heads * arch.index_dim + arch.index_dim + arch.index_heads
+    return e * b
+
+
+def mlp_nograd_bytes_per_token(arch: Arch, layer: LayerSpec, b: int) -> float:
+    """Bytes per token an MLP holds without autograd: act(gate), up and their product (a
+    dense SwiGLU); for MoE the router's scores, HF's one-hot expert mask (int64) and
+    each token's k expert rows, plus the shared expert."""
     if layer.mlp == "dense":
-        mlp = 3 * arch.intermediate
-    else:
-        mlp = arch.experts + arch.experts_per_token * (3 * arch.moe_intermediate + h) + 3 * arch.shared_intermediate
-    return 3 * h * b + max(mix, mlp * b)
+        return 3 * arch.intermediate * b
+    k, e = arch.experts_per_token, arch.experts
+    return (3 * e * 4 + k * (e + 1) * 8 + k * (3 * arch.moe_intermediate + arch.hidden) * b
+            + 3 * arch.shared_intermediate * b)
+
+
+def nograd_layer_bytes(arch: Arch, layer: LayerSpec, tokens: int, keys: int, block: int, acc: int, b: int,
+                       gdn_kernel: str, *, fused: bool) -> float:
+    """Peak bytes of one layer run without autograd (capture, scoring) on `tokens` queries
+    over `keys` held positions: the larger of its mixer moment and its MLP moment.
+
+    The residual stream: while the mixer runs, the layer's input (also its residual), its
+    norm and the embeddings (which HF's model forward holds for the whole pass) are alive,
+    3h; while the MLP runs, also the residual after attention, 4h. The mixer moment adds the
+    mixer's projections and its attention working set (`fused`: a flash kernel for the
+    self part, else the dense [heads, T, T] scores too). Check: tiny qwen3 at P = 4,096 in
+    one chunk, 63.98 MB of live tensors = state + 4h + 3I per token (+ RoPE tables).
+    """
+    h = arch.hidden
+    attn = attention_working(arch, layer, tokens, keys, block, acc, backward=False, fused=fused, b=b)
+    if not fused:
+        attn += self_scores(arch, layer, tokens, acc)
+    mixer = tokens * (3 * h * b + mixer_nograd_bytes_per_token(arch, layer, b, gdn_kernel)) + attn
+    mlp = tokens * (4 * h * b + mlp_nograd_bytes_per_token(arch, layer, b))
+    return max(mixer, mlp)
