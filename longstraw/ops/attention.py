@@ -69,17 +69,19 @@ class PrefixAttention(torch.autograd.Function):
         out = torch.zeros(hkv, m_rows, v.shape[2], dtype=acc, device=q.device)
         for b0 in range(0, s_len, block_size):
             b1 = min(s_len, b0 + block_size)
-            scores = torch.matmul(qa, k[:, b0:b1].to(acc).transpose(1, 2)) * scale  # (Hkv, M, B)
+            scores = torch.matmul(qa, k[:, b0:b1].to(acc).transpose(1, 2)).mul_(scale)  # (Hkv, M, B)
             if window is not None or causal:
                 k_pos = torch.arange(k_start + b0, k_start + b1, device=q.device)
                 scores.masked_fill_(_window_mask(q_pos, k_pos, window, causal), float("-inf"))
             new_max = torch.maximum(row_max, scores.amax(dim=-1))
             safe_max = torch.where(torch.isinf(new_max), torch.zeros_like(new_max), new_max)
-            probs = torch.exp(scores - safe_max[..., None])  # (Hkv, M, B)
+            probs = scores.sub_(safe_max[..., None]).exp_()  # (Hkv, M, B), in place: one tile
+            del scores
             rescale = torch.exp(row_max - safe_max)
             denom = denom * rescale + probs.sum(dim=-1)
             out = out * rescale[..., None] + torch.matmul(probs, v[:, b0:b1].to(acc))
             row_max = new_max
+            del probs
         safe_max = torch.where(torch.isinf(row_max), torch.zeros_like(row_max), row_max)
         out = out / torch.where(denom == 0, torch.ones_like(denom), denom)[..., None]
         lse = safe_max + torch.log(denom)  # -inf where no key was visible
@@ -114,13 +116,15 @@ class PrefixAttention(torch.autograd.Function):
         for b0 in range(0, k.shape[1], block_size):
             b1 = min(k.shape[1], b0 + block_size)
             kb, vb = k[:, b0:b1].to(acc), v[:, b0:b1].to(acc)
-            scores = torch.matmul(qa, kb.transpose(1, 2)) * scale  # (Hkv, M, B)
+            # two [Hkv, M, B] tiles at a time: the scores become the probabilities in place,
+            # and dP becomes dS in place
+            scores = torch.matmul(qa, kb.transpose(1, 2)).mul_(scale)  # (Hkv, M, B)
             if window is not None or ctx.causal:
                 k_pos = torch.arange(ctx.k_start + b0, ctx.k_start + b1, device=q.device)
                 scores.masked_fill_(_window_mask(q_pos, k_pos, window, ctx.causal), float("-inf"))
-            probs = torch.exp(scores - lse[..., None])
-            dprobs = torch.matmul(grad_out, vb.transpose(1, 2))
-            dscores = probs * (dprobs - delta[..., None])  # (Hkv, M, B)
+            probs = scores.sub_(lse[..., None]).exp_()
+            del scores
+            dscores = torch.matmul(grad_out, vb.transpose(1, 2)).sub_(delta[..., None]).mul_(probs)  # (Hkv, M, B)
             dq += torch.matmul(dscores, kb) * scale
             if need_dk or sink is not None:
                 dk_block = torch.matmul(dscores.transpose(1, 2), qa) * scale  # (Hkv, B, D)
@@ -132,6 +136,7 @@ class PrefixAttention(torch.autograd.Function):
                     dk[:, b0:b1] = dk_block.to(k.dtype)
                 if need_dv:
                     dv[:, b0:b1] = dv_block.to(v.dtype)
+            del probs, dscores
         return dq.to(q.dtype), dk, dv, None, None, None, None, None, None, None
 
 

@@ -462,6 +462,8 @@ def format_report(r: dict) -> str:
     rows += [
         ("static per rank", hb(r["static_bytes_per_rank"])),
         ("PEAK per rank", f"{hb(r['peak_bytes_per_rank'])}  (during {r['peak_phase']})"),
+        ("  each phase", ", ".join(f"{k} {hb(v).split(' (')[0]}" for k, v in r["breakdown"]["phase_peak_bytes"].items())
+         + ("" if i["grads_during_capture"] else "  (capture before any gradient exists)")),
         ("fits", f"{'yes' if r['fits'] else 'NO'}  (peak + {hb(r['reserve_bytes'])} reserve vs "
                  f"{hb(r['gpu_memory_bytes'])})"),
         None,

@@ -103,9 +103,10 @@ def attention_working(arch: Arch, layer: LayerSpec, queries: int, keys: int, blo
     """Transient bytes of the attention of `queries` rows over `keys` held positions in
     one layer.
 
-    Softmax attention (ops/attention.py): scores and probabilities of one block (backward
-    adds dprobs, dscores) in acc, the upcast K/V block, and q / out / dq rows in acc;
-    `fused` (a flash kernel): only the q / out / lse rows.
+    Softmax attention (ops/attention.py): one [H, T, block] tile in acc (the scores turn
+    into probabilities in place; backward adds dP, turned into dS in place), the upcast K/V
+    block, and q / out / dq rows in acc; `fused` (a flash kernel): only the q / out / lse
+    rows.
     MLA with DSA (ops/dsa.py): the larger of the indexer's top-k selection and the gathered
     sparse attention (a [64, K, D] key and value block, its [64, H, K] scores), plus the
     latent q / out rows [H, T, 2 x kv_lora + rope] and the selected positions [T, K]
@@ -115,14 +116,15 @@ def attention_working(arch: Arch, layer: LayerSpec, queries: int, keys: int, blo
     """
     if layer.mixer == "gdn" or keys == 0:
         return 0.0
-    tiles = 4 if backward else 2
     if layer.mixer == "attention":
         d = 2 * arch.head_dim
         rows = 3 * arch.heads * queries * d / 2 * acc
         if fused:
             return rows
         B = min(block, keys, layer.window or keys)
+        tiles = 2 if backward else 1
         return tiles * arch.heads * queries * B * acc + arch.kv_heads * B * d * acc + rows
+    tiles = 4 if backward else 2
     kl, r = arch.kv_lora_rank, arch.rope_dim
     rows = arch.heads * queries * (2 * kl + r) * acc
     if not layer.sparse:
