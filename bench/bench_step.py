@@ -76,6 +76,8 @@ import time
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:
     sys.path.insert(0, REPO)  # `tests.reference` (the baselines) and `longstraw`
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from proc import machine_busy_s, own_cpu_s, peak_rss, status_bytes  # noqa: E402  (torch-free)
 
 METHODS = ("detached", "exact", "naive", "batched", "prefix_grouper", "capture", "hf_forward")
 DENSE_FAMILIES = ("qwen3",)
@@ -90,45 +92,6 @@ PLAN_MODEL = {"qwen3": "tiny-qwen3",
 
 # ============================================================================
 # worker (one measurement, fresh process)
-
-
-def _rss() -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) * 1024
-    return -1
-
-
-def _status_field(name: str) -> int:
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith(name + ":"):
-                return int(line.split()[1]) * 1024
-    return -1
-
-
-def _peak_rss() -> int:
-    import resource
-
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # KiB on Linux
-
-
-def _own_cpu_s() -> float:
-    import resource
-
-    ru = resource.getrusage(resource.RUSAGE_SELF)
-    return ru.ru_utime + ru.ru_stime
-
-
-def _machine_busy_s() -> float:
-    try:
-        with open("/proc/stat") as f:
-            fields = [int(x) for x in f.readline().split()[1:]]
-    except OSError:
-        return float("nan")
-    idle = fields[3] + (fields[4] if len(fields) > 4 else 0)
-    return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
 
 
 def _exec_kwargs(args, method: str) -> dict:
@@ -360,25 +323,6 @@ def _install_dsa_timers() -> dict:
     return acc
 
 
-def live_tensor_peak(fn) -> int | None:
-    """Peak bytes of live torch CPU tensors during fn(), from the profiler's allocation
-    events (allocator- and runtime-neutral)."""
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
-        fn()
-    try:
-        events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
-        events.sort(key=lambda e: e.start_ns())
-    except AttributeError:
-        return None
-    live = peak = 0
-    for e in events:
-        live += e.nbytes()
-        peak = max(peak, live)
-    return peak
-
-
 def planner_prediction(args, method: str, params_model: int) -> dict:
     """The capacity planner's figures for this measurement (fp32, no optimizer)."""
     if method not in ("detached", "exact"):
@@ -421,25 +365,27 @@ def worker(args) -> dict:
             p.grad = None
     gc.collect()
     if args.live_peak_worker:
+        from longstraw.memory import live_tensor_peak
+
         peak = live_tensor_peak(lambda: run_method(method, model, group, args))
         return {"live_tensor_peak": peak}
-    rss_after_model = _rss()
-    peak_before = _peak_rss()
-    anon0, file0 = _status_field("RssAnon"), _status_field("RssFile")
+    rss_after_model = status_bytes("VmRSS")
+    peak_before = peak_rss()
+    anon0, file0 = status_bytes("RssAnon"), status_bytes("RssFile")
     load_1m = os.getloadavg()[0]
-    busy0, own0 = _machine_busy_s(), _own_cpu_s()
+    busy0, own0 = machine_busy_s(), own_cpu_s()
     t0 = time.perf_counter()
     loss, metrics = run_method(method, model, group, args)
     step_time = time.perf_counter() - t0
-    own_cpu = _own_cpu_s() - own0
-    foreign = max(0.0, _machine_busy_s() - busy0 - own_cpu)
-    peak = _peak_rss()
+    own_cpu = own_cpu_s() - own0
+    foreign = max(0.0, machine_busy_s() - busy0 - own_cpu)
+    peak = peak_rss()
     row = {
         "family": args.family, "method": method, "P": P, "G": G, "R": args.response_tokens, "dtype": "float32",
         "rss_after_model": rss_after_model, "peak_before_step": peak_before, "peak_rss": peak,
-        "vm_hwm": _status_field("VmHWM"), "peak_above_model": peak - rss_after_model,
-        "baseline_hid_peak": peak_before >= peak, "rss_file_growth": _status_field("RssFile") - file0,
-        "rss_anon_retained": _status_field("RssAnon") - anon0,
+        "vm_hwm": status_bytes("VmHWM"), "peak_above_model": peak - rss_after_model,
+        "baseline_hid_peak": peak_before >= peak, "rss_file_growth": status_bytes("RssFile") - file0,
+        "rss_anon_retained": status_bytes("RssAnon") - anon0,
         "step_time_s": step_time, "cpu_time_s": own_cpu, "foreign_cpu_s": foreign, "loadavg_1m_before": load_1m,
         "time_capture_s": metrics.get("time_capture_s"), "time_replay_s": metrics.get("time_replay_s"),
         "time_reverse_s": metrics.get("time_reverse_s"), "state_bytes": metrics.get("state_bytes"),
@@ -555,17 +501,6 @@ def wait_for_quiet(max_wait_s: float, load_limit: float = 1.2) -> tuple[float, s
         time.sleep(5)
 
 
-def _proc_rss(pid: int) -> int:
-    try:
-        with open(f"/proc/{pid}/status") as f:
-            for line in f:
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0
-
-
 def run_worker(cmd: list[str], timeout_s: float, kill_rss: int) -> tuple[str, str, str]:
     """Run a worker, polling its RSS; returns (status, stdout, stderr)."""
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, cwd=REPO)
@@ -578,7 +513,7 @@ def run_worker(cmd: list[str], timeout_s: float, kill_rss: int) -> tuple[str, st
     for r in readers:
         r.start()
     while proc.poll() is None:
-        rss = _proc_rss(proc.pid)
+        rss = status_bytes("VmRSS", proc.pid)
         max_seen = max(max_seen, rss)
         if rss > kill_rss:
             proc.kill()
