@@ -88,7 +88,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:
     sys.path.insert(0, REPO)  # `tests.reference` (the naive baseline) and `longstraw`
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from proc import machine_busy_s, own_cpu_s, peak_rss, status_bytes  # noqa: E402  (torch-free)
+from proc import cpu_model, machine_busy_s, mem_total, own_cpu_s, peak_rss, status_bytes  # noqa: E402  (torch-free)
 
 METHODS = ("longstraw", "naive")
 EXACT = "longstraw-exact"  # only for the gradient check: ExecConfig(mode="exact") must give the naive gradient
@@ -298,18 +298,7 @@ def machine_info() -> dict:
     # big parent would put a floor under every worker's peak.
     from importlib.metadata import version
 
-    cpu = platform.processor() or ""
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), cpu)
-    except OSError:
-        pass
-    try:
-        import psutil
-
-        mem = psutil.virtual_memory().total
-    except ImportError:  # pragma: no cover
-        mem = None
+    cpu, mem = cpu_model(), mem_total()
     try:
         import ctypes
 

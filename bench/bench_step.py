@@ -77,7 +77,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:
     sys.path.insert(0, REPO)  # `tests.reference` (the baselines) and `longstraw`
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from proc import machine_busy_s, own_cpu_s, peak_rss, status_bytes  # noqa: E402  (torch-free)
+from proc import cpu_model, machine_busy_s, mem_total, own_cpu_s, peak_rss, status_bytes  # noqa: E402  (torch-free)
 
 METHODS = ("detached", "exact", "naive", "batched", "prefix_grouper", "capture", "hf_forward")
 DENSE_FAMILIES = ("qwen3",)
@@ -450,18 +450,7 @@ def machine_info() -> dict:
         except PackageNotFoundError:
             return None
 
-    cpu = platform.processor() or ""
-    try:
-        with open("/proc/cpuinfo") as f:
-            cpu = next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), cpu)
-    except OSError:
-        pass
-    mem = None
-    try:
-        with open("/proc/meminfo") as f:
-            mem = int(next(ln for ln in f if ln.startswith("MemTotal:")).split()[1]) * 1024
-    except (OSError, StopIteration):
-        pass
+    cpu, mem = cpu_model(), mem_total()
     rev = subprocess.run(["git", "-C", REPO, "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                          check=False).stdout.strip()
     dirty = bool(subprocess.run(["git", "-C", REPO, "status", "--porcelain", "--", "longstraw"], capture_output=True,

@@ -44,3 +44,24 @@ def machine_busy_s() -> float:
         return float("nan")
     idle = fields[3] + (fields[4] if len(fields) > 4 else 0)  # idle + iowait
     return (sum(fields[:8]) - idle) / os.sysconf("SC_CLK_TCK")
+
+
+def cpu_model() -> str:
+    """The CPU's model name (/proc/cpuinfo), else platform.processor()."""
+    import platform
+
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")),
+                        platform.processor() or "")
+    except OSError:
+        return platform.processor() or ""
+
+
+def mem_total() -> int | None:
+    """Physical memory in bytes (/proc/meminfo), None if unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            return int(next(ln for ln in f if ln.startswith("MemTotal:")).split()[1]) * 1024
+    except (OSError, StopIteration):
+        return None
