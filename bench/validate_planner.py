@@ -10,7 +10,7 @@ R = 128, fp32, after a warm-up step at P = 512 (`--warmup`: code pages and one-t
 buffers land in the baseline; its gradients are dropped), with glibc told to return freed
 memory at once (MALLOC_MMAP_THRESHOLD_=65536 MALLOC_TRIM_THRESHOLD_=0
 MALLOC_ARENA_MAX=1), so the peak RSS above the loaded model is the program's memory and
-not the allocator's retention (without these, glibc keeps 45-210 MiB of freed blocks;
+not the allocator's retention (without these, RSS sits 43-200 MiB above live tensors;
 docs/results.md). `--live-peak` adds the peak of live torch tensors (profiler), the CPU
 analogue of `torch.cuda.max_memory_allocated`.
 
