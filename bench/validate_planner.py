@@ -1,7 +1,7 @@
 """Planner validation (issue 7): the capacity planner's predicted peak for the tiny
 families at P = 4K, 16K and 64K against the peak measured on this machine.
 
-    .venv/bin/python bench/validate_planner.py --run   # measure (~40 min on 2 cores), then compare
+    .venv/bin/python bench/validate_planner.py --run   # measure (about an hour on 2 cores), then compare
     .venv/bin/python bench/validate_planner.py         # compare the committed runs with today's planner
     .venv/bin/python bench/validate_planner.py --gpu   # the same for the H200 run (gpu_qwen36_stack.json)
 
@@ -56,7 +56,7 @@ def run_sweep(families, modes, repeat: int) -> None:
             cmd = [sys.executable, os.path.join(HERE, "bench_step.py"), "--family", fam, "--methods", mode,
                    "--prompt-tokens", *map(str, PROMPTS), "--groups", "2", "--response-tokens", "128",
                    "--repeat", str(repeat if mode == "detached" else 1), "--live-peak", "--warmup",
-                   "--tag", "planner-malloc", "--out", RUNS, "--max-time-s", "900"]
+                   "--tag", "planner-malloc", "--out", RUNS, "--max-time-s", "1500"]
             subprocess.run(cmd, env=env, check=True)
 
 
