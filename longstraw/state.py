@@ -48,8 +48,7 @@ class Shard:
 
     def owned(self, start: int, end: int) -> torch.Tensor:
         """Bool [end - start]: which of the absolute positions start..end-1 are ours."""
-        positions = torch.arange(start, end)
-        return (positions // self.block) % self.world == self.rank
+        return self.owns(torch.arange(start, end))
 
 
 @dataclass

@@ -73,14 +73,17 @@ def _select_topk(scores: torch.Tensor, pos: torch.Tensor, topk: int) -> torch.Te
 
 
 @torch.no_grad()
-def indexer_scores(q_idx, weights, keys, *, scale, key_block=1024):
+def indexer_scores(q_idx, weights, keys, *, scale, key_block=1024, out=None):
     """HF's index score of each query [T] for each key row [n]: [T, n] (accumulation
-    dtype). q_idx [T, Hi, Di], weights [T, Hi], keys [n, Di]. No masking."""
+    dtype), `relu(q @ k^T * scale)` summed over heads with `weights`. q_idx [T, Hi, Di],
+    weights [T, Hi], keys [n, Di]. No masking. `out`: a [T, n] tensor (or view) to write
+    into instead of a new one."""
     t, hi, di = q_idx.shape
     acc = accumulation_dtype(q_idx.dtype)
     q = q_idx.to(acc).reshape(t * hi, di)
     w = weights.to(acc)[:, None, :]  # [T, 1, Hi]
-    out = torch.empty(t, keys.shape[0], dtype=acc, device=q_idx.device)
+    if out is None:
+        out = torch.empty(t, keys.shape[0], dtype=acc, device=q_idx.device)
     for c0 in range(0, keys.shape[0], key_block):
         c1 = min(keys.shape[0], c0 + key_block)
         s = torch.matmul(q, keys[c0:c1].to(acc).T).view(t, hi, c1 - c0).mul_(scale).relu_()
@@ -146,21 +149,15 @@ def indexer_topk(q_idx, weights, key_segments, new_keys, q_start, topk, *, scale
     out = torch.full((t, topk), -1, dtype=torch.long, device=device)
     if t == 0 or topk == 0:
         return out
-    w_all = weights.to(acc)
     for b0 in range(0, t, query_block):
         b1 = min(t, b0 + query_block)
         bsz = b1 - b0
         n = s_total + b1  # new tokens after b1 - 1 are invisible to this whole block
         scores = torch.empty(bsz, n, dtype=acc, device=device)
-        qb = q_idx[b0:b1].to(acc).reshape(bsz * hi, di)
-        wb = w_all[b0:b1, None, :]  # [B, 1, Hi]
         col = 0
         for keys in [k for k, _ in segs] + [new_keys[:b1]]:
-            for c0 in range(0, keys.shape[0], key_block):
-                c1 = min(keys.shape[0], c0 + key_block)
-                s = torch.matmul(qb, keys[c0:c1].to(acc).T).view(bsz, hi, c1 - c0)
-                s.mul_(scale).relu_()  # HF: relu(q @ k^T * scale)
-                scores[:, col + c0:col + c1] = torch.bmm(wb, s)[:, 0]  # HF: weights @ scores
+            indexer_scores(q_idx[b0:b1], weights[b0:b1], keys, scale=scale, key_block=key_block,
+                           out=scores[:, col:col + keys.shape[0]])
             col += keys.shape[0]
         j = torch.arange(b1, device=device)
         qi = torch.arange(b0, b1, device=device)
