@@ -88,7 +88,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:
     sys.path.insert(0, REPO)  # `tests.reference` (the naive baseline) and `longstraw`
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from proc import cpu_model, machine_busy_s, mem_total, own_cpu_s, peak_rss, status_bytes  # noqa: E402  (torch-free)
+from proc import code_info, cpu_model, machine_busy_s, mem_total, own_cpu_s, peak_rss, status_bytes  # noqa: E402  (torch-free)
 
 METHODS = ("longstraw", "naive")
 EXACT = "longstraw-exact"  # only for the gradient check: ExecConfig(mode="exact") must give the naive gradient
@@ -312,19 +312,6 @@ def machine_info() -> dict:
             "mem_total": mem, "glibc": libc}
 
 
-def code_info() -> dict:
-    """Which longstraw was measured: the git revision, and whether longstraw/ had
-    uncommitted changes (the numbers then belong to the working tree, not the commit)."""
-    def git(*a):
-        try:
-            return subprocess.run(["git", "-C", REPO, *a], capture_output=True, text=True, timeout=30,
-                                  check=False).stdout.strip()
-        except (OSError, subprocess.SubprocessError):
-            return ""
-    return {"git_rev": git("rev-parse", "HEAD") or None,
-            "longstraw_dirty": bool(git("status", "--porcelain", "--", "longstraw"))}
-
-
 def _status(ok: bool) -> str:
     return "PASS" if ok else "MISS"
 
@@ -400,7 +387,7 @@ def main(argv=None) -> int:
 
     groups = sorted(set(args.groups))
     P, R = args.prompt_tokens, args.response_tokens
-    info, code = machine_info(), code_info()
+    info, code = machine_info(), code_info(REPO)
     print(f"LongStraw vs naive HF full-sequence GRPO step | tiny qwen3, float32, CPU, {THREADS} threads "
           f"(nproc={info['nproc']}, {info['cpu']}), torch {info['torch']}, glibc {info['glibc']}")
     print(f"P={P} R={R} G={groups} repeat={args.repeat} | LongStraw ExecConfig(chunk_size={args.chunk_size}, "

@@ -77,7 +77,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 if REPO not in sys.path:
     sys.path.insert(0, REPO)  # `tests.reference` (the baselines) and `longstraw`
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from proc import cpu_model, machine_busy_s, mem_total, own_cpu_s, peak_rss, status_bytes  # noqa: E402  (torch-free)
+from proc import code_info, cpu_model, machine_busy_s, mem_total, own_cpu_s, peak_rss, status_bytes  # noqa: E402  (torch-free)
 
 METHODS = ("detached", "exact", "naive", "batched", "prefix_grouper", "capture", "hf_forward")
 DENSE_FAMILIES = ("qwen3",)
@@ -323,20 +323,29 @@ def _install_dsa_timers() -> dict:
     return acc
 
 
+def plan_run(family: str, mode: str, P: int, G: int, R: int, exec_kwargs: dict, *, first_group: bool,
+             self_attention: str = "flash") -> tuple[dict, int]:
+    """The capacity planner's report for one measured run (fp32, the run's chunk sizes), and
+    what it predicts the process holds above the loaded model: its peak minus the weights
+    (loaded before the baseline RSS) and the Adam state (no optimizer runs). `first_group`:
+    the run starts from zero gradients (PlanConfig.grads_during_capture=False)."""
+    from longstraw.plan import PlanConfig, estimate
+
+    kw = exec_kwargs
+    cfg = PlanConfig(prompt_tokens=P, group=G, response_tokens=R, mode=mode, dtype="float32",
+                     chunk_size=kw["chunk_size"], attention_block_size=kw["attention_block_size"],
+                     logits_chunk_size=kw["logits_chunk_size"], branch_chunk_size=kw["branch_chunk_size"],
+                     self_attention=self_attention, grads_during_capture=not first_group)
+    r = estimate(PLAN_MODEL[family], cfg)
+    return r, r["peak_bytes_per_rank"] - r["param_bytes"] - r["optimizer_bytes"]
+
+
 def planner_prediction(args, method: str, params_model: int) -> dict:
     """The capacity planner's figures for this measurement (fp32, no optimizer)."""
     if method not in ("detached", "exact"):
         return {}
-    from longstraw.plan import PlanConfig, estimate
-
-    kw = _exec_kwargs(args, method)
-    cfg = PlanConfig(prompt_tokens=args.worker_p, group=args.worker_g, response_tokens=args.response_tokens,
-                     mode=kw.get("mode", "detached"), dtype="float32", chunk_size=kw["chunk_size"],
-                     attention_block_size=kw["attention_block_size"], logits_chunk_size=kw["logits_chunk_size"],
-                     branch_chunk_size=kw["branch_chunk_size"], self_attention=args.plan_self_attention)
-    r = estimate(PLAN_MODEL[args.family], cfg)
-    # params are loaded before the baseline RSS: exclude them; no optimizer runs: exclude it
-    held = r["peak_bytes_per_rank"] - r["param_bytes"] - r["optimizer_bytes"]
+    r, held = plan_run(args.family, method, args.worker_p, args.worker_g, args.response_tokens,
+                       _exec_kwargs(args, method), first_group=False, self_attention=args.plan_self_attention)
     return {"plan_peak_bytes": r["peak_bytes_per_rank"], "plan_param_bytes": r["param_bytes"],
             "plan_grad_bytes": r["grad_bytes"], "plan_optimizer_bytes": r["optimizer_bytes"],
             "plan_state_bytes": r["state_bytes_per_rank"], "plan_state_grad_bytes": r["state_grad_bytes_per_rank"],
@@ -451,13 +460,9 @@ def machine_info() -> dict:
             return None
 
     cpu, mem = cpu_model(), mem_total()
-    rev = subprocess.run(["git", "-C", REPO, "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                         check=False).stdout.strip()
-    dirty = bool(subprocess.run(["git", "-C", REPO, "status", "--porcelain", "--", "longstraw"], capture_output=True,
-                                text=True, check=False).stdout.strip())
     return {"cpu": cpu, "nproc": os.cpu_count(), "threads": THREADS, "mem_total": mem,
             "python": platform.python_version(), "torch": ver("torch"), "transformers": ver("transformers"),
-            "prefix_grouper": ver("prefix-grouper"), "git_rev": rev, "longstraw_dirty": dirty}
+            "prefix_grouper": ver("prefix-grouper"), **code_info(REPO, short=True)}
 
 
 def _other_heavy_processes() -> list[str]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import resource
+import subprocess
 
 
 def status_bytes(field: str, pid: int | str = "self") -> int:
@@ -65,3 +66,17 @@ def mem_total() -> int | None:
             return int(next(ln for ln in f if ln.startswith("MemTotal:")).split()[1]) * 1024
     except (OSError, StopIteration):
         return None
+
+
+def code_info(repo: str, *, short: bool = False) -> dict:
+    """Which longstraw was measured: the git revision of `repo` (None outside git), and
+    whether its longstraw/ had uncommitted changes (the numbers then belong to the
+    working tree, not the commit)."""
+    def git(*a):
+        try:
+            return subprocess.run(["git", "-C", repo, *a], capture_output=True, text=True, timeout=30,
+                                  check=False).stdout.strip()
+        except (OSError, subprocess.SubprocessError):
+            return ""
+    rev = git("rev-parse", *(["--short"] if short else []), "HEAD") or None
+    return {"git_rev": rev, "longstraw_dirty": bool(git("status", "--porcelain", "--", "longstraw"))}

@@ -35,7 +35,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(HERE)
 sys.path.insert(0, REPO)
 sys.path.insert(0, HERE)
-from bench_step import PLAN_MODEL  # noqa: E402  (torch-free)
+from bench_step import plan_run  # noqa: E402  (torch-free)
 
 RUNS = os.path.join(HERE, "results", "planner_runs_malloc.csv")
 OUT = os.path.join(HERE, "results", "planner_validation.csv")
@@ -62,16 +62,11 @@ def run_sweep(families, modes, repeat: int) -> None:
 
 def predict(row: dict) -> dict:
     """The planner's figures for one measured row (what the process holds above the model)."""
-    from longstraw.plan import PlanConfig, estimate
-
     opt = lambda k: int(row[k]) if row.get(k) else None  # noqa: E731
-    cfg = PlanConfig(prompt_tokens=int(row["P"]), group=int(row["G"]), response_tokens=int(row["R"]),
-                     mode=row["method"], dtype="float32", chunk_size=int(row["chunk_size"]),
-                     attention_block_size=int(row["attention_block_size"]),
-                     logits_chunk_size=int(row["logits_chunk_size"]), branch_chunk_size=opt("branch_chunk_size"),
-                     grads_during_capture=False)
-    r = estimate(PLAN_MODEL[row["family"]], cfg)
-    held = r["peak_bytes_per_rank"] - r["param_bytes"] - r["optimizer_bytes"]
+    kw = {"chunk_size": int(row["chunk_size"]), "attention_block_size": int(row["attention_block_size"]),
+          "logits_chunk_size": int(row["logits_chunk_size"]), "branch_chunk_size": opt("branch_chunk_size")}
+    r, held = plan_run(row["family"], row["method"], int(row["P"]), int(row["G"]), int(row["R"]), kw,
+                       first_group=True)
     return {"planner_bytes": held, "planner_phase": r["peak_phase"], "planner_state_bytes": r["state_bytes_per_rank"],
             "planner_grad_bytes": r["grad_bytes"], "planner_params": r["num_parameters"]}
 
