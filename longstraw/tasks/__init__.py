@@ -1,0 +1,5 @@
+"""Long-context tasks with verifiable rewards, generated from a seed (no downloads)."""
+
+from .kv_recall import Item, KVRecall, Vocab, exact_match, reward
+
+__all__ = ["KVRecall", "Item", "Vocab", "reward", "exact_match"]

@@ -1,0 +1,494 @@
+"""A small reference GRPO training loop: `longstraw train`, or `train(TrainConfig(...))`.
+
+It is a reference loop, not a framework. One iteration:
+
+    item    = task.item("train", step)                       # the data order is the step index
+    rollout = engine.generate(item.prompt, num_samples=G, ...)  # one capture, G branches sampled
+    rewards = [task.reward(item, r) for r in rollout.responses]
+    engine.step(group, grpo, state=rollout.state)            # no second capture
+    optimizer.step()
+
+Three arms share everything but the gradient of that update:
+
+    detached  LongStraw, the prompt state is a constant (the LongStraw paper's gradient)
+    exact     LongStraw exact mode: gradients also flow back through the prompt
+    full      the naive baseline: one Hugging Face forward + backward per branch over
+              prompt + response, with the same GRPO loss (same gradient as exact)
+
+All three sample their rollouts the same way (engine.generate from the captured state),
+from the same per-step torch.Generator, so with the same seed they see the same
+prompts in the same order; exact and full then follow the same curve up to float
+rounding.
+
+Warm start. A tiny random model cannot answer at all, so RL starts from a short
+supervised phase at *short* context (prompts of 64 to `warm_prompt_tokens` = 512 tokens): cross-entropy
+on the ideal response (answer tokens + EOS) of the task's train split. It is deliberately
+short: the model learns the answer format and retrieval at short range, and is poor at
+the long P that RL then trains at. The warm-start weights are cached on disk by their
+config, so every arm of one seed starts from the identical model.
+
+Each step appends one JSON line to `<out_dir>/log.jsonl` (reward mean/std, loss, clip
+fraction, KL to the warm-start policy, tokens/s, peak RSS, time per phase; held-out
+accuracy every `eval_every` steps). `<out_dir>/checkpoint.pt` holds the model, the
+optimizer, the RNG states and the step; a resumed run continues the same curve (every
+random draw of a step comes from a generator seeded by (seed, step)).
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import hashlib
+import json
+import os
+import time
+from dataclasses import dataclass
+
+import torch
+
+from . import grpo as G
+from .config import ExecConfig, GRPOConfig
+from .engine import Engine
+from .group import BatchTotals, Group
+from .memory import peak_rss_bytes
+from .tasks import KVRecall, Vocab, exact_match
+
+ARMS = ("detached", "exact", "full")
+
+# A large RoPE base (long-context models use 1e6 to 1e7; head_dim is only 16 here): the
+# lookup is by content, so at long P the model fails by dilution, not by rotary angles
+# it never saw.
+ROPE_THETA = 1e9
+
+# Tiny models for the learning experiments, shrunk from longstraw.tiny's presets so an
+# RL step at P = 16K takes seconds on one CPU thread. `vocab_size` is set from the task.
+MODEL_PRESETS = {
+    # Qwen3-shaped dense: 2 layers (the least that can do key -> value lookup:
+    # a previous-token layer, then a matching layer), 2 query heads over 1 KV head.
+    "dense": ("qwen3", dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
+                            num_key_value_heads=1, head_dim=16,
+                            rope_parameters={"rope_type": "default", "rope_theta": ROPE_THETA})),
+    # Qwen3.6-shaped hybrid: 3 Gated DeltaNet layers : 1 gated full-attention layer.
+    "hybrid": ("qwen3_5", dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                               layer_types=["linear_attention"] * 3 + ["full_attention"], num_attention_heads=2,
+                               num_key_value_heads=1, head_dim=16, linear_num_key_heads=2,
+                               linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16)),
+}
+
+
+@dataclass(kw_only=True)
+class TrainConfig:
+    """Everything a run depends on. `longstraw train` exposes each field as a flag."""
+
+    # -- the task ---------------------------------------------------------------
+    prompt_tokens: int = 16384
+    """P of the RL prompts and of the held-out evaluation."""
+    num_facts: int = 4
+    """Key-value facts in the haystack."""
+    num_queries: int = 1
+    """Facts asked about; the answer is that many value tokens, then EOS."""
+    fact_region: float = 0.5
+    """Facts sit in the first fact_region of the haystack (every answer is >= (1-fr)*P back)."""
+    num_values: int = 8
+    """Size of the value set (chance accuracy for a well-formed guess: 1/num_values)."""
+    num_keys: int = 32
+    num_filler: int = 80
+    records: bool = True
+    """One record token per fact (a one-match lookup) instead of `FACT key value` (see tasks.Vocab)."""
+    task_seed: int = 0
+    """Selects the task's data streams (train and held-out are disjoint for any seed)."""
+
+    # -- the model ----------------------------------------------------------------
+    model: str = "dense"
+    """A preset of MODEL_PRESETS: "dense" (Qwen3-shaped) or "hybrid" (Qwen3.6-shaped)."""
+    dtype: str = "float32"
+    model_seed: int = 0
+
+    # -- warm start (supervised, short context) -----------------------------------
+    warm_steps: int = 150
+    """Supervised steps before RL (0: RL from random weights)."""
+    warm_prompt_tokens: int = 512
+    """Longest warm-start prompt. The first 2/3 of the steps use warm_min_prompt_tokens
+    (where the lookup is learned fast); the rest cycle through 2x, 4x, .. up to this."""
+    warm_min_prompt_tokens: int = 64
+    warm_batch: int = 32
+    warm_lr: float = 3e-3
+    warm_cache: str | None = None
+    """Directory to cache warm-start weights in (keyed by the fields they depend on)."""
+
+    # -- RL -----------------------------------------------------------------------
+    arm: str = "exact"
+    """"detached", "exact" (LongStraw modes) or "full" (HF full-sequence baseline)."""
+    steps: int = 40
+    group_size: int = 8
+    prompts_per_step: int = 1
+    """Groups per optimizer step (their losses are averaged with one BatchTotals)."""
+    lr: float = 1e-3
+    weight_decay: float = 0.0
+    grad_clip: float = 1.0
+    """Clip the global grad norm to this (0: off)."""
+    temperature: float = 1.0
+    """Sampling temperature (also the loss's temperature)."""
+    loss_type: str = "dapo"
+    epsilon: float = 0.2
+    beta: float = 0.0
+    """k3 KL weight to the warm-start policy (0: off; the KL is logged either way)."""
+    log_kl: bool = True
+    """Score the sampled responses under the warm-start model to log the KL (one more capture)."""
+    chunk_size: int = 1024
+    """Capture chunk (and exact mode's reverse-walk chunk)."""
+    seed: int = 0
+    """Seeds the sampling and the order of everything random in the loop."""
+
+    # -- evaluation, logging, checkpoints -------------------------------------------
+    eval_every: int = 10
+    eval_prompts: int = 32
+    """Held-out prompts (greedy decoding) per evaluation, at prompt_tokens."""
+    eval_split: str = "heldout"
+    """The split evaluated; "train" is for tuning pilots (never tune on held-out)."""
+    out_dir: str = "runs/train"
+    checkpoint_every: int = 10
+    resume: bool = True
+    """Continue from <out_dir>/checkpoint.pt when it exists."""
+    threads: int = 0
+    """torch.set_num_threads (0: leave as is)."""
+    progress: bool = True
+
+    def __post_init__(self):
+        if self.arm not in ARMS:
+            raise ValueError(f"arm must be one of {ARMS}, got {self.arm!r}")
+        if self.model not in MODEL_PRESETS:
+            raise ValueError(f"model must be one of {sorted(MODEL_PRESETS)}, got {self.model!r}")
+        if self.dtype not in ("float32", "float64"):
+            raise ValueError(f"dtype must be float32 or float64, got {self.dtype!r}")
+        for name in ("prompt_tokens", "steps", "group_size", "prompts_per_step", "eval_prompts", "eval_every",
+                     "checkpoint_every", "chunk_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+
+    def task(self, prompt_tokens: int | None = None) -> KVRecall:
+        vocab = Vocab(num_values=self.num_values, num_keys=self.num_keys, num_filler=self.num_filler,
+                      records=self.records)
+        return KVRecall(prompt_tokens or self.prompt_tokens, num_facts=self.num_facts, num_queries=self.num_queries,
+                        fact_region=self.fact_region, vocab=vocab, seed=self.task_seed)
+
+
+# ----------------------------------------------------------------------------
+# model, warm start
+
+
+def build_model(cfg: TrainConfig):
+    from .tiny import tiny_model
+
+    family, overrides = MODEL_PRESETS[cfg.model]
+    dtype = getattr(torch, cfg.dtype)
+    max_pos = max(cfg.prompt_tokens, cfg.warm_prompt_tokens) + cfg.num_queries + 64
+    return tiny_model(family, dtype=dtype, seed=cfg.model_seed, vocab_size=cfg.task().vocab.size,
+                      max_position_embeddings=max_pos, **overrides)
+
+
+_WARM_FIELDS = ("model", "dtype", "model_seed", "warm_steps", "warm_prompt_tokens", "warm_min_prompt_tokens",
+                "warm_batch", "warm_lr",
+                "num_facts", "num_queries", "fact_region", "num_values", "num_keys", "num_filler", "records", "task_seed")
+
+
+def warm_start(model, cfg: TrainConfig) -> dict:
+    """Supervised phase at short context: cross-entropy on answer + EOS (teacher forcing).
+
+    Returns metrics (final loss, time). Uses train-split items of the task at short
+    lengths (disjoint from every held-out prompt by split, and from the RL prompts by
+    length)."""
+    lengths, p = [], cfg.warm_min_prompt_tokens
+    while p < cfg.warm_prompt_tokens:
+        lengths.append(p)
+        p *= 2
+    tasks = [cfg.task(p) for p in lengths + [cfg.warm_prompt_tokens]]
+    opt = torch.optim.Adam(model.parameters(), lr=cfg.warm_lr)
+    t0, loss = time.perf_counter(), torch.tensor(float("nan"))
+    n = cfg.num_queries + 1
+    for s in range(cfg.warm_steps):
+        first = 2 * cfg.warm_steps // 3
+        task = tasks[0] if s < first or len(tasks) == 1 else tasks[1 + (s - first) % (len(tasks) - 1)]
+        items = [task.item("train", s * cfg.warm_batch + b) for b in range(cfg.warm_batch)]
+        ids = torch.stack([torch.cat([it.prompt, it.target[:-1]]) for it in items])  # (B, P + n - 1)
+        targets = torch.stack([it.target for it in items])  # (B, n)
+        logits = model(ids, logits_to_keep=n).logits  # (B, n, V)
+        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1))
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+    model.zero_grad(set_to_none=True)
+    return {"warm_loss": float(loss.detach()), "warm_time_s": time.perf_counter() - t0}
+
+
+def _warm_key(cfg: TrainConfig) -> str:
+    blob = json.dumps({"preset": MODEL_PRESETS[cfg.model], **{k: getattr(cfg, k) for k in _WARM_FIELDS}},
+                      sort_keys=True)
+    return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+
+def warm_model(cfg: TrainConfig):
+    """The warm-started model for cfg (from the cache when there is one)."""
+    model = build_model(cfg)
+    path = os.path.join(cfg.warm_cache, f"warm-{cfg.model}-{_warm_key(cfg)}.pt") if cfg.warm_cache else None
+    if path and os.path.exists(path):
+        model.load_state_dict(torch.load(path, weights_only=True))
+        return model, {"warm_cached": 1.0}
+    torch.manual_seed(cfg.model_seed)
+    info = warm_start(model, cfg) if cfg.warm_steps > 0 else {}
+    if path:
+        os.makedirs(cfg.warm_cache, exist_ok=True)
+        torch.save(model.state_dict(), path + ".tmp")
+        os.replace(path + ".tmp", path)
+    return model, info
+
+
+# ----------------------------------------------------------------------------
+# rollouts
+
+
+def _hf_sample_TEMPORARY(model, prompt, *, num_samples, max_new_tokens, temperature, eos_token_id, generator, **_):
+    """Development stand-in for engine.generate: HF prefill of the full prompt once,
+    then each branch decoded on a copy of the cache. Deleted once generate lands."""
+    from types import SimpleNamespace
+
+    with torch.no_grad():
+        out = model(prompt[None], use_cache=True)
+        responses, logprobs = [], []
+        for _ in range(num_samples):
+            cache, logits = copy.deepcopy(out.past_key_values), out.logits[0, -1]
+            toks, lps = [], []
+            for _t in range(max_new_tokens):
+                logp = torch.log_softmax(logits.double() / max(temperature, 1e-6), -1)
+                if temperature == 0:
+                    tok = int(logp.argmax())
+                else:
+                    tok = int(torch.multinomial(logp.exp(), 1, generator=generator))
+                toks.append(tok)
+                lps.append(float(logp[tok]))
+                if tok == eos_token_id:
+                    break
+                o = model(torch.tensor([[tok]]), past_key_values=cache, use_cache=True)
+                cache, logits = o.past_key_values, o.logits[0, -1]
+            responses.append(torch.tensor(toks))
+            logprobs.append(torch.tensor(lps))
+    return SimpleNamespace(responses=responses, logprobs=logprobs, state=None)
+
+
+def sample(engine: Engine, prompt, **kw):
+    if hasattr(engine, "generate"):
+        return engine.generate(prompt, **kw)
+    return _hf_sample_TEMPORARY(engine.model, prompt, **kw)
+
+
+# ----------------------------------------------------------------------------
+# the full-sequence baseline update
+
+
+def full_sequence_logprobs(model, prompt: torch.Tensor, response: torch.Tensor, temperature: float = 1.0):
+    """One HF forward over prompt + response: [R] log-probs of the response tokens."""
+    ids = torch.cat([prompt, response])  # (P + R,)
+    logits = model(ids[None], logits_to_keep=response.numel() + 1).logits[0, :-1]  # (R, V)
+    return torch.log_softmax(logits / temperature, dim=-1).gather(-1, response[:, None])[:, 0]
+
+
+def full_sequence_step(model, group: Group, grpo: GRPOConfig, totals: BatchTotals | None = None) -> dict:
+    """The naive update: one full-sequence forward + backward per branch, with the same
+    GRPO loss as `Engine.step` (so the same gradient as exact mode). Accumulates .grad."""
+    totals = BatchTotals.of([group]) if totals is None else totals
+    rewards = torch.as_tensor(group.rewards, dtype=torch.float64)
+    equal = bool(rewards.max() == rewards.min())
+    if equal and grpo.beta == 0:
+        return {"loss": 0.0, "skipped_zero_advantage": 1.0, "clip_fraction": 0.0}
+    adv = torch.zeros_like(rewards) if equal else G.advantages(rewards, grpo)
+    total, clipped, tokens = 0.0, 0.0, 0
+    for i, response in enumerate(group.responses):
+        logp = full_sequence_logprobs(model, group.prompt, response, grpo.temperature)
+        old = logp.detach() if group.old_logprobs is None else group.old_logprobs[i].to(logp)
+        ref = group.ref_logprobs[i].to(logp) if grpo.beta > 0 else None
+        per_tok, stats = G.per_token_loss(logp, old, float(adv[i]), grpo, ref)
+        loss = per_tok.sum() * G.branch_weight(grpo, totals, response.numel())
+        loss.backward()
+        total += float(loss.detach())
+        clipped += float(stats["clipped"].sum())
+        tokens += response.numel()
+    return {"loss": total, "skipped_zero_advantage": 0.0, "clip_fraction": clipped / tokens}
+
+
+# ----------------------------------------------------------------------------
+# evaluation
+
+
+def evaluate(engine: Engine, task: KVRecall, n: int, *, split: str = "heldout") -> dict:
+    """Greedy decoding on the first n items of `split`: accuracy (exact match) and mean reward."""
+    hits, total = 0, 0.0
+    for i in range(n):
+        item = task.item(split, i)
+        r = sample(engine, item.prompt, num_samples=1, max_new_tokens=task.num_queries + 1, temperature=0.0,
+                   eos_token_id=Vocab.EOS, generator=None).responses[0]
+        hits += exact_match(item.answer, r)
+        total += task.reward(item, r)
+    pre = "heldout" if split == "heldout" else f"eval_{split}"
+    return {f"{pre}_accuracy": hits / n, f"{pre}_reward": total / n, f"{pre}_n": n}
+
+
+# ----------------------------------------------------------------------------
+# checkpoints
+
+
+def _save(path: str, model, optimizer, step: int, cfg: TrainConfig) -> None:
+    torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step,
+                "torch_rng": torch.get_rng_state(), "config": dataclasses.asdict(cfg)}, path + ".tmp")
+    os.replace(path + ".tmp", path)
+
+
+def _truncate_log(path: str, step: int) -> None:
+    """Keep the log lines of steps before `step` (a resumed run rewrites the rest)."""
+    if not os.path.exists(path):
+        return
+    with open(path) as f:
+        keep = [line for line in f if json.loads(line).get("step", -1) < step]
+    with open(path, "w") as f:
+        f.writelines(keep)
+
+
+def _step_generator(cfg: TrainConfig, step: int) -> torch.Generator:
+    return torch.Generator().manual_seed(cfg.seed * 1_000_003 + step + 17)
+
+
+# ----------------------------------------------------------------------------
+# the loop
+
+
+def train(cfg: TrainConfig) -> dict:
+    """Run (or resume) one GRPO training run. Returns the final summary dict (also the
+    last line of the log, with "final": true)."""
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
+    os.makedirs(cfg.out_dir, exist_ok=True)
+    log_path, ckpt_path = os.path.join(cfg.out_dir, "log.jsonl"), os.path.join(cfg.out_dir, "checkpoint.pt")
+    with open(os.path.join(cfg.out_dir, "config.json"), "w") as f:
+        json.dump(dataclasses.asdict(cfg), f, indent=1)
+
+    task = cfg.task()
+    model, warm_info = warm_model(cfg)
+    reference = copy.deepcopy(model).requires_grad_(False) if (cfg.log_kl or cfg.beta > 0) else None
+    optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
+    start = 0
+    if cfg.resume and os.path.exists(ckpt_path):
+        ckpt = torch.load(ckpt_path, weights_only=False)
+        model.load_state_dict(ckpt["model"])
+        optimizer.load_state_dict(ckpt["optimizer"])
+        torch.set_rng_state(ckpt["torch_rng"])
+        start = ckpt["step"]
+    _truncate_log(log_path, start)
+
+    mode = "exact" if cfg.arm == "exact" else "detached"
+    engine = Engine(model, ExecConfig(chunk_size=cfg.chunk_size, mode=mode))
+    ref_engine = Engine(reference, ExecConfig(chunk_size=cfg.chunk_size)) if reference is not None else None
+    grpo = GRPOConfig(loss_type=cfg.loss_type, epsilon_low=cfg.epsilon, epsilon_high=cfg.epsilon, beta=cfg.beta,
+                      temperature=cfg.temperature)
+    params = [p for p in model.parameters() if p.requires_grad]
+
+    def log(record: dict) -> None:
+        with open(log_path, "a") as f:
+            f.write(json.dumps(record) + "\n")
+
+    if start == 0:
+        t0 = time.perf_counter()
+        ev = evaluate(engine, task, cfg.eval_prompts, split=cfg.eval_split)
+        log({"step": 0, "phase": "warm_start", **warm_info, **ev, "time_eval_s": time.perf_counter() - t0})
+
+    bar = range(start, cfg.steps)
+    if cfg.progress:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(bar, desc=f"train {cfg.arm}", initial=start, total=cfg.steps)
+    record: dict = {}
+    for step in bar:
+        t_start = time.perf_counter()
+        gen = _step_generator(cfg, step)
+        # 1. rollouts: G samples per prompt from the captured state
+        items = [task.item("train", step * cfg.prompts_per_step + b) for b in range(cfg.prompts_per_step)]
+        rollouts, groups = [], []
+        for item in items:
+            ro = sample(engine, item.prompt, num_samples=cfg.group_size, max_new_tokens=cfg.num_queries + 1,
+                        temperature=cfg.temperature, top_p=1.0, top_k=0, eos_token_id=Vocab.EOS, generator=gen)
+            rewards = torch.tensor([task.reward(item, r) for r in ro.responses], dtype=torch.float64)
+            rollouts.append(ro)
+            groups.append(Group(prompt=item.prompt, responses=ro.responses, rewards=rewards))
+        t_gen = time.perf_counter()
+        # 2. the reference policy's log-probs (KL to the warm start; the loss's KL term when beta > 0)
+        kl = None
+        if ref_engine is not None:
+            kls = []
+            for grp, ro in zip(groups, rollouts):
+                ref = ref_engine.score(grp, temperature=cfg.temperature)
+                if cfg.beta > 0:
+                    grp.ref_logprobs = ref
+                for lp, rlp in zip(ro.logprobs, ref):
+                    d = rlp.double() - lp.double()
+                    kls.append(torch.exp(d) - d - 1)  # k3 estimator of KL(policy || ref), per token
+            kl = float(torch.cat(kls).mean())
+        t_ref = time.perf_counter()
+        # 3. the update
+        optimizer.zero_grad(set_to_none=True)
+        totals = BatchTotals.of(groups)
+        metrics = []
+        for grp, ro in zip(groups, rollouts):
+            if cfg.arm == "full":
+                metrics.append(full_sequence_step(model, grp, grpo, totals))
+            else:
+                kw = {"state": ro.state} if ro.state is not None else {}
+                res = engine.step(grp, grpo, totals=totals, **kw)
+                metrics.append({"loss": res.loss, **res.metrics})
+        grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip if cfg.grad_clip > 0 else float("inf"))
+        optimizer.step()
+        t_upd = time.perf_counter()
+        # 4. held-out evaluation
+        ev = {}
+        if (step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps:
+            ev = evaluate(engine, task, cfg.eval_prompts, split=cfg.eval_split)
+        t_eval = time.perf_counter()
+
+        r = torch.cat([g.rewards for g in groups])
+        resp_tokens = sum(g.response_tokens for g in groups)
+        work = t_upd - t_start
+        record = {
+            "step": step + 1, "arm": cfg.arm, "model": cfg.model, "prompt_tokens": cfg.prompt_tokens,
+            "reward_mean": float(r.mean()), "reward_std": float(r.std()) if r.numel() > 1 else 0.0,
+            "loss": sum(m["loss"] for m in metrics),
+            "clip_fraction": sum(m.get("clip_fraction", 0.0) for m in metrics) / len(metrics),
+            "skipped_zero_advantage": sum(m.get("skipped_zero_advantage", 0.0) for m in metrics),
+            "kl_ref": kl, "grad_norm": float(grad_norm), "response_tokens": resp_tokens,
+            "tokens_per_s": (cfg.prompts_per_step * cfg.prompt_tokens + resp_tokens) / work,
+            "peak_rss_bytes": peak_rss_bytes(),
+            "time_generate_s": t_gen - t_start, "time_ref_s": t_ref - t_gen, "time_update_s": t_upd - t_ref,
+            "time_eval_s": t_eval - t_upd, "time_step_s": t_eval - t_start,
+            **{k: sum(m.get(k, 0.0) for m in metrics) for k in ("time_capture_s", "time_replay_s", "time_reverse_s")},
+            **ev,
+        }
+        log(record)
+        if cfg.progress:
+            bar.set_postfix(reward=f"{record['reward_mean']:.2f}", **({"acc": f"{next(iter(ev.values())):.2f}"} if ev else {}))
+        if (step + 1) % cfg.checkpoint_every == 0 or step + 1 == cfg.steps:
+            _save(ckpt_path, model, optimizer, step + 1, cfg)
+    return record
+
+
+def config_from_args(values: dict, config_file: str | None = None) -> TrainConfig:
+    """A TrainConfig from an optional JSON file, overridden by explicit values."""
+    base = {}
+    if config_file:
+        with open(config_file) as f:
+            base = json.load(f)
+    known = {f.name for f in dataclasses.fields(TrainConfig)}
+    unknown = set(base) - known
+    if unknown:
+        raise ValueError(f"unknown TrainConfig fields in {config_file}: {sorted(unknown)}")
+    base.update({k: v for k, v in values.items() if v is not None})
+    return TrainConfig(**base)
+
+
+__all__ = ["TrainConfig", "train", "warm_model", "warm_start", "build_model", "evaluate", "full_sequence_step",
+           "full_sequence_logprobs", "config_from_args", "MODEL_PRESETS", "ARMS"]
