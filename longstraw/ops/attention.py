@@ -144,7 +144,7 @@ FUSED_ENABLED = True
 """Allow the forward-only fused kernels (set False to force the blockwise path)."""
 
 
-def _fused_kernel(device_type: str, dtype: torch.dtype):
+def fused_kernel(device_type: str, dtype: torch.dtype):
     """torch's fused flash-attention op for this device and dtype, as a function
     (q, k, v, causal, scale) -> (out, lse) on [B, H, L, D] inputs, or None.
 
@@ -164,7 +164,7 @@ def _fused_kernel(device_type: str, dtype: torch.dtype):
     return None
 
 
-def _merge(out_a, lse_a, out_b, lse_b):
+def merge_partials(out_a, lse_a, out_b, lse_b):
     """Log-sum-exp merge of two partial softmax attentions over disjoint key sets."""
     lse = torch.logaddexp(lse_a, lse_b)
     return torch.exp(lse_a - lse)[..., None] * out_a + torch.exp(lse_b - lse)[..., None] * out_b
@@ -192,7 +192,7 @@ class KVSegment:
 def can_use_fused(q, k, v, prefixes: list[KVSegment], window) -> bool:
     """The fused path needs: no autograd, no gradient sinks, no window, CPU, value dim =
     key dim (the kernel's constraint; absorbed MLA has Dv < D), a dtype the kernel takes."""
-    if window is not None or v.shape[-1] != q.shape[-1] or _fused_kernel(q.device.type, q.dtype) is None:
+    if window is not None or v.shape[-1] != q.shape[-1] or fused_kernel(q.device.type, q.dtype) is None:
         return False
     if q.device.type == "cuda" and q.shape[-1] > 256:
         return False
@@ -207,7 +207,7 @@ def _flash_partial(q, k, v, scale: float, causal: bool):
     """Forward-only partial attention with torch's fused flash kernel, which tiles
     internally (O(rows) memory for any S) and returns the log-sum-exp.
     q [H, T, D]; k, v [Hkv, S, D] -> (o [Hkv, g*T, Dv], lse [Hkv, g*T]) in row layout."""
-    flash = _fused_kernel(q.device.type, q.dtype)
+    flash = fused_kernel(q.device.type, q.dtype)
     h, t, d = q.shape
     hkv = k.shape[0]
     g = h // hkv
@@ -233,7 +233,7 @@ def prefix_causal_attention(q, k, v, *, prefixes: list[KVSegment], q_start: int,
         scale: softmax scale. window: sliding window W or None.
         block_size: prefix positions per block.
         allow_fused: without autograd, use torch's fused flash kernel where one fits
-            (`_fused_kernel`: CPU, or CUDA in half precision); False forces the
+            (`fused_kernel`: CPU, or CUDA in half precision); False forces the
             blockwise torch path.
 
     Returns:
@@ -275,5 +275,5 @@ def prefix_causal_attention(q, k, v, *, prefixes: list[KVSegment], q_start: int,
             continue
         else:
             out_p, lse_p = attend(rows, seg.k, seg.v, seg.start, seg.grad, False)
-        out, lse = _merge(out_p, lse_p, out, lse), torch.logaddexp(lse_p, lse)
+        out, lse = merge_partials(out_p, lse_p, out, lse), torch.logaddexp(lse_p, lse)
     return out.to(q.dtype).reshape(h, t, -1)
