@@ -7,6 +7,8 @@ G response branches one at a time with autograd against it.
 from .config import ExecConfig, GRPOConfig
 from .engine import Engine
 from .errors import (
+                     StaleStateError,
+                     StateMismatchError,
                      ConfigError,
                      InvalidGroupError,
                      LongStrawError,
@@ -16,11 +18,12 @@ from .errors import (
 )
 from .group import BatchTotals, Group, StepResult
 from .models import supported_model_types
+from .rollout import Rollout, SamplingConfig
 
 __version__ = "0.1.0"
 
 __all__ = [
     "Engine", "ExecConfig", "GRPOConfig", "Group", "StepResult", "BatchTotals", "supported_model_types",
     "LongStrawError", "ConfigError", "InvalidGroupError", "PositionLimitError", "UnsupportedModelError",
-    "ModelStateError",
+    "ModelStateError", "StaleStateError", "StateMismatchError", "Rollout", "SamplingConfig",
 ]

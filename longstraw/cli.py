@@ -1,6 +1,6 @@
 """The `longstraw` command. Thin: it parses flags and calls the library.
 
-    longstraw demo [--prompt-tokens 32768] [--group 8] [--response-tokens 256]
+    longstraw demo [--prompt-tokens 32768] [--group 8] [--response-tokens 256] [--lr 1e-5]
                    [--chunk-size 4096] [--mode detached] [--family qwen3] [--dtype float32]
     longstraw plan --model PRESET_OR_CONFIG_JSON --prompt-tokens N --group G --response-tokens R
                    [--mode detached|exact] [--gpus W] [--gpu-memory 96GiB] [--dtype bf16]
@@ -33,12 +33,23 @@ def _init_torchrun():
     return dist.get_rank()
 
 
+def toy_reward(response, vocab_size: int) -> float:
+    """The demo's verifiable toy reward: the fraction of response tokens in the lower half
+    of the vocabulary (any policy can be pushed towards it; it only shows the loop)."""
+    return float((response < vocab_size // 2).double().mean()) if response.numel() else 0.0
+
+
 def demo(args) -> int:
+    """One whole GRPO iteration on a tiny built-in model: generate G responses from one
+    capture of the prompt, score them with a toy reward, step on the same state, and take
+    an optimizer step."""
+    import time
+
     import torch
 
     import longstraw as ls
     from longstraw.memory import naive_bytes_per_token, peak_rss_bytes, rss_bytes
-    from longstraw.tiny import random_group, tiny_model
+    from longstraw.tiny import tiny_model
 
     rank = _init_torchrun()
     lead = rank in (None, 0)  # only one rank prints
@@ -47,36 +58,52 @@ def demo(args) -> int:
     model = tiny_model(args.family, dtype=dtype, seed=args.seed)
     vocab = model.config.vocab_size
     n_params = sum(p.numel() for p in model.parameters())
-    group = random_group(vocab, args.prompt_tokens, args.group, args.response_tokens, seed=args.seed)
+    prompt = torch.randint(0, vocab, (args.prompt_tokens,), generator=torch.Generator().manual_seed(args.seed))
     world = 1 if rank is None else torch.distributed.get_world_size()
     if lead:
         print(f"LongStraw demo: tiny {args.family} ({n_params / 1e6:.1f}M params, {args.dtype}), "
-              f"P={args.prompt_tokens:,}, G={args.group}, R={args.response_tokens}, chunk={args.chunk_size}, "
+              f"P={args.prompt_tokens:,}, G={args.group}, R<={args.response_tokens}, chunk={args.chunk_size}, "
               f"mode={args.mode}" + (f", context-parallel over {world} ranks" if world > 1 else ""), file=sys.stderr)
     config = ls.ExecConfig(chunk_size=args.chunk_size, mode=args.mode, branch_chunk_size=args.branch_chunk_size,
                            progress=lead, context_parallel=world > 1)
     engine = ls.Engine(model, config)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
     rss_model = rss_bytes()
-    result = engine.step(group, ls.GRPOConfig())
+    rollout = engine.generate(prompt, num_samples=args.group, max_new_tokens=args.response_tokens,
+                              temperature=1.0, generator=torch.Generator().manual_seed(args.seed))
+    peak_generate = peak_rss_bytes() - rss_model
+    rewards = torch.tensor([toy_reward(r, vocab) for r in rollout.responses])
+    group = ls.Group(prompt=prompt, responses=rollout.responses, rewards=rewards, old_logprobs=rollout.logprobs)
+    result = engine.step(group, ls.GRPOConfig(), state=rollout.state)  # no second capture
     peak_above = peak_rss_bytes() - rss_model
+    grad_norm = torch.sqrt(sum((p.grad.double() ** 2).sum() for p in model.parameters() if p.grad is not None))
+    t0 = time.perf_counter()
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    time_optimizer = time.perf_counter() - t0
     if not lead:
         return 0
-    grad_norm = torch.sqrt(sum((p.grad.double() ** 2).sum() for p in model.parameters() if p.grad is not None))
     per_token = naive_bytes_per_token(model, vocab)
-    naive_branch = per_token * (args.prompt_tokens + args.response_tokens)
-    m = result.metrics
+    longest = max(int(r.numel()) for r in rollout.responses)
+    naive_branch = per_token * (args.prompt_tokens + longest)
+    m, g = result.metrics, rollout.metrics
     rows = [
-        ("loss (0 on-policy when all R_i are equal)", f"{result.loss:.6f}"),
+        ("reward mean (toy: share of low token ids)", f"{float(rewards.mean()):.4f}"),
+        ("loss", f"{result.loss:.6f}"),
         ("gradient norm", f"{float(grad_norm):.4e}"),
-        ("prompt state" + (" (this rank)" if world > 1 else ""), _mib(m["state_bytes"])),
-        ("peak RSS above loaded model", _mib(peak_above)),
-        ("time: capture", f"{m['time_capture_s']:.2f} s"),
+        ("prompt state" + (" (this rank)" if world > 1 else ""), _mib(g["state_bytes"])),
+        ("branch state (G branches' own tokens)", _mib(g["branch_state_bytes"])),
+        ("peak RSS above model: generate", _mib(peak_generate)),
+        ("peak RSS above model: whole iteration", _mib(peak_above)),
+        ("time: capture (once, shared)", f"{g['time_capture_s']:.2f} s"),
+        ("time: generate (decode)", f"{g['time_generate_s']:.2f} s, {g['tokens_per_s']:,.0f} tokens/s"),
         ("time: replay (all branches)", f"{m['time_replay_s']:.2f} s"),
     ]
     if args.mode == "exact":
         rows += [("state gradient buffers", _mib(m["state_grad_bytes"])),
                  ("time: reverse walk", f"{m['time_reverse_s']:.2f} s")]
     rows += [
+        ("time: optimizer step", f"{time_optimizer:.2f} s"),
         ("naive graph, one full sequence*", _mib(naive_branch)),
         ("naive graph, G sequences batched*", _mib(naive_branch * args.group)),
     ]
@@ -86,8 +113,9 @@ def demo(args) -> int:
         print(f"  {key:<{width}}  {value}")
     print(f"\n  * naive = HF forward+backward over P+R tokens; activation bytes saved for backward, measured\n"
           f"    at 256 and 512 tokens ({per_token / 1024:.1f} KiB/token) and extrapolated linearly.")
-    print(json.dumps({"loss": result.loss, "peak_rss_above_model": peak_above,
-                      "naive_bytes_per_token": per_token, **m}))
+    print(json.dumps({"loss": result.loss, "reward_mean": float(rewards.mean()), "peak_rss_above_model": peak_above,
+                      "peak_rss_generate": peak_generate, "naive_bytes_per_token": per_token,
+                      **{f"generate_{k}": v for k, v in g.items()}, **m}))
     return 0
 
 
@@ -156,10 +184,12 @@ def main(argv=None) -> int:
 
     parser = argparse.ArgumentParser(prog="longstraw", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
-    p = sub.add_parser("demo", help="one GRPO step on a tiny built-in model (no download)")
+    p = sub.add_parser("demo", help="one GRPO iteration (generate, reward, step, optimizer step) on a tiny "
+                                    "built-in model (no download)")
     p.add_argument("--prompt-tokens", type=int, default=32768, help="P (default 32768)")
     p.add_argument("--group", type=int, default=8, help="G responses (default 8)")
-    p.add_argument("--response-tokens", type=int, default=256, help="R per response (default 256)")
+    p.add_argument("--response-tokens", type=int, default=256, help="R, max new tokens per response (default 256)")
+    p.add_argument("--lr", type=float, default=1e-5, help="AdamW learning rate of the optimizer step (default 1e-5)")
     p.add_argument("--chunk-size", type=int, default=4096, help="capture chunk (default 4096)")
     p.add_argument("--mode", default="detached", choices=["detached", "exact"])
     p.add_argument("--family", default=DEFAULT_FAMILY, choices=sorted(TINY_CONFIGS),

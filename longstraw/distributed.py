@@ -129,3 +129,9 @@ def check_same_group(fingerprint: torch.Tensor, cp: ContextParallel) -> None:
 
         raise InvalidGroupError("context-parallel ranks were given different groups; every rank must call "
                                 "Engine.step with the same Group")
+
+
+def broadcast_from_first(tensor: torch.Tensor, cp: ContextParallel) -> torch.Tensor:
+    """Overwrite `tensor` on every rank with rank 0's (of the group), in place."""
+    _collective(dist.broadcast, tensor, src=dist.get_global_rank(cp.group, 0), group=cp.group)
+    return tensor

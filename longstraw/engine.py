@@ -35,6 +35,7 @@ from .errors import ConfigError, InvalidGroupError, PositionLimitError
 from .group import BatchTotals, Group, StepResult, validate_group
 from .logprobs import token_logprobs
 from .models import adapter_for
+from .rollout import Rollout, SamplingConfig, check_state, generate, stamp_state
 from .state import PromptState, Shard
 
 
@@ -140,9 +141,15 @@ class Engine:
                 self.adapter.run(piece, start + a, states, phase="capture", block_size=self.config.attention_block_size)
                 states[-1].length += piece.shape[0]
 
+    def progress_bar(self, desc: str):
+        """A function wrapping an iterable in this engine's progress display (or not)."""
+        return lambda iterable: _progress(iterable, enabled=self.config.progress, desc=desc, total=len(iterable))
+
     def capture(self, prompt: torch.Tensor, *, exact: bool = False) -> PromptState:
-        """Run prompt[:-1] ([P-1] tokens) in chunks under no_grad; return its state.
-        With `exact`, the state also gets zeroed gradient buffers for replay to fill."""
+        """Run prompt[:-1] ([P-1] tokens) in chunks under no_grad; return its state,
+        stamped with its origin (`rollout.StateOrigin`). With `exact`, it keeps what the
+        reverse walk needs (every chunk boundary, every sliding-window position); `step`
+        allocates its gradient buffers."""
         ids = prompt[:-1].to(self.adapter.device)
         shard = None
         if self.cp is not None:
@@ -150,8 +157,7 @@ class Engine:
             shard = Shard(rank=self.cp.rank, world=self.cp.world, block=block, cp=self.cp)
         state = self.adapter.new_state(ids.shape[0], exact=exact, shard=shard)
         self._capture_chunks(ids, 0, [state], self.config.chunk_size, "capture")
-        if exact:
-            state.enable_grad_buffers()
+        stamp_state(state, self, prompt, exact)
         return state
 
     def walk_back(self, ids: torch.Tensor, start: int, states: list[PromptState], size: int, *,
@@ -217,19 +223,61 @@ class Engine:
     # ------------------------------------------------------------------------
     # public API
 
-    def score(self, group: Group, temperature: float = 1.0) -> list[torch.Tensor]:
+    def generate(self, prompt: torch.Tensor, num_samples: int = 8, max_new_tokens: int = 256, temperature: float = 1.0,
+                 top_p: float = 1.0, top_k: int = 0, eos_token_id: int | list | None = None,
+                 generator: torch.Generator | None = None) -> Rollout:
+        """Sample `num_samples` responses from one capture of `prompt`.
+
+        The G branches decode together, one token per step, against the one shared prompt
+        state (never copied or expanded per branch); each keeps only its own tokens' state.
+
+        Args:
+            prompt: LongTensor [P], P >= 2.
+            num_samples: G. max_new_tokens: tokens per branch at most.
+            temperature: 0 is greedy; top_p in (0, 1]; top_k >= 0 (0: off).
+            eos_token_id: id (or ids) that end a branch; the branch keeps it as its last token.
+            generator: a torch.Generator for reproducible samples (on the model's device, or
+                on the CPU). Under context parallelism every rank must seed it identically.
+
+        Returns:
+            `Rollout` with `.responses` (G LongTensors [R_i]), `.logprobs` (the sampled tokens'
+            log-probs under the temperature-scaled distribution, before top-k / top-p: what
+            `score(group, temperature)` gives; temperature 1 for greedy), `.state` (reuse it in
+            `step(..., state=)` and `score(..., state=)` while the weights are unchanged) and
+            `.metrics`.
+        """
+        config = SamplingConfig(num_samples=num_samples, max_new_tokens=max_new_tokens, temperature=temperature,
+                                top_p=top_p, top_k=top_k, eos_token_id=eos_token_id)
+        return generate(self, prompt, config, generator)
+
+    def _reuse_or_capture(self, group: Group, state: PromptState | None, exact: bool) -> PromptState:
+        """The prompt state for `group`: the one given (already checked) or a new capture."""
+        state = self.capture(group.prompt, exact=exact) if state is None else state
+        if exact:
+            state.enable_grad_buffers()  # zeroed for this step, also when a state is stepped again
+        return state
+
+    def score(self, group: Group, temperature: float = 1.0, *, state: PromptState | None = None) -> list[torch.Tensor]:
         """Per-token log-probs under the current model, no grad.
+
+        Args:
+            group: the prompt and responses (rewards are not needed).
+            temperature: logits are divided by it.
+            state: a prompt state from `generate` for this prompt (skips capture).
 
         Returns:
             list of G tensors [R_i] (detached, on the model's device).
         """
         GRPOConfig(temperature=temperature)  # validates the temperature
         self._validate(group, needs_rewards=False)
-        state = self.capture(group.prompt)
+        if state is not None:
+            check_state(state, self, group.prompt)
+        state = self.capture(group.prompt) if state is None else state
         with torch.no_grad():
             return [self.branch_logprobs(state, group.prompt, r, temperature).detach() for r in group.responses]
 
-    def step(self, group: Group, grpo: GRPOConfig | None = None, *, totals: BatchTotals | None = None) -> StepResult:
+    def step(self, group: Group, grpo: GRPOConfig | None = None, *, totals: BatchTotals | None = None,
+             state: PromptState | None = None) -> StepResult:
         """One GRPO group: accumulate this group's share of the loss gradient into `.grad`.
 
         Args:
@@ -237,6 +285,9 @@ class Engine:
             grpo: the objective; defaults to `GRPOConfig()`.
             totals: batch-wide divisors when a batch of several groups is stepped one
                 group at a time; defaults to this group alone.
+            state: the prompt state from `generate` (`rollout.state`) for this prompt: no
+                second capture. It may be stepped again while the weights are unchanged;
+                a stale one raises `StaleStateError` before any work.
 
         Returns:
             StepResult with the loss (this group's share) and metrics.
@@ -247,6 +298,8 @@ class Engine:
         rewards = self._validate(group, needs_ref=grpo.beta > 0)
         totals = BatchTotals.of([group]) if totals is None else totals
         self._check_totals(group, totals)
+        if state is not None:
+            check_state(state, self, group.prompt)
 
         t0 = time.perf_counter()
         equal = bool(rewards.max() == rewards.min())
@@ -271,7 +324,7 @@ class Engine:
             return StepResult(loss=0.0, metrics=metrics)
 
         exact = self.config.mode == "exact"
-        state = self.capture(group.prompt, exact=exact)
+        state = self._reuse_or_capture(group, state, exact)
         t1 = time.perf_counter()
         stats = _BranchStats()
         branches = list(enumerate(group.responses))

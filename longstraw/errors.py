@@ -29,3 +29,13 @@ class UnsupportedModelError(LongStrawError, TypeError):
 
 class ModelStateError(LongStrawError, RuntimeError):
     """The model is in a state we refuse to run (e.g. train mode with dropout)."""
+
+
+class StateMismatchError(LongStrawError, ValueError):
+    """A captured prompt state was passed with a different prompt, engine or mode than it
+    was captured for."""
+
+
+class StaleStateError(StateMismatchError):
+    """A captured prompt state is stale: the model's weights (or its active adapters)
+    changed since it was captured. Capture again (e.g. call `generate` again)."""

@@ -94,7 +94,7 @@ class StepResult:
 # validation
 
 
-def _check_ids(name: str, ids, vocab_size: int, min_len: int) -> None:
+def check_token_ids(name: str, ids, vocab_size: int, min_len: int) -> None:
     if not isinstance(ids, torch.Tensor):
         raise InvalidGroupError(f"{name} must be a torch.LongTensor, got {type(ids).__name__}")
     if ids.dtype not in (torch.int64, torch.int32):
@@ -128,11 +128,11 @@ def validate_group(group: Group, *, vocab_size: int, needs_ref: bool = False, ne
     """
     if not isinstance(group, Group):
         raise InvalidGroupError(f"expected a longstraw.Group, got {type(group).__name__}")
-    _check_ids("group.prompt", group.prompt, vocab_size, min_len=2)
+    check_token_ids("group.prompt", group.prompt, vocab_size, min_len=2)
     if not isinstance(group.responses, (list, tuple)) or len(group.responses) == 0:
         raise InvalidGroupError("group.responses must be a non-empty list of LongTensors (G >= 1)")
     for i, r in enumerate(group.responses):
-        _check_ids(f"group.responses[{i}]", r, vocab_size, min_len=1)
+        check_token_ids(f"group.responses[{i}]", r, vocab_size, min_len=1)
     rewards = None
     if needs_rewards:
         try:

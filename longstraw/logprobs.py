@@ -12,13 +12,19 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 
-def _chunk_logprobs(lm_head, hidden, targets, temperature):
-    logits = lm_head(hidden)  # (C, vocab)
+def scaled_log_softmax(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """log softmax(logits / temperature) over the last dim, in float32 for half-precision
+    logits (else their dtype). The one definition of a token's log-prob: replay, `score`
+    and rollouts all use it, so their numbers agree."""
     if temperature != 1.0:
         logits = logits / temperature
     if logits.dtype in (torch.float16, torch.bfloat16):
         logits = logits.float()
-    return torch.log_softmax(logits, dim=-1).gather(-1, targets[:, None])[:, 0]
+    return torch.log_softmax(logits, dim=-1)
+
+
+def _chunk_logprobs(lm_head, hidden, targets, temperature):
+    return scaled_log_softmax(lm_head(hidden), temperature).gather(-1, targets[:, None])[:, 0]  # (C,)
 
 
 def token_logprobs(lm_head, hidden: torch.Tensor, targets: torch.Tensor, *, temperature: float = 1.0,

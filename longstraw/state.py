@@ -197,12 +197,15 @@ class PromptState:
         length: positions captured so far (P - 1 for a full prompt).
         seeds: exact mode's reverse walk: (tensor with graph, its accumulated
             gradient) pairs recorded while recomputing one chunk.
+        origin: what the state was captured from (engine, prompt, weights), set by
+            `Engine.capture` so that reusing it can be checked (`rollout.StateOrigin`).
     """
 
     layers: list = field(default_factory=list)
     start: int = 0
     length: int = 0
     seeds: list = field(default_factory=list)
+    origin: object = None
 
     def nbytes(self) -> int:
         return sum(s.nbytes() for s in self.layers if s is not None)

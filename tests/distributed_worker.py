@@ -134,3 +134,34 @@ def run_fsdp(rank: int, world: int, init_file: str) -> None:
         dist.barrier()  # FSDP2's gloo reduce-scatters are finished on every rank before teardown
     finally:
         dist.destroy_process_group()
+
+
+def run_generate(rank: int, world: int, init_file: str, cases: list[str]) -> None:
+    """Rollouts under context parallelism: with the same seed, every rank samples the same
+    responses as a single process, with the same log-probs, and stepping the rollout's
+    (sharded) state equals a single-process step."""
+    _init(rank, world, init_file)
+    try:
+        prompt = random_group(97, 23, [1], seed=3).prompt
+        for name in cases:
+            model = CASES[name]()
+            exec_kw = dict(chunk_size=6, attention_block_size=4, shard_block_size=3)
+            with float64_hybrid(model) if name == "hybrid" else _null():
+                single = ls.Engine(model, ls.ExecConfig(**exec_kw)).generate(
+                    prompt, num_samples=3, max_new_tokens=5, generator=torch.Generator().manual_seed(7))
+                engine = ls.Engine(model, ls.ExecConfig(context_parallel=True, **exec_kw))
+                rollout = engine.generate(prompt, num_samples=3, max_new_tokens=5,
+                                          generator=torch.Generator().manual_seed(7))
+                for a, b, la, lb in zip(single.responses, rollout.responses, single.logprobs, rollout.logprobs):
+                    assert torch.equal(a, b), (name, a, b)
+                    assert (la - lb).abs().max() <= 1e-9, (name, la, lb)
+                group = ls.Group(prompt=prompt, responses=rollout.responses, rewards=torch.tensor([1.0, 0.0, 0.5]))
+                model.zero_grad(set_to_none=True)
+                want = ls.Engine(model, ls.ExecConfig(**exec_kw)).step(group)
+                grads = grads_of(model)
+                model.zero_grad(set_to_none=True)
+                got = engine.step(group, state=rollout.state)
+                assert abs(got.loss - want.loss) <= 1e-9 * abs(want.loss) + 1e-13, name
+                assert_grads_close(grads_of(model), grads, 1e-9)
+    finally:
+        dist.destroy_process_group()

@@ -36,3 +36,8 @@ def test_a_failing_rank_fails_the_job_quickly(tmp_path):
 
 def test_fsdp2_sharded_layers_get_matching_gradient_slices(tmp_path):
     mp.spawn(worker.run_fsdp, args=(2, str(tmp_path / "init")), nprocs=2, join=True)
+
+
+def test_generate_under_context_parallelism_equals_single_process(tmp_path):
+    mp.spawn(worker.run_generate, args=(3, str(tmp_path / "init"), ["dense", "hybrid", "glm_sparse", "dsv32_sparse"]),
+             nprocs=3, join=True)

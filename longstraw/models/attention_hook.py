@@ -16,6 +16,9 @@ pieces) and what to do with the new tokens' K/V in the last of them:
                dLoss/dState into them
     recompute  reverse walk: attend to what lies before `start`, and record (new K/V
                with graph, their accumulated gradient) as seeds of the last state
+    decode     a rollout step: G branches, one token each at position `start`; their
+               K/V go into the per-branch `call.branches`, and the shared prompt state
+               is only read (`ops/decode_attention.py`)
 """
 
 from __future__ import annotations
@@ -27,7 +30,9 @@ from dataclasses import dataclass
 import torch
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
+from ..branch_state import BranchKV, BranchState
 from ..ops.attention import prefix_causal_attention
+from ..ops.decode_attention import decode_attention
 from ..state import AttentionKV, PromptState
 
 IMPLEMENTATION = "longstraw"
@@ -41,14 +46,16 @@ class AttentionCall:
         states: stacked states, earliest first; `states[i].layers[layer_idx]` is an
             `AttentionKV`. Capture and recompute act on the last one.
         start: absolute position of the first token of this call.
-        phase: "capture", "replay" or "recompute" (see the module docstring).
+        phase: "capture", "replay", "recompute" or "decode" (see the module docstring).
         block_size: prefix positions per attention block.
+        branches: phase "decode" only: the G branches' own state.
     """
 
     states: list[PromptState]
     start: int
     phase: str
     block_size: int
+    branches: BranchState | None = None
 
 
 _CURRENT: contextvars.ContextVar[AttentionCall | None] = contextvars.ContextVar("longstraw_attention", default=None)
@@ -70,6 +77,8 @@ def longstraw_attention(module, query, key, value, attention_mask, scaling=None,
     Returns ([1, T, H, Dv], None), as HF's eager attention does.
     """
     call = current_call()
+    if call.phase == "decode":
+        return _decode_attention(module, query, key, value, call, scaling, sliding_window)
     if query.shape[0] != 1:
         raise RuntimeError(f"longstraw runs one sequence at a time, got batch {query.shape[0]}")
     if dropout:
@@ -95,6 +104,28 @@ def longstraw_attention(module, query, key, value, attention_mask, scaling=None,
     return out.transpose(0, 1)[None], None
 
 
+def merge_shard(out, lse, segment):
+    """Merge a context-parallel shard's partial attention (o, lse) across ranks."""
+    from ..distributed import MergeAcrossRanks
+
+    return MergeAcrossRanks.apply(out, lse, segment.cp)
+
+
+def _decode_attention(module, query, key, value, call: AttentionCall, scaling, sliding_window):
+    """Phase "decode": query [G, H, 1, D], key/value [G, Hkv, 1, D] of the G branches' new
+    tokens. Returns ([G, 1, H, Dv], None)."""
+    own: BranchKV = call.branches.layers[module.layer_idx]
+    assert own.window == sliding_window, f"layer {module.layer_idx}: {own.window} != {sliding_window}"
+    own.append(key, value)
+    own_k, own_v = own.keys()
+    prefixes = [state.layers[module.layer_idx].segment(until=call.start) for state in call.states]
+    scale = scaling if scaling is not None else query.shape[-1] ** -0.5
+    out = decode_attention(query[:, :, 0], own_k, own_v, own_start=own.start, prefixes=prefixes,
+                           q_position=call.start, scale=scale, window=sliding_window, block_size=call.block_size,
+                           reduce_shard=merge_shard)  # (G, H, Dv)
+    return out[:, None], None
+
+
 ALL_ATTENTION_FUNCTIONS.register(IMPLEMENTATION, longstraw_attention)
 
 
@@ -112,8 +143,18 @@ def routed(config, call: AttentionCall):
 
 
 def run_backbone(backbone, config, input_ids: torch.Tensor, call: AttentionCall) -> torch.Tensor:
-    """Run the model's own decoder stack on T tokens. input_ids [T] -> hidden [T, d]."""
-    positions = torch.arange(call.start, call.start + input_ids.shape[0], device=input_ids.device)
+    """Run the model's own decoder stack.
+
+    One sequence: input_ids [T] at positions start.. -> hidden [T, d].
+    Phase "decode": input_ids [G], one token per branch, all at position start -> hidden [G, d].
+    """
+    if call.phase == "decode":
+        ids = input_ids[:, None]  # (G, 1): a batch of G one-token sequences
+        positions = torch.full_like(ids, call.start)
+    else:
+        ids = input_ids[None]  # (1, T)
+        positions = torch.arange(call.start, call.start + input_ids.shape[0], device=input_ids.device)[None]
     with routed(config, call):
-        out = backbone(input_ids=input_ids[None], position_ids=positions[None], use_cache=False)
-    return out.last_hidden_state[0]
+        out = backbone(input_ids=ids, position_ids=positions, use_cache=False)
+    hidden = out.last_hidden_state
+    return hidden[:, 0] if call.phase == "decode" else hidden[0]

@@ -13,8 +13,10 @@ import contextlib
 import torch
 from torch import nn
 
+from ..branch_state import BranchState
 from ..errors import ModelStateError, UnsupportedModelError
 from ..state import PromptState
+from .attention_hook import AttentionCall, run_backbone
 
 
 def unwrap_causal_lm(model: nn.Module) -> nn.Module:
@@ -52,7 +54,8 @@ def _is_fsdp_module(module: nn.Module) -> bool:
 
 
 class Adapter:
-    """Base adapter. Subclasses set `model_types` and implement `new_state` and `run`."""
+    """Base adapter. Subclasses set `model_types` and implement `new_state` and
+    `new_branch_state`; one that replaces module forwards overrides `routing`."""
 
     model_types: tuple[str, ...] = ()
 
@@ -124,8 +127,19 @@ class Adapter:
         (context parallelism) keeps only this rank's per-token rows."""
         raise NotImplementedError
 
+    def new_branch_state(self, prompt: PromptState, branches: int, capacity: int) -> BranchState:
+        """Empty per-branch state for a rollout of `branches` branches of up to `capacity`
+        tokens each, continuing `prompt` (a captured prompt state): its first row is
+        absolute position prompt.start + prompt.length (P - 1)."""
+        raise NotImplementedError
+
+    def routing(self):
+        """A context manager within which the family's own modules run through LongStraw
+        (the attention function is routed by `run_backbone` for every family)."""
+        return contextlib.nullcontext()
+
     def run(self, input_ids: torch.Tensor, start: int, states: list[PromptState], *, phase: str,
-            block_size: int) -> torch.Tensor:
+            block_size: int, branches: BranchState | None = None) -> torch.Tensor:
         """Run tokens input_ids [T] at positions start .. start+T-1 against `states`
         (stacked, earliest first: the prompt state, then any earlier branch pieces).
 
@@ -133,6 +147,11 @@ class Adapter:
         phase "replay": only read the states.
         phase "recompute": read what lies before `start` and record the chunk's own
         state tensors with their accumulated gradients in `states[-1].seeds`.
-        Returns final hidden states [T, d] (after the final norm), ready for the lm_head.
+        phase "decode": input_ids [G] are one token per branch, all at position
+        `start`; they read `states` and append to `branches` (the caller holds no_grad).
+        Returns final hidden states [T, d] ([G, d] for decode), after the final norm,
+        ready for the lm_head.
         """
-        raise NotImplementedError
+        call = AttentionCall(states=states, start=start, phase=phase, block_size=block_size, branches=branches)
+        with self.routing():
+            return run_backbone(self.backbone, self.config, input_ids, call)

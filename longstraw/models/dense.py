@@ -8,11 +8,10 @@ keep only their last W - 1 positions and mask by position, exactly as HF does.
 
 from __future__ import annotations
 
-import torch
 
+from ..branch_state import BranchKV, BranchState
 from ..errors import UnsupportedModelError
 from ..state import AttentionKV, PromptState
-from .attention_hook import AttentionCall, run_backbone
 from .base import Adapter
 
 
@@ -61,7 +60,14 @@ class DenseAdapter(Adapter):
             ))
         return PromptState(layers=layers, start=start)
 
-    def run(self, input_ids: torch.Tensor, start: int, states: list[PromptState], *, phase: str,
-            block_size: int) -> torch.Tensor:
-        call = AttentionCall(states=states, start=start, phase=phase, block_size=block_size)
-        return run_backbone(self.backbone, self.config, input_ids, call)
+    def branch_kv(self, attn, branches: int, capacity: int, start: int) -> BranchKV:
+        """Own K/V of the rollout branches for one attention module."""
+        kv_heads, head_dim = self.attention_geometry(attn)
+        return BranchKV.empty(branches=branches, kv_heads=kv_heads, head_dim=head_dim, v_head_dim=head_dim,
+                              capacity=capacity, start=start, window=layer_window(self.config, attn),
+                              dtype=self.dtype, device=self.device)
+
+    def new_branch_state(self, prompt: PromptState, branches: int, capacity: int) -> BranchState:
+        start = prompt.start + prompt.length
+        layers = [self.branch_kv(layer.self_attn, branches, capacity, start) for layer in self.backbone.layers]
+        return BranchState(layers=layers, branches=branches, start=start)

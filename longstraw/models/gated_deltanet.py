@@ -14,6 +14,8 @@ Per phase (see `attention_hook.py`):
     recompute  start from the snapshot as a leaf that requires grad when its owner
                tracks gradients (a hook adds dL/dsnapshot into the owner); seed the
                end state with the gradient accumulated for it, if any
+    decode     one token for each of G branches: step each branch's own copy of the
+               state (`BranchRecurrent`) with the recurrent form of the rule
 """
 
 from __future__ import annotations
@@ -21,8 +23,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..ops.causal_conv import causal_conv1d_with_tail
-from ..ops.gated_delta import chunk_gated_delta_rule
+from ..branch_state import BranchRecurrent
+from ..ops.causal_conv import causal_conv1d_step, causal_conv1d_with_tail
+from ..ops.gated_delta import chunk_gated_delta_rule, gated_delta_step
 from ..state import RecurrentState
 from .attention_hook import current_call
 from .base import forwards_replaced
@@ -64,8 +67,11 @@ def _project(module, x):
 
 
 def gdn_forward(module, hidden_states, cache_params=None, attention_mask=None, **kwargs):
-    """Drop-in for a GDN module's forward: hidden_states [1, T, d] -> [1, T, d]."""
+    """Drop-in for a GDN module's forward: hidden_states [1, T, d] -> [1, T, d]
+    (phase "decode": [G, 1, d] -> [G, 1, d])."""
     call = current_call()
+    if call.phase == "decode":
+        return _gdn_decode(module, hidden_states, call.branches.layers[module.layer_idx])
     x = hidden_states[0]  # (T, d)
     t = x.shape[0]
     mixed, z, b, a = _project(module, x)
@@ -92,6 +98,26 @@ def gdn_forward(module, hidden_states, cache_params=None, attention_mask=None, *
             if grad is not None:
                 call.states[-1].seeds.append((tensor, grad))
     return out
+
+
+def _gdn_decode(module, hidden_states, own: BranchRecurrent):
+    """One token per branch: hidden_states [G, 1, d] -> [G, 1, d], stepping `own` (the
+    branches' recurrent states and conv tails). The projections see the G tokens as a
+    sequence of G (they are per-token); the conv and the rule are per branch."""
+    x = hidden_states[:, 0]  # (G, d)
+    b = x.shape[0]
+    mixed, z, beta_logit, a = _project(module, x)  # (G, conv_dim), (G, Hv, Dv), (G, Hv), (G, Hv)
+    conv, tail = causal_conv1d_step(mixed, module.conv1d.weight[:, 0, :], module.conv1d.bias, own.conv_tail,
+                                    activation=module.activation)  # (G, conv_dim)
+    q, k, v = torch.split(conv, [module.key_dim, module.key_dim, module.value_dim], dim=-1)
+    q = q.reshape(b, -1, module.head_k_dim)
+    k = k.reshape(b, -1, module.head_k_dim)
+    v = v.reshape(b, -1, module.head_v_dim)
+    g = -module.A_log.float().exp() * F.softplus(a.float() + module.dt_bias)  # as HF: log decay, (G, Hv)
+    out, recurrent = gated_delta_step(q, k, v, g, beta_logit.sigmoid(), own.recurrent, use_qk_l2norm=True)
+    own.update(recurrent, tail)
+    out = module.norm(out.reshape(-1, module.head_v_dim), z.reshape(-1, module.head_v_dim))
+    return module.out_proj(out.reshape(b, 1, -1))
 
 
 def routed_gdn(modules):

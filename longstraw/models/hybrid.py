@@ -11,11 +11,10 @@ own modules, untouched.
 
 from __future__ import annotations
 
-import torch
 
+from ..branch_state import BranchRecurrent, BranchState
 from ..errors import UnsupportedModelError
 from ..state import AttentionKV, PromptState, RecurrentState
-from .attention_hook import AttentionCall, run_backbone
 from .dense import DenseAdapter
 from .gated_deltanet import routed_gdn
 
@@ -42,8 +41,15 @@ class HybridAdapter(DenseAdapter):
             ))
         return PromptState(layers=layers, start=start)
 
-    def run(self, input_ids: torch.Tensor, start: int, states: list[PromptState], *, phase: str,
-            block_size: int) -> torch.Tensor:
-        call = AttentionCall(states=states, start=start, phase=phase, block_size=block_size)
-        with routed_gdn(self.gdn_modules):
-            return run_backbone(self.backbone, self.config, input_ids, call)
+    def new_branch_state(self, prompt: PromptState, branches: int, capacity: int) -> BranchState:
+        start = prompt.start + prompt.length
+        layers = []
+        for layer, held in zip(self.backbone.layers, prompt.layers):
+            if hasattr(layer, "linear_attn"):
+                layers.append(BranchRecurrent.from_snapshot(held.snapshots[start], branches))
+            else:
+                layers.append(self.branch_kv(layer.self_attn, branches, capacity, start))
+        return BranchState(layers=layers, branches=branches, start=start)
+
+    def routing(self):
+        return routed_gdn(self.gdn_modules)

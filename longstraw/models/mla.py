@@ -34,9 +34,11 @@ import torch
 
 from ..errors import UnsupportedModelError
 from ..ops.attention import prefix_causal_attention
+from ..branch_state import BranchLatent, BranchState
 from ..state import IndexKeys, LatentKV, MLAState, PromptState
-from .attention_hook import AttentionCall, current_call, run_backbone
+from .attention_hook import current_call
 from .base import Adapter, forwards_replaced
+from .mla_decode import mla_decode
 
 
 def effective_weight(linear) -> torch.Tensor:
@@ -101,7 +103,7 @@ def _select_across_ranks(indexer, q, keys, weights, call, held, query_block: int
     (score, then lower position), is the global top-k, since every member of the global
     top-k is in its own shard's top-k."""
     from ..distributed import all_gather
-    from ..ops.dsa import _select_topk, indexer_scores, select_candidates
+    from ..ops.dsa import select_topk, indexer_scores, select_candidates
 
     topk, scale, t = indexer.index_topk, indexer.softmax_scale, q.shape[0]
     shard_ix = next(ix for ix in held if ix.shard is not None)
@@ -116,7 +118,7 @@ def _select_across_ranks(indexer, q, keys, weights, call, held, query_block: int
         b1 = min(t, b0 + query_block)
         qb, wb = q[b0:b1].float(), weights[b0:b1]
         scores = indexer_scores(qb, wb, local_keys, scale=scale)  # (B, n_local)
-        pos = _select_topk(scores, local_pos, topk)  # (B, topk), -1 padded
+        pos = select_topk(scores, local_pos, topk)  # (B, topk), -1 padded
         cols = torch.searchsorted(local_pos, pos.clamp(min=0)).clamp(max=max(local_pos.numel() - 1, 0))
         sc = scores.gather(-1, cols) if scores.shape[1] else torch.full(pos.shape, float("-inf"), device=q.device)
         sc = torch.where(pos < 0, torch.full_like(sc, float("-inf")), sc)
@@ -135,7 +137,7 @@ def _sparse_attention(q_full, k_new, latent, indices, latents, call, scale):
     attends over the selected rows it holds, the partials are merged across ranks, and
     the replicated rows (a branch's earlier pieces, the new tokens) are merged in after.
     Returns [H, T, R]."""
-    from ..ops.attention import KVSegment, _merge
+    from ..ops.attention import KVSegment, merge_partials
     from ..ops.dsa import sparse_latent_attention
 
     segments = [kv.segment(until=call.start) for kv in latents]
@@ -159,7 +161,7 @@ def _sparse_attention(q_full, k_new, latent, indices, latents, call, scale):
     replicated = [s for s, k in zip(segments, latents) if k.shard is None]
     out_b, lse_b = sparse_latent_attention(q_full, k_new, latent, rest, prefixes=replicated, q_start=call.start,
                                            scale=scale, return_lse=True)
-    return _merge(out_a, lse_a, out_b, lse_b).to(q_full.dtype)
+    return merge_partials(out_a, lse_a, out_b, lse_b).to(q_full.dtype)
 
 
 def mla_forward(module, spec, hidden_states, position_embeddings=None, attention_mask=None, past_key_values=None,
@@ -168,8 +170,10 @@ def mla_forward(module, spec, hidden_states, position_embeddings=None, attention
     [1, T, d] (and, for GLM-5, the top-k indices the next "shared" layer reuses).
     `spec` holds the family's RoPE functions and DSA layout (see `MLAAdapter`)."""
     call = current_call()
+    decode = call.phase == "decode"
     indexer = getattr(module, "indexer", None)
-    x = hidden_states[0]  # (T, d)
+    # (T, d); decode: the G branches' tokens, all at one position, run as one sequence of G
+    x = hidden_states[:, 0] if decode else hidden_states[0]
     t, h = x.shape[0], module.num_heads
     nope, rope, rank, vdim = module.qk_nope_head_dim, module.qk_rope_head_dim, module.kv_lora_rank, module.v_head_dim
     if getattr(module, "q_lora_rank", None) is not None:
@@ -182,6 +186,8 @@ def mla_forward(module, spec, hidden_states, position_embeddings=None, attention
     kv_pass, k_rot = torch.split(module.kv_a_proj_with_mqa(x), [rank, rope], dim=-1)
     latent = module.kv_a_layernorm(kv_pass)  # (T, R)
     cos, sin = position_embeddings
+    if decode:  # [G, 1, Dr] at one position -> [1, G, Dr]
+        cos, sin = cos[:, 0][None], sin[:, 0][None]
     q_rot, k_rot = spec["rope"](q_rot[None], k_rot.view(1, 1, t, rope), cos, sin)
     q_rot, k_rot = q_rot[0], k_rot[0, 0]  # (H, T, Dr), (T, Dr)
 
@@ -191,8 +197,20 @@ def mla_forward(module, spec, hidden_states, position_embeddings=None, attention
     k_new = torch.cat([latent, k_rot], dim=-1)  # (T, R + Dr)
 
     layers: list[MLAState] = [s.layers[module.layer_idx] for s in call.states]
-    segments = [layer.latent.segment(until=call.start) for layer in layers]
     topk = indexer.index_topk if indexer is not None else spec["shared_topk"]
+    if decode:
+        assert len(layers) == 1, "decode reads one prompt state"
+        index_inputs = None
+        if indexer is not None:
+            index_inputs = _indexer_inputs(indexer, x, q_resid, cos, sin, spec["index_rope"])
+        o_lat, indices = mla_decode(q_full.transpose(0, 1), k_new, call.branches.layers[module.layer_idx], layers[0],
+                                    position=call.start, scale=module.scaling, rank=rank, block_size=call.block_size,
+                                    topk=topk, index_inputs=index_inputs,
+                                    index_topk_scale=None if indexer is None else indexer.softmax_scale,
+                                    prev_indices=prev_topk_indices)  # (G, H, R)
+        out = module.o_proj(torch.einsum("ghr,hvr->ghv", o_lat, w_uv).reshape(t, 1, h * vdim))
+        return (out, None, indices) if spec["returns_topk"] else (out, None)
+    segments = [layer.latent.segment(until=call.start) for layer in layers]
     indices, new_index_keys = None, None
     if indexer is not None:
         index_q, new_index_keys, index_w = _indexer_inputs(indexer, x, q_resid, cos, sin, spec["index_rope"])
@@ -260,8 +278,15 @@ class MLAAdapter(Adapter):
             layers.append(MLAState(latent=latent, index=index))
         return PromptState(layers=layers, start=start)
 
-    def run(self, input_ids: torch.Tensor, start: int, states: list[PromptState], *, phase: str,
-            block_size: int) -> torch.Tensor:
-        call = AttentionCall(states=states, start=start, phase=phase, block_size=block_size)
-        with routed_mla(self.attn_modules, self.specs):
-            return run_backbone(self.backbone, self.config, input_ids, call)
+    def new_branch_state(self, prompt: PromptState, branches: int, capacity: int) -> BranchState:
+        start = prompt.start + prompt.length
+        layers = []
+        for attn in self.attn_modules:
+            index = getattr(attn, "indexer", None)
+            layers.append(BranchLatent.empty(branches=branches, width=attn.kv_lora_rank + attn.qk_rope_head_dim,
+                                             index_dim=None if index is None else index.head_dim, capacity=capacity,
+                                             start=start, dtype=self.dtype, device=self.device))
+        return BranchState(layers=layers, branches=branches, start=start)
+
+    def routing(self):
+        return routed_mla(self.attn_modules, self.specs)

@@ -27,10 +27,8 @@ from dataclasses import dataclass
 
 import torch
 
-
-def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
-    """float64 stays float64; everything else accumulates in float32."""
-    return torch.float64 if dtype == torch.float64 else torch.float32
+from . import flash
+from .flash import FlashAttention, accumulation_dtype, can_use_flash_autograd, fused_kernel, merge_partials
 
 
 def _window_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None, causal: bool) -> torch.Tensor | None:
@@ -140,36 +138,6 @@ class PrefixAttention(torch.autograd.Function):
         return dq.to(q.dtype), dk, dv, None, None, None, None, None, None, None
 
 
-FUSED_ENABLED = True
-"""Allow the forward-only fused kernels (set False to force the blockwise path)."""
-
-
-def _fused_kernel(device_type: str, dtype: torch.dtype):
-    """torch's fused flash-attention op for this device and dtype, as a function
-    (q, k, v, causal, scale) -> (out, lse) on [B, H, L, D] inputs, or None.
-
-    CPU: `_scaled_dot_product_flash_attention_for_cpu` (float32/float64/bfloat16).
-    CUDA: `_scaled_dot_product_flash_attention` (FlashAttention-2; half types only).
-    Both return the natural-log log-sum-exp [B, H, L] in float32 (float64 on CPU for
-    float64 inputs), which is what the LSE merge needs."""
-    if not FUSED_ENABLED:
-        return None
-    if device_type == "cpu" and dtype in (torch.float32, torch.float64, torch.bfloat16):
-        op = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
-        return None if op is None else (lambda q, k, v, causal, scale: op(q, k, v, 0.0, causal, scale=scale)[:2])
-    if device_type == "cuda" and dtype in (torch.float16, torch.bfloat16):
-        op = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention", None)
-        return None if op is None else (lambda q, k, v, causal, scale: op(q, k, v, 0.0, causal, False,
-                                                                          scale=scale)[:2])
-    return None
-
-
-def _merge(out_a, lse_a, out_b, lse_b):
-    """Log-sum-exp merge of two partial softmax attentions over disjoint key sets."""
-    lse = torch.logaddexp(lse_a, lse_b)
-    return torch.exp(lse_a - lse)[..., None] * out_a + torch.exp(lse_b - lse)[..., None] * out_b
-
-
 @dataclass
 class KVSegment:
     """A run of earlier keys/values the new tokens attend to (read-only).
@@ -192,7 +160,7 @@ class KVSegment:
 def can_use_fused(q, k, v, prefixes: list[KVSegment], window) -> bool:
     """The fused path needs: no autograd, no gradient sinks, no window, CPU, value dim =
     key dim (the kernel's constraint; absorbed MLA has Dv < D), a dtype the kernel takes."""
-    if window is not None or v.shape[-1] != q.shape[-1] or _fused_kernel(q.device.type, q.dtype) is None:
+    if window is not None or v.shape[-1] != q.shape[-1] or fused_kernel(q.device.type, q.dtype) is None:
         return False
     if q.device.type == "cuda" and q.shape[-1] > 256:
         return False
@@ -207,7 +175,7 @@ def _flash_partial(q, k, v, scale: float, causal: bool):
     """Forward-only partial attention with torch's fused flash kernel, which tiles
     internally (O(rows) memory for any S) and returns the log-sum-exp.
     q [H, T, D]; k, v [Hkv, S, D] -> (o [Hkv, g*T, Dv], lse [Hkv, g*T]) in row layout."""
-    flash = _fused_kernel(q.device.type, q.dtype)
+    flash = fused_kernel(q.device.type, q.dtype)
     h, t, d = q.shape
     hkv = k.shape[0]
     g = h // hkv
@@ -233,7 +201,7 @@ def prefix_causal_attention(q, k, v, *, prefixes: list[KVSegment], q_start: int,
         scale: softmax scale. window: sliding window W or None.
         block_size: prefix positions per block.
         allow_fused: without autograd, use torch's fused flash kernel where one fits
-            (`_fused_kernel`: CPU, or CUDA in half precision); False forces the
+            (`fused_kernel`: CPU, or CUDA in half precision); False forces the
             blockwise torch path.
 
     Returns:
@@ -246,6 +214,9 @@ def prefix_causal_attention(q, k, v, *, prefixes: list[KVSegment], q_start: int,
         assert seg.k.shape[0] == hkv and seg.k.shape[2] == d, (seg.k.shape, k.shape)
         assert seg.start + seg.k.shape[1] <= q_start, "a prefix segment must end before the queries"
     g = h // hkv
+    if allow_fused and torch.is_grad_enabled() and can_use_flash_autograd(q, k, v, prefixes, window):
+        out = FlashAttention.apply(q, k, v, [s for s in prefixes if s.k.shape[1] > 0], scale, flash.BACKWARD_BLOCK)
+        return out.to(q.dtype).reshape(h, t, -1)
     fused = allow_fused and can_use_fused(q, k, v, prefixes, window)
     rows = q.reshape(hkv, g * t, d)  # (Hkv, M, D): head j*g+i -> kv head j
     k_pos = torch.arange(q_start, q_start + t, device=q.device)
@@ -275,5 +246,5 @@ def prefix_causal_attention(q, k, v, *, prefixes: list[KVSegment], q_start: int,
             continue
         else:
             out_p, lse_p = attend(rows, seg.k, seg.v, seg.start, seg.grad, False)
-        out, lse = _merge(out_p, lse_p, out, lse), torch.logaddexp(lse_p, lse)
+        out, lse = merge_partials(out_p, lse_p, out, lse), torch.logaddexp(lse_p, lse)
     return out.to(q.dtype).reshape(h, t, -1)

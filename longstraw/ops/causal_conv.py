@@ -57,3 +57,30 @@ def causal_conv1d_with_tail(x, weight, bias=None, tail=None, activation: str | N
     # A copy, so the carried tail does not keep the whole piece alive.
     new_tail = full[:, full.shape[1] - width:].contiguous()  # (C, K-1)
     return _activate(y, activation).to(x.dtype), new_tail
+
+
+def causal_conv1d_step(x, weight, bias=None, tail=None, activation: str | None = "silu"):
+    """One token of `causal_conv1d_with_tail` for B independent sequences (batched decode).
+
+    Args:
+        x: [B, C] this token's pre-conv inputs.
+        weight: [C, K]; bias: [C] or None.
+        tail: [B, C, K-1], each sequence's last K-1 inputs (None: zeros).
+        activation: "silu" or None.
+
+    Returns:
+        (y [B, C] in x's dtype, new_tail [B, C, K-1] in x's dtype). No input is modified.
+    """
+    b, c = x.shape
+    width = weight.shape[1] - 1
+    if weight.shape[0] != c:
+        raise ValueError(f"weight must be [C, K] with C={c}, got {tuple(weight.shape)}")
+    if tail is None:
+        tail = x.new_zeros(b, c, width)
+    elif tail.shape != (b, c, width):
+        raise ValueError(f"tail must be [B, C, K-1] = {(b, c, width)}, got {tuple(tail.shape)}")
+    full = torch.cat([tail.to(x.dtype), x[..., None]], dim=-1)  # (B, C, K)
+    y = (full.to(weight.dtype) * weight).sum(-1)  # (B, C)
+    if bias is not None:
+        y = y + bias
+    return _activate(y, activation).to(x.dtype), full[..., 1:].contiguous()

@@ -32,7 +32,7 @@ import torch
 
 from longstraw.ops.attention import KVSegment, accumulation_dtype
 
-__all__ = ["indexer_topk", "indexer_scores", "select_candidates", "sparse_latent_attention",
+__all__ = ["indexer_topk", "indexer_scores", "select_topk", "select_candidates", "sparse_latent_attention",
            "SparseLatentAttention"]
 
 
@@ -40,7 +40,7 @@ __all__ = ["indexer_topk", "indexer_scores", "select_candidates", "sparse_latent
 # indexer
 
 
-def _select_topk(scores: torch.Tensor, pos: torch.Tensor, topk: int) -> torch.Tensor:
+def select_topk(scores: torch.Tensor, pos: torch.Tensor, topk: int) -> torch.Tensor:
     """Top-k of each row of `scores` [B, n] (-inf = invisible), columns at increasing absolute
     positions `pos` [n]. Returns [B, topk] positions, best first, ties by lower position,
     -1 where a row has fewer than topk visible columns.
@@ -162,7 +162,7 @@ def indexer_topk(q_idx, weights, key_segments, new_keys, q_start, topk, *, scale
         j = torch.arange(b1, device=device)
         qi = torch.arange(b0, b1, device=device)
         scores[:, s_total:].masked_fill_(j[None, :] > qi[:, None], float("-inf"))
-        out[b0:b1] = _select_topk(scores, pos_all[:n], topk)
+        out[b0:b1] = select_topk(scores, pos_all[:n], topk)
         del scores
     return out
 

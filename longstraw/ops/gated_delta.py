@@ -181,3 +181,39 @@ def chunk_gated_delta_rule(q, k, v, g, beta, initial_state=None, *, chunk_size: 
 
     out = torch.cat(outs, dim=1)[:, :t].movedim(1, 0)  # (T, Hv, Dv)
     return out.to(v.dtype), state
+
+
+def gated_delta_step(q, k, v, g, beta, state, *, use_qk_l2norm: bool = True):
+    """One token of the gated delta rule for B independent sequences (batched decode).
+
+    The recurrent form of `chunk_gated_delta_rule` for T = 1, batched over a leading B
+    (the G branches of a rollout, each with its own state).
+
+    Args:
+        q, k: [B, Hk, Dk]; v: [B, Hv, Dv]; g, beta: [B, Hv] (log decay, write strength).
+        state: [B, Hv, Dk, Dv], the state before this token (float32, or float64).
+        use_qk_l2norm: L2-normalise q and k per head first.
+
+    Returns:
+        (out [B, Hv, Dv] in v's dtype, new state [B, Hv, Dk, Dv] in the accumulation
+        dtype). Out of place: `state` is not modified.
+    """
+    b, hv, dv = v.shape
+    dk = q.shape[-1]
+    if q.shape != k.shape or q.shape[0] != b or hv % q.shape[1]:
+        raise ValueError(f"q, k must be [B, Hk, Dk] with Hk dividing Hv={hv}, got {tuple(q.shape)}, {tuple(k.shape)}")
+    if state.shape != (b, hv, dk, dv) or g.shape != (b, hv) or beta.shape != (b, hv):
+        raise ValueError(f"state must be {(b, hv, dk, dv)} and g, beta {(b, hv)}; got {tuple(state.shape)}, "
+                         f"{tuple(g.shape)}, {tuple(beta.shape)}")
+    acc = torch.float64 if torch.float64 in (q.dtype, v.dtype, state.dtype) else accumulation_dtype(v.dtype)
+    q, k = q.to(acc), k.to(acc)
+    if use_qk_l2norm:
+        q, k = l2_normalize(q), l2_normalize(k)
+    q = expand_kv_heads(q * dk ** -0.5, hv)  # (B, Hv, Dk)
+    k = expand_kv_heads(k, hv)
+    state = state.to(acc) * g.to(acc).exp()[..., None, None]  # decay
+    predicted = torch.einsum("bhk,bhkv->bhv", k, state)
+    delta = (v.to(acc) - predicted) * beta.to(acc)[..., None]  # (B, Hv, Dv)
+    state = state + k[..., :, None] * delta[..., None, :]  # write
+    out = torch.einsum("bhk,bhkv->bhv", q, state)  # read
+    return out.to(v.dtype), state

@@ -34,7 +34,7 @@ GDN_KERNELS = ("torch", "fla")  # ops/gated_delta.py's chunked torch path, or fl
 INDEXER_QUERY_BLOCK = 128  # queries scored at once: a [128, N] score block over all N visible keys
 INDEXER_KEY_BLOCK = 1024  # keys per indexer matmul: a [128, index_heads, 1024] temporary
 SPARSE_QUERY_BLOCK = 64  # queries per gathered block of the sparse attention
-# Bytes per (query, key) element of the exact top-k selection (ops/dsa._select_topk): the
+# Bytes per (query, key) element of the exact top-k selection (ops/dsa.select_topk): the
 # fp32 score, int32 running count, and the bool masks alive at once. Measured: 14.06 B
 # (live tensors of indexer_topk at 4,096 queries over 16K vs 64K keys, tiny glm_moe_dsa).
 TOPK_SELECT_BYTES = 14

@@ -1,0 +1,108 @@
+"""Batched decode attention: G branches, one new token each, over one shared prompt state.
+
+In a rollout all G branches advance together, so at every step their G queries sit at
+the same absolute position. Each query attends to two disjoint key sets, merged by
+log-sum-exp exactly as in replay (`ops/attention.py`):
+
+* the shared prompt state (read in place, never copied, expanded per branch or
+  concatenated): the G x g query heads of one kv head fold into the rows of ONE
+  attention over the prompt's K/V, so the prompt is read once per step for all G;
+* the branch's own generated tokens (a small [G, Hkv, n, D] cache, n <= max_new_tokens),
+  one plain batched softmax per branch.
+
+The same op serves absorbed MLA, which is MQA over the latent rows (Hkv = 1, g = H,
+D = kv_lora_rank + rope_dim, the value a view of the first kv_lora_rank columns), and
+DSA, whose top-k rows are gathered per branch (`gathered_partial`).
+
+Legend: G branches, H query heads, Hkv kv heads, g = H / Hkv, n own tokens, S prompt
+positions, D key dim, Dv value dim, K selected positions. No autograd: a rollout runs
+under no_grad. Arithmetic in float32 (float64 for float64 inputs).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .attention import PrefixAttention, accumulation_dtype, fused_kernel, merge_partials
+
+
+def shared_partial(rows, seg_k, seg_v, seg_start: int, q_position: int, scale: float, window: int | None,
+                   block_size: int):
+    """(o [Hkv, M, Dv], lse [Hkv, M]) of query rows [Hkv, M, D], all at `q_position`, over
+    one shared segment k [Hkv, S, D], v [Hkv, S, Dv] at positions seg_start.. (no grad).
+    Uses torch's fused flash kernel where it applies, else the blockwise kernel."""
+    hkv, m, d = rows.shape
+    acc = accumulation_dtype(rows.dtype)
+    if seg_k.shape[1] == 0:  # e.g. an empty shard on this rank
+        return rows.new_zeros(hkv, m, seg_v.shape[-1], dtype=acc), rows.new_full((hkv, m), float("-inf"), dtype=acc)
+    flash = fused_kernel(rows.device.type, rows.dtype)
+    if window is None and seg_v.shape[-1] == d and flash is not None and not (rows.is_cuda and d > 256):
+        out, lse = flash(rows[None], seg_k[None], seg_v[None], False, scale)  # (1, Hkv, M, Dv), (1, Hkv, M)
+        return out[0].to(lse.dtype), lse[0]
+    q_pos = torch.full((m,), q_position, dtype=torch.long, device=rows.device)
+    return PrefixAttention.apply(rows, seg_k, seg_v, q_pos, seg_start, scale, window, block_size, None, False)
+
+
+def own_partial(q, own_k, own_v, own_start: int, q_position: int, scale: float, window: int | None):
+    """(o [G, Hkv, g, Dv], lse [G, Hkv, g]) of q [G, Hkv, g, D] over each branch's own keys
+    own_k [G, Hkv, n, D] / own_v [G, Hkv, n, Dv] at positions own_start .. (all <= q_position)."""
+    acc = accumulation_dtype(q.dtype)
+    scores = torch.einsum("bhgd,bhnd->bhgn", q.to(acc), own_k.to(acc)) * scale  # (G, Hkv, g, n)
+    if window is not None:
+        pos = torch.arange(own_start, own_start + own_k.shape[2], device=q.device)
+        scores = scores.masked_fill(q_position - pos >= window, float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)  # (G, Hkv, g); finite: the query's own token is always visible
+    probs = torch.exp(scores - lse[..., None])
+    return torch.einsum("bhgn,bhnv->bhgv", probs, own_v.to(acc)), lse
+
+
+def decode_attention(q, own_k, own_v, *, own_start: int, prefixes, q_position: int, scale: float,
+                     window: int | None = None, block_size: int = 1024, reduce_shard=None):
+    """Attention of G branch queries at one position over shared prefixes plus their own tokens.
+
+    Args:
+        q: [G, H, D] queries (after RoPE), all at absolute position `q_position`.
+        own_k, own_v: [G, Hkv, n, D] / [G, Hkv, n, Dv] each branch's own tokens at positions
+            own_start .. own_start + n - 1, the current token included (own_v may be a view
+            of own_k's first Dv columns).
+        prefixes: `KVSegment`s shared by every branch (k [Hkv, S, D], v [Hkv, S, Dv]), all
+            before own_start. A segment with `cp` set is this rank's shard of a
+            context-parallel state: its partial (o, lse) is passed through
+            `reduce_shard(o, lse, segment)`, which must merge it across ranks.
+        scale: softmax scale. window: sliding window or None. block_size: prompt block.
+
+    Returns:
+        [G, H, Dv] in q's dtype.
+    """
+    b, h, d = q.shape
+    hkv, dv = own_k.shape[1], own_v.shape[-1]
+    g = h // hkv
+    assert h == g * hkv and own_k.shape[0] == b and own_k.shape[3] == d, (q.shape, own_k.shape)
+    q4 = q.view(b, hkv, g, d)
+    out, lse = own_partial(q4, own_k, own_v, own_start, q_position, scale, window)
+    # row layout [Hkv, G*g, .]: the G branches' query heads of one kv head are rows of one attention
+    rows = q4.permute(1, 0, 2, 3).reshape(hkv, b * g, d)
+    out = out.permute(1, 0, 2, 3).reshape(hkv, b * g, dv)
+    lse = lse.permute(1, 0, 2).reshape(hkv, b * g)
+    for seg in prefixes:
+        assert seg.start + seg.k.shape[1] <= own_start or seg.cp is not None, "a prefix must end before the branch"
+        if seg.k.shape[1] == 0 and seg.cp is None:
+            continue
+        out_p, lse_p = shared_partial(rows, seg.k, seg.v, seg.start, q_position, scale, window, block_size)
+        if seg.cp is not None:
+            out_p, lse_p = reduce_shard(out_p, lse_p, seg)
+        out, lse = merge_partials(out_p, lse_p, out, lse), torch.logaddexp(lse_p, lse)
+    return out.reshape(hkv, b, g, dv).permute(1, 0, 2, 3).reshape(b, h, dv).to(q.dtype)
+
+
+def gathered_partial(q, k_rows, v_rows, valid, scale: float):
+    """(o [G, H, Dv], lse [G, H]) of q [G, H, D] over per-branch gathered rows k_rows [G, K, D],
+    v_rows [G, K, Dv], where valid [G, K] (bool) marks real entries; a branch with no valid
+    entry gets o = 0, lse = -inf. (DSA: the selected rows of one key source.)"""
+    acc = accumulation_dtype(q.dtype)
+    scores = torch.einsum("bhd,bkd->bhk", q.to(acc), k_rows.to(acc)) * scale  # (G, H, K)
+    scores = scores.masked_fill(~valid[:, None, :], float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)  # (G, H)
+    safe = torch.where(torch.isinf(lse), torch.zeros_like(lse), lse)
+    probs = torch.exp(scores - safe[..., None])  # 0 where masked
+    return torch.einsum("bhk,bkv->bhv", probs, v_rows.to(acc)), lse

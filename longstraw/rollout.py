@@ -1,0 +1,274 @@
+"""Rollouts from the captured prompt state: one capture per GRPO iteration.
+
+`Engine.generate` captures the prompt once (the same state `step` and `score` read),
+then decodes the G branches together, one token per step:
+
+    tokens [G] at position P-1+j  ->  adapter.run(phase="decode")  ->  hidden [G, d]
+    ->  lm_head  ->  logits [G, vocab]  ->  sample (temperature, top-k, top-p)
+
+Every branch starts by feeding the prompt's last token, exactly as replay does, and
+keeps only its own tokens' state (`branch_state.py`); the prompt state is shared and
+only read. The returned `Rollout.state` is that prompt state, stamped with where it came
+from (`StateOrigin`), so `step(group, state=...)` and `score(group, state=...)` can skip
+capture and refuse, before any work, a state from another prompt, engine or mode, or
+one captured under weights that have since changed (an optimizer step, a LoRA adapter
+switch): nothing is silently stale.
+
+Log-probs are those of the sampled tokens under the temperature-scaled distribution,
+before top-k / top-p truncation (what `score(group, temperature)` returns); for greedy
+decoding (temperature 0) under the unscaled distribution (temperature 1).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from .errors import ConfigError, PositionLimitError, StaleStateError, StateMismatchError
+from .group import check_token_ids
+from .logprobs import scaled_log_softmax
+
+
+@dataclass
+class Rollout:
+    """What `Engine.generate` returns.
+
+    Fields:
+        responses: G LongTensors [R_i]; a response that hit eos ends with it.
+        logprobs: G float tensors [R_i], the sampled tokens' log-probs (see module doc).
+        state: the captured prompt state; pass it to `step` / `score` while the weights
+            are unchanged.
+        metrics: floats: time_capture_s, time_generate_s, generated_tokens,
+            tokens_per_s, state_bytes, branch_state_bytes, decode_steps.
+    """
+
+    responses: list
+    logprobs: list
+    state: object
+    metrics: dict = field(default_factory=dict)
+
+
+@dataclass(kw_only=True, slots=True)
+class SamplingConfig:
+    """The sampling parameters of `Engine.generate` (HF `generate` / vLLM meanings)."""
+
+    num_samples: int = 8
+    """G, branches sampled from the one prompt state."""
+    max_new_tokens: int = 256
+    """Tokens per branch at most (a branch that emits eos stops there)."""
+    temperature: float = 1.0
+    """Logits are divided by it; 0 means greedy (argmax)."""
+    top_p: float = 1.0
+    """Nucleus sampling: keep the smallest set of tokens whose probability reaches top_p."""
+    top_k: int = 0
+    """Keep the k most likely tokens; 0 keeps all."""
+    eos_token_id: int | list | None = None
+    """Token id(s) that end a branch (kept as its last token)."""
+
+    def __post_init__(self):
+        for name in ("num_samples", "max_new_tokens"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigError(f"generate: {name} must be a positive int, got {value!r}")
+        t = self.temperature
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not math.isfinite(t) or t < 0:
+            raise ConfigError(f"generate: temperature must be a finite number >= 0 (0: greedy), got {t!r}")
+        p = self.top_p
+        if isinstance(p, bool) or not isinstance(p, (int, float)) or not (0 < p <= 1):
+            raise ConfigError(f"generate: top_p must be in (0, 1], got {p!r}")
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
+            raise ConfigError(f"generate: top_k must be an int >= 0 (0: no top-k), got {self.top_k!r}")
+
+    def eos_ids(self) -> list[int]:
+        eos = self.eos_token_id
+        if eos is None:
+            return []
+        ids = [eos] if isinstance(eos, int) and not isinstance(eos, bool) else list(eos)
+        if not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids):
+            raise ConfigError(f"generate: eos_token_id must be an int >= 0 or a list of them, got {eos!r}")
+        return ids
+
+
+# ----------------------------------------------------------------------------
+# where a state came from, and whether it may be reused
+
+
+def weights_stamp(model) -> tuple:
+    """A cheap fingerprint of the weights a state is computed from: every parameter's
+    version counter (bumped by any in-place update, e.g. `optimizer.step()`) and storage,
+    a checksum of a strided sample of its values (catches updates through `.data`), and
+    the active / disabled / merged adapters of PEFT layers."""
+    params = list(model.parameters())
+    versions = []
+    samples = []
+    for p in params:
+        local = p.to_local() if hasattr(p, "to_local") else p  # DTensor (FSDP2): its local shard
+        versions.append((p._version, local._version, local.data_ptr()))
+        flat = local.detach().reshape(-1) if local.is_contiguous() else local.detach().flatten()
+        step = max(1, flat.numel() // 32)
+        samples.append(flat[::step][:32].double().sum() if flat.numel() else flat.new_zeros((), dtype=torch.float64))
+    checksum = torch.stack(samples).cpu().numpy().tobytes() if samples else b""
+    adapters = []
+    for name, module in model.named_modules():
+        if hasattr(module, "active_adapters") and hasattr(module, "disable_adapters") and hasattr(module, "merged"):
+            adapters.append((name, tuple(module.active_adapters), bool(module.disable_adapters),
+                             tuple(getattr(module, "merged_adapters", ()))))
+    return tuple(versions), checksum, tuple(adapters)
+
+
+@dataclass
+class StateOrigin:
+    """What a captured prompt state was computed from (set by `Engine.capture`)."""
+
+    engine: object
+    """the capturing `Engine` (compared by identity)"""
+    prompt: torch.Tensor
+    """the prompt ids [P] (on the CPU)"""
+    stamp: tuple
+    """`weights_stamp` of the model at capture"""
+    exact: bool
+    """captured with what exact mode's reverse walk needs"""
+
+
+def stamp_state(state, engine, prompt: torch.Tensor, exact: bool) -> None:
+    state.origin = StateOrigin(engine=engine, prompt=prompt.detach().to("cpu", torch.long).clone(),
+                               stamp=weights_stamp(engine.model), exact=exact)
+
+
+def check_state(state, engine, prompt: torch.Tensor) -> None:
+    """Refuse, before any work, a state that `engine` cannot reuse for `prompt`.
+
+    Raises:
+        StateMismatchError: not a captured state, or one from another engine, prompt or mode.
+        StaleStateError: the model's weights or adapters changed since the capture.
+    """
+    origin = getattr(state, "origin", None)
+    if not isinstance(origin, StateOrigin):
+        raise StateMismatchError(f"state must be a prompt state returned by Engine.generate (rollout.state), "
+                                 f"got {type(state).__name__}")
+    if origin.engine is not engine:
+        raise StateMismatchError("this state was captured by another Engine; pass it to the engine that "
+                                 "generated it (or capture again)")
+    if origin.exact != (engine.config.mode == "exact"):
+        raise StateMismatchError(f"this state was captured for mode={'exact' if origin.exact else 'detached'}, "
+                                 f"but the engine runs mode={engine.config.mode!r}")
+    ids = prompt.detach().to("cpu", torch.long)
+    if ids.shape != origin.prompt.shape or not torch.equal(ids, origin.prompt):
+        raise StateMismatchError(f"this state was captured for another prompt ({origin.prompt.numel()} tokens); "
+                                 f"the group's prompt has {ids.numel()} tokens or different ids")
+    if weights_stamp(engine.model) != origin.stamp:
+        raise StaleStateError("the model's weights (or active adapters) changed since this state was captured, "
+                              "e.g. by optimizer.step(); capture again (call engine.generate again)")
+
+
+# ----------------------------------------------------------------------------
+# sampling
+
+
+def sample_tokens(logits: torch.Tensor, config: SamplingConfig, generator: torch.Generator | None) -> torch.Tensor:
+    """Next tokens [G] from logits [G, vocab]: argmax when temperature is 0, else a draw
+    from softmax(logits / temperature) restricted to the top-k and the top-p nucleus."""
+    if config.temperature == 0:
+        return logits.argmax(dim=-1)
+    scores = logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits
+    scores = scores / config.temperature
+    if 0 < config.top_k < scores.shape[-1]:
+        kth = scores.topk(config.top_k, dim=-1).values[..., -1:]
+        scores = scores.masked_fill(scores < kth, float("-inf"))
+    if config.top_p < 1.0:
+        sorted_scores, order = scores.sort(dim=-1, descending=True)
+        probs = sorted_scores.softmax(dim=-1)
+        drop = probs.cumsum(dim=-1) - probs >= config.top_p  # mass before a token already reaches top_p
+        drop[..., 0] = False
+        scores = scores.masked_fill(drop.scatter(-1, order, drop), float("-inf"))
+    probs = scores.softmax(dim=-1)
+    if generator is not None and generator.device != probs.device:
+        return torch.multinomial(probs.to(generator.device), 1, generator=generator)[:, 0].to(logits.device)
+    return torch.multinomial(probs, 1, generator=generator)[:, 0]
+
+
+# ----------------------------------------------------------------------------
+# the rollout
+
+
+def validate_prompt(engine, prompt, config: SamplingConfig) -> None:
+    """Everything `generate` checks before any work."""
+    check_token_ids("prompt", prompt, engine.adapter.vocab_size, min_len=2)
+    config.eos_ids()
+    limit = engine.adapter.max_positions
+    total = int(prompt.numel()) + config.max_new_tokens
+    if limit is not None and total > limit and not engine.config.allow_position_overflow:
+        raise PositionLimitError(
+            f"prompt ({prompt.numel()}) + max_new_tokens ({config.max_new_tokens}) = {total} tokens exceeds the "
+            f"model's max_position_embeddings={limit}; shorten them or pass ExecConfig(allow_position_overflow=True)"
+        )
+    engine.adapter.check_runnable()
+
+
+@torch.no_grad()
+def decode(engine, state, prompt: torch.Tensor, config: SamplingConfig, generator, progress) -> tuple[list, list, dict]:
+    """Decode G branches from a captured prompt state. Returns (responses, logprobs, metrics)."""
+    adapter = engine.adapter
+    device = adapter.device
+    g, n = config.num_samples, config.max_new_tokens
+    start = prompt.shape[0] - 1
+    branches = adapter.new_branch_state(state, g, n)
+    eos = torch.tensor(config.eos_ids(), dtype=torch.long, device=device)
+    tokens = prompt[-1:].to(device).expand(g).contiguous()  # every branch feeds the prompt's last token
+    out_tokens = torch.empty(g, n, dtype=torch.long, device=device)
+    out_logps = None
+    finished = torch.zeros(g, dtype=torch.bool, device=device)
+    lengths = torch.full((g,), n, dtype=torch.long, device=device)
+    temperature = config.temperature if config.temperature > 0 else 1.0
+    steps = 0
+    for j in progress(range(n)):
+        hidden = adapter.run(tokens, start + j, [state], phase="decode", block_size=engine.config.attention_block_size,
+                             branches=branches)  # (G, d)
+        logits = adapter.lm_head(hidden)  # (G, vocab)
+        nxt = sample_tokens(logits, config, generator)
+        if engine.cp is not None:  # every rank samples the same; rank 0's draw is the one kept
+            from .distributed import broadcast_from_first
+
+            broadcast_from_first(nxt, engine.cp)
+        logp = scaled_log_softmax(logits, temperature).gather(-1, nxt[:, None])[:, 0]  # (G,)
+        if out_logps is None:
+            out_logps = torch.empty(g, n, dtype=logp.dtype, device=device)
+        out_tokens[:, j], out_logps[:, j] = nxt, logp
+        steps += 1
+        if eos.numel():
+            ended = ~finished & torch.isin(nxt, eos)
+            lengths = torch.where(ended, torch.full_like(lengths, j + 1), lengths)
+            finished |= ended
+            if bool(finished.all()):
+                break
+        tokens = nxt
+    lengths = lengths.tolist()
+    responses = [out_tokens[i, : lengths[i]].clone() for i in range(g)]
+    logprobs = [out_logps[i, : lengths[i]].clone() for i in range(g)]
+    metrics = {"branch_state_bytes": float(branches.nbytes()), "decode_steps": float(steps),
+               "generated_tokens": float(sum(lengths))}
+    return responses, logprobs, metrics
+
+
+def generate(engine, prompt: torch.Tensor, config: SamplingConfig, generator=None) -> Rollout:
+    """Capture `prompt` once and sample `config.num_samples` responses from its state.
+    See `Engine.generate`."""
+    validate_prompt(engine, prompt, config)
+    if engine.cp is not None:
+        from .distributed import check_same_group
+
+        fields = [prompt.numel(), prompt.double().sum(), config.num_samples, config.max_new_tokens,
+                  config.temperature, config.top_p, config.top_k]
+        check_same_group(torch.tensor([float(x) for x in fields], dtype=torch.float64), engine.cp)
+    t0 = time.perf_counter()
+    state = engine.capture(prompt, exact=engine.config.mode == "exact")
+    t1 = time.perf_counter()
+    progress = engine.progress_bar("generate")
+    responses, logprobs, metrics = decode(engine, state, prompt, config, generator, progress)
+    t2 = time.perf_counter()
+    metrics.update(time_capture_s=t1 - t0, time_generate_s=t2 - t1, state_bytes=float(state.nbytes()),
+                   tokens_per_s=metrics["generated_tokens"] / max(t2 - t1, 1e-9))
+    return Rollout(responses=responses, logprobs=logprobs, state=state, metrics=metrics)
