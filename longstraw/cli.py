@@ -179,6 +179,37 @@ def _add_plan_parser(sub) -> None:
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
 
 
+def train(args) -> int:
+    import dataclasses
+
+    from longstraw.train import TrainConfig, config_from_args
+    from longstraw.train import train as run
+
+    values = {f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig)}
+    summary = run(config_from_args(values, args.config))
+    print(json.dumps(summary))
+    return 0
+
+
+def _add_train_parser(sub) -> None:
+    import dataclasses
+
+    from longstraw.train import TrainConfig
+
+    p = sub.add_parser("train", help="GRPO training loop on the long-context key-value task (tiny model, no download)",
+                       description="Warm start, then GRPO at long P with engine.generate + engine.step; logs "
+                                   "JSONL to --out-dir, checkpoints and resumes. See docs/learning.md.")
+    p.add_argument("--config", default=None, help="JSON file of TrainConfig fields; flags override it")
+    for f in dataclasses.fields(TrainConfig):
+        flag = "--" + f.name.replace("_", "-")
+        kind = f.type if isinstance(f.type, str) else f.type.__name__
+        if kind == "bool":
+            p.add_argument(flag, dest=f.name, default=None, action=argparse.BooleanOptionalAction)
+        else:
+            cast = {"int": int, "float": float}.get(kind.split(" |")[0], str)
+            p.add_argument(flag, dest=f.name, default=None, type=cast, help=f"(default {f.default})")
+
+
 def main(argv=None) -> int:
     from longstraw.tiny import DEFAULT_FAMILY, TINY_CONFIGS
 
@@ -198,10 +229,13 @@ def main(argv=None) -> int:
     p.add_argument("--dtype", default="float32", choices=["float32", "float64"])
     p.add_argument("--seed", type=int, default=0)
     _add_plan_parser(sub)
+    _add_train_parser(sub)
     args = parser.parse_args(argv)
     from longstraw.errors import LongStrawError
 
     try:
+        if args.command == "train":
+            return train(args)
         return plan(args) if args.command == "plan" else demo(args)
     except LongStrawError as exc:
         print(f"longstraw: {type(exc).__name__}: {exc}", file=sys.stderr)

@@ -247,38 +247,11 @@ def warm_model(cfg: TrainConfig):
 # rollouts
 
 
-def _hf_sample_TEMPORARY(model, prompt, *, num_samples, max_new_tokens, temperature, eos_token_id, generator, **_):
-    """Development stand-in for engine.generate: HF prefill of the full prompt once,
-    then each branch decoded on a copy of the cache. Deleted once generate lands."""
-    from types import SimpleNamespace
-
-    with torch.no_grad():
-        out = model(prompt[None], use_cache=True)
-        responses, logprobs = [], []
-        for _ in range(num_samples):
-            cache, logits = copy.deepcopy(out.past_key_values), out.logits[0, -1]
-            toks, lps = [], []
-            for _t in range(max_new_tokens):
-                logp = torch.log_softmax(logits.double() / max(temperature, 1e-6), -1)
-                if temperature == 0:
-                    tok = int(logp.argmax())
-                else:
-                    tok = int(torch.multinomial(logp.exp(), 1, generator=generator))
-                toks.append(tok)
-                lps.append(float(logp[tok]))
-                if tok == eos_token_id:
-                    break
-                o = model(torch.tensor([[tok]]), past_key_values=cache, use_cache=True)
-                cache, logits = o.past_key_values, o.logits[0, -1]
-            responses.append(torch.tensor(toks))
-            logprobs.append(torch.tensor(lps))
-    return SimpleNamespace(responses=responses, logprobs=logprobs, state=None)
-
-
-def sample(engine: Engine, prompt, **kw):
-    if hasattr(engine, "generate"):
-        return engine.generate(prompt, **kw)
-    return _hf_sample_TEMPORARY(engine.model, prompt, **kw)
+def rollout(engine: Engine, prompt: torch.Tensor, cfg: TrainConfig, generator: torch.Generator):
+    """G samples for one prompt from one capture (`rollout.state` serves the update)."""
+    return engine.generate(prompt, num_samples=cfg.group_size, max_new_tokens=cfg.num_queries + 1,
+                           temperature=cfg.temperature, top_p=1.0, top_k=0, eos_token_id=Vocab.EOS,
+                           generator=generator)
 
 
 # ----------------------------------------------------------------------------
@@ -324,8 +297,8 @@ def evaluate(engine: Engine, task: KVRecall, n: int, *, split: str = "heldout") 
     hits, total = 0, 0.0
     for i in range(n):
         item = task.item(split, i)
-        r = sample(engine, item.prompt, num_samples=1, max_new_tokens=task.num_queries + 1, temperature=0.0,
-                   eos_token_id=Vocab.EOS, generator=None).responses[0]
+        r = engine.generate(item.prompt, num_samples=1, max_new_tokens=task.num_queries + 1, temperature=0.0,
+                            eos_token_id=Vocab.EOS).responses[0]
         hits += exact_match(item.answer, r)
         total += task.reward(item, r)
     pre = "heldout" if split == "heldout" else f"eval_{split}"
@@ -412,18 +385,18 @@ def train(cfg: TrainConfig) -> dict:
         items = [task.item("train", step * cfg.prompts_per_step + b) for b in range(cfg.prompts_per_step)]
         rollouts, groups = [], []
         for item in items:
-            ro = sample(engine, item.prompt, num_samples=cfg.group_size, max_new_tokens=cfg.num_queries + 1,
-                        temperature=cfg.temperature, top_p=1.0, top_k=0, eos_token_id=Vocab.EOS, generator=gen)
+            ro = rollout(engine, item.prompt, cfg, gen)
             rewards = torch.tensor([task.reward(item, r) for r in ro.responses], dtype=torch.float64)
             rollouts.append(ro)
-            groups.append(Group(prompt=item.prompt, responses=ro.responses, rewards=rewards))
+            groups.append(Group(prompt=item.prompt, responses=ro.responses, rewards=rewards,
+                                old_logprobs=ro.logprobs))
         t_gen = time.perf_counter()
         # 2. the reference policy's log-probs (KL to the warm start; the loss's KL term when beta > 0)
         kl = None
         if ref_engine is not None:
             kls = []
             for grp, ro in zip(groups, rollouts):
-                ref = ref_engine.score(grp, temperature=cfg.temperature)
+                ref = ref_engine.score(grp, temperature=cfg.temperature)  # its own capture (other weights)
                 if cfg.beta > 0:
                     grp.ref_logprobs = ref
                 for lp, rlp in zip(ro.logprobs, ref):
@@ -439,8 +412,7 @@ def train(cfg: TrainConfig) -> dict:
             if cfg.arm == "full":
                 metrics.append(full_sequence_step(model, grp, grpo, totals))
             else:
-                kw = {"state": ro.state} if ro.state is not None else {}
-                res = engine.step(grp, grpo, totals=totals, **kw)
+                res = engine.step(grp, grpo, totals=totals, state=ro.state)  # no second capture
                 metrics.append({"loss": res.loss, **res.metrics})
         grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip if cfg.grad_clip > 0 else float("inf"))
         optimizer.step()

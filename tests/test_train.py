@@ -1,0 +1,76 @@
+"""The reference training loop: it learns an easy task, resumes onto the same curve,
+and its full-sequence baseline step has the exact-mode gradient."""
+
+import json
+import os
+
+import pytest
+import torch
+
+import longstraw as ls
+from longstraw.train import TrainConfig, build_model, full_sequence_step, train
+
+# An easy task at a tiny P: 2 facts, 4 values, a 16-token vocabulary of records.
+EASY = dict(prompt_tokens=24, num_facts=2, num_values=4, num_keys=4, num_filler=8, records=True,
+            warm_steps=40, warm_min_prompt_tokens=16, warm_prompt_tokens=24, warm_batch=16, warm_lr=1e-2,
+            group_size=8, prompts_per_step=4, lr=1e-2, eval_prompts=8, chunk_size=8, progress=False,
+            log_kl=False)
+
+
+def _log(out_dir):
+    with open(os.path.join(out_dir, "log.jsonl")) as f:
+        return [json.loads(line) for line in f]
+
+
+def test_training_improves_reward(tmp_path):
+    """Mean training reward of the last 5 steps beats the first 5 by a margin, averaged
+    over 3 seeds (measured: +0.xx; asserted: +0.15)."""
+    gains = []
+    for seed in range(3):
+        out = tmp_path / f"s{seed}"
+        train(TrainConfig(**EASY, arm="exact", steps=30, eval_every=30, seed=seed, model_seed=seed,
+                          out_dir=str(out)))
+        rewards = [r["reward_mean"] for r in _log(out) if "reward_mean" in r]
+        gains.append(sum(rewards[-5:]) / 5 - sum(rewards[:5]) / 5)
+    assert sum(gains) / len(gains) > 0.15, gains
+
+
+def test_resume_equals_uninterrupted(tmp_path):
+    """float64: 2 steps + checkpoint + resume for 2 more == 4 steps straight, bit for bit."""
+    base = dict(EASY, dtype="float64", arm="exact", eval_every=2, checkpoint_every=2, log_kl=True)
+    straight = tmp_path / "straight"
+    train(TrainConfig(**base, steps=4, out_dir=str(straight)))
+    split = tmp_path / "split"
+    train(TrainConfig(**base, steps=2, out_dir=str(split)))
+    train(TrainConfig(**base, steps=4, out_dir=str(split)))  # resumes from step 2
+    a = torch.load(straight / "checkpoint.pt", weights_only=False)
+    b = torch.load(split / "checkpoint.pt", weights_only=False)
+    assert a["step"] == b["step"] == 4
+    for name, value in a["model"].items():
+        assert torch.equal(value, b["model"][name]), name
+    skip = ("time", "tokens_per_s", "peak_rss")
+    la, lb = _log(straight), _log(split)
+    assert len(la) == len(lb) == 5  # the warm-start evaluation + 4 steps, no duplicates
+    for ra, rb in zip(la, lb):
+        assert {k: v for k, v in ra.items() if not k.startswith(skip)} == \
+               {k: v for k, v in rb.items() if not k.startswith(skip)}
+
+
+@pytest.mark.parametrize("model", ["dense", "hybrid"])
+def test_full_sequence_step_matches_exact(model):
+    """The baseline arm's gradient (HF forward + backward per branch) equals exact mode's."""
+    cfg = TrainConfig(**dict(EASY, model=model, dtype="float64", prompt_tokens=40))
+    net = build_model(cfg)
+    task = cfg.task()
+    item = task.item("train", 0)
+    g = torch.Generator().manual_seed(0)
+    responses = [torch.randint(8, 16, (n,), generator=g) for n in (1, 2, 2, 3)]
+    group = ls.Group(prompt=item.prompt, responses=responses, rewards=torch.tensor([1.0, 0.0, 0.5, 0.25]))
+    grpo = ls.GRPOConfig(loss_type="grpo")
+    full_sequence_step(net, group, grpo)
+    want = {n: p.grad.clone() for n, p in net.named_parameters()}
+    net.zero_grad(set_to_none=True)
+    ls.Engine(net, ls.ExecConfig(mode="exact", chunk_size=16)).step(group, grpo)
+    for n, p in net.named_parameters():
+        err = (p.grad - want[n]).norm() / want[n].norm().clamp_min(1e-300)
+        assert err < 1e-6, (n, float(err))
