@@ -48,9 +48,10 @@ def main() -> None:
             train(cfg)
             with open(os.path.join(cfg.out_dir, "log.jsonl")) as f:
                 log = [json.loads(line) for line in f]
-            evals = [r for r in log if "heldout_accuracy" in r]
+            key = "heldout_accuracy" if cfg.eval_split == "heldout" else f"eval_{cfg.eval_split}_accuracy"
+            evals = [r for r in log if key in r]
             row = {"model": cfg.model, "arm": arm, "seed": seed, "steps": cfg.steps,
-                   "heldout_before": evals[0]["heldout_accuracy"], "heldout_after": evals[-1]["heldout_accuracy"],
+                   "heldout_before": evals[0][key], "heldout_after": evals[-1][key],
                    "wall_s": time.perf_counter() - t0, "cpu_s": time.process_time() - c0}
             print(f"{row['model']:>7} {arm:>9} seed {seed}: held-out {row['heldout_before']:.3f} -> "
                   f"{row['heldout_after']:.3f} in {row['steps']} steps, {row['cpu_s']:.0f} CPU s", flush=True)

@@ -1,6 +1,7 @@
 """The reference training loop: it learns an easy task, resumes onto the same curve,
 and its full-sequence baseline step has the exact-mode gradient."""
 
+import contextlib
 import json
 import os
 
@@ -10,11 +11,16 @@ import torch
 import longstraw as ls
 from longstraw.train import TrainConfig, build_model, full_sequence_step, train
 
-# An easy task at a tiny P: 2 facts, 4 values, a 16-token vocabulary of records.
-EASY = dict(prompt_tokens=24, num_facts=2, num_values=4, num_keys=4, num_filler=8, records=True,
-            warm_steps=40, warm_min_prompt_tokens=16, warm_prompt_tokens=24, warm_batch=16, warm_lr=1e-2,
-            group_size=8, prompts_per_step=4, lr=1e-2, eval_prompts=8, chunk_size=8, progress=False,
-            log_kl=False)
+from .reference import float64_hybrid, float64_norms
+
+# An easy task at a tiny P: one fact whose value is always the same token (num_values=1),
+# from random weights (no warm start): the policy must find "that token, then EOS".
+EASY = dict(prompt_tokens=16, num_facts=1, num_values=1, num_keys=2, num_filler=4, records=True,
+            warm_steps=0, group_size=8, prompts_per_step=4, lr=1e-2, eval_prompts=4, chunk_size=8,
+            progress=False, log_kl=False, threads=1)
+# The resume test's setting: a real lookup (4 values) after a short warm start.
+LOOKUP = dict(EASY, num_values=4, warm_steps=10, warm_min_prompt_tokens=16, warm_prompt_tokens=16, warm_batch=8,
+              warm_lr=1e-2, lr=3e-3)
 
 
 def _log(out_dir):
@@ -23,21 +29,22 @@ def _log(out_dir):
 
 
 def test_training_improves_reward(tmp_path):
-    """Mean training reward of the last 5 steps beats the first 5 by a margin, averaged
-    over 3 seeds (measured: +0.xx; asserted: +0.15)."""
+    """Mean training reward of the last 5 of 15 steps beats the first 5 by a margin,
+    averaged over 3 seeds (measured gains +0.75, +0.63, +0.38 for seeds 0-2, and +0.37,
+    +0.34 for seeds 3-4; asserted: mean > +0.25)."""
     gains = []
     for seed in range(3):
         out = tmp_path / f"s{seed}"
-        train(TrainConfig(**EASY, arm="exact", steps=30, eval_every=30, seed=seed, model_seed=seed,
+        train(TrainConfig(**EASY, arm="exact", steps=15, eval_every=15, seed=seed, model_seed=seed,
                           out_dir=str(out)))
         rewards = [r["reward_mean"] for r in _log(out) if "reward_mean" in r]
         gains.append(sum(rewards[-5:]) / 5 - sum(rewards[:5]) / 5)
-    assert sum(gains) / len(gains) > 0.15, gains
+    assert sum(gains) / len(gains) > 0.25, gains
 
 
 def test_resume_equals_uninterrupted(tmp_path):
     """float64: 2 steps + checkpoint + resume for 2 more == 4 steps straight, bit for bit."""
-    base = dict(EASY, dtype="float64", arm="exact", eval_every=2, checkpoint_every=2, log_kl=True)
+    base = dict(LOOKUP, dtype="float64", arm="exact", eval_every=2, checkpoint_every=2, log_kl=True)
     straight = tmp_path / "straight"
     train(TrainConfig(**base, steps=4, out_dir=str(straight)))
     split = tmp_path / "split"
@@ -48,23 +55,36 @@ def test_resume_equals_uninterrupted(tmp_path):
     assert a["step"] == b["step"] == 4
     for name, value in a["model"].items():
         assert torch.equal(value, b["model"][name]), name
-    skip = ("time", "tokens_per_s", "peak_rss")
     la, lb = _log(straight), _log(split)
     assert len(la) == len(lb) == 5  # the warm-start evaluation + 4 steps, no duplicates
+
+    def measured(k):  # wall-clock and memory readings differ between runs by nature
+        return "time" in k or k in ("tokens_per_s", "peak_rss_bytes")
+
     for ra, rb in zip(la, lb):
-        assert {k: v for k, v in ra.items() if not k.startswith(skip)} == \
-               {k: v for k, v in rb.items() if not k.startswith(skip)}
+        assert {k: v for k, v in ra.items() if not measured(k)} == {k: v for k, v in rb.items() if not measured(k)}
 
 
 @pytest.mark.parametrize("model", ["dense", "hybrid"])
 def test_full_sequence_step_matches_exact(model):
-    """The baseline arm's gradient (HF forward + backward per branch) equals exact mode's."""
-    cfg = TrainConfig(**dict(EASY, model=model, dtype="float64", prompt_tokens=40))
+    """The baseline arm's gradient (HF forward + backward per branch) equals exact mode's,
+    in float64 with HF's float32 internals (norms, the GDN kernel) run in float64 (the
+    hybrid to 1e-6, as in tests/test_hybrid.py's exact-mode checks)."""
+    cfg = TrainConfig(**dict(LOOKUP, model=model, dtype="float64", prompt_tokens=40))
     net = build_model(cfg)
+    with contextlib.ExitStack() as stack:
+        if model == "hybrid":
+            stack.enter_context(float64_hybrid(net))
+        else:
+            float64_norms(net)
+        _compare_full_and_exact(net, cfg, 1e-9 if model == "dense" else 1e-6)
+
+
+def _compare_full_and_exact(net, cfg, tol):
     task = cfg.task()
     item = task.item("train", 0)
     g = torch.Generator().manual_seed(0)
-    responses = [torch.randint(8, 16, (n,), generator=g) for n in (1, 2, 2, 3)]
+    responses = [torch.randint(8, 20, (n,), generator=g) for n in (1, 2, 2, 3)]
     group = ls.Group(prompt=item.prompt, responses=responses, rewards=torch.tensor([1.0, 0.0, 0.5, 0.25]))
     grpo = ls.GRPOConfig(loss_type="grpo")
     full_sequence_step(net, group, grpo)
@@ -73,4 +93,4 @@ def test_full_sequence_step_matches_exact(model):
     ls.Engine(net, ls.ExecConfig(mode="exact", chunk_size=16)).step(group, grpo)
     for n, p in net.named_parameters():
         err = (p.grad - want[n]).norm() / want[n].norm().clamp_min(1e-300)
-        assert err < 1e-6, (n, float(err))
+        assert err < tol, (n, float(err))
