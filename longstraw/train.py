@@ -21,10 +21,10 @@ prompts in the same order; exact and full then follow the same curve up to float
 rounding.
 
 Warm start. A tiny random model cannot answer at all, so RL starts from a short
-supervised phase at *short* context (prompts of 64 to `warm_prompt_tokens` = 512 tokens): cross-entropy
-on the ideal response (answer tokens + EOS) of the task's train split. It is deliberately
-short: the model learns the answer format and retrieval at short range, and is poor at
-the long P that RL then trains at. The warm-start weights are cached on disk by their
+supervised phase at *short* context (prompts of 64 up to `warm_prompt_tokens` tokens):
+cross-entropy on the ideal response (answer tokens + EOS) of the task's train split. The
+model learns the answer format and the lookup at short range, and is poor at the long P
+that RL then trains at (its attention over 16K filler tokens is too diluted). The warm-start weights are cached on disk by their
 config, so every arm of one seed starts from the identical model.
 
 Each step appends one JSON line to `<out_dir>/log.jsonl` (reward mean/std, loss, clip
