@@ -23,14 +23,9 @@ Arithmetic is float32 for half/float32 inputs and float64 for float64 inputs.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
-
-def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
-    """float64 stays float64; everything else accumulates in float32."""
-    return torch.float64 if dtype == torch.float64 else torch.float32
+from ..tensors import KVSegment, accumulation_dtype
 
 
 def _window_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None, causal: bool) -> torch.Tensor | None:
@@ -168,25 +163,6 @@ def _merge(out_a, lse_a, out_b, lse_b):
     """Log-sum-exp merge of two partial softmax attentions over disjoint key sets."""
     lse = torch.logaddexp(lse_a, lse_b)
     return torch.exp(lse_a - lse)[..., None] * out_a + torch.exp(lse_b - lse)[..., None] * out_b
-
-
-@dataclass
-class KVSegment:
-    """A run of earlier keys/values the new tokens attend to (read-only).
-
-    Fields:
-        k: [Hkv, S, D]; v: [Hkv, S, Dv] at absolute positions start .. start + S - 1.
-        grad: optional (dk, dv) buffers of the same shapes; backward adds
-            dLoss/dk, dLoss/dv into them (exact mode, and branch pieces).
-        cp: a `distributed.ContextParallel` when k, v are this rank's rows of a
-            position-sharded state; None when they are the whole segment.
-    """
-
-    k: torch.Tensor
-    v: torch.Tensor
-    start: int
-    grad: tuple | None = None
-    cp: object = None
 
 
 def can_use_fused(q, k, v, prefixes: list[KVSegment], window) -> bool:
