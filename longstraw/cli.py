@@ -19,7 +19,9 @@ def _mib(n: float) -> str:
 
 
 def _init_torchrun():
-    """Under torchrun (WORLD_SIZE > 1): init the default process group; return the rank."""
+    """Under torchrun (WORLD_SIZE > 1): init the default process group; return (rank,
+    device): NCCL on cuda:LOCAL_RANK where CUDA is available (the model must live there:
+    NCCL carries CUDA tensors only), else gloo on CPU. (None, cpu) without torchrun."""
     import datetime
     import os
 
@@ -27,10 +29,13 @@ def _init_torchrun():
     import torch.distributed as dist
 
     if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
-        return None
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
-    dist.init_process_group(backend, timeout=datetime.timedelta(minutes=10))
-    return dist.get_rank()
+        return None, torch.device("cpu")
+    device = torch.device("cpu")
+    if torch.cuda.is_available():
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=datetime.timedelta(minutes=10))
+    return dist.get_rank(), device
 
 
 def demo(args) -> int:
@@ -40,11 +45,11 @@ def demo(args) -> int:
     from longstraw.memory import naive_bytes_per_token, peak_rss_bytes, rss_bytes
     from longstraw.tiny import random_group, tiny_model
 
-    rank = _init_torchrun()
+    rank, device = _init_torchrun()
     lead = rank in (None, 0)  # only one rank prints
     torch.manual_seed(args.seed)
     dtype = {"float32": torch.float32, "float64": torch.float64}[args.dtype]
-    model = tiny_model(args.family, dtype=dtype, seed=args.seed)
+    model = tiny_model(args.family, dtype=dtype, seed=args.seed).to(device)
     vocab = model.config.vocab_size
     n_params = sum(p.numel() for p in model.parameters())
     group = random_group(vocab, args.prompt_tokens, args.group, args.response_tokens, seed=args.seed)

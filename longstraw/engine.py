@@ -31,7 +31,7 @@ from torch import nn
 from . import grpo as G
 from .config import ExecConfig, GRPOConfig
 from .distributed import ContextParallel, check_same_group
-from .errors import ConfigError, InvalidGroupError, PositionLimitError
+from .errors import ConfigError, InvalidGroupError, LongStrawError, PositionLimitError
 from .group import BatchTotals, Group, StepResult, validate_group
 from .logprobs import token_logprobs
 from .models import adapter_for
@@ -46,13 +46,18 @@ def _progress(iterable, *, enabled: bool, desc: str, total: int):
     return tqdm(iterable, desc=desc, total=total, leave=False)
 
 
-def _fingerprint(group: Group, rewards) -> torch.Tensor:
-    """A small float64 summary of a group, to check that every rank got the same one."""
-    sums = [float(group.prompt.numel()), float(group.prompt.sum()), float(group.size)]
-    sums += [float(r.numel()) + 1e-3 * float(r.sum()) for r in group.responses]
-    if rewards is not None:
-        sums += [float(x) for x in rewards]
-    return torch.tensor(sums, dtype=torch.float64)
+def _fingerprint(group: Group | None, rewards) -> torch.Tensor:
+    """A fixed-length float64 summary [8] of a group, to check that every rank got the
+    same one (zeros for a group that failed validation)."""
+    if group is None:
+        return torch.zeros(8, dtype=torch.float64)
+    lengths = torch.tensor([float(r.numel()) for r in group.responses], dtype=torch.float64)
+    sums = torch.tensor([float(r.double().sum()) for r in group.responses], dtype=torch.float64)
+    weights = torch.arange(1, group.size + 1, dtype=torch.float64)  # order matters
+    r = torch.zeros(group.size, dtype=torch.float64) if rewards is None else rewards.double().cpu()
+    return torch.tensor([float(group.prompt.numel()), float(group.prompt.double().sum()), float(group.size),
+                         float((lengths * weights).sum()), float((sums * weights).sum()), float(r.sum()),
+                         float((r * weights).sum()), float(rewards is not None)], dtype=torch.float64)
 
 
 class _BranchStats:
@@ -96,7 +101,28 @@ class Engine:
     # ------------------------------------------------------------------------
     # validation: everything is checked before the first expensive step
 
-    def _validate(self, group: Group, *, needs_ref: bool = False, needs_rewards: bool = True):
+    def _validate(self, group: Group, *, needs_ref: bool = False, needs_rewards: bool = True, totals=None):
+        """Validate locally; under context parallelism, every rank then learns (in one
+        all-gather) whether any rank failed or was given a different group, and all
+        raise together: no rank waits out a timeout for a peer that raised."""
+        rewards, problem = None, None
+        try:
+            rewards = self._validate_local(group, needs_ref=needs_ref, needs_rewards=needs_rewards, totals=totals)
+        except LongStrawError as exc:
+            if self.cp is None:
+                raise
+            problem = exc
+        if self.cp is not None:
+            try:
+                check_same_group(_fingerprint(None if problem else group, rewards), self.cp,
+                                 problem=f"{type(problem).__name__}: {problem}" if problem else "")
+            except InvalidGroupError:
+                if problem is not None:
+                    raise problem from None  # this rank's own error, after telling the others
+                raise
+        return rewards
+
+    def _validate_local(self, group: Group, *, needs_ref: bool, needs_rewards: bool, totals):
         rewards = validate_group(group, vocab_size=self.adapter.vocab_size, needs_ref=needs_ref,
                                  needs_rewards=needs_rewards)
         longest = max(int(r.numel()) for r in group.responses)
@@ -111,7 +137,8 @@ class Engine:
         self.adapter.check_runnable()
         if self.cp is not None:
             self.adapter.check_context_parallel(total)
-            check_same_group(_fingerprint(group, rewards), self.cp)
+        if totals is not None:
+            self._check_totals(group, totals)
         return rewards
 
     @staticmethod
@@ -244,9 +271,8 @@ class Engine:
         grpo = GRPOConfig() if grpo is None else grpo
         if not isinstance(grpo, GRPOConfig):
             raise ConfigError(f"grpo must be a longstraw.GRPOConfig, got {type(grpo).__name__}")
-        rewards = self._validate(group, needs_ref=grpo.beta > 0)
+        rewards = self._validate(group, needs_ref=grpo.beta > 0, totals=totals)
         totals = BatchTotals.of([group]) if totals is None else totals
-        self._check_totals(group, totals)
 
         t0 = time.perf_counter()
         equal = bool(rewards.max() == rewards.min())

@@ -29,3 +29,7 @@ class UnsupportedModelError(LongStrawError, TypeError):
 
 class ModelStateError(LongStrawError, RuntimeError):
     """The model is in a state we refuse to run (e.g. train mode with dropout)."""
+
+
+class DistributedError(LongStrawError, RuntimeError):
+    """A context-parallel collective failed (a rank died or hit an error, or the ranks disagree)."""

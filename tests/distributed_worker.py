@@ -134,3 +134,49 @@ def run_fsdp(rank: int, world: int, init_file: str) -> None:
         dist.barrier()  # FSDP2's gloo reduce-scatters are finished on every rank before teardown
     finally:
         dist.destroy_process_group()
+
+
+def bad_group_on_one_rank(rank: int, world: int, init_file: str, flag_dir: str) -> None:
+    """Rank 1's group has an out-of-vocabulary token, so its validation fails; every rank
+    must raise a LongStrawError together, without waiting out the 60 s timeout."""
+    import time
+
+    _init(rank, world, init_file)
+    try:
+        model = tiny_model("llama")
+        group = random_group(97, 30, [4, 4], seed=1)
+        if rank == 1:
+            group = ls.Group(prompt=group.prompt, responses=[group.responses[0], torch.tensor([1, 500])],
+                             rewards=group.rewards)
+        engine = ls.Engine(model, ls.ExecConfig(context_parallel=True, chunk_size=8))
+        start = time.monotonic()
+        try:
+            engine.step(group)
+        except ls.LongStrawError as exc:
+            open(os.path.join(flag_dir, f"rank{rank}.err"), "w").write(
+                f"{time.monotonic() - start:.1f} {type(exc).__name__}: {exc}")
+    finally:
+        dist.destroy_process_group()
+
+
+def world_one(rank: int, world: int, init_file: str, flag_dir: str) -> None:
+    """One gloo rank: the group's backend and device, and a context-parallel step that
+    equals the single-process one."""
+    _init(rank, world, init_file)
+    try:
+        from longstraw.distributed import ContextParallel
+
+        cp = ContextParallel.from_default_group()
+        assert cp.backend == "gloo" and cp.device == torch.device("cpu"), cp
+        model = tiny_model("qwen3")
+        group = random_group(97, 23, [5, 3], seed=3)
+        kw = dict(chunk_size=6, attention_block_size=4, shard_block_size=3, mode="exact")
+        model.zero_grad(set_to_none=True)
+        want = ls.Engine(model, ls.ExecConfig(**kw)).step(group).loss, grads_of(model)
+        model.zero_grad(set_to_none=True)
+        got = ls.Engine(model, ls.ExecConfig(context_parallel=True, **kw)).step(group).loss, grads_of(model)
+        assert abs(got[0] - want[0]) <= 1e-12 * abs(want[0]) + 1e-14
+        assert_grads_close(got[1], want[1], 1e-12)
+        open(os.path.join(flag_dir, "ok"), "w").write("ok")
+    finally:
+        dist.destroy_process_group()

@@ -36,3 +36,48 @@ def test_a_failing_rank_fails_the_job_quickly(tmp_path):
 
 def test_fsdp2_sharded_layers_get_matching_gradient_slices(tmp_path):
     mp.spawn(worker.run_fsdp, args=(2, str(tmp_path / "init")), nprocs=2, join=True)
+
+
+def test_validation_that_fails_on_one_rank_fails_every_rank_fast(tmp_path):
+    start = time.monotonic()
+    mp.spawn(worker.bad_group_on_one_rank, args=(2, str(tmp_path / "init"), str(tmp_path)), nprocs=2, join=True)
+    assert time.monotonic() - start < 40  # the process-group timeout is 60 s
+    rank0, rank1 = (tmp_path / "rank0.err").read_text(), (tmp_path / "rank1.err").read_text()
+    assert "InvalidGroupError" in rank1 and "500" in rank1  # its own error, naming the bad token
+    assert "InvalidGroupError" in rank0 and "rank(s) [1]" in rank0
+    assert float(rank0.split()[0]) < 10
+
+
+def test_one_rank_context_parallel_runs_on_the_backends_device(tmp_path):
+    mp.spawn(worker.world_one, args=(1, str(tmp_path / "init"), str(tmp_path)), nprocs=1, join=True)
+    assert (tmp_path / "ok").exists()
+
+
+def test_collectives_pick_the_backends_device():
+    import torch
+
+    from longstraw.distributed import backend_device
+
+    assert backend_device("gloo") == torch.device("cpu")
+    assert backend_device("cpu:gloo,cuda:nccl") is None  # takes tensors where they are
+    if torch.cuda.is_available():
+        assert backend_device("nccl").type == "cuda"
+
+
+def test_a_collective_error_is_not_reported_as_a_dead_peer(monkeypatch):
+    """NCCL rejecting a CPU tensor used to read "a peer rank may have died"."""
+    import torch
+    import torch.distributed as dist
+
+    import longstraw as ls
+    from longstraw.distributed import ContextParallel, all_gather
+
+    def fails(*args, **kwargs):
+        raise RuntimeError("No backend type associated with device type cpu")
+
+    monkeypatch.setattr(dist, "all_gather", fails)
+    cp = ContextParallel(group=None, rank=0, world=2, backend="nccl", device=None)
+    with pytest.raises(ls.LongStrawError) as info:
+        all_gather(torch.zeros(3), cp)
+    message = str(info.value)
+    assert "nccl" in message and "device type cpu" in message and "peer rank may have died" not in message

@@ -26,6 +26,7 @@ from __future__ import annotations
 import torch
 
 from ..tensors import KVSegment, accumulation_dtype
+from .collectives import MergeAcrossRanks, SumGradAcrossRanks
 
 
 def _window_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None, causal: bool) -> torch.Tensor | None:
@@ -205,7 +206,7 @@ def prefix_causal_attention(q, k, v, *, prefixes: list[KVSegment], q_start: int,
         prefixes: `KVSegment`s, all before q_start (the prompt state; in a branch
             replayed in pieces, also the earlier pieces). Empty segments are skipped.
             A segment with `cp` set holds only this rank's rows of a context-parallel
-            shard: its partial attention is merged across ranks (`distributed.py`).
+            shard: its partial attention is merged across ranks (`ops/collectives.py`).
         scale: softmax scale. window: sliding window W or None.
         block_size: prefix positions per block.
         allow_fused: without autograd, use torch's fused flash kernel where one fits
@@ -243,8 +244,6 @@ def prefix_causal_attention(q, k, v, *, prefixes: list[KVSegment], q_start: int,
         if seg.cp is not None:  # this rank's shard: merge the partial across ranks
             if q_start <= seg.start:
                 continue  # no rank holds anything before the queries
-            from ..distributed import MergeAcrossRanks, SumGradAcrossRanks
-
             rows_in = rows if fused else SumGradAcrossRanks.apply(rows, seg.cp)
             out_p, lse_p = MergeAcrossRanks.apply(*attend(rows_in, seg.k, seg.v, seg.start, seg.grad, False), seg.cp)
         elif seg.k.shape[1] == 0:
