@@ -168,15 +168,17 @@ def world_one(rank: int, world: int, init_file: str, flag_dir: str) -> None:
 
         cp = ContextParallel.from_default_group()
         assert cp.backend == "gloo" and cp.device == torch.device("cpu"), cp
-        model = tiny_model("qwen3")
-        group = random_group(97, 23, [5, 3], seed=3)
-        kw = dict(chunk_size=6, attention_block_size=4, shard_block_size=3, mode="exact")
-        model.zero_grad(set_to_none=True)
-        want = ls.Engine(model, ls.ExecConfig(**kw)).step(group).loss, grads_of(model)
-        model.zero_grad(set_to_none=True)
-        got = ls.Engine(model, ls.ExecConfig(context_parallel=True, **kw)).step(group).loss, grads_of(model)
-        assert abs(got[0] - want[0]) <= 1e-12 * abs(want[0]) + 1e-14
-        assert_grads_close(got[1], want[1], 1e-12)
+        # a sliding window (64) longer than the sequence (P = 20) runs as full attention
+        for model, mode in [(tiny_model("qwen3"), "exact"), (tiny_model("mistral", sliding_window=64), "detached"),
+                            (tiny_model("mistral", sliding_window=64), "exact")]:
+            group = random_group(97, 20, [5, 3], seed=3)
+            kw = dict(chunk_size=6, attention_block_size=4, shard_block_size=3, mode=mode, branch_chunk_size=2)
+            model.zero_grad(set_to_none=True)
+            want = ls.Engine(model, ls.ExecConfig(**kw)).step(group).loss, grads_of(model)
+            model.zero_grad(set_to_none=True)
+            got = ls.Engine(model, ls.ExecConfig(context_parallel=True, **kw)).step(group).loss, grads_of(model)
+            assert abs(got[0] - want[0]) <= 1e-12 * abs(want[0]) + 1e-14
+            assert_grads_close(got[1], want[1], 1e-12)
         open(os.path.join(flag_dir, "ok"), "w").write("ok")
     finally:
         dist.destroy_process_group()
