@@ -148,9 +148,11 @@ def _add_plan_parser(sub) -> None:
                    help="plan the first group after zero_grad(set_to_none=True): no gradient buffers during "
                         "capture (default: a later group of the batch, gradients already allocated)")
     p.add_argument("--shard-params", action="store_true", help="shard weights/grads/optimizer 1/W (FSDP-style)")
-    p.add_argument("--offload-state", action="store_true", help="keep the prompt state in host memory")
+    p.add_argument("--offload-state", action="store_true", help="not available: the engine has no state offload "
+                                                                "yet (refused)")
     p.add_argument("--score-passes", type=int, default=0, help="no-grad scoring forwards per branch (old/ref "
-                                                               "log-probs; the paper: 2; default 0)")
+                                                               "log-probs) from the step's one captured state, "
+                                                               "no second capture (the paper: 2; default 0)")
     p.add_argument("--throughput-tflops", type=float, default=400.0,
                    help="effective TFLOP/s per rank (default 400, an H100/H200-class GPU in bf16)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")

@@ -44,6 +44,9 @@ def run_cases(rank: int, world: int, init_file: str, cases: list[str], modes: li
     _init(rank, world, init_file)
     try:
         for name in cases:
+            if name == "planner":
+                check_planner(world)
+                continue
             model = CASES[name]()
             group = random_group(97, 23, [5, 1, 7], seed=3)
             for mode in modes:
@@ -182,3 +185,28 @@ def world_one(rank: int, world: int, init_file: str, flag_dir: str) -> None:
         open(os.path.join(flag_dir, "ok"), "w").write("ok")
     finally:
         dist.destroy_process_group()
+
+
+def check_planner(world: int) -> None:
+    """The planner's per-rank state bytes (and exact mode's GDN snapshot bytes) equal what
+    the context-parallel engine holds on the fullest rank (rank 0), for a hybrid model."""
+    from longstraw.plan import PlanConfig, estimate
+
+    model = tiny_hybrid("qwen3_5")
+    prompt = random_group(97, 41, [3], seed=2).prompt  # 40 positions held
+    for mode in ("detached", "exact"):
+        engine = ls.Engine(model, ls.ExecConfig(context_parallel=True, chunk_size=7, attention_block_size=3,
+                                                mode=mode))
+        held = [int(x) for x in all_gather_ints(engine.capture(prompt, exact=mode == "exact").nbytes())]
+        plan = estimate(model.config.to_dict(), PlanConfig(
+            prompt_tokens=40, group=1, response_tokens=3, gpus=world, chunk_size=7, attention_block_size=3,
+            mode=mode, dtype="float64"))
+        want = plan["state_bytes_per_rank"] + plan["exact_checkpoint_bytes_per_rank"]
+        assert max(held) == held[0] == want, (mode, held, plan["state_bytes_per_rank"],
+                                              plan["exact_checkpoint_bytes_per_rank"])
+
+
+def all_gather_ints(value: int) -> list:
+    out = [torch.zeros(1, dtype=torch.float64) for _ in range(dist.get_world_size())]
+    dist.all_gather(out, torch.tensor([float(value)], dtype=torch.float64))
+    return [float(t) for t in out]

@@ -2,7 +2,8 @@
 
 With W = 2 and 3 ranks, for a dense, a hybrid (GDN) and MLA models (DeepSeek-V3; GLM-5
 with dense and with sparse DSA selection; DeepSeek-V3.2 sparse), in detached and exact mode, every rank's loss and every parameter gradient equal the single-process
-result, and each rank holds ~1/W of the per-token state. A rank that fails makes the
+result, and each rank holds ~1/W of the per-token state; the planner's per-rank state and
+exact-mode snapshot bytes equal the engine's ("planner"). A rank that fails makes the
 others fail fast with a LongStrawError instead of hanging.
 """
 
@@ -15,8 +16,8 @@ import torch.multiprocessing as mp
 from tests import distributed_worker as worker
 
 
-@pytest.mark.parametrize("world,cases", [(2, ["dense", "hybrid", "mla", "glm", "glm_sparse"]),
-                                         (3, ["dense", "hybrid", "dsv32_sparse"])])
+@pytest.mark.parametrize("world,cases", [(2, ["planner", "dense", "hybrid", "mla", "glm", "glm_sparse"]),
+                                         (3, ["planner", "dense", "hybrid", "dsv32_sparse"])])
 def test_context_parallel_equals_single_process(tmp_path, world, cases):
     mp.spawn(worker.run_cases, args=(world, str(tmp_path / "init"), cases, ["detached", "exact"]), nprocs=world,
              join=True)
@@ -81,3 +82,4 @@ def test_a_collective_error_is_not_reported_as_a_dead_peer(monkeypatch):
         all_gather(torch.zeros(3), cp)
     message = str(info.value)
     assert "nccl" in message and "device type cpu" in message and "peer rank may have died" not in message
+

@@ -113,3 +113,22 @@ def test_lora_wrapped_kv_b_proj_uses_effective_weight():
     compare_step(model, group, ls.ExecConfig(chunk_size=5), hf_cached_logprobs, 1e-6)
     assert all(("lora_" in n) == (p.grad is not None) for n, p in model.named_parameters())
     assert any("kv_b_proj" in n and p.grad is not None for n, p in model.named_parameters())
+
+
+def test_quantized_kv_b_proj_is_refused_before_any_work():
+    """NF4/int8 (bitsandbytes) stores kv_b_proj packed; absorbed MLA needs the float matrix."""
+    model = tiny_mla("deepseek_v3")
+    proj = model.model.layers[0].self_attn.kv_b_proj
+    proj.weight = torch.nn.Parameter(torch.zeros(proj.weight.shape, dtype=torch.int8), requires_grad=False)
+    with pytest.raises(ls.UnsupportedModelError, match="quantized/packed"):
+        ls.Engine(model)
+
+
+def test_planner_agrees_that_quantized_mla_weights_are_refused():
+    from longstraw.errors import ConfigError
+    from longstraw.plan import PlanConfig, estimate
+
+    with pytest.raises(ConfigError, match="MLA"):
+        estimate("glm-5.2", PlanConfig(prompt_tokens=1000, lora_rank=8, weight_dtype="nf4"))
+    assert estimate("qwen3.6-27b", PlanConfig(prompt_tokens=1000, lora_rank=8, weight_dtype="nf4"))["fits"] in (
+        True, False)

@@ -39,6 +39,19 @@ from .attention_hook import AttentionCall, current_call, run_backbone
 from .base import Adapter, forwards_replaced
 
 
+def check_dense_weight(linear, where: str) -> None:
+    """Absorbed MLA multiplies by kv_b_proj's weight matrix itself: refuse a quantized or
+    packed one (bitsandbytes NF4/int8, fp8), which is not a plain float matrix."""
+    weight = getattr(getattr(linear, "base_layer", linear), "weight", None)
+    if weight is None or weight.dtype not in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
+        raise UnsupportedModelError(
+            f"{where}: kv_b_proj's base weight is {getattr(weight, 'dtype', None)} ({type(weight).__name__}); "
+            "absorbed MLA needs it as a float matrix, so quantized/packed base weights (NF4, int8, fp8) are not "
+            "supported for MLA models: load that projection in bf16 (e.g. bitsandbytes llm_int8_skip_modules="
+            "['kv_b_proj'])"
+        )
+
+
 def effective_weight(linear) -> torch.Tensor:
     """The weight a (possibly PEFT-LoRA-wrapped) Linear applies, differentiably."""
     if hasattr(linear, "base_layer") and hasattr(linear, "get_delta_weight"):
@@ -240,6 +253,7 @@ class MLAAdapter(Adapter):
         for i, attn in enumerate(self.attn_modules):
             if not hasattr(attn, "kv_a_proj_with_mqa") or not hasattr(attn, "kv_b_proj"):
                 raise UnsupportedModelError(f"layer {i}: {type(attn).__name__} is not an MLA attention module")
+            check_dense_weight(attn.kv_b_proj, f"layer {i}")
             main_rope, index_rope = _rope_functions(attn, model_type)
             shared = model_type == "glm_moe_dsa" and getattr(attn, "indexer", None) is None
             if shared and i == 0:
