@@ -132,3 +132,23 @@ def test_planner_agrees_that_quantized_mla_weights_are_refused():
         estimate("glm-5.2", PlanConfig(prompt_tokens=1000, lora_rank=8, weight_dtype="nf4"))
     assert estimate("qwen3.6-27b", PlanConfig(prompt_tokens=1000, lora_rank=8, weight_dtype="nf4"))["fits"] in (
         True, False)
+
+
+def test_dsa_selection_never_copies_all_indexer_keys():
+    """The indexer scores keys in fp32 one block (1024 rows) at a time: no call converts
+    every held indexer key to fp32 at once (1 GiB per DSA layer per chunk at P = 2M)."""
+    model = tiny_mla("glm_moe_dsa")  # float64, index_topk 8 < P: sparse selection runs
+    prompt = random_group(97, 1300, [2], seed=4).prompt
+
+    class _Float32Copies(TorchDispatchMode):
+        rows = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if func is torch.ops.aten._to_copy.default and out.dtype == torch.float32 and out.dim() == 2:
+                self.rows = max(self.rows, out.shape[0])
+            return out
+
+    with _Float32Copies() as rec:
+        ls.Engine(model, ls.ExecConfig(chunk_size=256)).capture(prompt)
+    assert 0 < rec.rows <= 1024

@@ -99,9 +99,9 @@ def _select(indexer, layer_idx, q, keys, weights, call):
     held = [s.layers[layer_idx].index for s in call.states if s.layers[layer_idx].index is not None]
     if any(ix.shard is not None for ix in held):
         return _select_across_ranks(indexer, q, keys, weights, call, held)
-    segments = [(ix.until(call.start).float(), ix.start) for ix in held]
+    segments = [(ix.until(call.start), ix.start) for ix in held]  # scored in fp32 block by block, never copied whole
     with torch.no_grad():
-        return indexer_topk(q.float(), weights, segments, keys.float(), call.start, indexer.index_topk,
+        return indexer_topk(q.float(), weights, segments, keys, call.start, indexer.index_topk,
                             scale=indexer.softmax_scale)
 
 
@@ -119,9 +119,9 @@ def _select_across_ranks(indexer, q, keys, weights, call, held, query_block: int
     topk, scale, t = indexer.index_topk, indexer.softmax_scale, q.shape[0]
     shard_ix = next(ix for ix in held if ix.shard is not None)
     cp = shard_ix.shard.cp
-    local_keys, local_pos = shard_ix.until(call.start).float(), shard_ix.positions(call.start)
+    local_keys, local_pos = shard_ix.until(call.start), shard_ix.positions(call.start)  # fp32 per block only
     others = [ix for ix in held if ix.shard is None]
-    rep_keys = torch.cat([ix.until(call.start).float() for ix in others] + [keys.float()])
+    rep_keys = torch.cat([ix.until(call.start) for ix in others] + [keys])
     rep_pos = torch.cat([ix.positions(call.start) for ix in others]
                         + [torch.arange(call.start, call.start + t, device=q.device)])
     out = torch.empty(t, topk, dtype=torch.long, device=q.device)
