@@ -46,6 +46,14 @@ def _progress(iterable, *, enabled: bool, desc: str, total: int):
     return tqdm(iterable, desc=desc, total=total, leave=False)
 
 
+def _clock(device: torch.device) -> float:
+    """A phase timestamp: on CUDA, after the queued kernels finish (else the time of
+    launching them, not of running them)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
+
+
 def _fingerprint(group: Group | None, rewards) -> torch.Tensor:
     """A fixed-length float64 summary [8] of a group, to check that every rank got the
     same one (zeros for a group that failed validation)."""
@@ -61,22 +69,23 @@ def _fingerprint(group: Group | None, rewards) -> torch.Tensor:
 
 
 class _BranchStats:
-    """Running sums of the per-token statistics over all branches and pieces."""
+    """Running sums of the per-token statistics over all branches and pieces, kept as
+    device tensors (no host sync per piece); read once at the end."""
 
     def __init__(self):
         self.loss, self.tokens, self.ratio, self.clipped, self.kl = 0.0, 0, 0.0, 0.0, 0.0
 
     def add(self, loss: torch.Tensor, tok_stats: dict) -> None:
-        self.loss += float(loss.detach())
+        self.loss = self.loss + loss.detach()
         self.tokens += tok_stats["ratio"].numel()
-        self.ratio += float(tok_stats["ratio"].sum())
-        self.clipped += float(tok_stats["clipped"].sum())
-        self.kl += float(tok_stats["kl"].sum()) if "kl" in tok_stats else 0.0
+        self.ratio = self.ratio + tok_stats["ratio"].detach().sum()
+        self.clipped = self.clipped + tok_stats["clipped"].detach().sum()
+        self.kl = self.kl + (tok_stats["kl"].detach().sum() if "kl" in tok_stats else 0.0)
 
     def summary(self, with_kl: bool) -> dict:
-        out = {"ratio_mean": self.ratio / self.tokens, "clip_fraction": self.clipped / self.tokens}
+        out = {"ratio_mean": float(self.ratio) / self.tokens, "clip_fraction": float(self.clipped) / self.tokens}
         if with_kl:
-            out["kl_mean"] = self.kl / self.tokens
+            out["kl_mean"] = float(self.kl) / self.tokens
         return out
 
 
@@ -135,6 +144,12 @@ class Engine:
                 "ExecConfig(allow_position_overflow=True)"
             )
         self.adapter.check_runnable()
+        if torch.is_autocast_enabled(self.adapter.device.type):
+            raise ConfigError(
+                "torch.autocast is active: LongStraw's custom autograd kernels recompute in backward and would not "
+                "see the same autocast state; load the model in bf16 instead (model.to(torch.bfloat16)): attention "
+                "statistics, log-probs and the loss are computed in fp32 regardless"
+            )
         if self.cp is not None:
             self.adapter.check_context_parallel(total)
         if totals is not None:
@@ -274,7 +289,7 @@ class Engine:
         rewards = self._validate(group, needs_ref=grpo.beta > 0, totals=totals)
         totals = BatchTotals.of([group]) if totals is None else totals
 
-        t0 = time.perf_counter()
+        t0 = _clock(self.adapter.device)
         equal = bool(rewards.max() == rewards.min())
         adv = torch.zeros_like(rewards) if equal else G.advantages(rewards, grpo)
         metrics = {
@@ -298,7 +313,7 @@ class Engine:
 
         exact = self.config.mode == "exact"
         state = self.capture(group.prompt, exact=exact)
-        t1 = time.perf_counter()
+        t1 = _clock(self.adapter.device)
         stats = _BranchStats()
         branches = list(enumerate(group.responses))
         for i, response in _progress(branches, enabled=self.config.progress, desc="replay", total=len(branches)):
@@ -315,10 +330,10 @@ class Engine:
                 return loss
 
             self.replay_branch(state, group.prompt, response, piece_loss)
-        t2 = time.perf_counter()
+        t2 = _clock(self.adapter.device)
         if exact:
             self.walk_back(group.prompt[:-1].to(self.adapter.device), 0, [state], self.config.chunk_size)
-        t3 = time.perf_counter()
+        t3 = _clock(self.adapter.device)
         metrics.update(
             state_bytes=float(state.nbytes()),
             state_grad_bytes=float(state.grad_nbytes()),
@@ -328,4 +343,4 @@ class Engine:
             time_total_s=t3 - t0,
             **stats.summary(with_kl=grpo.beta > 0),
         )
-        return StepResult(loss=stats.loss, metrics=metrics)
+        return StepResult(loss=float(stats.loss), metrics=metrics)
