@@ -23,12 +23,12 @@ Arithmetic is float32 for half/float32 inputs and float64 for float64 inputs.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
+from ..tensors import KVSegment, accumulation_dtype
 from . import flash
-from .flash import FlashAttention, accumulation_dtype, can_use_flash_autograd, fused_kernel, merge_partials
+from .collectives import MergeAcrossRanks, SumGradAcrossRanks
+from .flash import FlashAttention, can_use_flash_autograd, fused_kernel, merge_partials
 
 
 def _window_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None, causal: bool) -> torch.Tensor | None:
@@ -138,23 +138,6 @@ class PrefixAttention(torch.autograd.Function):
         return dq.to(q.dtype), dk, dv, None, None, None, None, None, None, None
 
 
-@dataclass
-class KVSegment:
-    """A run of earlier keys/values the new tokens attend to (read-only).
-
-    Fields:
-        k: [Hkv, S, D]; v: [Hkv, S, Dv] at absolute positions start .. start + S - 1.
-        grad: optional (dk, dv) buffers of the same shapes; backward adds
-            dLoss/dk, dLoss/dv into them (exact mode, and branch pieces).
-        cp: a `distributed.ContextParallel` when k, v are this rank's rows of a
-            position-sharded state; None when they are the whole segment.
-    """
-
-    k: torch.Tensor
-    v: torch.Tensor
-    start: int
-    grad: tuple | None = None
-    cp: object = None
 
 
 def can_use_fused(q, k, v, prefixes: list[KVSegment], window) -> bool:
@@ -197,7 +180,7 @@ def prefix_causal_attention(q, k, v, *, prefixes: list[KVSegment], q_start: int,
         prefixes: `KVSegment`s, all before q_start (the prompt state; in a branch
             replayed in pieces, also the earlier pieces). Empty segments are skipped.
             A segment with `cp` set holds only this rank's rows of a context-parallel
-            shard: its partial attention is merged across ranks (`distributed.py`).
+            shard: its partial attention is merged across ranks (`ops/collectives.py`).
         scale: softmax scale. window: sliding window W or None.
         block_size: prefix positions per block.
         allow_fused: without autograd, use torch's fused flash kernel where one fits
@@ -238,8 +221,6 @@ def prefix_causal_attention(q, k, v, *, prefixes: list[KVSegment], q_start: int,
         if seg.cp is not None:  # this rank's shard: merge the partial across ranks
             if q_start <= seg.start:
                 continue  # no rank holds anything before the queries
-            from ..distributed import MergeAcrossRanks, SumGradAcrossRanks
-
             rows_in = rows if fused else SumGradAcrossRanks.apply(rows, seg.cp)
             out_p, lse_p = MergeAcrossRanks.apply(*attend(rows_in, seg.k, seg.v, seg.start, seg.grad, False), seg.cp)
         elif seg.k.shape[1] == 0:
