@@ -127,7 +127,7 @@ def demo(args) -> int:
 _PLAN_FIELDS = ("prompt_tokens", "group", "response_tokens", "mode", "gpus", "gpu_memory", "reserve", "dtype",
                 "weight_dtype", "lora_rank", "lora_targets", "chunk_size", "branch_chunk_size", "attention_block_size",
                 "logits_chunk_size", "self_attention", "gdn_kernel", "grads_during_capture", "shard_params",
-                "offload_state", "score_passes", "throughput_tflops")
+                "offload_state", "score_passes", "keep_graph_bytes", "throughput_tflops")
 
 
 def plan(args) -> int:
@@ -178,6 +178,9 @@ def _add_plan_parser(sub) -> None:
     p.add_argument("--shard-params", action="store_true", help="shard weights/grads/optimizer 1/W (FSDP-style)")
     p.add_argument("--offload-state", action="store_true", help="not available: the engine has no state offload "
                                                                 "yet (refused)")
+    p.add_argument("--keep-graph-bytes", default="0", help="exact mode: bytes of capture-chunk graphs kept instead "
+                                                           "of recomputed, e.g. 2GiB (ExecConfig.keep_graph_bytes; "
+                                                           "default 0: recompute every chunk)")
     p.add_argument("--score-passes", type=int, default=0, help="no-grad scoring forwards per branch (old/ref "
                                                                "log-probs) from the step's one captured state, "
                                                                "no second capture (the paper: 2; default 0)")

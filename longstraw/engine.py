@@ -23,6 +23,7 @@ The engine knows no architecture: everything model-specific is in `models/`.
 
 from __future__ import annotations
 
+import contextlib
 import time
 
 import torch
@@ -33,6 +34,7 @@ from .config import ExecConfig, GRPOConfig
 from .distributed import ContextParallel, check_same_group
 from .errors import ConfigError, InvalidGroupError, LongStrawError, PositionLimitError
 from .group import BatchTotals, Group, StepResult, validate_group
+from .kept_graphs import SavedBytes, chunks_to_keep
 from .logprobs import token_logprobs
 from .models import adapter_for
 from .rollout import Rollout, SamplingConfig, check_state, generate, stamp_state
@@ -191,32 +193,50 @@ class Engine:
     # the phases
 
     def _capture_chunks(self, ids: torch.Tensor, start: int, states: list[PromptState], size: int,
-                        desc: str) -> None:
+                        desc: str, keep_graph_bytes: int = 0) -> None:
         """Run ids [T] at positions start.. in chunks of `size` under no_grad,
-        appending their state to states[-1]."""
-        starts = range(0, ids.shape[0], size)
-        with torch.no_grad():
-            for a in _progress(starts, enabled=self.config.progress, desc=desc, total=len(starts)):
-                piece = ids[a : a + size]
+        appending their state to states[-1].
+
+        With `keep_graph_bytes` > 0 (exact mode; states[-1] already has its gradient
+        buffers), the first chunk runs with autograd and its graph is measured
+        (`kept_graphs.SavedBytes`); the last chunks whose graphs fit the budget then run
+        with autograd too, and their roots are kept in `states[-1].kept` for the walk."""
+        starts = list(range(0, ids.shape[0], size))
+        keep: set[int] = set()
+        for a in _progress(starts, enabled=self.config.progress, desc=desc, total=len(starts)):
+            piece = ids[a : a + size]
+            measure = keep_graph_bytes > 0 and a == 0
+            saved = SavedBytes(self.model) if measure else contextlib.nullcontext()
+            with torch.set_grad_enabled(measure or a in keep), saved:
+                states[-1].seeds = []
                 self.adapter.run(piece, start + a, states, phase="capture", block_size=self.config.attention_block_size)
-                states[-1].length += piece.shape[0]
+            if measure:
+                keep = chunks_to_keep(starts, saved.total, keep_graph_bytes)
+            if a in keep:
+                states[-1].kept[start + a] = states[-1].seeds
+            states[-1].seeds = []
+            states[-1].length += piece.shape[0]
 
     def progress_bar(self, desc: str):
         """A function wrapping an iterable in this engine's progress display (or not)."""
         return lambda iterable: _progress(iterable, enabled=self.config.progress, desc=desc, total=len(iterable))
 
-    def capture(self, prompt: torch.Tensor, *, exact: bool = False) -> PromptState:
+    def capture(self, prompt: torch.Tensor, *, exact: bool = False, keep_graph_bytes: int = 0) -> PromptState:
         """Run prompt[:-1] ([P-1] tokens) in chunks under no_grad; return its state,
         stamped with its origin (`rollout.StateOrigin`). With `exact`, it keeps what the
         reverse walk needs (every chunk boundary, every sliding-window position); `step`
-        allocates its gradient buffers."""
+        allocates its gradient buffers, unless `keep_graph_bytes` > 0: then they are
+        allocated first and the last chunks' graphs that fit are kept (`kept_graphs.py`)."""
         ids = prompt[:-1].to(self.adapter.device)
         shard = None
         if self.cp is not None:
             block = self.config.shard_block_size or self.config.attention_block_size
             shard = Shard(rank=self.cp.rank, world=self.cp.world, block=block, cp=self.cp)
         state = self.adapter.new_state(ids.shape[0], exact=exact, shard=shard)
-        self._capture_chunks(ids, 0, [state], self.config.chunk_size, "capture")
+        keep_graph_bytes = keep_graph_bytes if exact else 0
+        if keep_graph_bytes > 0:
+            state.enable_grad_buffers()  # the kept graphs add into these sinks in the walk
+        self._capture_chunks(ids, 0, [state], self.config.chunk_size, "capture", keep_graph_bytes)
         stamp_state(state, self, prompt, exact)
         return state
 
@@ -236,18 +256,22 @@ class Engine:
         for a in _progress(reversed(starts), enabled=self.config.progress and len(starts) > 1, desc=desc,
                            total=len(starts)):
             b = min(ids.shape[0], a + size)
-            states[-1].seeds = []
-            with torch.enable_grad():
-                hidden = self.adapter.run(ids[a:b], start + a, states, phase="recompute",
-                                          block_size=self.config.attention_block_size)
-                roots = [(t, g) for t, g in states[-1].seeds if t.requires_grad]
-                if piece_loss is not None:
+            hidden, kept = None, states[-1].kept.pop(start + a, None)
+            if kept is None:  # recompute the chunk with autograd, recording its roots
+                states[-1].seeds = []
+                with torch.enable_grad():
+                    hidden = self.adapter.run(ids[a:b], start + a, states, phase="recompute",
+                                              block_size=self.config.attention_block_size)
+                kept, states[-1].seeds = states[-1].seeds, []
+            roots = [(t, g.to(t.dtype)) for tensors, read in kept for t, g in zip(tensors, read())
+                     if g is not None and t.requires_grad]
+            if piece_loss is not None:
+                with torch.enable_grad():
                     loss = piece_loss(hidden, a, b)
-                    roots.append((loss, torch.ones_like(loss)))
-            states[-1].seeds = []
+                roots.append((loss, torch.ones_like(loss)))
             if roots:
                 torch.autograd.backward([t for t, _ in roots], [g for _, g in roots])
-            del roots, hidden
+            del roots, hidden, kept
 
     def replay_branch(self, state: PromptState, prompt: torch.Tensor, response: torch.Tensor, piece_loss) -> None:
         """Backpropagate one branch's loss against the read-only prompt state.
@@ -312,8 +336,11 @@ class Engine:
 
     def _reuse_or_capture(self, group: Group, state: PromptState | None, exact: bool) -> PromptState:
         """The prompt state for `group`: the one given (already checked) or a new capture."""
-        state = self.capture(group.prompt, exact=exact) if state is None else state
-        if exact:
+        if state is None:
+            state = self.capture(group.prompt, exact=exact, keep_graph_bytes=self.config.keep_graph_bytes)
+            if exact and not state.kept:
+                state.enable_grad_buffers()
+        elif exact:
             state.enable_grad_buffers()  # zeroed for this step, also when a state is stepped again
         return state
 

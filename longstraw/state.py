@@ -143,11 +143,12 @@ class AttentionKV:
         return dk, dv
 
     def enable_grad_buffers(self) -> None:
-        """Allocate zeroed dLoss/dk, dLoss/dv buffers for the held positions (exact
-        mode's prompt state; the earlier pieces of a branch replayed in pieces)."""
+        """Allocate zeroed dLoss/dk, dLoss/dv buffers for every position the state holds
+        or will hold (exact mode's prompt state, also before capture when capture keeps
+        chunk graphs; the earlier pieces of a branch replayed in pieces)."""
         acc = accumulation_dtype(self.k.dtype)  # summed over branches and chunks: never in bf16/fp16
-        self.k_grad = torch.zeros_like(self.k[:, : self.length], dtype=acc)
-        self.v_grad = torch.zeros_like(self.v[:, : self.length], dtype=acc)
+        self.k_grad = torch.zeros_like(self.k, dtype=acc)
+        self.v_grad = torch.zeros_like(self.v, dtype=acc)
 
     @torch.no_grad()
     def append(self, k_new: torch.Tensor, v_new: torch.Tensor) -> None:
@@ -197,8 +198,12 @@ class PromptState:
         start: absolute position of its first token (0 for the prompt; P - 1 for
             the earlier pieces of a branch replayed in pieces).
         length: positions captured so far (P - 1 for a full prompt).
-        seeds: exact mode's reverse walk: (tensor with graph, its accumulated
-            gradient) pairs recorded while recomputing one chunk.
+        seeds: exact mode's reverse walk: the roots recorded while a chunk runs with
+            autograd, each (tensors with graph, a function returning their accumulated
+            gradients, None where there is none), read when the chunk is walked.
+        kept: chunk start -> its roots, for the chunks whose capture graph was kept
+            (`ExecConfig.keep_graph_bytes`): the reverse walk backpropagates through
+            them instead of recomputing those chunks.
         origin: what the state was captured from (engine, prompt, weights), set by
             `Engine.capture` so that reusing it can be checked (`rollout.StateOrigin`).
     """
@@ -207,6 +212,7 @@ class PromptState:
     start: int = 0
     length: int = 0
     seeds: list = field(default_factory=list)
+    kept: dict = field(default_factory=dict)
     origin: object = None
 
     def nbytes(self) -> int:
@@ -298,7 +304,7 @@ class LatentKV(AttentionKV):
         self.length += n
 
     def enable_grad_buffers(self) -> None:
-        self.k_grad = torch.zeros_like(self.k[:, : self.length], dtype=accumulation_dtype(self.k.dtype))
+        self.k_grad = torch.zeros_like(self.k, dtype=accumulation_dtype(self.k.dtype))
         self.v_grad = self.k_grad[..., : self.v.shape[-1]]
 
     def nbytes(self) -> int:

@@ -93,10 +93,8 @@ def gdn_forward(module, hidden_states, cache_params=None, attention_mask=None, *
     layer: RecurrentState = call.states[-1].layers[module.layer_idx]
     if call.phase == "capture":
         layer.put(end, rec1, tail1)
-    elif call.phase == "recompute" and layer.grads is not None and end in layer.grads:
-        for tensor, grad in zip((rec1, tail1), layer.grads[end]):
-            if grad is not None:
-                call.states[-1].seeds.append((tensor, grad))
+    if call.records_roots() and layer.grads is not None:  # seeded by what later readers of the snapshot added
+        call.states[-1].seeds.append(((rec1, tail1), lambda: tuple(layer.grads.get(end, (None, None)))))
     return out
 
 

@@ -36,7 +36,7 @@ from ..errors import UnsupportedModelError
 from ..ops.attention import prefix_causal_attention
 from ..branch_state import BranchLatent, BranchState
 from ..state import IndexKeys, LatentKV, MLAState, PromptState
-from .attention_hook import current_call
+from .attention_hook import current_call, seed_reader
 from .base import Adapter, forwards_replaced
 from .mla_decode import mla_decode
 
@@ -247,13 +247,9 @@ def mla_forward(module, spec, hidden_states, position_embeddings=None, attention
         own.latent.append(k_new[None], latent[None])
         if own.index is not None:
             own.index.append(new_index_keys)
-    elif call.phase == "recompute" and call.start + t <= own.latent.end:
-        seed = own.latent.chunk_grads(call.start, call.start + t)[0]
-        if own.latent.shard is not None:  # each rank holds its rows' gradients: sum them
-            from ..distributed import all_reduce_sum
-
-            all_reduce_sum(seed, own.latent.shard.cp)
-        call.states[-1].seeds.append((k_new, seed[0]))
+    if call.records_roots() and call.start + t <= own.latent.end:
+        read = seed_reader(own.latent, call.start, call.start + t, parts=1)
+        call.states[-1].seeds.append(((k_new,), lambda: (read()[0][0],)))  # dk [1, T, R + Dr] holds dv too
     return (out, None, indices) if spec["returns_topk"] else (out, None)
 
 

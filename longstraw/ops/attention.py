@@ -147,8 +147,8 @@ def can_use_fused(q, k, v, prefixes: list[KVSegment], window) -> bool:
         return False
     if q.device.type == "cuda" and q.shape[-1] > 256:
         return False
-    if any(seg.grad is not None for seg in prefixes):
-        return False
+    if torch.is_grad_enabled() and any(seg.grad is not None for seg in prefixes):
+        return False  # (without autograd nothing is ever added into the sinks)
     if torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v, *(seg.k for seg in prefixes))):
         return False
     return True

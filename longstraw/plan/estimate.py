@@ -122,6 +122,11 @@ class PlanConfig:
     no second capture. The paper's recipe: 2 (old + reference). On-policy with beta = 0:
     0. Adds time, and a (small) no-grad working set."""
 
+    keep_graph_bytes: int | str = 0
+    """Exact mode (`ExecConfig.keep_graph_bytes`): bytes of capture-chunk autograd graphs
+    kept instead of recomputed. The planner keeps as many of the last chunks as fit at its
+    estimate of one chunk's graph; they are alive from capture to the reverse walk."""
+
     throughput_tflops: float = 400.0
     """Effective dense throughput per rank, TFLOP/s (default 400: an H100/H200-class GPU
     at ~40-50% of its bf16 peak; an H20 is ~148 peak)."""
@@ -154,6 +159,7 @@ class PlanConfig:
             raise ConfigError(f"PlanConfig.throughput_tflops must be a number > 0, got {self.throughput_tflops!r}")
         self.gpu_memory = parse_bytes(self.gpu_memory)
         self.reserve = parse_bytes(self.reserve)
+        self.keep_graph_bytes = parse_bytes(self.keep_graph_bytes)
         if self.dtype is not None:
             self.dtype = _canonical_dtype(self.dtype)
         if self.weight_dtype is not None:
@@ -326,14 +332,21 @@ def estimate(model, config: PlanConfig) -> dict:
 
     capture_working = nograd_working(C)
     recompute_working = sum(autograd_pass(arch, C, p_rank, blk, b, acc, dense_grad, gk)) if exact else 0.0
+    # exact mode's kept capture graphs (the last chunks that fit), alive from capture to their walk
+    chunks = -(-max(P - 1, 1) // C)
+    chunk_graph = autograd_pass(arch, C, p_rank, blk, b, acc, dense_grad, gk)[0]
+    kept_chunks = min(chunks, int(c.keep_graph_bytes // chunk_graph)) if exact and c.keep_graph_bytes else 0
+    kept_bytes = kept_chunks * chunk_graph
     score_working = 0.0
     if c.score_passes:  # one whole branch without autograd; fp32 logits + log-softmax of one chunk
         score_working = nograd_working(R) + min(R, c.logits_chunk_size) * arch.vocab * (b + 2 * 4)
     static = param_bytes + grad_bytes + optimizer_bytes + gathered + state_gpu + state_grad + checkpoints
     # what each phase holds beyond the static memory (capture may run before any gradient exists)
-    phases = {"capture": capture_working - (0 if c.grads_during_capture else grad_bytes), "replay": replay_working}
-    if exact:
-        phases["recompute"] = recompute_working
+    phases = {"capture": capture_working + kept_bytes - (0 if c.grads_during_capture else grad_bytes),
+              "replay": replay_working + kept_bytes}
+    if exact:  # the walk frees the kept graphs first; a chunk is recomputed only after all of them
+        phases["recompute"] = max(kept_bytes + (recompute_working - chunk_graph if kept_chunks else 0),
+                                  recompute_working if kept_chunks < chunks else 0)
     if c.score_passes:
         phases["score"] = score_working
     peak_phase = max(phases, key=phases.get)
@@ -346,7 +359,8 @@ def estimate(model, config: PlanConfig) -> dict:
     branch_fwd = _forward_flops(arch, params, R, P, lm_head=True, world=W)
     held_fwd = _forward_flops(arch, params, held, P, lm_head=False, world=W) if held else 0.0
     flops_branch = (1 + BACKWARD_FACTOR + c.score_passes) * branch_fwd + held_fwd
-    flops_exact_extra = (1 + BACKWARD_FACTOR) * flops_capture
+    # exact: a backward of every chunk, and a recomputed forward of those not kept
+    flops_exact_extra = (BACKWARD_FACTOR + (chunks - kept_chunks) / chunks) * flops_capture
     t_detached = (flops_capture + G * flops_branch) / thr  # FLOPs of one rank (see _forward_flops)
     t_exact = t_detached + flops_exact_extra / thr
 
@@ -368,7 +382,8 @@ def estimate(model, config: PlanConfig) -> dict:
             "flash": "a fused kernel everywhere (O(T) kept)"}[c.self_attention],
         f"FLOPs: 2 x active matmul params x tokens + attention QK/PV; backward = {BACKWARD_FACTOR:g} x forward; "
         "capture x1, replay x(1 + backward) per branch (+ x1 per score pass; pieces add a no-grad forward of the "
-        "held tokens), exact adds x(1 + backward) of the prompt forward",
+        "held tokens), exact adds a backward of the prompt forward plus a recomputed forward of every chunk whose "
+        "graph is not kept",
         f"time = one rank's FLOPs / {c.throughput_tflops:g} TFLOP/s effective: the token computation is "
         "replicated on every rank, only attention over the prompt state is divided by W",
         f"GDN kernel: {gk} " + ("(ops/gated_delta.py, fp32 arithmetic)" if gk == "torch" else
@@ -413,6 +428,10 @@ def estimate(model, config: PlanConfig) -> dict:
         "replay_working_bytes": int(replay_working),
         "capture_working_bytes": int(capture_working),
         "recompute_working_bytes": int(recompute_working),
+        "chunk_graph_bytes": int(chunk_graph) if exact else 0,
+        "kept_graph_chunks": kept_chunks,
+        "kept_graph_bytes": int(kept_bytes),
+        "recomputed_chunks": chunks - kept_chunks if exact else 0,
         "score_working_bytes": int(score_working),
         "static_bytes_per_rank": int(static),
         "peak_bytes_per_rank": int(peak),
@@ -477,6 +496,9 @@ def format_report(r: dict) -> str:
     ]
     if r["mode"] == "exact":
         rows.append(("working: recompute (1 chunk)", hb(r["recompute_working_bytes"])))
+        if r["kept_graph_chunks"]:
+            rows.append((f"kept capture graphs ({r['kept_graph_chunks']} of "
+                         f"{r['kept_graph_chunks'] + r['recomputed_chunks']} chunks)", hb(r["kept_graph_bytes"])))
     rows += [
         ("static per rank", hb(r["static_bytes_per_rank"])),
         ("PEAK per rank", f"{hb(r['peak_bytes_per_rank'])}  (during {r['peak_phase']})"),
