@@ -374,7 +374,7 @@ def worker(args) -> dict:
             p.grad = None
     gc.collect()
     if args.live_peak_worker:
-        from longstraw.memory import live_tensor_peak
+        from live_peak import live_tensor_peak
 
         peak = live_tensor_peak(lambda: run_method(method, model, group, args))
         return {"live_tensor_peak": peak}
