@@ -56,7 +56,7 @@ table, ratios against `--ratio-to` (same family, P, G), and ends with one JSON l
 
 Usage:
     .venv/bin/python bench/bench_step.py --family qwen3_5 --methods detached exact naive \\
-        --prompt-tokens 8192 --groups 2 8 --response-tokens 128 --out bench/results/issue5.csv
+        --prompt-tokens 8192 --groups 2 8 --response-tokens 128 --out bench/out/hybrid_8k.csv
     .venv/bin/python bench/bench_step.py --selfcheck    # baselines agree with each other (small P)
 """
 
