@@ -56,7 +56,7 @@ table, ratios against `--ratio-to` (same family, P, G), and ends with one JSON l
 
 Usage:
     .venv/bin/python bench/bench_step.py --family qwen3_5 --methods detached exact naive \\
-        --prompt-tokens 8192 --groups 2 8 --response-tokens 128 --out bench/results/issue5.csv
+        --prompt-tokens 8192 --groups 2 8 --response-tokens 128 --out bench/out/hybrid_8k.csv
     .venv/bin/python bench/bench_step.py --selfcheck    # baselines agree with each other (small P)
 """
 
@@ -134,14 +134,14 @@ def batched_step(model, group, grpo):
     logits_to_keep = R + 1, the group loss, one backward."""
     import torch
 
-    from tests.reference import _gather_logprobs
+    from tests.reference import gather_logprobs
 
     lens = {int(r.numel()) for r in group.responses}
     assert len(lens) == 1, "batched: equal response lengths (no padding) only"
     r_len = lens.pop()
     ids = torch.stack([torch.cat([group.prompt, r]) for r in group.responses])  # (G, P + R)
     logits = model(ids, logits_to_keep=r_len + 1).logits[:, :-1]  # (G, R, V)
-    logps = [_gather_logprobs(logits[i], r, grpo.temperature) for i, r in enumerate(group.responses)]
+    logps = [gather_logprobs(logits[i], r, grpo.temperature) for i, r in enumerate(group.responses)]
     loss = _dapo_share(logps, group, grpo)
     loss.backward()
     return float(loss.detach()), {}
@@ -185,7 +185,7 @@ def prefix_grouper_step(model, group, grpo):
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface
 
-    from tests.reference import _gather_logprobs
+    from tests.reference import gather_logprobs
 
     register_attention()
     AttentionInterface.register(_FA2_LIKE, _fa2_semantics_sdpa)
@@ -203,7 +203,7 @@ def prefix_grouper_step(model, group, grpo):
     _, _, suffix_h, suffix_mask = pg.split_output(hidden, include_prefix_last=1)  # (G, R + 1, d)
     assert bool(suffix_mask.all())
     logits = model.lm_head(suffix_h[:, :-1])  # (G, R, V): position t predicts response token t
-    logps = [_gather_logprobs(logits[i], r, grpo.temperature) for i, r in enumerate(group.responses)]
+    logps = [gather_logprobs(logits[i], r, grpo.temperature) for i, r in enumerate(group.responses)]
     loss = _dapo_share(logps, group, grpo)
     loss.backward()
     return float(loss.detach()), {}
@@ -374,7 +374,7 @@ def worker(args) -> dict:
             p.grad = None
     gc.collect()
     if args.live_peak_worker:
-        from longstraw.memory import live_tensor_peak
+        from live_peak import live_tensor_peak
 
         peak = live_tensor_peak(lambda: run_method(method, model, group, args))
         return {"live_tensor_peak": peak}

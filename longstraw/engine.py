@@ -41,8 +41,10 @@ from .rollout import Rollout, SamplingConfig, check_state, generate, stamp_state
 from .state import PromptState, Shard
 
 
-def _progress(iterable, *, enabled: bool, desc: str, total: int):
-    if not enabled:
+def _progress(iterable, *, enabled: bool, desc: str | None, total: int):
+    """One progress bar per phase (capture, generate, replay, reverse); desc None: none
+    (a branch's pieces run inside the replay bar, so they get no bar of their own)."""
+    if not enabled or desc is None:
         return iterable
     from tqdm.auto import tqdm
 
@@ -193,7 +195,7 @@ class Engine:
     # the phases
 
     def _capture_chunks(self, ids: torch.Tensor, start: int, states: list[PromptState], size: int,
-                        desc: str, keep_graph_bytes: int = 0) -> None:
+                        desc: str | None, keep_graph_bytes: int = 0) -> None:
         """Run ids [T] at positions start.. in chunks of `size` under no_grad,
         appending their state to states[-1].
 
@@ -241,7 +243,7 @@ class Engine:
         return state
 
     def walk_back(self, ids: torch.Tensor, start: int, states: list[PromptState], size: int, *,
-                  piece_loss=None, desc: str = "reverse") -> None:
+                  piece_loss=None, desc: str | None = "reverse") -> None:
         """Recompute the chunks of ids [T] (positions start..) last to first, with
         autograd, and backpropagate through each before the next.
 
@@ -285,9 +287,9 @@ class Engine:
         start, size = prompt.shape[0] - 1, self.config.branch_chunk_size or inputs.shape[0]
         held = (inputs.shape[0] - 1) // size * size  # tokens of every piece but the last
         branch = self.adapter.new_state(held, start=start, exact=True)
-        self._capture_chunks(inputs[:held], start, [state, branch], size, "pieces")
+        self._capture_chunks(inputs[:held], start, [state, branch], size, None)  # no bar inside replay's
         branch.enable_grad_buffers()
-        self.walk_back(inputs, start, [state, branch], size, piece_loss=piece_loss, desc="pieces")
+        self.walk_back(inputs, start, [state, branch], size, piece_loss=piece_loss, desc=None)
 
     def branch_logprobs(self, state: PromptState, prompt: torch.Tensor, response: torch.Tensor,
                         temperature: float = 1.0) -> torch.Tensor:

@@ -22,3 +22,34 @@ def test_torchrun_with_cuda_picks_nccl_on_the_local_rank_device(monkeypatch):
 def test_without_torchrun_the_demo_stays_on_cpu(monkeypatch):
     monkeypatch.delenv("WORLD_SIZE", raising=False)
     assert cli._init_torchrun() == (None, torch.device("cpu"))
+
+
+def test_progress_shows_one_bar_per_phase_and_none_per_piece(capsys):
+    import longstraw as ls
+    from longstraw.tiny import random_group, tiny_model
+
+    model = tiny_model("qwen3", num_hidden_layers=1)
+    group = random_group(model.config.vocab_size, 64, 2, 12, seed=0)
+    engine = ls.Engine(model, ls.ExecConfig(chunk_size=32, branch_chunk_size=4, mode="exact", progress=True))
+    engine.step(group, ls.GRPOConfig())
+    err = capsys.readouterr().err
+    assert "capture" in err and "replay" in err and "reverse" in err
+    assert "pieces" not in err  # a branch's pieces run inside the replay bar
+
+
+def test_naive_estimate_drops_only_hf_kernel_fallback_warnings(caplog):
+    import logging
+
+    from longstraw.demo_memory import without_hf_kernel_fallback_warning
+
+    hf = logging.getLogger("transformers.integrations.hub_kernels")
+    fallback = ("`chunk_gated_delta_rule` is falling back to its reference PyTorch implementation because "
+                "`flash-linear-attention` is not installed.")
+    with caplog.at_level(logging.WARNING, logger=hf.name), without_hf_kernel_fallback_warning():
+        hf.warning(fallback)
+        hf.warning("something else")
+    assert [r.getMessage() for r in caplog.records] == ["something else"]
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger=hf.name):
+        hf.warning(fallback)  # outside the estimate it is left alone
+    assert [r.getMessage() for r in caplog.records] == [fallback]

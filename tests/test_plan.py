@@ -300,3 +300,25 @@ def test_cli_first_group_and_gdn_kernel(capsys):
                            "--response-tokens", 512, "--first-group", "--gdn-kernel", "fla", "--json")
     r = json.loads(out)
     assert code == 0 and r["inputs"]["grads_during_capture"] is False and r["inputs"]["gdn_kernel"] == "fla"
+
+
+def test_activation_model_is_calibrated_on_hf_saved_tensors():
+    """docs/planner.md: on tiny-qwen3 the planner's graph per token per layer (5,376 fp32
+    elements) is within 0.3% of what HF's own forward saves per layer (5,388: the slope of the
+    saved bytes per token between a 1- and a 2-layer model)."""
+    import torch
+
+    from longstraw.demo_memory import naive_bytes_per_token
+    from longstraw.plan.arch import architecture
+    from longstraw.plan.working import graph_bytes_per_token
+    from longstraw.tiny import tiny_model
+
+    per_model = {}
+    for n in (1, 2):
+        model = tiny_model("qwen3", dtype=torch.float32, num_hidden_layers=n)
+        per_model[n] = naive_bytes_per_token(model, model.config.vocab_size)
+    hf_elements = (per_model[2] - per_model[1]) / 4
+    arch = architecture(model.config.to_dict())
+    planned = graph_bytes_per_token(arch, arch.layers[0], 4, "torch") / 4
+    assert (planned, hf_elements) == (5376, 5388)
+    assert abs(planned / hf_elements - 1) < 0.003

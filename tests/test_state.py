@@ -4,7 +4,7 @@ against plain autograd (exact mode sums dLoss/dState over every reader)."""
 import pytest
 import torch
 
-from longstraw.models.gated_deltanet import _initial_snapshot
+from longstraw.models.gated_deltanet import initial_snapshot
 from longstraw.ops.attention import prefix_causal_attention
 from longstraw.ops.naive import naive_attention
 from longstraw.state import AttentionKV, LatentKV, PromptState, RecurrentState, Shard
@@ -21,7 +21,7 @@ def test_recurrent_state_gradient_sums_over_readers():
     weights = [(torch.randn(3, 4, 5, generator=g, dtype=torch.float64),
                 torch.randn(6, 3, generator=g, dtype=torch.float64)) for _ in range(2)]
     for w_rec, w_tail in weights:  # two branches read the same snapshot
-        r, t = _initial_snapshot([state], 0, 7)
+        r, t = initial_snapshot([state], 0, 7)
         ((r * w_rec).sum() + (t.sin() * w_tail).sum()).backward()
     want_rec = sum(w for w, _ in weights)
     want_tail = sum(w * tail.cos() for _, w in weights)

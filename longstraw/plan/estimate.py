@@ -18,8 +18,8 @@ from .arch import (
     Arch,
     LayerSpec,
     ParamCount,
-    _canonical_dtype,
     architecture,
+    canonical_dtype,
     count_parameters,
     human_bytes,
     load_model_config,
@@ -161,9 +161,9 @@ class PlanConfig:
         self.reserve = parse_bytes(self.reserve)
         self.keep_graph_bytes = parse_bytes(self.keep_graph_bytes)
         if self.dtype is not None:
-            self.dtype = _canonical_dtype(self.dtype)
+            self.dtype = canonical_dtype(self.dtype)
         if self.weight_dtype is not None:
-            self.weight_dtype = _canonical_dtype(self.weight_dtype, allow_quant=True)
+            self.weight_dtype = canonical_dtype(self.weight_dtype, allow_quant=True)
             if self.weight_dtype in QUANT_BYTES and not self.lora_rank:
                 raise ConfigError(f"weight_dtype {self.weight_dtype!r} stores frozen base weights: "
                                   "full training needs a float dtype; pass lora_rank for (Q)LoRA")
