@@ -8,6 +8,10 @@ Methods (`--methods`)
 * `exact`: the same with `mode="exact"` and `chunk_size=--exact-chunk-size` (default
   1024): the full-sequence gradient, by recomputing capture chunks in reverse. Its peak
   is one chunk's autograd graph, so the chunk must be well below P.
+* `exact_kept`: exact mode with `keep_graph_bytes=--keep-graph-bytes` (default: all):
+  capture keeps the chunks' graphs that fit and the reverse walk recomputes only the rest.
+* `exact_blockwise`: exact mode with the fused flash kernels off (`ops/flash.FUSED_ENABLED
+  = False`): every attention through the blockwise torch kernel, as before the fused path.
 * `naive`: per branch, one full-sequence HF forward + backward over prompt + response
   (`tests.reference.hf_full_logprobs`, logits_to_keep=R+1), that branch's share of the
   DAPO loss, backward, free: G sequential full sequences.
@@ -79,7 +83,9 @@ if REPO not in sys.path:
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from proc import code_info, cpu_model, machine_busy_s, mem_total, own_cpu_s, peak_rss, status_bytes  # noqa: E402  (torch-free)
 
-METHODS = ("detached", "exact", "naive", "batched", "prefix_grouper", "capture", "hf_forward")
+METHODS = ("detached", "exact", "exact_kept", "exact_blockwise", "naive", "batched", "prefix_grouper", "capture",
+           "hf_forward")
+LONGSTRAW_STEPS = ("detached", "exact", "exact_kept", "exact_blockwise")
 DENSE_FAMILIES = ("qwen3",)
 THREADS = 2
 VOCAB = 4096
@@ -95,11 +101,14 @@ PLAN_MODEL = {"qwen3": "tiny-qwen3",
 
 
 def _exec_kwargs(args, method: str) -> dict:
-    kw = {"chunk_size": args.exact_chunk_size if method == "exact" else args.chunk_size,
+    exact = method.startswith("exact")
+    kw = {"chunk_size": args.exact_chunk_size if exact else args.chunk_size,
           "attention_block_size": args.attention_block_size, "logits_chunk_size": args.logits_chunk_size,
           "branch_chunk_size": args.branch_chunk_size}
-    if method == "exact":
+    if exact:
         kw["mode"] = "exact"
+    if method == "exact_kept":
+        kw["keep_graph_bytes"] = args.keep_graph_bytes
     return kw
 
 
@@ -238,7 +247,11 @@ def run_method(method, model, group, args):
     import longstraw as ls
 
     grpo = ls.GRPOConfig()
-    if method in ("detached", "exact"):
+    if method == "exact_blockwise":  # exact mode through the blockwise torch kernel only (no fused flash)
+        import longstraw.ops.flash as flash
+
+        flash.FUSED_ENABLED = False
+    if method in LONGSTRAW_STEPS:
         return longstraw_step(model, group, grpo, _exec_kwargs(args, method))
     if method == "naive":
         return naive_step(model, group, grpo)
@@ -335,16 +348,17 @@ def plan_run(family: str, mode: str, P: int, G: int, R: int, exec_kwargs: dict, 
     cfg = PlanConfig(prompt_tokens=P, group=G, response_tokens=R, mode=mode, dtype="float32",
                      chunk_size=kw["chunk_size"], attention_block_size=kw["attention_block_size"],
                      logits_chunk_size=kw["logits_chunk_size"], branch_chunk_size=kw["branch_chunk_size"],
-                     self_attention=self_attention, grads_during_capture=not first_group)
+                     self_attention=self_attention, grads_during_capture=not first_group,
+                     keep_graph_bytes=kw.get("keep_graph_bytes", 0))
     r = estimate(PLAN_MODEL[family], cfg)
     return r, r["peak_bytes_per_rank"] - r["param_bytes"] - r["optimizer_bytes"]
 
 
 def planner_prediction(args, method: str, params_model: int) -> dict:
     """The capacity planner's figures for this measurement (fp32, no optimizer)."""
-    if method not in ("detached", "exact"):
+    if method not in ("detached", "exact", "exact_kept"):
         return {}
-    r, held = plan_run(args.family, method, args.worker_p, args.worker_g, args.response_tokens,
+    r, held = plan_run(args.family, "exact" if method == "exact_kept" else method, args.worker_p, args.worker_g, args.response_tokens,
                        _exec_kwargs(args, method), first_group=False, self_attention=args.plan_self_attention)
     return {"plan_peak_bytes": r["peak_bytes_per_rank"], "plan_param_bytes": r["param_bytes"],
             "plan_grad_bytes": r["grad_bytes"], "plan_optimizer_bytes": r["optimizer_bytes"],
@@ -405,7 +419,7 @@ def worker(args) -> dict:
         "warmup": bool(args.warmup),
         "malloc_env": " ".join(f"{k}={v}" for k, v in sorted(os.environ.items()) if k.startswith("MALLOC_")),
     }
-    if method in ("detached", "exact", "capture"):
+    if method in LONGSTRAW_STEPS + ("capture",):
         kw = _exec_kwargs(args, method)
         row.update(chunk_size=kw["chunk_size"], attention_block_size=kw["attention_block_size"],
                    logits_chunk_size=kw["logits_chunk_size"], branch_chunk_size=kw["branch_chunk_size"])
@@ -530,7 +544,7 @@ def _worker_cmd(args, method, P, G, live=False) -> list[str]:
     cmd = [sys.executable, os.path.abspath(__file__), "--worker", "--family", args.family, "--worker-method", method,
            "--worker-p", str(P), "--worker-g", str(G), "--response-tokens", str(args.response_tokens),
            "--chunk-size", str(args.chunk_size), "--exact-chunk-size", str(args.exact_chunk_size),
-           "--attention-block-size", str(args.attention_block_size),
+           "--keep-graph-bytes", str(args.keep_graph_bytes), "--attention-block-size", str(args.attention_block_size),
            "--logits-chunk-size", str(args.logits_chunk_size), "--plan-self-attention", args.plan_self_attention]
     if args.branch_chunk_size:
         cmd += ["--branch-chunk-size", str(args.branch_chunk_size)]
@@ -673,6 +687,8 @@ def main(argv=None) -> int:
     p.add_argument("--chunk-size", type=int, default=4096, help="ExecConfig.chunk_size (detached, capture)")
     p.add_argument("--exact-chunk-size", type=int, default=1024,
                    help="ExecConfig.chunk_size for exact mode (its peak is one chunk's graph: keep it well below P)")
+    p.add_argument("--keep-graph-bytes", type=int, default=1 << 40,
+                   help="ExecConfig.keep_graph_bytes of method exact_kept (default: every chunk's graph is kept)")
     p.add_argument("--attention-block-size", type=int, default=1024)
     p.add_argument("--logits-chunk-size", type=int, default=1024)
     p.add_argument("--branch-chunk-size", type=int, default=None)
