@@ -31,7 +31,7 @@ from torch import nn
 from . import grpo as G
 from .config import ExecConfig, GRPOConfig
 from .distributed import ContextParallel, check_same_group
-from .errors import ConfigError, InvalidGroupError, PositionLimitError
+from .errors import ConfigError, InvalidGroupError, LongStrawError, PositionLimitError
 from .group import BatchTotals, Group, StepResult, validate_group
 from .logprobs import token_logprobs
 from .models import adapter_for
@@ -47,32 +47,46 @@ def _progress(iterable, *, enabled: bool, desc: str, total: int):
     return tqdm(iterable, desc=desc, total=total, leave=False)
 
 
-def _fingerprint(group: Group, rewards) -> torch.Tensor:
-    """A small float64 summary of a group, to check that every rank got the same one."""
-    sums = [float(group.prompt.numel()), float(group.prompt.sum()), float(group.size)]
-    sums += [float(r.numel()) + 1e-3 * float(r.sum()) for r in group.responses]
-    if rewards is not None:
-        sums += [float(x) for x in rewards]
-    return torch.tensor(sums, dtype=torch.float64)
+def _clock(device: torch.device) -> float:
+    """A phase timestamp: on CUDA, after the queued kernels finish (else the time of
+    launching them, not of running them)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
+
+
+def _fingerprint(group: Group | None, rewards) -> torch.Tensor:
+    """A fixed-length float64 summary [8] of a group, to check that every rank got the
+    same one (zeros for a group that failed validation)."""
+    if group is None:
+        return torch.zeros(8, dtype=torch.float64)
+    lengths = torch.tensor([float(r.numel()) for r in group.responses], dtype=torch.float64)
+    sums = torch.tensor([float(r.double().sum()) for r in group.responses], dtype=torch.float64)
+    weights = torch.arange(1, group.size + 1, dtype=torch.float64)  # order matters
+    r = torch.zeros(group.size, dtype=torch.float64) if rewards is None else rewards.double().cpu()
+    return torch.tensor([float(group.prompt.numel()), float(group.prompt.double().sum()), float(group.size),
+                         float((lengths * weights).sum()), float((sums * weights).sum()), float(r.sum()),
+                         float((r * weights).sum()), float(rewards is not None)], dtype=torch.float64)
 
 
 class _BranchStats:
-    """Running sums of the per-token statistics over all branches and pieces."""
+    """Running sums of the per-token statistics over all branches and pieces, kept as
+    device tensors (no host sync per piece); read once at the end."""
 
     def __init__(self):
         self.loss, self.tokens, self.ratio, self.clipped, self.kl = 0.0, 0, 0.0, 0.0, 0.0
 
     def add(self, loss: torch.Tensor, tok_stats: dict) -> None:
-        self.loss += float(loss.detach())
+        self.loss = self.loss + loss.detach()
         self.tokens += tok_stats["ratio"].numel()
-        self.ratio += float(tok_stats["ratio"].sum())
-        self.clipped += float(tok_stats["clipped"].sum())
-        self.kl += float(tok_stats["kl"].sum()) if "kl" in tok_stats else 0.0
+        self.ratio = self.ratio + tok_stats["ratio"].detach().sum()
+        self.clipped = self.clipped + tok_stats["clipped"].detach().sum()
+        self.kl = self.kl + (tok_stats["kl"].detach().sum() if "kl" in tok_stats else 0.0)
 
     def summary(self, with_kl: bool) -> dict:
-        out = {"ratio_mean": self.ratio / self.tokens, "clip_fraction": self.clipped / self.tokens}
+        out = {"ratio_mean": float(self.ratio) / self.tokens, "clip_fraction": float(self.clipped) / self.tokens}
         if with_kl:
-            out["kl_mean"] = self.kl / self.tokens
+            out["kl_mean"] = float(self.kl) / self.tokens
         return out
 
 
@@ -97,7 +111,50 @@ class Engine:
     # ------------------------------------------------------------------------
     # validation: everything is checked before the first expensive step
 
-    def _validate(self, group: Group, *, needs_ref: bool = False, needs_rewards: bool = True):
+    def _validate(self, group: Group, *, needs_ref: bool = False, needs_rewards: bool = True, totals=None,
+                  state: PromptState | None = None):
+        """Validate locally (and a reused `state`); under context parallelism every rank
+        then learns whether any rank failed or was given a different group, and all raise
+        together (`agree_across_ranks`). Returns the rewards."""
+        return self.agree_across_ranks(
+            lambda: self._validate_local(group, needs_ref=needs_ref, needs_rewards=needs_rewards, totals=totals,
+                                         state=state),
+            lambda rewards, failed: _fingerprint(None if failed else group, rewards))
+
+    def check_runnable(self) -> None:
+        """Refuse model states and contexts we cannot run exactly (before any work)."""
+        self.adapter.check_runnable()
+        if torch.is_autocast_enabled(self.adapter.device.type):
+            raise ConfigError(
+                "torch.autocast is active: LongStraw's custom autograd kernels recompute in backward and would not "
+                "see the same autocast state; load the model in bf16 instead (model.to(torch.bfloat16)): attention "
+                "statistics, log-probs and the loss are computed in fp32 regardless"
+            )
+
+    def agree_across_ranks(self, local, fingerprint):
+        """Run `local()` (it raises a LongStrawError on bad input) and return its result.
+        Under context parallelism, one all-gather then tells every rank whether any rank
+        failed or holds a different `fingerprint(result, failed)` (a fixed-length float64
+        tensor), and all raise together: no rank waits out a timeout for a peer that
+        raised. The failing rank raises its own error."""
+        result, problem = None, None
+        try:
+            result = local()
+        except LongStrawError as exc:
+            if self.cp is None:
+                raise
+            problem = exc
+        if self.cp is not None:
+            try:
+                check_same_group(fingerprint(result, problem is not None), self.cp,
+                                 problem=f"{type(problem).__name__}: {problem}" if problem else "")
+            except InvalidGroupError:
+                if problem is not None:
+                    raise problem from None  # this rank's own error, after telling the others
+                raise
+        return result
+
+    def _validate_local(self, group: Group, *, needs_ref: bool, needs_rewards: bool, totals, state):
         rewards = validate_group(group, vocab_size=self.adapter.vocab_size, needs_ref=needs_ref,
                                  needs_rewards=needs_rewards)
         longest = max(int(r.numel()) for r in group.responses)
@@ -109,10 +166,13 @@ class Engine:
                 f"model's max_position_embeddings={limit}; shorten the input or pass "
                 "ExecConfig(allow_position_overflow=True)"
             )
-        self.adapter.check_runnable()
+        self.check_runnable()
         if self.cp is not None:
             self.adapter.check_context_parallel(total)
-            check_same_group(_fingerprint(group, rewards), self.cp)
+        if totals is not None:
+            self._check_totals(group, totals)
+        if state is not None:
+            check_state(state, self, group.prompt)
         return rewards
 
     @staticmethod
@@ -269,9 +329,7 @@ class Engine:
             list of G tensors [R_i] (detached, on the model's device).
         """
         GRPOConfig(temperature=temperature)  # validates the temperature
-        self._validate(group, needs_rewards=False)
-        if state is not None:
-            check_state(state, self, group.prompt)
+        self._validate(group, needs_rewards=False, state=state)
         state = self.capture(group.prompt) if state is None else state
         with torch.no_grad():
             return [self.branch_logprobs(state, group.prompt, r, temperature).detach() for r in group.responses]
@@ -295,13 +353,10 @@ class Engine:
         grpo = GRPOConfig() if grpo is None else grpo
         if not isinstance(grpo, GRPOConfig):
             raise ConfigError(f"grpo must be a longstraw.GRPOConfig, got {type(grpo).__name__}")
-        rewards = self._validate(group, needs_ref=grpo.beta > 0)
+        rewards = self._validate(group, needs_ref=grpo.beta > 0, totals=totals, state=state)
         totals = BatchTotals.of([group]) if totals is None else totals
-        self._check_totals(group, totals)
-        if state is not None:
-            check_state(state, self, group.prompt)
 
-        t0 = time.perf_counter()
+        t0 = _clock(self.adapter.device)
         equal = bool(rewards.max() == rewards.min())
         adv = torch.zeros_like(rewards) if equal else G.advantages(rewards, grpo)
         metrics = {
@@ -325,7 +380,7 @@ class Engine:
 
         exact = self.config.mode == "exact"
         state = self._reuse_or_capture(group, state, exact)
-        t1 = time.perf_counter()
+        t1 = _clock(self.adapter.device)
         stats = _BranchStats()
         branches = list(enumerate(group.responses))
         for i, response in _progress(branches, enabled=self.config.progress, desc="replay", total=len(branches)):
@@ -342,10 +397,10 @@ class Engine:
                 return loss
 
             self.replay_branch(state, group.prompt, response, piece_loss)
-        t2 = time.perf_counter()
+        t2 = _clock(self.adapter.device)
         if exact:
             self.walk_back(group.prompt[:-1].to(self.adapter.device), 0, [state], self.config.chunk_size)
-        t3 = time.perf_counter()
+        t3 = _clock(self.adapter.device)
         metrics.update(
             state_bytes=float(state.nbytes()),
             state_grad_bytes=float(state.grad_nbytes()),
@@ -355,4 +410,4 @@ class Engine:
             time_total_s=t3 - t0,
             **stats.summary(with_kl=grpo.beta > 0),
         )
-        return StepResult(loss=stats.loss, metrics=metrics)
+        return StepResult(loss=float(stats.loss), metrics=metrics)

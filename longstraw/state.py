@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .ops.attention import KVSegment
+from .tensors import KVSegment, accumulation_dtype
 
 
 @dataclass(frozen=True)
@@ -66,7 +66,8 @@ class AttentionKV:
         window: sliding window W of the layer, or None for full attention.
         trim: drop positions no later query can see (windowed layers, detached mode).
             Exact mode keeps them: the reverse walk recomputes every chunk.
-        k_grad, v_grad: exact mode only: dLoss/dk, dLoss/dv, same shapes as k, v,
+        k_grad, v_grad: exact mode only: dLoss/dk, dLoss/dv, same shapes as k, v, in
+            float32 (float64 for a float64 state) whatever the model dtype,
             summed over branches and later chunks.
         shard: context parallelism: hold only this rank's positions (rows in position
             order); None holds every position.
@@ -144,8 +145,9 @@ class AttentionKV:
     def enable_grad_buffers(self) -> None:
         """Allocate zeroed dLoss/dk, dLoss/dv buffers for the held positions (exact
         mode's prompt state; the earlier pieces of a branch replayed in pieces)."""
-        self.k_grad = torch.zeros_like(self.k[:, : self.length])
-        self.v_grad = torch.zeros_like(self.v[:, : self.length])
+        acc = accumulation_dtype(self.k.dtype)  # summed over branches and chunks: never in bf16/fp16
+        self.k_grad = torch.zeros_like(self.k[:, : self.length], dtype=acc)
+        self.v_grad = torch.zeros_like(self.v[:, : self.length], dtype=acc)
 
     @torch.no_grad()
     def append(self, k_new: torch.Tensor, v_new: torch.Tensor) -> None:
@@ -255,7 +257,8 @@ class RecurrentState:
     def add_grad(self, position: int, which: int, grad: torch.Tensor) -> None:
         """Accumulate dL/d snapshot[position][which] (0: recurrent, 1: conv tail)."""
         slot = self.grads.setdefault(position, [None, None])
-        slot[which] = grad.detach().clone() if slot[which] is None else slot[which] + grad.detach()
+        grad = grad.detach().to(accumulation_dtype(grad.dtype))  # the sum runs in fp32 for bf16/fp16
+        slot[which] = grad.clone() if slot[which] is None else slot[which] + grad
 
     def enable_grad_buffers(self) -> None:
         self.grads = {}
@@ -295,7 +298,7 @@ class LatentKV(AttentionKV):
         self.length += n
 
     def enable_grad_buffers(self) -> None:
-        self.k_grad = torch.zeros_like(self.k[:, : self.length])
+        self.k_grad = torch.zeros_like(self.k[:, : self.length], dtype=accumulation_dtype(self.k.dtype))
         self.v_grad = self.k_grad[..., : self.v.shape[-1]]
 
     def nbytes(self) -> int:

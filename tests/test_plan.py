@@ -127,6 +127,9 @@ def test_sliding_window_state_is_constant():
     a, b = (estimate(cfg, PlanConfig(prompt_tokens=p, group=2, response_tokens=4, dtype="fp32")) for p in (1000, 9000))
     assert a["state_bytes_per_token"] == 0
     assert a["state_bytes_total"] == b["state_bytes_total"] == 2 * 15 * 2 * 2 * 16 * 4
+    # exact mode keeps every position of a sliding-window layer (the reverse walk recomputes every chunk)
+    e = estimate(cfg, PlanConfig(prompt_tokens=1000, group=2, response_tokens=4, dtype="fp32", mode="exact"))
+    assert e["state_bytes_per_token"] == 2 * 2 * 16 * 2 * 4 and e["state_bytes_fixed"] == 0
 
 
 def test_unknown_preset_is_a_clear_error(capsys):
@@ -166,8 +169,20 @@ def test_parse_bytes():
 def test_peak_per_rank_decreases_with_gpus():
     peaks = [plan("qwen3.6-27b", prompt_tokens=2_097_152, gpus=w)["peak_bytes_per_rank"] for w in (1, 2, 4, 8)]
     assert peaks == sorted(peaks, reverse=True) and len(set(peaks)) == 4
+    # the token computation is replicated on every rank; only attention over the prompt is divided
     times = [plan("qwen3.6-27b", prompt_tokens=2_097_152, gpus=w)["estimated_time_s"] for w in (1, 8)]
-    assert times[1] == pytest.approx(times[0] / 8)
+    assert times[0] / 8 < times[1] < times[0]
+    one, eight = (plan("qwen3.6-27b", prompt_tokens=2_097_152, gpus=w) for w in (1, 8))
+    assert one["flops_capture"] / 8 < eight["flops_capture"] < one["flops_capture"]  # FLOPs of one rank
+
+
+def test_exact_mode_keeps_every_gdn_snapshot_on_every_rank():
+    """Qwen3.6-27B at 2M tokens, chunk 4096: 512 snapshots x 144 MiB on EVERY rank (the
+    recurrent state is replicated, every rank walks every chunk), not 1/W of them."""
+    r1, r8 = (plan("qwen3.6-27b", prompt_tokens=2_097_152, gpus=w, mode="exact", chunk_size=4096) for w in (1, 8))
+    snapshot = r1["state_bytes_fixed"]
+    assert r8["exact_checkpoint_bytes_per_rank"] == r1["exact_checkpoint_bytes_per_rank"] == 511 * snapshot
+    assert r8["exact_checkpoint_bytes_per_rank"] > 70 * GiB
 
 
 def test_fits_flips_with_gpu_memory(capsys):
@@ -189,8 +204,11 @@ def test_peak_does_not_grow_with_group():
 
 def test_exact_mode_costs_more():
     d, e = plan("qwen3.6-27b", chunk_size=512), plan("qwen3.6-27b", chunk_size=512, mode="exact")
-    assert e["state_grad_bytes_per_rank"] == d["state_bytes_per_rank"]
-    assert e["exact_checkpoint_bytes_per_rank"] == (131072 // 512) * d["state_bytes_fixed"]  # one per chunk
+    # bf16 state, fp32 gradient buffers: twice the per-token state, plus one fp32 gradient per GDN snapshot
+    per_token = 2 * d["state_bytes_per_token"] * 131072
+    assert per_token < e["state_grad_bytes_per_rank"] < per_token + 2 * (131072 // 512) * d["state_bytes_fixed"]
+    # one snapshot per chunk end; the last one is the state itself
+    assert e["exact_checkpoint_bytes_per_rank"] == (131072 // 512 - 1) * d["state_bytes_fixed"]
     assert e["peak_bytes_per_rank"] > d["peak_bytes_per_rank"]
     extra = 3 * e["breakdown"]["time_s"]["capture"]  # recompute x1 + backward x2 of the prompt forward
     assert e["estimated_time_s_exact"] == pytest.approx(e["estimated_time_s_detached"] + extra)
@@ -210,12 +228,19 @@ def test_branch_pieces_shrink_replay():
     assert pieces["breakdown"]["replay"]["held_branch_tokens"] == 6144
 
 
-def test_shard_params_and_offload_state():
+def test_shard_params():
     base = plan("glm-5.2", prompt_tokens=2_097_152, gpus=32, lora_rank=8)
-    sharded = plan("glm-5.2", prompt_tokens=2_097_152, gpus=32, lora_rank=8, shard_params=True, offload_state=True)
+    sharded = plan("glm-5.2", prompt_tokens=2_097_152, gpus=32, lora_rank=8, shard_params=True)
     assert sharded["param_bytes"] == pytest.approx(base["param_bytes"] / 32, rel=1e-6)
-    assert sharded["state_bytes_host_per_rank"] == 5.8125 * GiB
-    assert sharded["state_bytes_on_gpu_per_rank"] < base["state_bytes_on_gpu_per_rank"] / 10
+    assert sharded["state_bytes_on_gpu_per_rank"] == base["state_bytes_on_gpu_per_rank"] == 5.8125 * GiB
+
+
+def test_state_offload_is_refused_until_the_engine_has_it(capsys):
+    with pytest.raises(ConfigError, match="no state offload"):
+        plan("glm-5.2", offload_state=True)
+    code, _, err = run_cli(capsys, "--model", "glm-5.2", "--prompt-tokens", 1000, "--group", 2,
+                           "--response-tokens", 10, "--offload-state")
+    assert code == 2 and "no state offload" in err
 
 
 def test_score_passes_add_time_not_replay_memory():

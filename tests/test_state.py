@@ -78,3 +78,21 @@ def test_sharded_attention_state_holds_its_rows_and_seeds_the_rest_with_zeros():
     kv.k_grad += 1
     dk, _ = kv.chunk_grads(4, 8)  # positions 4..7: ours are 6 and 7
     assert dk[0, :, 0].tolist() == [0, 0, 1, 1]
+
+
+def test_gradient_buffers_accumulate_in_float32_for_half_states():
+    from longstraw.state import AttentionKV, LatentKV, RecurrentState
+
+    kv = AttentionKV.empty(kv_heads=1, head_dim=4, v_head_dim=4, capacity=3, window=None, dtype=torch.bfloat16,
+                           device="cpu")
+    kv.append(torch.ones(1, 3, 4, dtype=torch.bfloat16), torch.ones(1, 3, 4, dtype=torch.bfloat16))
+    kv.enable_grad_buffers()
+    latent = LatentKV.empty_latent(rank=3, rope_dim=2, capacity=2, dtype=torch.float16, device="cpu")
+    latent.append(torch.ones(1, 2, 5, dtype=torch.float16), torch.ones(1, 2, 3, dtype=torch.float16))
+    latent.enable_grad_buffers()
+    assert kv.k_grad.dtype == kv.v_grad.dtype == latent.k_grad.dtype == torch.float32
+    rec = RecurrentState.empty(start=0, keep_all=True)
+    rec.enable_grad_buffers()
+    for _ in range(300):  # 300 equal terms: a bf16 sum stalls at 256
+        rec.add_grad(4, 1, torch.ones(2, 3, dtype=torch.bfloat16))
+    assert rec.grads[4][1].dtype == torch.float32 and float(rec.grads[4][1][0, 0]) == 300

@@ -85,12 +85,15 @@ def longstraw_attention(module, query, key, value, attention_mask, scaling=None,
         raise RuntimeError("attention dropout is not supported; put the model in eval mode")
     layers: list[AttentionKV] = [state.layers[module.layer_idx] for state in call.states]
     kv = layers[-1]
-    assert kv.window == sliding_window, f"layer {module.layer_idx}: state window {kv.window} != module {sliding_window}"
+    window = sliding_window
+    if window is not None and call.start + key.shape[2] <= window:
+        window = None  # the window covers every position so far: full attention (a sharded state holds no window)
+    assert kv.window in (sliding_window, window), f"layer {module.layer_idx}: state window {kv.window} != {window}"
     assert kv.end == call.start or call.phase != "capture", (kv.end, call.start)
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     out = prefix_causal_attention(
         query[0], key[0], value[0], prefixes=[layer.segment(until=call.start) for layer in layers],
-        q_start=call.start, scale=scale, window=sliding_window, block_size=call.block_size,
+        q_start=call.start, scale=scale, window=window, block_size=call.block_size,
     )  # (H, T, Dv)
     if call.phase == "capture":
         kv.append(key[0], value[0])

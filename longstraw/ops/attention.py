@@ -23,14 +23,12 @@ Arithmetic is float32 for half/float32 inputs and float64 for float64 inputs.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
-
-def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
-    """float64 stays float64; everything else accumulates in float32."""
-    return torch.float64 if dtype == torch.float64 else torch.float32
+from ..tensors import KVSegment, accumulation_dtype
+from . import flash
+from .collectives import MergeAcrossRanks, SumGradAcrossRanks
+from .flash import FlashAttention, can_use_flash_autograd, fused_kernel, merge_partials
 
 
 def _window_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None, causal: bool) -> torch.Tensor | None:
@@ -140,53 +138,6 @@ class PrefixAttention(torch.autograd.Function):
         return dq.to(q.dtype), dk, dv, None, None, None, None, None, None, None
 
 
-FUSED_ENABLED = True
-"""Allow the forward-only fused kernels (set False to force the blockwise path)."""
-
-
-def fused_kernel(device_type: str, dtype: torch.dtype):
-    """torch's fused flash-attention op for this device and dtype, as a function
-    (q, k, v, causal, scale) -> (out, lse) on [B, H, L, D] inputs, or None.
-
-    CPU: `_scaled_dot_product_flash_attention_for_cpu` (float32/float64/bfloat16).
-    CUDA: `_scaled_dot_product_flash_attention` (FlashAttention-2; half types only).
-    Both return the natural-log log-sum-exp [B, H, L] in float32 (float64 on CPU for
-    float64 inputs), which is what the LSE merge needs."""
-    if not FUSED_ENABLED:
-        return None
-    if device_type == "cpu" and dtype in (torch.float32, torch.float64, torch.bfloat16):
-        op = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
-        return None if op is None else (lambda q, k, v, causal, scale: op(q, k, v, 0.0, causal, scale=scale)[:2])
-    if device_type == "cuda" and dtype in (torch.float16, torch.bfloat16):
-        op = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention", None)
-        return None if op is None else (lambda q, k, v, causal, scale: op(q, k, v, 0.0, causal, False,
-                                                                          scale=scale)[:2])
-    return None
-
-
-def merge_partials(out_a, lse_a, out_b, lse_b):
-    """Log-sum-exp merge of two partial softmax attentions over disjoint key sets."""
-    lse = torch.logaddexp(lse_a, lse_b)
-    return torch.exp(lse_a - lse)[..., None] * out_a + torch.exp(lse_b - lse)[..., None] * out_b
-
-
-@dataclass
-class KVSegment:
-    """A run of earlier keys/values the new tokens attend to (read-only).
-
-    Fields:
-        k: [Hkv, S, D]; v: [Hkv, S, Dv] at absolute positions start .. start + S - 1.
-        grad: optional (dk, dv) buffers of the same shapes; backward adds
-            dLoss/dk, dLoss/dv into them (exact mode, and branch pieces).
-        cp: a `distributed.ContextParallel` when k, v are this rank's rows of a
-            position-sharded state; None when they are the whole segment.
-    """
-
-    k: torch.Tensor
-    v: torch.Tensor
-    start: int
-    grad: tuple | None = None
-    cp: object = None
 
 
 def can_use_fused(q, k, v, prefixes: list[KVSegment], window) -> bool:
@@ -229,7 +180,7 @@ def prefix_causal_attention(q, k, v, *, prefixes: list[KVSegment], q_start: int,
         prefixes: `KVSegment`s, all before q_start (the prompt state; in a branch
             replayed in pieces, also the earlier pieces). Empty segments are skipped.
             A segment with `cp` set holds only this rank's rows of a context-parallel
-            shard: its partial attention is merged across ranks (`distributed.py`).
+            shard: its partial attention is merged across ranks (`ops/collectives.py`).
         scale: softmax scale. window: sliding window W or None.
         block_size: prefix positions per block.
         allow_fused: without autograd, use torch's fused flash kernel where one fits
@@ -246,6 +197,9 @@ def prefix_causal_attention(q, k, v, *, prefixes: list[KVSegment], q_start: int,
         assert seg.k.shape[0] == hkv and seg.k.shape[2] == d, (seg.k.shape, k.shape)
         assert seg.start + seg.k.shape[1] <= q_start, "a prefix segment must end before the queries"
     g = h // hkv
+    if allow_fused and torch.is_grad_enabled() and can_use_flash_autograd(q, k, v, prefixes, window):
+        out = FlashAttention.apply(q, k, v, [s for s in prefixes if s.k.shape[1] > 0], scale, flash.BACKWARD_BLOCK)
+        return out.to(q.dtype).reshape(h, t, -1)
     fused = allow_fused and can_use_fused(q, k, v, prefixes, window)
     rows = q.reshape(hkv, g * t, d)  # (Hkv, M, D): head j*g+i -> kv head j
     k_pos = torch.arange(q_start, q_start + t, device=q.device)
@@ -271,8 +225,6 @@ def prefix_causal_attention(q, k, v, *, prefixes: list[KVSegment], q_start: int,
         if seg.cp is not None:  # this rank's shard: merge the partial across ranks
             if q_start <= seg.start:
                 continue  # no rank holds anything before the queries
-            from ..distributed import MergeAcrossRanks, SumGradAcrossRanks
-
             rows_in = rows if fused else SumGradAcrossRanks.apply(rows, seg.cp)
             out_p, lse_p = MergeAcrossRanks.apply(*attend(rows_in, seg.k, seg.v, seg.start, seg.grad, False), seg.cp)
         elif seg.k.shape[1] == 0:

@@ -1,10 +1,31 @@
-"""Blockwise LSE-merged attention against the dense naive twin, in float64."""
+"""LSE-merged attention against the dense naive twin, in float64, through both kernels:
+torch's fused flash forward/backward (`ops/flash.py`) and the blockwise torch kernel."""
 
 import pytest
 import torch
 
+from longstraw.ops import flash
 from longstraw.ops.attention import KVSegment, prefix_causal_attention
 from longstraw.ops.naive import naive_attention
+
+
+@pytest.fixture(params=["flash", "blockwise"], autouse=True)
+def kernel(request, monkeypatch):
+    """Every test runs with the fused kernels on (their backward walking the prefix in
+    blocks of 3 positions, so block edges are crossed) and off."""
+    monkeypatch.setattr(flash, "FUSED_ENABLED", request.param == "flash")
+    monkeypatch.setattr(flash, "BACKWARD_BLOCK", 3)
+    return request.param
+
+
+def test_the_flash_autograd_path_is_taken_when_enabled(kernel, monkeypatch):
+    calls = []
+    apply = flash.FlashAttention.apply
+    monkeypatch.setattr(flash.FlashAttention, "apply", lambda *a: calls.append(1) or apply(*a))
+    q, k, v, pk, pv, dout = _inputs(4, 2, 5, 11, 8, 8)
+    out = prefix_causal_attention(q, k, v, prefixes=[KVSegment(pk, pv, 0)], q_start=11, scale=0.3, block_size=4)
+    torch.autograd.grad(out, q, dout)
+    assert len(calls) == (1 if kernel == "flash" else 0)
 
 
 def _inputs(h, hkv, t, s, d, dv, seed=0, state_grad=False):
@@ -29,9 +50,10 @@ def _naive(q, k, v, pk, pv, q_start, p_start, scale, window):
     [(4, 2, 5, 13, 4, None), (2, 2, 1, 7, 100, None), (6, 2, 6, 0, 4, None),
      (4, 1, 7, 20, 3, 9), (4, 2, 3, 17, 5, 2), (3, 3, 4, 9, 9, None)],
 )
-def test_matches_naive_forward_and_every_input_grad(h, hkv, t, s, block, window):
+@pytest.mark.parametrize("dv", [6, 8])  # the fused kernels need Dv = D; Dv < D (absorbed MLA) is blockwise
+def test_matches_naive_forward_and_every_input_grad(h, hkv, t, s, block, window, dv):
     q_start, p_start, scale = s + 3, 3, 0.37
-    q, k, v, pk, pv, dout = _inputs(h, hkv, t, s, 8, 6)
+    q, k, v, pk, pv, dout = _inputs(h, hkv, t, s, 8, dv)
     out = prefix_causal_attention(q, k, v, prefixes=[KVSegment(pk, pv, p_start)], q_start=q_start,
                                   scale=scale, window=window, block_size=block)
     grads = torch.autograd.grad(out, (q, k, v), dout)

@@ -5,7 +5,7 @@ gated-delta step and the conv step."""
 import pytest
 import torch
 
-from longstraw.ops import attention as attention_ops
+from longstraw.ops import flash
 from longstraw.ops.attention import KVSegment, merge_partials
 from longstraw.ops.causal_conv import causal_conv1d_step
 from longstraw.ops.decode_attention import decode_attention, gathered_partial
@@ -27,7 +27,7 @@ def _randn(gen, *shape):
 ])
 def test_decode_attention_matches_naive_per_branch(monkeypatch, fused, g_branches, h, hkv, s, n, d, dv, window,
                                                     block):
-    monkeypatch.setattr(attention_ops, "FUSED_ENABLED", fused)
+    monkeypatch.setattr(flash, "FUSED_ENABLED", fused)
     gen = torch.Generator().manual_seed(0)
     q = _randn(gen, g_branches, h, d)
     pk, pv = _randn(gen, hkv, s, d), _randn(gen, hkv, s, dv)

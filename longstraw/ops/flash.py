@@ -1,0 +1,146 @@
+"""torch's fused flash-attention kernels, forward and backward, for the LSE-merged
+attention of new tokens over a captured prefix plus themselves.
+
+The blockwise kernel (`attention.PrefixAttention`) is the naive-twin-tested reference;
+this module is its fast path wherever torch has a fused kernel with a backward that
+takes the log-sum-exp (CPU: the flash-attention-for-CPU forward/backward aten ops, in
+float32, float64 and bfloat16).
+
+Forward: one fused call for the causal self part and one per prefix segment (the
+kernel tiles internally: O(rows) memory for any S), merged by log-sum-exp.
+
+Backward, exact across the merge (the ring-attention identity): with the merged output
+o and log-sum-exp L, each part's probabilities are exp(s - L), so every part's gradient
+is the ordinary flash backward of that part called with the GLOBAL o, L and dO:
+
+    dS_part = exp(s - L) * (dO v^T - rowsum(dO * o))
+
+No per-part LSE gradient is needed. Prefix segments are walked in blocks of
+`backward_block` positions, so the per-call dk / dv temporaries are block-sized; they
+are added into the segment's gradient sinks (exact mode) and never into the segment.
+
+Legend: H query heads, Hkv kv heads, g = H / Hkv, T new tokens, M = g*T query rows per
+kv head, S prefix positions, D head dim (the kernels need Dv = D).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..tensors import accumulation_dtype
+
+FUSED_ENABLED = True
+"""Allow the fused kernels (set False to force the blockwise path everywhere)."""
+
+BACKWARD_BLOCK = 8192
+"""Prefix positions per fused backward call (bounds its dk / dv temporaries)."""
+
+
+def fused_kernel(device_type: str, dtype: torch.dtype):
+    """torch's fused flash-attention op for this device and dtype, as a function
+    (q, k, v, causal, scale) -> (out, lse) on [B, H, L, D] inputs, or None.
+
+    CPU: `_scaled_dot_product_flash_attention_for_cpu` (float32/float64/bfloat16).
+    CUDA: `_scaled_dot_product_flash_attention` (FlashAttention-2; half types only).
+    Both return the natural-log log-sum-exp [B, H, L] in float32 (float64 on CPU for
+    float64 inputs), which is what the LSE merge needs."""
+    if not FUSED_ENABLED:
+        return None
+    if device_type == "cpu" and dtype in (torch.float32, torch.float64, torch.bfloat16):
+        op = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+        return None if op is None else (lambda q, k, v, causal, scale: op(q, k, v, 0.0, causal, scale=scale)[:2])
+    if device_type == "cuda" and dtype in (torch.float16, torch.bfloat16):
+        op = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention", None)
+        return None if op is None else (lambda q, k, v, causal, scale: op(q, k, v, 0.0, causal, False,
+                                                                          scale=scale)[:2])
+    return None
+
+
+def fused_backward_kernel(device_type: str, dtype: torch.dtype):
+    """The backward of `fused_kernel` as a function (dout, q, k, v, out, lse, causal,
+    scale) -> (dq, dk, dv) on [B, H, L, D] inputs, or None. CPU only: CUDA's flash
+    backward needs the forward's RNG and sequence bookkeeping, so CUDA keeps the
+    blockwise kernel for autograd."""
+    if not FUSED_ENABLED or device_type != "cpu" or dtype not in (torch.float32, torch.float64, torch.bfloat16):
+        return None
+    op = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu_backward", None)
+    return None if op is None else (lambda do, q, k, v, out, lse, causal, scale: op(do, q, k, v, out, lse, 0.0,
+                                                                                   causal, scale=scale))
+
+
+def merge_partials(out_a, lse_a, out_b, lse_b):
+    """Log-sum-exp merge of two partial softmax attentions over disjoint key sets."""
+    lse = torch.logaddexp(lse_a, lse_b)
+    return torch.exp(lse_a - lse)[..., None] * out_a + torch.exp(lse_b - lse)[..., None] * out_b
+
+
+def can_use_flash_autograd(q, k, v, prefixes, window) -> bool:
+    """FlashAttention applies: a fused forward and backward for this device and dtype, no
+    window, Dv = D, no context-parallel shard, and no prefix that itself requires grad
+    (the prefix is captured state: constant to autograd, its gradient goes to sinks)."""
+    if window is not None or v.shape[-1] != q.shape[-1]:
+        return False
+    if fused_kernel(q.device.type, q.dtype) is None or fused_backward_kernel(q.device.type, q.dtype) is None:
+        return False
+    return not any(seg.cp is not None or seg.k.requires_grad or seg.v.requires_grad for seg in prefixes)
+
+
+class FlashAttention(torch.autograd.Function):
+    """Causal attention of T new tokens over prefix segments plus themselves, fused.
+
+    forward(q [H, T, D], k [Hkv, T, D], v [Hkv, T, D], prefixes (KVSegments, each
+    k, v [Hkv, S_j, D], optional grad sinks), scale, backward_block) -> out [Hkv, M, D]
+    in the accumulation dtype, row layout (head j*g + i of token t is row i*T + t of kv
+    head j). Gradients go to q, k, v and into the segments' sinks.
+    """
+
+    @staticmethod
+    def forward(ctx, q, k, v, prefixes, scale, backward_block):
+        h, t, d = q.shape
+        hkv = k.shape[0]
+        g = h // hkv
+        flash = fused_kernel(q.device.type, q.dtype)
+        acc = accumulation_dtype(q.dtype)
+        # self part: causal over the new tokens; their K/V expanded over the GQA group (T-sized)
+        out, lse = flash(q[None], k.repeat_interleave(g, 0)[None], v.repeat_interleave(g, 0)[None], True, scale)
+        out, lse = out[0].reshape(hkv, g * t, d).to(acc), lse[0].reshape(hkv, g * t)
+        rows = q.reshape(1, hkv, g * t, d)  # no mask: the g query heads of a kv head are rows
+        for seg in prefixes:
+            if seg.k.shape[1] == 0:
+                continue
+            out_p, lse_p = flash(rows, seg.k[None], seg.v[None], False, scale)
+            out, lse = merge_partials(out_p[0].to(acc), lse_p[0], out, lse), torch.logaddexp(lse_p[0], lse)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.prefixes, ctx.scale, ctx.backward_block = prefixes, scale, backward_block
+        return out
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_out):
+        q, k, v, out, lse = ctx.saved_tensors
+        h, t, d = q.shape
+        hkv = k.shape[0]
+        g = h // hkv
+        backward = fused_backward_kernel(q.device.type, q.dtype)
+        scale = ctx.scale
+        do_rows = grad_out.to(q.dtype).reshape(1, hkv, g * t, d)
+        out_rows = out.to(q.dtype).reshape(1, hkv, g * t, d)
+        lse_rows = lse.reshape(1, hkv, g * t)
+        # self part, head layout; GQA: the expanded dk, dv summed back over the group
+        dq, dk, dv = backward(do_rows.reshape(1, h, t, d), q[None], k.repeat_interleave(g, 0)[None],
+                              v.repeat_interleave(g, 0)[None], out_rows.reshape(1, h, t, d), lse_rows.reshape(1, h, t),
+                              True, scale)
+        dq = dq[0].to(accumulation_dtype(q.dtype))  # (H, T, D)
+        dk = dk[0].reshape(hkv, g, t, d).sum(1)
+        dv = dv[0].reshape(hkv, g, t, d).sum(1)
+        rows = q.reshape(1, hkv, g * t, d)
+        for seg in ctx.prefixes:
+            for b0 in range(0, seg.k.shape[1], ctx.backward_block):
+                b1 = min(seg.k.shape[1], b0 + ctx.backward_block)
+                kb, vb = seg.k[:, b0:b1].contiguous(), seg.v[:, b0:b1].contiguous()
+                dq_b, dk_b, dv_b = backward(do_rows, rows, kb[None], vb[None], out_rows, lse_rows, False, scale)
+                dq += dq_b[0].reshape(h, t, d)
+                if seg.grad is not None:
+                    seg.grad[0][:, b0:b1] += dk_b[0].to(seg.grad[0].dtype)
+                    seg.grad[1][:, b0:b1] += dv_b[0].to(seg.grad[1].dtype)
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
