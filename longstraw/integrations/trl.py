@@ -336,9 +336,11 @@ class LongStrawGRPOTrainer(trl.GRPOTrainer):
             m = result.metrics
             loss += result.loss
             skipped = m["skipped_zero_advantage"] > 0
-            self._window["captures"] += state is None and not skipped
-            for key in ("time_capture_s", "time_replay_s", "time_reverse_s"):
-                self._window[key] += m[key] if state is None or key != "time_capture_s" else 0.0
+            if state is None and not skipped:  # the rollout's state was dropped or stale: captured again
+                self._window["captures"] += 1
+                self._window["time_capture_s"] += m["time_capture_s"]
+            self._window["time_replay_s"] += m["time_replay_s"]
+            self._window["time_reverse_s"] += m["time_reverse_s"]
             self._window["state_grad_bytes"] = max(self._window["state_grad_bytes"], m["state_grad_bytes"])
             if not skipped:
                 tokens += m["response_tokens"]

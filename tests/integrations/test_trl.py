@@ -220,7 +220,7 @@ def _reward_even(completion_ids, **kwargs):
     return [sum(t % 2 == 0 for t in c) / len(c) for c in completion_ids]
 
 
-def _e2e_trainer(tmp_path, **overrides):
+def _e2e_trainer(tmp_path, keep_states=True, **overrides):
     model = tiny_model("qwen3", dtype=torch.float32)
     args = dict(output_dir=str(tmp_path / "e2e"), per_device_train_batch_size=4, num_generations=4,
                 max_completion_length=4, max_steps=3, save_strategy="steps", save_steps=2, logging_steps=1,
@@ -228,7 +228,7 @@ def _e2e_trainer(tmp_path, **overrides):
     return LongStrawGRPOTrainer(model=model, reward_funcs=_reward_even, args=trl.GRPOConfig(**{**args, **overrides}),
                                 train_dataset=datasets.Dataset.from_dict({"prompt": _prompts(6)}),
                                 processing_class=token_id_tokenizer(VOCAB, eos_token_id=EOS),
-                                longstraw_config=ls.ExecConfig(chunk_size=4))
+                                longstraw_config=ls.ExecConfig(chunk_size=4), longstraw_keep_states=keep_states)
 
 
 def test_train_logs_checkpoints_and_resumes(tmp_path):
@@ -268,6 +268,12 @@ def test_unsupported_settings_refused_at_construction(tmp_path, overrides, needl
     with pytest.raises(ls.ConfigError, match="LongStrawGRPOTrainer cannot run") as info:
         _e2e_trainer(tmp_path, **overrides)
     assert needle in str(info.value)
+
+
+def test_dropped_states_are_captured_again(tmp_path):
+    trainer = _e2e_trainer(tmp_path, keep_states=False, max_steps=1, save_strategy="no")
+    trainer.train()
+    assert trainer.state.log_history[0]["longstraw/captures"] == 2  # generation, then the update
 
 
 def test_gradient_checkpointing_is_turned_off(tmp_path):
