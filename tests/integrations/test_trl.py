@@ -128,7 +128,13 @@ def _patch_longstraw(trainer):
     return captures
 
 
-def _run_pair(model, tmp_path, *, args=None, peft_config=None, prepare=lambda m: None, num_prompts=2):
+def _norms(trainer):
+    for model in (trainer.model, trainer.ref_model):
+        if model is not None:
+            float64_norms(model)
+
+
+def _run_pair(model, tmp_path, *, args=None, peft_config=None, prepare=lambda trainer: None, num_prompts=2):
     """Train a copy of `model` with each trainer; return (trl, ours) results."""
     dataset = datasets.Dataset.from_dict({"prompt": _prompts(num_prompts)})
     out = []
@@ -138,7 +144,7 @@ def _run_pair(model, tmp_path, *, args=None, peft_config=None, prepare=lambda m:
         trainer = cls(model=copy.deepcopy(model), reward_funcs=[reward], args=_args(tmp_path, cls.__name__, **args),
                       train_dataset=dataset, processing_class=token_id_tokenizer(VOCAB, eos_token_id=EOS),
                       callbacks=[grads], peft_config=peft_config, **kwargs)
-        prepare(trainer.model)
+        prepare(trainer)
         captures = _patch_longstraw(trainer) if cls is LongStrawGRPOTrainer else _patch_trl(trainer)
         before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
         trainer.train()
@@ -172,7 +178,7 @@ def _assert_same(theirs, ours, rel=1e-9):
 @pytest.mark.parametrize("loss_type,scale_rewards", [("dapo", "group"), ("grpo", "batch"), ("dr_grpo", "none")])
 def test_one_step_equals_trl_dense(tmp_path, float64_trl, loss_type, scale_rewards):
     """2 prompts x G=4 over 2 accumulation micro-steps; every TRL loss type we map."""
-    theirs, ours = _run_pair(tiny_model("qwen3"), tmp_path, prepare=float64_norms,
+    theirs, ours = _run_pair(tiny_model("qwen3"), tmp_path, prepare=_norms,
                              args=dict(loss_type=loss_type, scale_rewards=scale_rewards))
     _assert_same(theirs, ours)
     assert len(ours["captures"]) == 2  # one capture per prompt: generation's state served the update
@@ -198,7 +204,7 @@ def test_peft_beta_num_iterations_equal_trl(tmp_path, float64_trl):
     (old log-probs; the second pass recaptures after the optimizer step): two steps."""
     peft = pytest.importorskip("peft")
     lora = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "o_proj"], init_lora_weights=False)
-    theirs, ours = _run_pair(tiny_model("qwen3"), tmp_path, peft_config=lora, prepare=float64_norms,
+    theirs, ours = _run_pair(tiny_model("qwen3"), tmp_path, peft_config=lora, prepare=_norms,
                              args=dict(beta=0.1, num_iterations=2, max_steps=2))
     _assert_same(theirs, ours)
     assert ours["logs"][0]["kl"] > 0
@@ -206,9 +212,25 @@ def test_peft_beta_num_iterations_equal_trl(tmp_path, float64_trl):
     assert len(ours["captures"]) == 2 + 2 + 2
 
 
+def test_ref_model_beta_equals_trl(tmp_path, float64_trl):
+    """beta > 0 without PEFT: TRL loads `ref_model` from the policy's path (here a perturbed
+    copy, so the KL is not 0); LongStraw scores it through a second engine."""
+    model = tiny_model("qwen3")
+    ref = copy.deepcopy(model)
+    with torch.no_grad():
+        for p in ref.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    ref.save_pretrained(tmp_path / "ref")
+    model.config._name_or_path = str(tmp_path / "ref")
+    theirs, ours = _run_pair(model, tmp_path, prepare=_norms, args=dict(beta=0.2, gradient_accumulation_steps=1))
+    _assert_same(theirs, ours)
+    assert ours["logs"][0]["kl"] > 0
+    assert len(ours["captures"]) == 1  # the policy engine captured once; the reference engine on its own
+
+
 def test_stock_kernel_agrees_to_float32(tmp_path, float64_default):
     """Without the swap, only TRL's float32 softmax statistics separate the two."""
-    theirs, ours = _run_pair(tiny_model("qwen3"), tmp_path, prepare=float64_norms, args=dict(gradient_accumulation_steps=1))
+    theirs, ours = _run_pair(tiny_model("qwen3"), tmp_path, prepare=_norms, args=dict(gradient_accumulation_steps=1))
     _assert_same(theirs, ours, rel=1e-5)
 
 
