@@ -134,7 +134,7 @@ def sweep(args, method: str, info: dict) -> list[dict]:
                 row = json.loads(out.strip().splitlines()[-1])
             except (ValueError, IndexError):
                 row["status"] = "failed: no result line"
-        if row["status"] != "ok":
+        if row["status"].startswith("failed"):  # the worker's last words
             tail = err.strip().splitlines()[-1:] if err.strip() else []
             row["status"] = f"{row['status']} {tail[0][:160] if tail else ''}".strip()
         row.update(kill_rss_gib=args.kill_rss_gib, chunk_size=args.exact_chunk_size if method.endswith("exact")
