@@ -167,6 +167,8 @@ def summarize(rows: list[dict], kill_gib: float) -> dict:
         if r["status"] == "ok":
             ok.setdefault(r["method"], {})[int(r["P"])] = r
     largest = {m: max(ps) if ps else 0 for m, ps in ok.items()}
+    last = {r["method"]: r for r in rows}  # a sweep that ended on an ok row stopped at --max-prompt-tokens
+    bounded = {m: last[m]["status"] == "ok" for m in largest}
     print("\nratios TRL / LongStraw at the same P (peak above setup, step time):")
     ratios = {}
     for m in ("longstraw", "longstraw_exact"):
@@ -176,12 +178,15 @@ def summarize(rows: list[dict], kill_gib: float) -> dict:
             time_ratio = float(t["step_time_s"]) / float(s["step_time_s"])
             ratios.setdefault(m, {})[P] = {"peak": round(peak_ratio, 2), "time": round(time_ratio, 2)}
             print(f"  {m:16s} P={P:>8d}  peak {peak_ratio:6.2f}x  step time {time_ratio:6.2f}x")
-    print(f"\nlargest P under {kill_gib:g} GiB: " + ", ".join(f"{m} {p}" for m, p in largest.items()))
+    print(f"\nlargest P under {kill_gib:g} GiB: " + ", ".join(
+        f"{m} {'>= ' if bounded[m] else ''}{p}" + (" (the sweep's end, not the cap)" if bounded[m] else "")
+        for m, p in largest.items()))
     trl_p = largest.get("trl", 0)
     reach = {m: round(p / trl_p, 1) for m, p in largest.items() if m != "trl" and trl_p}
     for m, x in reach.items():
         print(f"  {m}: {x}x TRL's largest P")
-    return {"largest_P": largest, "largest_P_vs_trl": reach, "ratios_trl_over_longstraw": ratios,
+    return {"largest_P": largest, "reached_sweep_end": bounded, "largest_P_vs_trl": reach,
+            "ratios_trl_over_longstraw": ratios,
             "kill_rss_gib": kill_gib}
 
 
