@@ -170,3 +170,19 @@ def test_bf16_exact_mode_sums_state_gradients_in_float32():
     want = prompt_rows(model.double())
     u = 2.0 ** -8
     assert (got - want).norm() <= 16 * u * want.norm(), float((got - want).norm() / want.norm() / u)
+
+
+@pytest.mark.parametrize("trainable", ["layers.0.self_attn.v_proj.weight", "layers.0.self_attn.k_proj.weight"])
+@pytest.mark.parametrize("chunk", [4, 100])
+def test_frozen_queries_still_carry_state_gradients(trainable, chunk):
+    """Only one projection of the first layer trains (as LoRA on v_proj leaves embeddings,
+    q and k frozen): the prompt state's gradient sinks must fill although nothing upstream
+    needs dq, and dv alone must be computed when dk is not needed."""
+    model = float64_norms(tiny_model("qwen3"))
+    for name, p in model.named_parameters():
+        p.requires_grad_(name.endswith(trainable))
+    group = random_group(97, 9, [3, 4], seed=7)
+    result, got = _step(model, group, chunk_size=chunk)
+    loss, want = _full_sequence_reference(model, group)
+    assert_loss_close(result.loss, loss)
+    assert_grads_close(got, want, 1e-9)

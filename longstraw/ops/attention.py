@@ -124,7 +124,7 @@ class PrefixAttention(torch.autograd.Function):
             del scores
             dscores = torch.matmul(grad_out, vb.transpose(1, 2)).sub_(delta[..., None]).mul_(probs)  # (Hkv, M, B)
             dq += torch.matmul(dscores, kb) * scale
-            if need_dk or sink is not None:
+            if need_dk or need_dv or sink is not None:
                 dk_block = torch.matmul(dscores.transpose(1, 2), qa) * scale  # (Hkv, B, D)
                 dv_block = torch.matmul(probs.transpose(1, 2), grad_out)  # (Hkv, B, Dv)
                 if sink is not None:
@@ -212,6 +212,10 @@ def prefix_causal_attention(q, k, v, *, prefixes: list[KVSegment], q_start: int,
                     q.new_full((hkv, g * t), float("-inf"), dtype=acc))
         if fused:
             return _flash_partial(q, seg_k, seg_v, scale, causal)
+        if grad is not None and torch.is_grad_enabled() and not rows_in.requires_grad:
+            # a gradient sink must see backward even when nothing upstream needs dq (a frozen
+            # first layer under LoRA): make the queries a throwaway leaf
+            rows_in = rows_in.detach().requires_grad_()
         return PrefixAttention.apply(rows_in, seg_k, seg_v, q_pos, seg_start, scale, window, block_size, grad, causal)
 
     # self part: causal over the new tokens. The blockwise kernel holds O(M x block)
