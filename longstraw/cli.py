@@ -53,7 +53,7 @@ def demo(args) -> int:
     import torch
 
     import longstraw as ls
-    from longstraw.demo_memory import naive_bytes_per_token, peak_rss_bytes, rss_bytes
+    from longstraw.measure import naive_bytes_per_token, peak_rss_bytes, rss_bytes
     from longstraw.tiny import tiny_model
 
     rank, device = _init_torchrun()

@@ -40,7 +40,7 @@ def test_progress_shows_one_bar_per_phase_and_none_per_piece(capsys):
 def test_naive_estimate_drops_only_hf_kernel_fallback_warnings(caplog):
     import logging
 
-    from longstraw.demo_memory import without_hf_kernel_fallback_warning
+    from longstraw.measure import without_hf_kernel_fallback_warning
 
     hf = logging.getLogger("transformers.integrations.hub_kernels")
     fallback = ("`chunk_gated_delta_rule` is falling back to its reference PyTorch implementation because "

@@ -308,7 +308,7 @@ def test_activation_model_is_calibrated_on_hf_saved_tensors():
     saved bytes per token between a 1- and a 2-layer model)."""
     import torch
 
-    from longstraw.demo_memory import naive_bytes_per_token
+    from longstraw.measure import naive_bytes_per_token
     from longstraw.plan.arch import architecture
     from longstraw.plan.working import graph_bytes_per_token
     from longstraw.tiny import tiny_model

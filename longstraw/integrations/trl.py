@@ -55,7 +55,7 @@ from ..config import ExecConfig, GRPOConfig
 from ..engine import Engine
 from ..errors import ConfigError, ModelStateError, StaleStateError
 from ..group import BatchTotals, Group
-from ..memory import peak_rss_bytes
+from ..measure import peak_rss_bytes
 from ..rollout import check_state
 
 try:

@@ -16,7 +16,6 @@ log-softmax in the model's dtype (same maths), as `float64_norms` / `float64_hyb
 for HF's float32 internals; then the trainers agree to 1e-9.
 """
 
-import contextlib
 import copy
 
 import pytest

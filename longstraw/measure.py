@@ -1,4 +1,4 @@
-"""The memory figures `longstraw demo` prints: this process's RSS and its peak, and the
+"""Memory figures the library reports (`longstraw demo`, the TRL trainer's logs): this process's RSS and its peak, and the
 graph bytes per token of the naive full-sequence path (the activation bytes one HF
 forward saves for backward, measured at two short lengths instead of run at full length).
 
