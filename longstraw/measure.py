@@ -1,6 +1,7 @@
-"""Memory figures the library reports (`longstraw demo`, the TRL trainer's logs): this process's RSS and its peak, and the
-graph bytes per token of the naive full-sequence path (the activation bytes one HF
-forward saves for backward, measured at two short lengths instead of run at full length).
+"""Memory figures the library reports (`longstraw demo`, the TRL trainer's logs): this
+process's RSS and its peak, and the graph bytes per token of the naive full-sequence path
+(the activation bytes one HF forward saves for backward, measured at two short lengths
+instead of run at full length).
 
 Benchmark-only measurements (the live-tensor peak from the profiler) live in `bench/`."""
 
