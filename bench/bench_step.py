@@ -35,7 +35,7 @@ The baselines' log-probs and loss come from `tests/reference.py` (`hf_full_logpr
 
 Measurement (as bench/bench_dense.py)
 -------------------------------------
-Each measurement is one subprocess (`--worker`): torch.set_num_threads(2), build
+Each measurement is one subprocess (`--worker`): torch.set_num_threads(2) (env BENCH_THREADS), build
 `longstraw.tiny.tiny_model(family, dtype=float32)` and
 `longstraw.tiny.random_group(4096, P, G, R, seed=0)`, gc.collect(), read RSS
 (`rss_after_model`), run the method (time.perf_counter), read the peak RSS (ru_maxrss);
@@ -87,7 +87,7 @@ METHODS = ("detached", "exact", "exact_kept", "exact_blockwise", "naive", "batch
            "hf_forward")
 LONGSTRAW_STEPS = ("detached", "exact", "exact_kept", "exact_blockwise")
 DENSE_FAMILIES = ("qwen3",)
-THREADS = 2
+THREADS = int(os.environ.get("BENCH_THREADS", "2"))  # torch threads per worker (1: a core of its own beside another job)
 VOCAB = 4096
 MIB, GIB = 2**20, 2**30
 BUSY_PATTERN = re.compile(r"bench_dense|/tmp/diag|pytest")
