@@ -156,7 +156,7 @@ def worker_live(args) -> dict:
 
     torch.set_num_threads(THREADS)
     import longstraw as ls
-    from longstraw.memory import live_tensor_peak
+    from live_peak import live_tensor_peak
     from longstraw.tiny import random_group, tiny_model
 
     model = tiny_model("qwen3", dtype=torch.float32)

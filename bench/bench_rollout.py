@@ -20,7 +20,7 @@ Methods (`--methods`), each timed as one whole iteration in a fresh process:
 
 Every branch runs the full R tokens (no eos), so every method does the same decoding.
 Rewards are random (fixed seed). Measurement: a subprocess per row (`--worker`), 2 torch
-threads, model built first, then RSS read; `peak_above_model` = ru_maxrss - that RSS.
+threads (env BENCH_THREADS), model built first, then RSS read; `peak_above_model` = ru_maxrss - that RSS.
 Rows are appended to `--out` (CSV); the driver prints a table with ratios against
 `reuse` (same G) and ends with one JSON line.
 
@@ -46,7 +46,7 @@ from bench.proc import code_info, cpu_model, mem_total, peak_rss, status_bytes  
 
 FIELDS = ["family", "method", "prompt_tokens", "group", "response_tokens", "time_s", "time_generate_s",
           "time_update_s", "peak_above_model", "peak_generate_above_model", "state_bytes", "branch_state_bytes",
-          "load_avg_1m", "cpu", "mem_total", "git_rev", "longstraw_dirty"]
+          "load_avg_1m", "threads", "cpu", "mem_total", "git_rev", "longstraw_dirty"]
 
 
 def worker(args) -> dict:
@@ -55,7 +55,7 @@ def worker(args) -> dict:
     import longstraw as ls
     from longstraw.tiny import tiny_model
 
-    torch.set_num_threads(2)
+    torch.set_num_threads(int(os.environ.get("BENCH_THREADS", "2")))
     model = tiny_model(args.family, dtype=torch.float32)
     vocab = model.config.vocab_size
     prompt = torch.randint(0, vocab, (args.prompt_tokens,), generator=torch.Generator().manual_seed(0))
@@ -98,7 +98,8 @@ def run_one(args, method: str, group: int) -> dict:
         raise RuntimeError(f"{method} G={group} failed:\n{done.stderr[-3000:]}")
     row = json.loads(done.stdout.strip().splitlines()[-1])
     row.update(family=args.family, method=method, prompt_tokens=args.prompt_tokens, group=group,
-               response_tokens=args.response_tokens, load_avg_1m=os.getloadavg()[0], cpu=cpu_model(),
+               response_tokens=args.response_tokens, load_avg_1m=os.getloadavg()[0],
+               threads=int(os.environ.get("BENCH_THREADS", "2")), cpu=cpu_model(),
                mem_total=mem_total(), **code_info(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
     return row
 

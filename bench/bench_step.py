@@ -8,6 +8,10 @@ Methods (`--methods`)
 * `exact`: the same with `mode="exact"` and `chunk_size=--exact-chunk-size` (default
   1024): the full-sequence gradient, by recomputing capture chunks in reverse. Its peak
   is one chunk's autograd graph, so the chunk must be well below P.
+* `exact_kept`: exact mode with `keep_graph_bytes=--keep-graph-bytes` (default: all):
+  capture keeps the chunks' graphs that fit and the reverse walk recomputes only the rest.
+* `exact_blockwise`: exact mode with the fused flash kernels off (`ops/flash.FUSED_ENABLED
+  = False`): every attention through the blockwise torch kernel, as before the fused path.
 * `naive`: per branch, one full-sequence HF forward + backward over prompt + response
   (`tests.reference.hf_full_logprobs`, logits_to_keep=R+1), that branch's share of the
   DAPO loss, backward, free: G sequential full sequences.
@@ -31,7 +35,7 @@ The baselines' log-probs and loss come from `tests/reference.py` (`hf_full_logpr
 
 Measurement (as bench/bench_dense.py)
 -------------------------------------
-Each measurement is one subprocess (`--worker`): torch.set_num_threads(2), build
+Each measurement is one subprocess (`--worker`): torch.set_num_threads(2) (env BENCH_THREADS), build
 `longstraw.tiny.tiny_model(family, dtype=float32)` and
 `longstraw.tiny.random_group(4096, P, G, R, seed=0)`, gc.collect(), read RSS
 (`rss_after_model`), run the method (time.perf_counter), read the peak RSS (ru_maxrss);
@@ -56,7 +60,7 @@ table, ratios against `--ratio-to` (same family, P, G), and ends with one JSON l
 
 Usage:
     .venv/bin/python bench/bench_step.py --family qwen3_5 --methods detached exact naive \\
-        --prompt-tokens 8192 --groups 2 8 --response-tokens 128 --out bench/results/issue5.csv
+        --prompt-tokens 8192 --groups 2 8 --response-tokens 128 --out bench/out/hybrid_8k.csv
     .venv/bin/python bench/bench_step.py --selfcheck    # baselines agree with each other (small P)
 """
 
@@ -79,9 +83,11 @@ if REPO not in sys.path:
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from proc import code_info, cpu_model, machine_busy_s, mem_total, own_cpu_s, peak_rss, status_bytes  # noqa: E402  (torch-free)
 
-METHODS = ("detached", "exact", "naive", "batched", "prefix_grouper", "capture", "hf_forward")
+METHODS = ("detached", "exact", "exact_kept", "exact_blockwise", "naive", "batched", "prefix_grouper", "capture",
+           "hf_forward")
+LONGSTRAW_STEPS = ("detached", "exact", "exact_kept", "exact_blockwise")
 DENSE_FAMILIES = ("qwen3",)
-THREADS = 2
+THREADS = int(os.environ.get("BENCH_THREADS", "2"))  # torch threads per worker (1: a core of its own beside another job)
 VOCAB = 4096
 MIB, GIB = 2**20, 2**30
 BUSY_PATTERN = re.compile(r"bench_dense|/tmp/diag|pytest")
@@ -95,11 +101,14 @@ PLAN_MODEL = {"qwen3": "tiny-qwen3",
 
 
 def _exec_kwargs(args, method: str) -> dict:
-    kw = {"chunk_size": args.exact_chunk_size if method == "exact" else args.chunk_size,
+    exact = method.startswith("exact")
+    kw = {"chunk_size": args.exact_chunk_size if exact else args.chunk_size,
           "attention_block_size": args.attention_block_size, "logits_chunk_size": args.logits_chunk_size,
           "branch_chunk_size": args.branch_chunk_size}
-    if method == "exact":
+    if exact:
         kw["mode"] = "exact"
+    if method == "exact_kept":
+        kw["keep_graph_bytes"] = args.keep_graph_bytes
     return kw
 
 
@@ -134,14 +143,14 @@ def batched_step(model, group, grpo):
     logits_to_keep = R + 1, the group loss, one backward."""
     import torch
 
-    from tests.reference import _gather_logprobs
+    from tests.reference import gather_logprobs
 
     lens = {int(r.numel()) for r in group.responses}
     assert len(lens) == 1, "batched: equal response lengths (no padding) only"
     r_len = lens.pop()
     ids = torch.stack([torch.cat([group.prompt, r]) for r in group.responses])  # (G, P + R)
     logits = model(ids, logits_to_keep=r_len + 1).logits[:, :-1]  # (G, R, V)
-    logps = [_gather_logprobs(logits[i], r, grpo.temperature) for i, r in enumerate(group.responses)]
+    logps = [gather_logprobs(logits[i], r, grpo.temperature) for i, r in enumerate(group.responses)]
     loss = _dapo_share(logps, group, grpo)
     loss.backward()
     return float(loss.detach()), {}
@@ -185,7 +194,7 @@ def prefix_grouper_step(model, group, grpo):
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface
 
-    from tests.reference import _gather_logprobs
+    from tests.reference import gather_logprobs
 
     register_attention()
     AttentionInterface.register(_FA2_LIKE, _fa2_semantics_sdpa)
@@ -203,7 +212,7 @@ def prefix_grouper_step(model, group, grpo):
     _, _, suffix_h, suffix_mask = pg.split_output(hidden, include_prefix_last=1)  # (G, R + 1, d)
     assert bool(suffix_mask.all())
     logits = model.lm_head(suffix_h[:, :-1])  # (G, R, V): position t predicts response token t
-    logps = [_gather_logprobs(logits[i], r, grpo.temperature) for i, r in enumerate(group.responses)]
+    logps = [gather_logprobs(logits[i], r, grpo.temperature) for i, r in enumerate(group.responses)]
     loss = _dapo_share(logps, group, grpo)
     loss.backward()
     return float(loss.detach()), {}
@@ -238,7 +247,11 @@ def run_method(method, model, group, args):
     import longstraw as ls
 
     grpo = ls.GRPOConfig()
-    if method in ("detached", "exact"):
+    if method == "exact_blockwise":  # exact mode through the blockwise torch kernel only (no fused flash)
+        import longstraw.ops.flash as flash
+
+        flash.FUSED_ENABLED = False
+    if method in LONGSTRAW_STEPS:
         return longstraw_step(model, group, grpo, _exec_kwargs(args, method))
     if method == "naive":
         return naive_step(model, group, grpo)
@@ -335,16 +348,17 @@ def plan_run(family: str, mode: str, P: int, G: int, R: int, exec_kwargs: dict, 
     cfg = PlanConfig(prompt_tokens=P, group=G, response_tokens=R, mode=mode, dtype="float32",
                      chunk_size=kw["chunk_size"], attention_block_size=kw["attention_block_size"],
                      logits_chunk_size=kw["logits_chunk_size"], branch_chunk_size=kw["branch_chunk_size"],
-                     self_attention=self_attention, grads_during_capture=not first_group)
+                     self_attention=self_attention, grads_during_capture=not first_group,
+                     keep_graph_bytes=kw.get("keep_graph_bytes", 0))
     r = estimate(PLAN_MODEL[family], cfg)
     return r, r["peak_bytes_per_rank"] - r["param_bytes"] - r["optimizer_bytes"]
 
 
 def planner_prediction(args, method: str, params_model: int) -> dict:
     """The capacity planner's figures for this measurement (fp32, no optimizer)."""
-    if method not in ("detached", "exact"):
+    if method not in ("detached", "exact", "exact_kept"):
         return {}
-    r, held = plan_run(args.family, method, args.worker_p, args.worker_g, args.response_tokens,
+    r, held = plan_run(args.family, "exact" if method == "exact_kept" else method, args.worker_p, args.worker_g, args.response_tokens,
                        _exec_kwargs(args, method), first_group=False, self_attention=args.plan_self_attention)
     return {"plan_peak_bytes": r["peak_bytes_per_rank"], "plan_param_bytes": r["param_bytes"],
             "plan_grad_bytes": r["grad_bytes"], "plan_optimizer_bytes": r["optimizer_bytes"],
@@ -374,7 +388,7 @@ def worker(args) -> dict:
             p.grad = None
     gc.collect()
     if args.live_peak_worker:
-        from longstraw.memory import live_tensor_peak
+        from live_peak import live_tensor_peak
 
         peak = live_tensor_peak(lambda: run_method(method, model, group, args))
         return {"live_tensor_peak": peak}
@@ -405,7 +419,7 @@ def worker(args) -> dict:
         "warmup": bool(args.warmup),
         "malloc_env": " ".join(f"{k}={v}" for k, v in sorted(os.environ.items()) if k.startswith("MALLOC_")),
     }
-    if method in ("detached", "exact", "capture"):
+    if method in LONGSTRAW_STEPS + ("capture",):
         kw = _exec_kwargs(args, method)
         row.update(chunk_size=kw["chunk_size"], attention_block_size=kw["attention_block_size"],
                    logits_chunk_size=kw["logits_chunk_size"], branch_chunk_size=kw["branch_chunk_size"])
@@ -530,7 +544,7 @@ def _worker_cmd(args, method, P, G, live=False) -> list[str]:
     cmd = [sys.executable, os.path.abspath(__file__), "--worker", "--family", args.family, "--worker-method", method,
            "--worker-p", str(P), "--worker-g", str(G), "--response-tokens", str(args.response_tokens),
            "--chunk-size", str(args.chunk_size), "--exact-chunk-size", str(args.exact_chunk_size),
-           "--attention-block-size", str(args.attention_block_size),
+           "--keep-graph-bytes", str(args.keep_graph_bytes), "--attention-block-size", str(args.attention_block_size),
            "--logits-chunk-size", str(args.logits_chunk_size), "--plan-self-attention", args.plan_self_attention]
     if args.branch_chunk_size:
         cmd += ["--branch-chunk-size", str(args.branch_chunk_size)]
@@ -673,6 +687,8 @@ def main(argv=None) -> int:
     p.add_argument("--chunk-size", type=int, default=4096, help="ExecConfig.chunk_size (detached, capture)")
     p.add_argument("--exact-chunk-size", type=int, default=1024,
                    help="ExecConfig.chunk_size for exact mode (its peak is one chunk's graph: keep it well below P)")
+    p.add_argument("--keep-graph-bytes", type=int, default=1 << 40,
+                   help="ExecConfig.keep_graph_bytes of method exact_kept (default: every chunk's graph is kept)")
     p.add_argument("--attention-block-size", type=int, default=1024)
     p.add_argument("--logits-chunk-size", type=int, default=1024)
     p.add_argument("--branch-chunk-size", type=int, default=None)

@@ -1,7 +1,7 @@
 """Plots of the peer comparison (bench/bench_step.py rows): peak memory vs P, step time
 vs P, peak memory vs G, one line per method, one panel per model family.
 
-    .venv/bin/python bench/plot_results.py bench/results/issue7_sweep.csv bench/results/issue7_exact256.csv \
+    .venv/bin/python bench/plot_results.py bench/results/peers_sweep.csv bench/results/peers_exact256.csv \
         --out-dir docs
 
 Reads every row with status "ok" (repeats: median peak, fastest time); exact-mode rows

@@ -1,7 +1,7 @@
 """Process measurements shared by the benchmark scripts, from /proc and getrusage.
 
 Torch-free on purpose: the drivers import it without importing torch, so they put no
-floor under their workers' figures. (`longstraw.memory` has the in-library RSS helpers,
+floor under their workers' figures. (`longstraw.measure` has the RSS helpers the demo uses,
 but importing `longstraw` imports torch.)
 """
 

@@ -3,7 +3,7 @@ bench/results/. Repeats of one (family, method, P, G, chunk) are aggregated: med
 fastest time (phase times from that fastest run).
 
     .venv/bin/python bench/summarize.py            # every table, to stdout
-    .venv/bin/python bench/summarize.py issue5     # one section
+    .venv/bin/python bench/summarize.py exact      # one section
 """
 
 from __future__ import annotations
@@ -77,10 +77,10 @@ def verdict(ok):
 # ---------------------------------------------------------------------------
 
 
-def issue3():
-    cap = agg(load("issue3_capture_vs_hf.csv"), key=("method",))
-    det = agg(load("issue3_detached.csv"), key=("G",))
-    out = ["### Issue 3: hybrid capture vs HF forward, P = 65,536", ""]
+def capture():
+    cap = agg(load("hybrid_capture_vs_hf.csv"), key=("method",))
+    det = agg(load("hybrid_64k_detached.csv"), key=("G",))
+    out = ["### Hybrid capture vs HF forward, P = 65,536", ""]
     c, h = cap.get(("capture",)), cap.get(("hf_forward",))
     if c and h and c["n"] and h["n"]:
         rows = [[m, r["n"], " / ".join(sec(t) for t in r["times"]), sec(r["time"]), mib(r["peak"]),
@@ -104,13 +104,13 @@ def issue3():
     return "\n".join(out)
 
 
-# re-measured after the in-place attention kernel (the first runs: issue5_hybrid_8k.csv, issue5_exact_chunk.csv)
-ISSUE5_MAIN, ISSUE5_CHUNK = "issue5_hybrid_8k_inplace.csv", "issue5_exact_chunk_inplace.csv"
+# re-measured after the in-place attention kernel (the first runs: hybrid_8k_modes_before_inplace.csv, hybrid_exact_chunk_before_inplace.csv)
+EXACT_MAIN, EXACT_CHUNK = "hybrid_8k_modes.csv", "hybrid_exact_chunk.csv"
 
 
-def issue5():
-    main = agg(load(ISSUE5_MAIN))
-    out = ["### Issue 5: hybrid, P = 8,192, R = 128 (exact: chunk 1024)", ""]
+def exact():
+    main = agg(load(EXACT_MAIN))
+    out = ["### Exact mode: hybrid, P = 8,192, R = 128 (exact: chunk 1024)", ""]
     rows = []
     for g in ("2", "8"):
         for m in ("detached", "exact", "naive"):
@@ -150,7 +150,7 @@ def issue5():
     except (TypeError, KeyError):
         pass
 
-    ch = agg(load(ISSUE5_CHUNK) + [r for r in load(ISSUE5_MAIN) if r["method"] == "exact"])
+    ch = agg(load(EXACT_CHUNK) + [r for r in load(EXACT_MAIN) if r["method"] == "exact"])
     det = {k[3]: v for k, v in main.items() if k[1] == "detached" and v["n"]}
     rows = []
     for k, r in sorted(ch.items(), key=lambda kv: (int(kv[0][3]), int(kv[0][4] or 0))):
@@ -168,10 +168,10 @@ def issue5():
     return "\n".join(out)
 
 
-def issue4():
-    rows_all = load("issue4_glm_dsa.csv")
+def dsa():
+    rows_all = load("glm_dsa_sweep.csv")
     a = agg(rows_all)
-    out = ["### Issue 4: GLM-5-shaped MLA + DSA (tiny, index_topk 256), G = 2, R = 128", ""]
+    out = ["### GLM-5-shaped MLA + DSA (tiny, index_topk 256), G = 2, R = 128", ""]
     rows = []
     for k, r in sorted(a.items(), key=lambda kv: (kv[0][1] != "detached", int(kv[0][2]))):
         if not r["n"]:
@@ -213,13 +213,13 @@ def issue4():
     return "\n".join(out)
 
 
-def issue7():
-    rows = load("issue7_sweep.csv")
-    for r in load("issue7_exact256.csv"):
+def peers():
+    rows = load("peers_sweep.csv")
+    for r in load("peers_exact256.csv"):
         rows.append(dict(r, method=f"exact@{r['chunk_size'] or 256}"))
     a = agg(rows, key=("family", "method", "P", "G"))
     methods = ("detached", "exact", "exact@256", "naive", "batched", "prefix_grouper")
-    out = ["### Issue 7: peer comparison, R = 128", ""]
+    out = ["### Peer comparison, R = 128", ""]
     for fam in ("qwen3", "qwen3_5"):
         for axis, fixed, xs in (("P", "4", ("1024", "2048", "4096", "8192")), ("G", "4096", ("2", "4", "8"))):
             present = [m for m in methods if any(k[0] == fam and k[1] == m for k in a)]
@@ -254,7 +254,7 @@ def issue7():
     return "\n".join(out)
 
 
-SECTIONS = {"issue3": issue3, "issue5": issue5, "issue4": issue4, "issue7": issue7}
+SECTIONS = {"capture": capture, "exact": exact, "dsa": dsa, "peers": peers}
 
 if __name__ == "__main__":
     for name in sys.argv[1:] or SECTIONS:

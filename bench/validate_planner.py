@@ -1,4 +1,4 @@
-"""Planner validation (issue 7): the capacity planner's predicted peak for the tiny
+"""Planner validation: the capacity planner's predicted peak for the tiny
 families at P = 4K, 16K and 64K against the peak measured on this machine.
 
     .venv/bin/python bench/validate_planner.py --run   # measure (about an hour on 2 cores), then compare

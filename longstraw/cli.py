@@ -19,7 +19,9 @@ def _mib(n: float) -> str:
 
 
 def _init_torchrun():
-    """Under torchrun (WORLD_SIZE > 1): init the default process group; return the rank."""
+    """Under torchrun (WORLD_SIZE > 1): init the default process group; return (rank,
+    device): NCCL on cuda:LOCAL_RANK where CUDA is available (the model must live there:
+    NCCL carries CUDA tensors only), else gloo on CPU. (None, cpu) without torchrun."""
     import datetime
     import os
 
@@ -27,10 +29,13 @@ def _init_torchrun():
     import torch.distributed as dist
 
     if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
-        return None
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
-    dist.init_process_group(backend, timeout=datetime.timedelta(minutes=10))
-    return dist.get_rank()
+        return None, torch.device("cpu")
+    device = torch.device("cpu")
+    if torch.cuda.is_available():
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=datetime.timedelta(minutes=10))
+    return dist.get_rank(), device
 
 
 def toy_reward(response, vocab_size: int) -> float:
@@ -48,14 +53,14 @@ def demo(args) -> int:
     import torch
 
     import longstraw as ls
-    from longstraw.memory import naive_bytes_per_token, peak_rss_bytes, rss_bytes
+    from longstraw.measure import naive_bytes_per_token, peak_rss_bytes, rss_bytes
     from longstraw.tiny import tiny_model
 
-    rank = _init_torchrun()
+    rank, device = _init_torchrun()
     lead = rank in (None, 0)  # only one rank prints
     torch.manual_seed(args.seed)
     dtype = {"float32": torch.float32, "float64": torch.float64}[args.dtype]
-    model = tiny_model(args.family, dtype=dtype, seed=args.seed)
+    model = tiny_model(args.family, dtype=dtype, seed=args.seed).to(device)
     vocab = model.config.vocab_size
     n_params = sum(p.numel() for p in model.parameters())
     prompt = torch.randint(0, vocab, (args.prompt_tokens,), generator=torch.Generator().manual_seed(args.seed))
@@ -122,7 +127,7 @@ def demo(args) -> int:
 _PLAN_FIELDS = ("prompt_tokens", "group", "response_tokens", "mode", "gpus", "gpu_memory", "reserve", "dtype",
                 "weight_dtype", "lora_rank", "lora_targets", "chunk_size", "branch_chunk_size", "attention_block_size",
                 "logits_chunk_size", "self_attention", "gdn_kernel", "grads_during_capture", "shard_params",
-                "offload_state", "score_passes", "throughput_tflops")
+                "offload_state", "score_passes", "keep_graph_bytes", "throughput_tflops")
 
 
 def plan(args) -> int:
@@ -171,9 +176,14 @@ def _add_plan_parser(sub) -> None:
                    help="plan the first group after zero_grad(set_to_none=True): no gradient buffers during "
                         "capture (default: a later group of the batch, gradients already allocated)")
     p.add_argument("--shard-params", action="store_true", help="shard weights/grads/optimizer 1/W (FSDP-style)")
-    p.add_argument("--offload-state", action="store_true", help="keep the prompt state in host memory")
+    p.add_argument("--offload-state", action="store_true", help="not available: the engine has no state offload "
+                                                                "yet (refused)")
+    p.add_argument("--keep-graph-bytes", default="0", help="exact mode: bytes of capture-chunk graphs kept instead "
+                                                           "of recomputed, e.g. 2GiB (ExecConfig.keep_graph_bytes; "
+                                                           "default 0: recompute every chunk)")
     p.add_argument("--score-passes", type=int, default=0, help="no-grad scoring forwards per branch (old/ref "
-                                                               "log-probs; the paper: 2; default 0)")
+                                                               "log-probs) from the step's one captured state, "
+                                                               "no second capture (the paper: 2; default 0)")
     p.add_argument("--throughput-tflops", type=float, default=400.0,
                    help="effective TFLOP/s per rank (default 400, an H100/H200-class GPU in bf16)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")

@@ -61,6 +61,13 @@ class ExecConfig:
     """Allow P + R beyond the model's `max_position_embeddings` (RoPE then
     extrapolates). Off by default: such inputs raise `PositionLimitError`."""
 
+    keep_graph_bytes: int = 0
+    """Exact mode: bytes of capture-chunk autograd graphs to keep instead of recomputing
+    those chunks in the reverse walk (the last chunks that fit; their graphs are
+    measured). 0 recomputes every chunk (smallest peak); a budget that holds every
+    chunk's graph skips recomputation entirely (fastest). Only the kept graphs count
+    against it, not the state or the weights. See docs/exact.md."""
+
     progress: bool = False
     """Show a progress bar over capture chunks and branches (stderr)."""
 
@@ -70,6 +77,9 @@ class ExecConfig:
         _positive_int("ExecConfig.branch_chunk_size", self.branch_chunk_size, allow_none=True)
         _positive_int("ExecConfig.shard_block_size", self.shard_block_size, allow_none=True)
         _positive_int("ExecConfig.logits_chunk_size", self.logits_chunk_size)
+        if isinstance(self.keep_graph_bytes, bool) or not isinstance(self.keep_graph_bytes, int) \
+                or self.keep_graph_bytes < 0:
+            raise ConfigError(f"ExecConfig.keep_graph_bytes must be an int >= 0, got {self.keep_graph_bytes!r}")
         if self.mode not in MODES:
             raise ConfigError(f"ExecConfig.mode must be one of {MODES}, got {self.mode!r}")
 

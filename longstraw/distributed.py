@@ -19,6 +19,10 @@ reduction, LoRA and K/V projections included. Exact mode's state gradients live 
 the shard that owns the rows; a chunk's seeds are summed over ranks (all-reduce)
 before the reverse walk pushes them through the replicated recomputation.
 
+Collectives run on the device the group's backend carries (`ContextParallel.device`:
+the current CUDA device for NCCL, so call `torch.cuda.set_device(local_rank)` before
+building the engine; CPU for gloo); `ops/collectives.py` moves tensors there and back.
+
 What this buys is memory: each rank holds ~1/W of the prompt state and of the
 attention work over it. The replicated token computation is not divided (sequence-
 parallel token compute is future work).
@@ -26,25 +30,43 @@ parallel token compute is future work).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
 
-from .errors import LongStrawError
+from .errors import DistributedError, InvalidGroupError, LongStrawError
+from .ops.collectives import MergeAcrossRanks, SumGradAcrossRanks, all_gather, all_reduce_sum, broadcast_from_first
 
 
-class DistributedError(LongStrawError, RuntimeError):
-    """A collective failed (e.g. a peer rank died or the ranks disagree)."""
+def backend_device(backend: str) -> torch.device | None:
+    """The device a backend's collectives need: NCCL carries CUDA tensors only (the
+    current CUDA device), gloo (and the other CPU backends) CPU tensors; None for a
+    mixed backend ("cpu:gloo,cuda:nccl") that takes tensors where they are."""
+    backend = str(backend).lower()
+    if "," in backend or ":" in backend:
+        return None
+    if backend == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 @dataclass(frozen=True)
 class ContextParallel:
-    """The process group a context-parallel engine runs over."""
+    """The process group a context-parallel engine runs over.
+
+    Fields:
+        group: the torch.distributed process group.
+        rank, world: this rank and the number of ranks in `group`.
+        backend: the group's backend name ("gloo", "nccl", ...).
+        device: where its collectives need their tensors (`backend_device`).
+    """
 
     group: object
     rank: int
     world: int
+    backend: str = "gloo"
+    device: torch.device | None = field(default_factory=lambda: torch.device("cpu"))
 
     @classmethod
     def from_default_group(cls, group=None) -> "ContextParallel":
@@ -54,84 +76,27 @@ class ContextParallel:
                 "torchrun and call torch.distributed.init_process_group('gloo' or 'nccl') first"
             )
         group = group if group is not None else dist.group.WORLD
-        return cls(group=group, rank=dist.get_rank(group), world=dist.get_world_size(group))
+        backend = str(dist.get_backend(group))
+        return cls(group=group, rank=dist.get_rank(group), world=dist.get_world_size(group), backend=backend,
+                   device=backend_device(backend))
 
 
-def _collective(fn, *args, **kwargs):
-    try:
-        return fn(*args, **kwargs)
-    except RuntimeError as exc:  # gloo/NCCL report a dead or hung peer as RuntimeError
-        raise DistributedError(f"context-parallel collective {fn.__name__} failed (a peer rank may have died): "
-                               f"{exc}") from exc
-
-
-def all_reduce_sum(tensor: torch.Tensor, cp: ContextParallel) -> torch.Tensor:
-    """Sum over ranks, in place; returns the tensor."""
-    _collective(dist.all_reduce, tensor, op=dist.ReduceOp.SUM, group=cp.group)
-    return tensor
-
-
-def all_gather(tensor: torch.Tensor, cp: ContextParallel) -> list[torch.Tensor]:
-    out = [torch.empty_like(tensor) for _ in range(cp.world)]
-    _collective(dist.all_gather, out, tensor.contiguous(), group=cp.group)
-    return out
-
-
-class SumGradAcrossRanks(torch.autograd.Function):
-    """Identity forward; backward sums the gradient over ranks. Put in front of a
-    replicated tensor that feeds a rank-local (sharded) computation."""
-
-    @staticmethod
-    def forward(ctx, x, cp):
-        ctx.cp = cp
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return all_reduce_sum(grad.contiguous().clone(), ctx.cp), None
-
-
-class MergeAcrossRanks(torch.autograd.Function):
-    """(o_r [.., M, Dv], lse_r [.., M]) partial attentions of every rank -> their
-    log-sum-exp merge (o, lse), identical on every rank.
-
-    Backward needs no communication: with w_r = exp(lse_r - lse),
-        d o_r   = w_r do
-        d lse_r = w_r (do . o_r - do . o + dlse)
-    and do, dlse are the same on every rank (the computation after the merge is
-    replicated)."""
-
-    @staticmethod
-    def forward(ctx, out, lse, cp):
-        outs, lses = all_gather(out, cp), all_gather(lse, cp)
-        lse_all = torch.logsumexp(torch.stack(lses), dim=0)
-        safe = torch.where(torch.isinf(lse_all), torch.zeros_like(lse_all), lse_all)
-        merged = sum(torch.exp(l - safe)[..., None] * o for o, l in zip(outs, lses))
-        ctx.save_for_backward(out, lse, merged, safe)
-        return merged, lse_all
-
-    @staticmethod
-    def backward(ctx, grad_out, grad_lse):
-        out, lse, merged, safe = ctx.saved_tensors
-        w = torch.exp(lse - safe)  # (.., M); 0 where this rank saw nothing
-        grad_out = torch.zeros_like(merged) if grad_out is None else grad_out
-        dot = (grad_out * (out - merged)).sum(-1)
-        if grad_lse is not None:
-            dot = dot + grad_lse
-        return w[..., None] * grad_out, w * dot, None
-
-
-def check_same_group(fingerprint: torch.Tensor, cp: ContextParallel) -> None:
-    """Raise on every rank if the ranks were not given the same group."""
-    gathered = all_gather(fingerprint, cp)
+def check_same_group(fingerprint: torch.Tensor, cp: ContextParallel, *, problem: str = "") -> None:
+    """Raise on every rank, together, if the ranks were not given the same group or any
+    rank found a problem in its own validation (`problem`: that rank's error message,
+    "" for none). One all-gather carries both, so no rank waits for a peer that
+    already raised."""
+    flag = torch.tensor([1.0 if problem else 0.0], dtype=torch.float64)
+    gathered = all_gather(torch.cat([flag, fingerprint.to(torch.float64).flatten()]), cp)
+    failed = [r for r, g in enumerate(gathered) if g[0] != 0]
+    if failed:
+        raise InvalidGroupError(f"context-parallel validation failed on rank(s) {failed}"
+                                + (f": {problem}" if problem else "; see that rank's error"))
     if not all(torch.equal(g, gathered[0]) for g in gathered):
-        from .errors import InvalidGroupError
-
         raise InvalidGroupError("context-parallel ranks were given different groups; every rank must call "
                                 "Engine.step with the same Group")
 
 
-def broadcast_from_first(tensor: torch.Tensor, cp: ContextParallel) -> torch.Tensor:
-    """Overwrite `tensor` on every rank with rank 0's (of the group), in place."""
-    _collective(dist.broadcast, tensor, src=dist.get_global_rank(cp.group, 0), group=cp.group)
-    return tensor
+__all__ = ["ContextParallel", "DistributedError", "MergeAcrossRanks", "SumGradAcrossRanks", "all_gather",
+           "all_reduce_sum", "backend_device", "broadcast_from_first",
+           "check_same_group"]

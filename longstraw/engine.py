@@ -23,6 +23,7 @@ The engine knows no architecture: everything model-specific is in `models/`.
 
 from __future__ import annotations
 
+import contextlib
 import time
 
 import torch
@@ -31,48 +32,65 @@ from torch import nn
 from . import grpo as G
 from .config import ExecConfig, GRPOConfig
 from .distributed import ContextParallel, check_same_group
-from .errors import ConfigError, InvalidGroupError, PositionLimitError
+from .errors import ConfigError, InvalidGroupError, LongStrawError, PositionLimitError
 from .group import BatchTotals, Group, StepResult, validate_group
+from .kept_graphs import SavedBytes, chunks_to_keep
 from .logprobs import token_logprobs
 from .models import adapter_for
 from .rollout import Rollout, SamplingConfig, check_state, generate, stamp_state
 from .state import PromptState, Shard
 
 
-def _progress(iterable, *, enabled: bool, desc: str, total: int):
-    if not enabled:
+def _progress(iterable, *, enabled: bool, desc: str | None, total: int):
+    """One progress bar per phase (capture, generate, replay, reverse); desc None: none
+    (a branch's pieces run inside the replay bar, so they get no bar of their own)."""
+    if not enabled or desc is None:
         return iterable
     from tqdm.auto import tqdm
 
     return tqdm(iterable, desc=desc, total=total, leave=False)
 
 
-def _fingerprint(group: Group, rewards) -> torch.Tensor:
-    """A small float64 summary of a group, to check that every rank got the same one."""
-    sums = [float(group.prompt.numel()), float(group.prompt.sum()), float(group.size)]
-    sums += [float(r.numel()) + 1e-3 * float(r.sum()) for r in group.responses]
-    if rewards is not None:
-        sums += [float(x) for x in rewards]
-    return torch.tensor(sums, dtype=torch.float64)
+def _clock(device: torch.device) -> float:
+    """A phase timestamp: on CUDA, after the queued kernels finish (else the time of
+    launching them, not of running them)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
+
+
+def _fingerprint(group: Group | None, rewards) -> torch.Tensor:
+    """A fixed-length float64 summary [8] of a group, to check that every rank got the
+    same one (zeros for a group that failed validation)."""
+    if group is None:
+        return torch.zeros(8, dtype=torch.float64)
+    lengths = torch.tensor([float(r.numel()) for r in group.responses], dtype=torch.float64)
+    sums = torch.tensor([float(r.double().sum()) for r in group.responses], dtype=torch.float64)
+    weights = torch.arange(1, group.size + 1, dtype=torch.float64)  # order matters
+    r = torch.zeros(group.size, dtype=torch.float64) if rewards is None else rewards.double().cpu()
+    return torch.tensor([float(group.prompt.numel()), float(group.prompt.double().sum()), float(group.size),
+                         float((lengths * weights).sum()), float((sums * weights).sum()), float(r.sum()),
+                         float((r * weights).sum()), float(rewards is not None)], dtype=torch.float64)
 
 
 class _BranchStats:
-    """Running sums of the per-token statistics over all branches and pieces."""
+    """Running sums of the per-token statistics over all branches and pieces, kept as
+    device tensors (no host sync per piece); read once at the end."""
 
     def __init__(self):
         self.loss, self.tokens, self.ratio, self.clipped, self.kl = 0.0, 0, 0.0, 0.0, 0.0
 
     def add(self, loss: torch.Tensor, tok_stats: dict) -> None:
-        self.loss += float(loss.detach())
+        self.loss = self.loss + loss.detach()
         self.tokens += tok_stats["ratio"].numel()
-        self.ratio += float(tok_stats["ratio"].sum())
-        self.clipped += float(tok_stats["clipped"].sum())
-        self.kl += float(tok_stats["kl"].sum()) if "kl" in tok_stats else 0.0
+        self.ratio = self.ratio + tok_stats["ratio"].detach().sum()
+        self.clipped = self.clipped + tok_stats["clipped"].detach().sum()
+        self.kl = self.kl + (tok_stats["kl"].detach().sum() if "kl" in tok_stats else 0.0)
 
     def summary(self, with_kl: bool) -> dict:
-        out = {"ratio_mean": self.ratio / self.tokens, "clip_fraction": self.clipped / self.tokens}
+        out = {"ratio_mean": float(self.ratio) / self.tokens, "clip_fraction": float(self.clipped) / self.tokens}
         if with_kl:
-            out["kl_mean"] = self.kl / self.tokens
+            out["kl_mean"] = float(self.kl) / self.tokens
         return out
 
 
@@ -97,7 +115,50 @@ class Engine:
     # ------------------------------------------------------------------------
     # validation: everything is checked before the first expensive step
 
-    def _validate(self, group: Group, *, needs_ref: bool = False, needs_rewards: bool = True):
+    def _validate(self, group: Group, *, needs_ref: bool = False, needs_rewards: bool = True, totals=None,
+                  state: PromptState | None = None):
+        """Validate locally (and a reused `state`); under context parallelism every rank
+        then learns whether any rank failed or was given a different group, and all raise
+        together (`agree_across_ranks`). Returns the rewards."""
+        return self.agree_across_ranks(
+            lambda: self._validate_local(group, needs_ref=needs_ref, needs_rewards=needs_rewards, totals=totals,
+                                         state=state),
+            lambda rewards, failed: _fingerprint(None if failed else group, rewards))
+
+    def check_runnable(self) -> None:
+        """Refuse model states and contexts we cannot run exactly (before any work)."""
+        self.adapter.check_runnable()
+        if torch.is_autocast_enabled(self.adapter.device.type):
+            raise ConfigError(
+                "torch.autocast is active: LongStraw's custom autograd kernels recompute in backward and would not "
+                "see the same autocast state; load the model in bf16 instead (model.to(torch.bfloat16)): attention "
+                "statistics, log-probs and the loss are computed in fp32 regardless"
+            )
+
+    def agree_across_ranks(self, local, fingerprint):
+        """Run `local()` (it raises a LongStrawError on bad input) and return its result.
+        Under context parallelism, one all-gather then tells every rank whether any rank
+        failed or holds a different `fingerprint(result, failed)` (a fixed-length float64
+        tensor), and all raise together: no rank waits out a timeout for a peer that
+        raised. The failing rank raises its own error."""
+        result, problem = None, None
+        try:
+            result = local()
+        except LongStrawError as exc:
+            if self.cp is None:
+                raise
+            problem = exc
+        if self.cp is not None:
+            try:
+                check_same_group(fingerprint(result, problem is not None), self.cp,
+                                 problem=f"{type(problem).__name__}: {problem}" if problem else "")
+            except InvalidGroupError:
+                if problem is not None:
+                    raise problem from None  # this rank's own error, after telling the others
+                raise
+        return result
+
+    def _validate_local(self, group: Group, *, needs_ref: bool, needs_rewards: bool, totals, state):
         rewards = validate_group(group, vocab_size=self.adapter.vocab_size, needs_ref=needs_ref,
                                  needs_rewards=needs_rewards)
         longest = max(int(r.numel()) for r in group.responses)
@@ -109,10 +170,13 @@ class Engine:
                 f"model's max_position_embeddings={limit}; shorten the input or pass "
                 "ExecConfig(allow_position_overflow=True)"
             )
-        self.adapter.check_runnable()
+        self.check_runnable()
         if self.cp is not None:
             self.adapter.check_context_parallel(total)
-            check_same_group(_fingerprint(group, rewards), self.cp)
+        if totals is not None:
+            self._check_totals(group, totals)
+        if state is not None:
+            check_state(state, self, group.prompt)
         return rewards
 
     @staticmethod
@@ -131,37 +195,55 @@ class Engine:
     # the phases
 
     def _capture_chunks(self, ids: torch.Tensor, start: int, states: list[PromptState], size: int,
-                        desc: str) -> None:
+                        desc: str | None, keep_graph_bytes: int = 0) -> None:
         """Run ids [T] at positions start.. in chunks of `size` under no_grad,
-        appending their state to states[-1]."""
-        starts = range(0, ids.shape[0], size)
-        with torch.no_grad():
-            for a in _progress(starts, enabled=self.config.progress, desc=desc, total=len(starts)):
-                piece = ids[a : a + size]
+        appending their state to states[-1].
+
+        With `keep_graph_bytes` > 0 (exact mode; states[-1] already has its gradient
+        buffers), the first chunk runs with autograd and its graph is measured
+        (`kept_graphs.SavedBytes`); the last chunks whose graphs fit the budget then run
+        with autograd too, and their roots are kept in `states[-1].kept` for the walk."""
+        starts = list(range(0, ids.shape[0], size))
+        keep: set[int] = set()
+        for a in _progress(starts, enabled=self.config.progress, desc=desc, total=len(starts)):
+            piece = ids[a : a + size]
+            measure = keep_graph_bytes > 0 and a == 0
+            saved = SavedBytes(self.model) if measure else contextlib.nullcontext()
+            with torch.set_grad_enabled(measure or a in keep), saved:
+                states[-1].seeds = []
                 self.adapter.run(piece, start + a, states, phase="capture", block_size=self.config.attention_block_size)
-                states[-1].length += piece.shape[0]
+            if measure:
+                keep = chunks_to_keep(starts, saved.total, keep_graph_bytes)
+            if a in keep:
+                states[-1].kept[start + a] = states[-1].seeds
+            states[-1].seeds = []
+            states[-1].length += piece.shape[0]
 
     def progress_bar(self, desc: str):
         """A function wrapping an iterable in this engine's progress display (or not)."""
         return lambda iterable: _progress(iterable, enabled=self.config.progress, desc=desc, total=len(iterable))
 
-    def capture(self, prompt: torch.Tensor, *, exact: bool = False) -> PromptState:
+    def capture(self, prompt: torch.Tensor, *, exact: bool = False, keep_graph_bytes: int = 0) -> PromptState:
         """Run prompt[:-1] ([P-1] tokens) in chunks under no_grad; return its state,
         stamped with its origin (`rollout.StateOrigin`). With `exact`, it keeps what the
         reverse walk needs (every chunk boundary, every sliding-window position); `step`
-        allocates its gradient buffers."""
+        allocates its gradient buffers, unless `keep_graph_bytes` > 0: then they are
+        allocated first and the last chunks' graphs that fit are kept (`kept_graphs.py`)."""
         ids = prompt[:-1].to(self.adapter.device)
         shard = None
         if self.cp is not None:
             block = self.config.shard_block_size or self.config.attention_block_size
             shard = Shard(rank=self.cp.rank, world=self.cp.world, block=block, cp=self.cp)
         state = self.adapter.new_state(ids.shape[0], exact=exact, shard=shard)
-        self._capture_chunks(ids, 0, [state], self.config.chunk_size, "capture")
+        keep_graph_bytes = keep_graph_bytes if exact else 0
+        if keep_graph_bytes > 0:
+            state.enable_grad_buffers()  # the kept graphs add into these sinks in the walk
+        self._capture_chunks(ids, 0, [state], self.config.chunk_size, "capture", keep_graph_bytes)
         stamp_state(state, self, prompt, exact)
         return state
 
     def walk_back(self, ids: torch.Tensor, start: int, states: list[PromptState], size: int, *,
-                  piece_loss=None, desc: str = "reverse") -> None:
+                  piece_loss=None, desc: str | None = "reverse") -> None:
         """Recompute the chunks of ids [T] (positions start..) last to first, with
         autograd, and backpropagate through each before the next.
 
@@ -176,18 +258,22 @@ class Engine:
         for a in _progress(reversed(starts), enabled=self.config.progress and len(starts) > 1, desc=desc,
                            total=len(starts)):
             b = min(ids.shape[0], a + size)
-            states[-1].seeds = []
-            with torch.enable_grad():
-                hidden = self.adapter.run(ids[a:b], start + a, states, phase="recompute",
-                                          block_size=self.config.attention_block_size)
-                roots = [(t, g) for t, g in states[-1].seeds if t.requires_grad]
-                if piece_loss is not None:
+            hidden, kept = None, states[-1].kept.pop(start + a, None)
+            if kept is None:  # recompute the chunk with autograd, recording its roots
+                states[-1].seeds = []
+                with torch.enable_grad():
+                    hidden = self.adapter.run(ids[a:b], start + a, states, phase="recompute",
+                                              block_size=self.config.attention_block_size)
+                kept, states[-1].seeds = states[-1].seeds, []
+            roots = [(t, g.to(t.dtype)) for tensors, read in kept for t, g in zip(tensors, read())
+                     if g is not None and t.requires_grad]
+            if piece_loss is not None:
+                with torch.enable_grad():
                     loss = piece_loss(hidden, a, b)
-                    roots.append((loss, torch.ones_like(loss)))
-            states[-1].seeds = []
+                roots.append((loss, torch.ones_like(loss)))
             if roots:
                 torch.autograd.backward([t for t, _ in roots], [g for _, g in roots])
-            del roots, hidden
+            del roots, hidden, kept
 
     def replay_branch(self, state: PromptState, prompt: torch.Tensor, response: torch.Tensor, piece_loss) -> None:
         """Backpropagate one branch's loss against the read-only prompt state.
@@ -201,9 +287,9 @@ class Engine:
         start, size = prompt.shape[0] - 1, self.config.branch_chunk_size or inputs.shape[0]
         held = (inputs.shape[0] - 1) // size * size  # tokens of every piece but the last
         branch = self.adapter.new_state(held, start=start, exact=True)
-        self._capture_chunks(inputs[:held], start, [state, branch], size, "pieces")
+        self._capture_chunks(inputs[:held], start, [state, branch], size, None)  # no bar inside replay's
         branch.enable_grad_buffers()
-        self.walk_back(inputs, start, [state, branch], size, piece_loss=piece_loss, desc="pieces")
+        self.walk_back(inputs, start, [state, branch], size, piece_loss=piece_loss, desc=None)
 
     def branch_logprobs(self, state: PromptState, prompt: torch.Tensor, response: torch.Tensor,
                         temperature: float = 1.0) -> torch.Tensor:
@@ -252,8 +338,11 @@ class Engine:
 
     def _reuse_or_capture(self, group: Group, state: PromptState | None, exact: bool) -> PromptState:
         """The prompt state for `group`: the one given (already checked) or a new capture."""
-        state = self.capture(group.prompt, exact=exact) if state is None else state
-        if exact:
+        if state is None:
+            state = self.capture(group.prompt, exact=exact, keep_graph_bytes=self.config.keep_graph_bytes)
+            if exact and not state.kept:
+                state.enable_grad_buffers()
+        elif exact:
             state.enable_grad_buffers()  # zeroed for this step, also when a state is stepped again
         return state
 
@@ -269,9 +358,7 @@ class Engine:
             list of G tensors [R_i] (detached, on the model's device).
         """
         GRPOConfig(temperature=temperature)  # validates the temperature
-        self._validate(group, needs_rewards=False)
-        if state is not None:
-            check_state(state, self, group.prompt)
+        self._validate(group, needs_rewards=False, state=state)
         state = self.capture(group.prompt) if state is None else state
         with torch.no_grad():
             return [self.branch_logprobs(state, group.prompt, r, temperature).detach() for r in group.responses]
@@ -295,13 +382,10 @@ class Engine:
         grpo = GRPOConfig() if grpo is None else grpo
         if not isinstance(grpo, GRPOConfig):
             raise ConfigError(f"grpo must be a longstraw.GRPOConfig, got {type(grpo).__name__}")
-        rewards = self._validate(group, needs_ref=grpo.beta > 0)
+        rewards = self._validate(group, needs_ref=grpo.beta > 0, totals=totals, state=state)
         totals = BatchTotals.of([group]) if totals is None else totals
-        self._check_totals(group, totals)
-        if state is not None:
-            check_state(state, self, group.prompt)
 
-        t0 = time.perf_counter()
+        t0 = _clock(self.adapter.device)
         equal = bool(rewards.max() == rewards.min())
         adv = torch.zeros_like(rewards) if equal else G.advantages(rewards, grpo)
         metrics = {
@@ -325,7 +409,7 @@ class Engine:
 
         exact = self.config.mode == "exact"
         state = self._reuse_or_capture(group, state, exact)
-        t1 = time.perf_counter()
+        t1 = _clock(self.adapter.device)
         stats = _BranchStats()
         branches = list(enumerate(group.responses))
         for i, response in _progress(branches, enabled=self.config.progress, desc="replay", total=len(branches)):
@@ -342,10 +426,10 @@ class Engine:
                 return loss
 
             self.replay_branch(state, group.prompt, response, piece_loss)
-        t2 = time.perf_counter()
+        t2 = _clock(self.adapter.device)
         if exact:
             self.walk_back(group.prompt[:-1].to(self.adapter.device), 0, [state], self.config.chunk_size)
-        t3 = time.perf_counter()
+        t3 = _clock(self.adapter.device)
         metrics.update(
             state_bytes=float(state.nbytes()),
             state_grad_bytes=float(state.grad_nbytes()),
@@ -355,4 +439,4 @@ class Engine:
             time_total_s=t3 - t0,
             **stats.summary(with_kl=grpo.beta > 0),
         )
-        return StepResult(loss=stats.loss, metrics=metrics)
+        return StepResult(loss=float(stats.loss), metrics=metrics)

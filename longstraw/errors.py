@@ -39,3 +39,7 @@ class StateMismatchError(LongStrawError, ValueError):
 class StaleStateError(StateMismatchError):
     """A captured prompt state is stale: the model's weights (or its active adapters)
     changed since it was captured. Capture again (e.g. call `generate` again)."""
+
+
+class DistributedError(LongStrawError, RuntimeError):
+    """A context-parallel collective failed (a rank died or hit an error, or the ranks disagree)."""

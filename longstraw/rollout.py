@@ -205,7 +205,7 @@ def validate_prompt(engine, prompt, config: SamplingConfig) -> None:
             f"prompt ({prompt.numel()}) + max_new_tokens ({config.max_new_tokens}) = {total} tokens exceeds the "
             f"model's max_position_embeddings={limit}; shorten them or pass ExecConfig(allow_position_overflow=True)"
         )
-    engine.adapter.check_runnable()
+    engine.check_runnable()
 
 
 @torch.no_grad()
@@ -256,13 +256,12 @@ def decode(engine, state, prompt: torch.Tensor, config: SamplingConfig, generato
 def generate(engine, prompt: torch.Tensor, config: SamplingConfig, generator=None) -> Rollout:
     """Capture `prompt` once and sample `config.num_samples` responses from its state.
     See `Engine.generate`."""
-    validate_prompt(engine, prompt, config)
-    if engine.cp is not None:
-        from .distributed import check_same_group
+    def fingerprint(_, failed: bool) -> torch.Tensor:
+        fields = [0.0] * 7 if failed else [prompt.numel(), prompt.double().sum(), config.num_samples,
+                                            config.max_new_tokens, config.temperature, config.top_p, config.top_k]
+        return torch.tensor([float(x) for x in fields], dtype=torch.float64)
 
-        fields = [prompt.numel(), prompt.double().sum(), config.num_samples, config.max_new_tokens,
-                  config.temperature, config.top_p, config.top_k]
-        check_same_group(torch.tensor([float(x) for x in fields], dtype=torch.float64), engine.cp)
+    engine.agree_across_ranks(lambda: validate_prompt(engine, prompt, config), fingerprint)
     t0 = time.perf_counter()
     state = engine.capture(prompt, exact=engine.config.mode == "exact")
     t1 = time.perf_counter()

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .ops.attention import KVSegment
+from .tensors import KVSegment, accumulation_dtype
 
 
 @dataclass(frozen=True)
@@ -66,7 +66,8 @@ class AttentionKV:
         window: sliding window W of the layer, or None for full attention.
         trim: drop positions no later query can see (windowed layers, detached mode).
             Exact mode keeps them: the reverse walk recomputes every chunk.
-        k_grad, v_grad: exact mode only: dLoss/dk, dLoss/dv, same shapes as k, v,
+        k_grad, v_grad: exact mode only: dLoss/dk, dLoss/dv, same shapes as k, v, in
+            float32 (float64 for a float64 state) whatever the model dtype,
             summed over branches and later chunks.
         shard: context parallelism: hold only this rank's positions (rows in position
             order); None holds every position.
@@ -142,10 +143,12 @@ class AttentionKV:
         return dk, dv
 
     def enable_grad_buffers(self) -> None:
-        """Allocate zeroed dLoss/dk, dLoss/dv buffers for the held positions (exact
-        mode's prompt state; the earlier pieces of a branch replayed in pieces)."""
-        self.k_grad = torch.zeros_like(self.k[:, : self.length])
-        self.v_grad = torch.zeros_like(self.v[:, : self.length])
+        """Allocate zeroed dLoss/dk, dLoss/dv buffers for every position the state holds
+        or will hold (exact mode's prompt state, also before capture when capture keeps
+        chunk graphs; the earlier pieces of a branch replayed in pieces)."""
+        acc = accumulation_dtype(self.k.dtype)  # summed over branches and chunks: never in bf16/fp16
+        self.k_grad = torch.zeros_like(self.k, dtype=acc)
+        self.v_grad = torch.zeros_like(self.v, dtype=acc)
 
     @torch.no_grad()
     def append(self, k_new: torch.Tensor, v_new: torch.Tensor) -> None:
@@ -195,8 +198,12 @@ class PromptState:
         start: absolute position of its first token (0 for the prompt; P - 1 for
             the earlier pieces of a branch replayed in pieces).
         length: positions captured so far (P - 1 for a full prompt).
-        seeds: exact mode's reverse walk: (tensor with graph, its accumulated
-            gradient) pairs recorded while recomputing one chunk.
+        seeds: exact mode's reverse walk: the roots recorded while a chunk runs with
+            autograd, each (tensors with graph, a function returning their accumulated
+            gradients, None where there is none), read when the chunk is walked.
+        kept: chunk start -> its roots, for the chunks whose capture graph was kept
+            (`ExecConfig.keep_graph_bytes`): the reverse walk backpropagates through
+            them instead of recomputing those chunks.
         origin: what the state was captured from (engine, prompt, weights), set by
             `Engine.capture` so that reusing it can be checked (`rollout.StateOrigin`).
     """
@@ -205,6 +212,7 @@ class PromptState:
     start: int = 0
     length: int = 0
     seeds: list = field(default_factory=list)
+    kept: dict = field(default_factory=dict)
     origin: object = None
 
     def nbytes(self) -> int:
@@ -255,7 +263,8 @@ class RecurrentState:
     def add_grad(self, position: int, which: int, grad: torch.Tensor) -> None:
         """Accumulate dL/d snapshot[position][which] (0: recurrent, 1: conv tail)."""
         slot = self.grads.setdefault(position, [None, None])
-        slot[which] = grad.detach().clone() if slot[which] is None else slot[which] + grad.detach()
+        grad = grad.detach().to(accumulation_dtype(grad.dtype))  # the sum runs in fp32 for bf16/fp16
+        slot[which] = grad.clone() if slot[which] is None else slot[which] + grad
 
     def enable_grad_buffers(self) -> None:
         self.grads = {}
@@ -295,7 +304,7 @@ class LatentKV(AttentionKV):
         self.length += n
 
     def enable_grad_buffers(self) -> None:
-        self.k_grad = torch.zeros_like(self.k[:, : self.length])
+        self.k_grad = torch.zeros_like(self.k, dtype=accumulation_dtype(self.k.dtype))
         self.v_grad = self.k_grad[..., : self.v.shape[-1]]
 
     def nbytes(self) -> int:

@@ -44,6 +44,9 @@ def run_cases(rank: int, world: int, init_file: str, cases: list[str], modes: li
     _init(rank, world, init_file)
     try:
         for name in cases:
+            if name == "planner":
+                check_planner(world)
+                continue
             model = CASES[name]()
             group = random_group(97, 23, [5, 1, 7], seed=3)
             for mode in modes:
@@ -165,3 +168,74 @@ def run_generate(rank: int, world: int, init_file: str, cases: list[str]) -> Non
                 assert_grads_close(grads_of(model), grads, 1e-9)
     finally:
         dist.destroy_process_group()
+def bad_group_on_one_rank(rank: int, world: int, init_file: str, flag_dir: str) -> None:
+    """Rank 1's group has an out-of-vocabulary token, so its validation fails; every rank
+    must raise a LongStrawError together, without waiting out the 60 s timeout."""
+    import time
+
+    _init(rank, world, init_file)
+    try:
+        model = tiny_model("llama")
+        group = random_group(97, 30, [4, 4], seed=1)
+        if rank == 1:
+            group = ls.Group(prompt=group.prompt, responses=[group.responses[0], torch.tensor([1, 500])],
+                             rewards=group.rewards)
+        engine = ls.Engine(model, ls.ExecConfig(context_parallel=True, chunk_size=8))
+        start = time.monotonic()
+        try:
+            engine.step(group)
+        except ls.LongStrawError as exc:
+            open(os.path.join(flag_dir, f"rank{rank}.err"), "w").write(
+                f"{time.monotonic() - start:.1f} {type(exc).__name__}: {exc}")
+    finally:
+        dist.destroy_process_group()
+
+
+def world_one(rank: int, world: int, init_file: str, flag_dir: str) -> None:
+    """One gloo rank: the group's backend and device, and a context-parallel step that
+    equals the single-process one."""
+    _init(rank, world, init_file)
+    try:
+        from longstraw.distributed import ContextParallel
+
+        cp = ContextParallel.from_default_group()
+        assert cp.backend == "gloo" and cp.device == torch.device("cpu"), cp
+        # a sliding window (64) longer than the sequence (P = 20) runs as full attention
+        for model, mode in [(tiny_model("qwen3"), "exact"), (tiny_model("mistral", sliding_window=64), "detached"),
+                            (tiny_model("mistral", sliding_window=64), "exact")]:
+            group = random_group(97, 20, [5, 3], seed=3)
+            kw = dict(chunk_size=6, attention_block_size=4, shard_block_size=3, mode=mode, branch_chunk_size=2)
+            model.zero_grad(set_to_none=True)
+            want = ls.Engine(model, ls.ExecConfig(**kw)).step(group).loss, grads_of(model)
+            model.zero_grad(set_to_none=True)
+            got = ls.Engine(model, ls.ExecConfig(context_parallel=True, **kw)).step(group).loss, grads_of(model)
+            assert abs(got[0] - want[0]) <= 1e-12 * abs(want[0]) + 1e-14
+            assert_grads_close(got[1], want[1], 1e-12)
+        open(os.path.join(flag_dir, "ok"), "w").write("ok")
+    finally:
+        dist.destroy_process_group()
+
+
+def check_planner(world: int) -> None:
+    """The planner's per-rank state bytes (and exact mode's GDN snapshot bytes) equal what
+    the context-parallel engine holds on the fullest rank (rank 0), for a hybrid model."""
+    from longstraw.plan import PlanConfig, estimate
+
+    model = tiny_hybrid("qwen3_5")
+    prompt = random_group(97, 41, [3], seed=2).prompt  # 40 positions held
+    for mode in ("detached", "exact"):
+        engine = ls.Engine(model, ls.ExecConfig(context_parallel=True, chunk_size=7, attention_block_size=3,
+                                                mode=mode))
+        held = [int(x) for x in all_gather_ints(engine.capture(prompt, exact=mode == "exact").nbytes())]
+        plan = estimate(model.config.to_dict(), PlanConfig(
+            prompt_tokens=40, group=1, response_tokens=3, gpus=world, chunk_size=7, attention_block_size=3,
+            mode=mode, dtype="float64"))
+        want = plan["state_bytes_per_rank"] + plan["exact_checkpoint_bytes_per_rank"]
+        assert max(held) == held[0] == want, (mode, held, plan["state_bytes_per_rank"],
+                                              plan["exact_checkpoint_bytes_per_rank"])
+
+
+def all_gather_ints(value: int) -> list:
+    out = [torch.zeros(1, dtype=torch.float64) for _ in range(dist.get_world_size())]
+    dist.all_gather(out, torch.tensor([float(value)], dtype=torch.float64))
+    return [float(t) for t in out]

@@ -65,7 +65,7 @@ def random_group(vocab: int, prompt_len: int, response_lens, *, seed: int = 0, r
     return ls.Group(prompt=prompt, responses=responses, rewards=torch.as_tensor(rewards, dtype=torch.float64))
 
 
-def _gather_logprobs(logits, targets, temperature):
+def gather_logprobs(logits, targets, temperature):
     return torch.log_softmax(logits / temperature, dim=-1).gather(-1, targets[:, None])[:, 0]
 
 
@@ -100,14 +100,14 @@ def hf_cached_logprobs(model, prompt, response, temperature=1.0):
     cache = _out_of_place_linear_cache(copy.deepcopy(cache))
     inputs = torch.cat([prompt[-1:], response[:-1]])
     logits = model(inputs[None], past_key_values=cache, use_cache=True).logits[0]
-    return _gather_logprobs(logits, response, temperature)
+    return gather_logprobs(logits, response, temperature)
 
 
 def hf_full_logprobs(model, prompt, response, temperature=1.0):
     """One full-sequence forward over prompt + response: [R] log-probs of the response."""
     ids = torch.cat([prompt, response])
     logits = model(ids[None], logits_to_keep=response.numel() + 1).logits[0, :-1]
-    return _gather_logprobs(logits, response, temperature)
+    return gather_logprobs(logits, response, temperature)
 
 
 def reference_grpo_loss(logps, group, *, loss_type="dapo", epsilon_low=0.2, epsilon_high=0.2, beta=0.0,

@@ -2,7 +2,8 @@
 
 With W = 2 and 3 ranks, for a dense, a hybrid (GDN) and MLA models (DeepSeek-V3; GLM-5
 with dense and with sparse DSA selection; DeepSeek-V3.2 sparse), in detached and exact mode, every rank's loss and every parameter gradient equal the single-process
-result, and each rank holds ~1/W of the per-token state. A rank that fails makes the
+result, and each rank holds ~1/W of the per-token state; the planner's per-rank state and
+exact-mode snapshot bytes equal the engine's ("planner"). A rank that fails makes the
 others fail fast with a LongStrawError instead of hanging.
 """
 
@@ -15,8 +16,8 @@ import torch.multiprocessing as mp
 from tests import distributed_worker as worker
 
 
-@pytest.mark.parametrize("world,cases", [(2, ["dense", "hybrid", "mla", "glm", "glm_sparse"]),
-                                         (3, ["dense", "hybrid", "dsv32_sparse"])])
+@pytest.mark.parametrize("world,cases", [(2, ["planner", "dense", "hybrid", "mla", "glm", "glm_sparse"]),
+                                         (3, ["planner", "dense", "hybrid", "dsv32_sparse"])])
 def test_context_parallel_equals_single_process(tmp_path, world, cases):
     mp.spawn(worker.run_cases, args=(world, str(tmp_path / "init"), cases, ["detached", "exact"]), nprocs=world,
              join=True)
@@ -41,3 +42,47 @@ def test_fsdp2_sharded_layers_get_matching_gradient_slices(tmp_path):
 def test_generate_under_context_parallelism_equals_single_process(tmp_path):
     mp.spawn(worker.run_generate, args=(3, str(tmp_path / "init"), ["dense", "hybrid", "glm_sparse", "dsv32_sparse"]),
              nprocs=3, join=True)
+def test_validation_that_fails_on_one_rank_fails_every_rank_fast(tmp_path):
+    start = time.monotonic()
+    mp.spawn(worker.bad_group_on_one_rank, args=(2, str(tmp_path / "init"), str(tmp_path)), nprocs=2, join=True)
+    assert time.monotonic() - start < 40  # the process-group timeout is 60 s
+    rank0, rank1 = (tmp_path / "rank0.err").read_text(), (tmp_path / "rank1.err").read_text()
+    assert "InvalidGroupError" in rank1 and "500" in rank1  # its own error, naming the bad token
+    assert "InvalidGroupError" in rank0 and "rank(s) [1]" in rank0
+    assert float(rank0.split()[0]) < 10
+
+
+def test_one_rank_context_parallel_runs_on_the_backends_device(tmp_path):
+    mp.spawn(worker.world_one, args=(1, str(tmp_path / "init"), str(tmp_path)), nprocs=1, join=True)
+    assert (tmp_path / "ok").exists()
+
+
+def test_collectives_pick_the_backends_device():
+    import torch
+
+    from longstraw.distributed import backend_device
+
+    assert backend_device("gloo") == torch.device("cpu")
+    assert backend_device("cpu:gloo,cuda:nccl") is None  # takes tensors where they are
+    if torch.cuda.is_available():
+        assert backend_device("nccl").type == "cuda"
+
+
+def test_a_collective_error_is_not_reported_as_a_dead_peer(monkeypatch):
+    """NCCL rejecting a CPU tensor used to read "a peer rank may have died"."""
+    import torch
+    import torch.distributed as dist
+
+    import longstraw as ls
+    from longstraw.distributed import ContextParallel, all_gather
+
+    def fails(*args, **kwargs):
+        raise RuntimeError("No backend type associated with device type cpu")
+
+    monkeypatch.setattr(dist, "all_gather", fails)
+    cp = ContextParallel(group=None, rank=0, world=2, backend="nccl", device=None)
+    with pytest.raises(ls.LongStrawError) as info:
+        all_gather(torch.zeros(3), cp)
+    message = str(info.value)
+    assert "nccl" in message and "device type cpu" in message and "peer rank may have died" not in message
+

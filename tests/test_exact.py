@@ -132,3 +132,57 @@ def test_branch_pieces_detached_mode_equal_unchunked_replay(family, overrides, p
     loss.backward()
     assert_loss_close(result.loss, float(loss.detach()))
     assert_grads_close(got, grads_of(model), 1e-9)
+
+
+def test_bf16_exact_mode_sums_state_gradients_in_float32():
+    """bf16 exact mode against float64 on the same (bf16-rounded) weights.
+
+    Setup: a 1-layer bf16 llama, a 6-token prompt of tokens that appear nowhere else,
+    and 2k = 640 one-token branches: k copies of response A (reward 1), then k of B
+    (reward 0). The embedding rows of the prompt-only tokens get their gradient from one
+    place only: the reverse walk, seeded by the prompt state's gradient, which is the
+    sum of k identical contributions of A's branch, then k of B's.
+
+    Bound. Let u = 2^-8 (bf16 unit roundoff). With float32 buffers the sum of 640 terms
+    adds at most 640 * 2^-24 < 2^-14 relative, so the error is that of one A and one B
+    branch computed in bf16. Along that path a value is rounded to bf16 at most ~16
+    times (forward: embedding, norm, q/k/v projections, RoPE, attention output, o_proj,
+    residual, final norm, lm_head; backward: the seed cast to bf16, then k/v
+    projections, RoPE, norm, embedding), each adding <= u relative, with O(1)
+    condition numbers at this size, so ||err|| / ||ref|| <= 16 u = 0.0625 (measured:
+    ~2 u). With bf16 buffers, adding the k-th identical term to a sum that is >= 256
+    times larger rounds it away (it is below half an ulp), so the sum stalls near 256
+    terms instead of 320 and the rows are off by ~0.2 - 0.5 relative (measured 126 u).
+    """
+    k = 320
+    model = tiny_model("llama", dtype=torch.bfloat16, num_hidden_layers=1)
+    prompt = torch.tensor([20, 21, 22, 23, 24, 3])
+    a, b = torch.tensor([5]), torch.tensor([11])
+    group = ls.Group(prompt=prompt, responses=[a] * k + [b] * k,
+                     rewards=torch.tensor([1.0] * k + [0.0] * k, dtype=torch.float64))
+
+    def prompt_rows(m):
+        m.zero_grad(set_to_none=True)
+        ls.Engine(m, ls.ExecConfig(mode="exact", chunk_size=8)).step(group)
+        return m.model.embed_tokens.weight.grad[prompt[:-1]].double()
+
+    got = prompt_rows(model)
+    want = prompt_rows(model.double())
+    u = 2.0 ** -8
+    assert (got - want).norm() <= 16 * u * want.norm(), float((got - want).norm() / want.norm() / u)
+
+
+@pytest.mark.parametrize("trainable", ["layers.0.self_attn.v_proj.weight", "layers.0.self_attn.k_proj.weight"])
+@pytest.mark.parametrize("chunk", [4, 100])
+def test_frozen_queries_still_carry_state_gradients(trainable, chunk):
+    """Only one projection of the first layer trains (as LoRA on v_proj leaves embeddings,
+    q and k frozen): the prompt state's gradient sinks must fill although nothing upstream
+    needs dq, and dv alone must be computed when dk is not needed."""
+    model = float64_norms(tiny_model("qwen3"))
+    for name, p in model.named_parameters():
+        p.requires_grad_(name.endswith(trainable))
+    group = random_group(97, 9, [3, 4], seed=7)
+    result, got = _step(model, group, chunk_size=chunk)
+    loss, want = _full_sequence_reference(model, group)
+    assert_loss_close(result.loss, loss)
+    assert_grads_close(got, want, 1e-9)

@@ -109,3 +109,32 @@ def test_lora_on_gdn_projections():
     with float64_hybrid(model):
         compare_step(model, group, ls.ExecConfig(chunk_size=5), hf_cached_logprobs, 1e-9)
     assert all(("lora_" in n) == (p.grad is not None) for n, p in model.named_parameters())
+
+
+def test_multimodal_qwen3_5_runs_its_text_model():
+    """Qwen3_5ForConditionalGeneration (vision + text): text prompts run through its
+    language model and score like HF's own full forward of the multimodal model."""
+    import transformers
+
+    from tests.reference import hf_full_logprobs
+
+    text = tiny_hybrid("qwen3_5").config.to_dict()
+    vision = dict(depth=1, hidden_size=16, num_heads=2, intermediate_size=16, out_hidden_size=32, patch_size=2,
+                  temporal_patch_size=1, spatial_merge_size=1)
+    torch.manual_seed(0)
+    model = transformers.Qwen3_5ForConditionalGeneration(
+        transformers.Qwen3_5Config(text_config=text, vision_config=vision)).double().eval()
+    group = random_group(97, 12, [4, 3], seed=1)
+    with float64_hybrid(model):
+        got = ls.Engine(model, ls.ExecConfig(chunk_size=5)).score(group)
+        want = [hf_full_logprobs(model, group.prompt, r).detach() for r in group.responses]
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a, b, rtol=1e-9, atol=1e-9)
+
+
+def test_a_backbone_without_decoder_layers_is_unsupported():
+    model = tiny_hybrid("qwen3_5")
+    model.model = torch.nn.Module()  # what a wrapper with another layout looks like
+    model.model.embed_tokens = torch.nn.Embedding(97, 32)
+    with pytest.raises(ls.UnsupportedModelError, match="no decoder .layers"):
+        ls.Engine(model)

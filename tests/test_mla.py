@@ -113,3 +113,42 @@ def test_lora_wrapped_kv_b_proj_uses_effective_weight():
     compare_step(model, group, ls.ExecConfig(chunk_size=5), hf_cached_logprobs, 1e-6)
     assert all(("lora_" in n) == (p.grad is not None) for n, p in model.named_parameters())
     assert any("kv_b_proj" in n and p.grad is not None for n, p in model.named_parameters())
+
+
+def test_quantized_kv_b_proj_is_refused_before_any_work():
+    """NF4/int8 (bitsandbytes) stores kv_b_proj packed; absorbed MLA needs the float matrix."""
+    model = tiny_mla("deepseek_v3")
+    proj = model.model.layers[0].self_attn.kv_b_proj
+    proj.weight = torch.nn.Parameter(torch.zeros(proj.weight.shape, dtype=torch.int8), requires_grad=False)
+    with pytest.raises(ls.UnsupportedModelError, match="quantized/packed"):
+        ls.Engine(model)
+
+
+def test_planner_agrees_that_quantized_mla_weights_are_refused():
+    from longstraw.errors import ConfigError
+    from longstraw.plan import PlanConfig, estimate
+
+    with pytest.raises(ConfigError, match="MLA"):
+        estimate("glm-5.2", PlanConfig(prompt_tokens=1000, lora_rank=8, weight_dtype="nf4"))
+    assert estimate("qwen3.6-27b", PlanConfig(prompt_tokens=1000, lora_rank=8, weight_dtype="nf4"))["fits"] in (
+        True, False)
+
+
+def test_dsa_selection_never_copies_all_indexer_keys():
+    """The indexer scores keys in fp32 one block (1024 rows) at a time: no call converts
+    every held indexer key to fp32 at once (1 GiB per DSA layer per chunk at P = 2M)."""
+    model = tiny_mla("glm_moe_dsa")  # float64, index_topk 8 < P: sparse selection runs
+    prompt = random_group(97, 1300, [2], seed=4).prompt
+
+    class _Float32Copies(TorchDispatchMode):
+        rows = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if func is torch.ops.aten._to_copy.default and out.dtype == torch.float32 and out.dim() == 2:
+                self.rows = max(self.rows, out.shape[0])
+            return out
+
+    with _Float32Copies() as rec:
+        ls.Engine(model, ls.ExecConfig(chunk_size=256)).capture(prompt)
+    assert 0 < rec.rows <= 1024

@@ -1,13 +1,13 @@
 """The capacity planner against a real step: for each tiny family, the planner's peak
 (above the loaded weights, no optimizer, first group) must match the peak of live torch
-tensors during one detached `Engine.step` within 15%, the issue-7 target. Larger P is
+tensors during one detached `Engine.step` within 15%. Larger P is
 validated in bench/validate_planner.py (docs/results.md)."""
 
 import pytest
 import torch
 
 import longstraw as ls
-from longstraw.memory import live_tensor_peak
+from bench.live_peak import live_tensor_peak
 from longstraw.plan import PlanConfig, estimate
 from longstraw.tiny import random_group, tiny_model
 

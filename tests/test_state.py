@@ -4,7 +4,7 @@ against plain autograd (exact mode sums dLoss/dState over every reader)."""
 import pytest
 import torch
 
-from longstraw.models.gated_deltanet import _initial_snapshot
+from longstraw.models.gated_deltanet import initial_snapshot
 from longstraw.ops.attention import prefix_causal_attention
 from longstraw.ops.naive import naive_attention
 from longstraw.state import AttentionKV, LatentKV, PromptState, RecurrentState, Shard
@@ -21,7 +21,7 @@ def test_recurrent_state_gradient_sums_over_readers():
     weights = [(torch.randn(3, 4, 5, generator=g, dtype=torch.float64),
                 torch.randn(6, 3, generator=g, dtype=torch.float64)) for _ in range(2)]
     for w_rec, w_tail in weights:  # two branches read the same snapshot
-        r, t = _initial_snapshot([state], 0, 7)
+        r, t = initial_snapshot([state], 0, 7)
         ((r * w_rec).sum() + (t.sin() * w_tail).sum()).backward()
     want_rec = sum(w for w, _ in weights)
     want_tail = sum(w * tail.cos() for _, w in weights)
@@ -78,3 +78,21 @@ def test_sharded_attention_state_holds_its_rows_and_seeds_the_rest_with_zeros():
     kv.k_grad += 1
     dk, _ = kv.chunk_grads(4, 8)  # positions 4..7: ours are 6 and 7
     assert dk[0, :, 0].tolist() == [0, 0, 1, 1]
+
+
+def test_gradient_buffers_accumulate_in_float32_for_half_states():
+    from longstraw.state import AttentionKV, LatentKV, RecurrentState
+
+    kv = AttentionKV.empty(kv_heads=1, head_dim=4, v_head_dim=4, capacity=3, window=None, dtype=torch.bfloat16,
+                           device="cpu")
+    kv.append(torch.ones(1, 3, 4, dtype=torch.bfloat16), torch.ones(1, 3, 4, dtype=torch.bfloat16))
+    kv.enable_grad_buffers()
+    latent = LatentKV.empty_latent(rank=3, rope_dim=2, capacity=2, dtype=torch.float16, device="cpu")
+    latent.append(torch.ones(1, 2, 5, dtype=torch.float16), torch.ones(1, 2, 3, dtype=torch.float16))
+    latent.enable_grad_buffers()
+    assert kv.k_grad.dtype == kv.v_grad.dtype == latent.k_grad.dtype == torch.float32
+    rec = RecurrentState.empty(start=0, keep_all=True)
+    rec.enable_grad_buffers()
+    for _ in range(300):  # 300 equal terms: a bf16 sum stalls at 256
+        rec.add_grad(4, 1, torch.ones(2, 3, dtype=torch.bfloat16))
+    assert rec.grads[4][1].dtype == torch.float32 and float(rec.grads[4][1][0, 0]) == 300

@@ -117,3 +117,19 @@ def test_batch_totals_smaller_than_group(model):
     with pytest.raises(ls.InvalidGroupError, match="BatchTotals.of"):
         ls.Engine(model).step(_group(), totals=ls.BatchTotals(num_sequences=1, num_tokens=7, max_response_tokens=4))
     _assert_grads_untouched(model)
+
+
+def test_autocast_is_refused_before_any_work():
+    import torch
+
+    from tests.reference import random_group, tiny_model
+
+    model = tiny_model("llama")
+    engine = ls.Engine(model, ls.ExecConfig(chunk_size=4))
+    group = random_group(97, 9, [3, 2], seed=1)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        with pytest.raises(ls.ConfigError, match="autocast"):
+            engine.step(group)
+        with pytest.raises(ls.ConfigError, match="autocast"):
+            engine.score(group)
+    assert all(p.grad is None for p in model.parameters())

@@ -15,7 +15,8 @@ pieces) and what to do with the new tokens' K/V in the last of them:
     replay     only read; where a state has gradient buffers, backward adds
                dLoss/dState into them
     recompute  reverse walk: attend to what lies before `start`, and record (new K/V
-               with graph, their accumulated gradient) as seeds of the last state
+               with graph, a reader of their accumulated gradient) as seeds of the last
+               state; a capture run with autograd on records them too (a kept graph)
     decode     a rollout step: G branches, one token each at position `start`; their
                K/V go into the per-branch `call.branches`, and the shared prompt state
                is only read (`ops/decode_attention.py`)
@@ -57,6 +58,12 @@ class AttentionCall:
     block_size: int
     branches: BranchState | None = None
 
+    def records_roots(self) -> bool:
+        """Whether the chunk's own state tensors are recorded as roots of its graph
+        (`PromptState.seeds`): in a recompute, and in a capture that keeps its graph
+        (run with autograd on)."""
+        return self.phase == "recompute" or (self.phase == "capture" and torch.is_grad_enabled())
+
 
 _CURRENT: contextvars.ContextVar[AttentionCall | None] = contextvars.ContextVar("longstraw_attention", default=None)
 
@@ -85,23 +92,37 @@ def longstraw_attention(module, query, key, value, attention_mask, scaling=None,
         raise RuntimeError("attention dropout is not supported; put the model in eval mode")
     layers: list[AttentionKV] = [state.layers[module.layer_idx] for state in call.states]
     kv = layers[-1]
-    assert kv.window == sliding_window, f"layer {module.layer_idx}: state window {kv.window} != module {sliding_window}"
+    window = sliding_window
+    if window is not None and call.start + key.shape[2] <= window:
+        window = None  # the window covers every position so far: full attention (a sharded state holds no window)
+    assert kv.window in (sliding_window, window), f"layer {module.layer_idx}: state window {kv.window} != {window}"
     assert kv.end == call.start or call.phase != "capture", (kv.end, call.start)
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     out = prefix_causal_attention(
         query[0], key[0], value[0], prefixes=[layer.segment(until=call.start) for layer in layers],
-        q_start=call.start, scale=scale, window=sliding_window, block_size=call.block_size,
+        q_start=call.start, scale=scale, window=window, block_size=call.block_size,
     )  # (H, T, Dv)
     if call.phase == "capture":
         kv.append(key[0], value[0])
-    elif call.phase == "recompute" and call.start + key.shape[2] <= kv.end:  # held: seed it
-        k_seed, v_seed = kv.chunk_grads(call.start, call.start + key.shape[2])
-        if kv.shard is not None:  # each rank holds its rows' gradients: sum them
+    if call.records_roots() and call.start + key.shape[2] <= kv.end:  # held: its gradient seeds the chunk
+        call.states[-1].seeds.append(((key[0], value[0]), seed_reader(kv, call.start, call.start + key.shape[2])))
+    return out.transpose(0, 1)[None], None
+
+
+def seed_reader(held, start: int, end: int, parts: int = 2):
+    """A function returning the gradients accumulated for the rows of positions [start,
+    end) of `held` (an AttentionKV or LatentKV; the first `parts` of (dk, dv)), summed
+    over ranks when it is a shard: the seeds of a chunk's own state, read when the chunk
+    is walked back."""
+    def read():
+        seeds = held.chunk_grads(start, end)[:parts]
+        if held.shard is not None:  # each rank holds its rows' gradients: sum them
             from ..distributed import all_reduce_sum
 
-            all_reduce_sum(k_seed, kv.shard.cp), all_reduce_sum(v_seed, kv.shard.cp)
-        call.states[-1].seeds += [(key[0], k_seed), (value[0], v_seed)]
-    return out.transpose(0, 1)[None], None
+            for seed in seeds:
+                all_reduce_sum(seed, held.shard.cp)
+        return seeds
+    return read
 
 
 def merge_shard(out, lse, segment):

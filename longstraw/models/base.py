@@ -68,6 +68,15 @@ class Adapter:
             )
         self.config = self.causal_lm.config
         self.backbone = self.causal_lm.model
+        if hasattr(self.backbone, "language_model") and not hasattr(self.backbone, "layers"):
+            # a multimodal ...ForConditionalGeneration (e.g. Qwen3.5): run its text model on text prompts
+            self.backbone = self.backbone.language_model
+            self.config = self.backbone.config
+        if not hasattr(self.backbone, "layers"):
+            raise UnsupportedModelError(
+                f"{type(self.causal_lm).__name__}.model ({type(self.backbone).__name__}) has no decoder .layers; pass "
+                "the text ...ForCausalLM (or a ...ForConditionalGeneration whose .model has a .language_model)"
+            )
         self.lm_head = self.causal_lm.get_output_embeddings()
         self.check_config()
 

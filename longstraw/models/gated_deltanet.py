@@ -31,7 +31,7 @@ from .attention_hook import current_call
 from .base import forwards_replaced
 
 
-def _initial_snapshot(states, layer_idx: int, position: int):
+def initial_snapshot(states, layer_idx: int, position: int):
     """(recurrent, conv_tail) at `position`, found in the stacked states (latest first).
     Where the owner tracks gradients and grad is on, they are fresh leaves whose
     gradient is added into the owner's `grads[position]`."""
@@ -75,7 +75,7 @@ def gdn_forward(module, hidden_states, cache_params=None, attention_mask=None, *
     x = hidden_states[0]  # (T, d)
     t = x.shape[0]
     mixed, z, b, a = _project(module, x)
-    rec0, tail0 = _initial_snapshot(call.states, module.layer_idx, call.start)
+    rec0, tail0 = initial_snapshot(call.states, module.layer_idx, call.start)
     weight = module.conv1d.weight[:, 0, :]  # (conv_dim, K)
     conv, tail1 = causal_conv1d_with_tail(mixed.transpose(0, 1), weight, module.conv1d.bias, tail0,
                                           activation=module.activation)  # (conv_dim, T)
@@ -93,10 +93,8 @@ def gdn_forward(module, hidden_states, cache_params=None, attention_mask=None, *
     layer: RecurrentState = call.states[-1].layers[module.layer_idx]
     if call.phase == "capture":
         layer.put(end, rec1, tail1)
-    elif call.phase == "recompute" and layer.grads is not None and end in layer.grads:
-        for tensor, grad in zip((rec1, tail1), layer.grads[end]):
-            if grad is not None:
-                call.states[-1].seeds.append((tensor, grad))
+    if call.records_roots() and layer.grads is not None:  # seeded by what later readers of the snapshot added
+        call.states[-1].seeds.append(((rec1, tail1), lambda: tuple(layer.grads.get(end, (None, None)))))
     return out
 
 

@@ -36,9 +36,22 @@ from ..errors import UnsupportedModelError
 from ..ops.attention import prefix_causal_attention
 from ..branch_state import BranchLatent, BranchState
 from ..state import IndexKeys, LatentKV, MLAState, PromptState
-from .attention_hook import current_call
+from .attention_hook import current_call, seed_reader
 from .base import Adapter, forwards_replaced
 from .mla_decode import mla_decode
+
+
+def check_dense_weight(linear, where: str) -> None:
+    """Absorbed MLA multiplies by kv_b_proj's weight matrix itself: refuse a quantized or
+    packed one (bitsandbytes NF4/int8, fp8), which is not a plain float matrix."""
+    weight = getattr(getattr(linear, "base_layer", linear), "weight", None)
+    if weight is None or weight.dtype not in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
+        raise UnsupportedModelError(
+            f"{where}: kv_b_proj's base weight is {getattr(weight, 'dtype', None)} ({type(weight).__name__}); "
+            "absorbed MLA needs it as a float matrix, so quantized/packed base weights (NF4, int8, fp8) are not "
+            "supported for MLA models: load that projection in bf16 (e.g. bitsandbytes llm_int8_skip_modules="
+            "['kv_b_proj'])"
+        )
 
 
 def effective_weight(linear) -> torch.Tensor:
@@ -88,9 +101,9 @@ def _select(indexer, layer_idx, q, keys, weights, call):
     held = [s.layers[layer_idx].index for s in call.states if s.layers[layer_idx].index is not None]
     if any(ix.shard is not None for ix in held):
         return _select_across_ranks(indexer, q, keys, weights, call, held)
-    segments = [(ix.until(call.start).float(), ix.start) for ix in held]
+    segments = [(ix.until(call.start), ix.start) for ix in held]  # scored in fp32 block by block, never copied whole
     with torch.no_grad():
-        return indexer_topk(q.float(), weights, segments, keys.float(), call.start, indexer.index_topk,
+        return indexer_topk(q.float(), weights, segments, keys, call.start, indexer.index_topk,
                             scale=indexer.softmax_scale)
 
 
@@ -108,9 +121,9 @@ def _select_across_ranks(indexer, q, keys, weights, call, held, query_block: int
     topk, scale, t = indexer.index_topk, indexer.softmax_scale, q.shape[0]
     shard_ix = next(ix for ix in held if ix.shard is not None)
     cp = shard_ix.shard.cp
-    local_keys, local_pos = shard_ix.until(call.start).float(), shard_ix.positions(call.start)
+    local_keys, local_pos = shard_ix.until(call.start), shard_ix.positions(call.start)  # fp32 per block only
     others = [ix for ix in held if ix.shard is None]
-    rep_keys = torch.cat([ix.until(call.start).float() for ix in others] + [keys.float()])
+    rep_keys = torch.cat([ix.until(call.start) for ix in others] + [keys])
     rep_pos = torch.cat([ix.positions(call.start) for ix in others]
                         + [torch.arange(call.start, call.start + t, device=q.device)])
     out = torch.empty(t, topk, dtype=torch.long, device=q.device)
@@ -137,7 +150,8 @@ def _sparse_attention(q_full, k_new, latent, indices, latents, call, scale):
     attends over the selected rows it holds, the partials are merged across ranks, and
     the replicated rows (a branch's earlier pieces, the new tokens) are merged in after.
     Returns [H, T, R]."""
-    from ..ops.attention import KVSegment, merge_partials
+    from ..ops.flash import merge_partials
+    from ..tensors import KVSegment
     from ..ops.dsa import sparse_latent_attention
 
     segments = [kv.segment(until=call.start) for kv in latents]
@@ -233,13 +247,9 @@ def mla_forward(module, spec, hidden_states, position_embeddings=None, attention
         own.latent.append(k_new[None], latent[None])
         if own.index is not None:
             own.index.append(new_index_keys)
-    elif call.phase == "recompute" and call.start + t <= own.latent.end:
-        seed = own.latent.chunk_grads(call.start, call.start + t)[0]
-        if own.latent.shard is not None:  # each rank holds its rows' gradients: sum them
-            from ..distributed import all_reduce_sum
-
-            all_reduce_sum(seed, own.latent.shard.cp)
-        call.states[-1].seeds.append((k_new, seed[0]))
+    if call.records_roots() and call.start + t <= own.latent.end:
+        read = seed_reader(own.latent, call.start, call.start + t, parts=1)
+        call.states[-1].seeds.append(((k_new,), lambda: (read()[0][0],)))  # dk [1, T, R + Dr] holds dv too
     return (out, None, indices) if spec["returns_topk"] else (out, None)
 
 
@@ -258,6 +268,7 @@ class MLAAdapter(Adapter):
         for i, attn in enumerate(self.attn_modules):
             if not hasattr(attn, "kv_a_proj_with_mqa") or not hasattr(attn, "kv_b_proj"):
                 raise UnsupportedModelError(f"layer {i}: {type(attn).__name__} is not an MLA attention module")
+            check_dense_weight(attn.kv_b_proj, f"layer {i}")
             main_rope, index_rope = _rope_functions(attn, model_type)
             shared = model_type == "glm_moe_dsa" and getattr(attn, "indexer", None) is None
             if shared and i == 0:

@@ -21,7 +21,7 @@ from __future__ import annotations
 import torch
 
 from ..branch_state import BranchLatent
-from ..ops.attention import merge_partials
+from ..ops.flash import merge_partials
 from ..ops.decode_attention import decode_attention, gathered_partial
 from ..ops.dsa import indexer_scores, select_candidates, select_topk
 from ..state import MLAState

@@ -23,12 +23,12 @@ Arithmetic is float32 for half/float32 inputs and float64 for float64 inputs.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
+from ..tensors import KVSegment, accumulation_dtype
 from . import flash
-from .flash import FlashAttention, accumulation_dtype, can_use_flash_autograd, fused_kernel, merge_partials
+from .collectives import MergeAcrossRanks, SumGradAcrossRanks
+from .flash import FlashAttention, can_use_flash_autograd, fused_kernel, merge_partials
 
 
 def _window_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None, causal: bool) -> torch.Tensor | None:
@@ -124,7 +124,7 @@ class PrefixAttention(torch.autograd.Function):
             del scores
             dscores = torch.matmul(grad_out, vb.transpose(1, 2)).sub_(delta[..., None]).mul_(probs)  # (Hkv, M, B)
             dq += torch.matmul(dscores, kb) * scale
-            if need_dk or sink is not None:
+            if need_dk or need_dv or sink is not None:
                 dk_block = torch.matmul(dscores.transpose(1, 2), qa) * scale  # (Hkv, B, D)
                 dv_block = torch.matmul(probs.transpose(1, 2), grad_out)  # (Hkv, B, Dv)
                 if sink is not None:
@@ -138,23 +138,6 @@ class PrefixAttention(torch.autograd.Function):
         return dq.to(q.dtype), dk, dv, None, None, None, None, None, None, None
 
 
-@dataclass
-class KVSegment:
-    """A run of earlier keys/values the new tokens attend to (read-only).
-
-    Fields:
-        k: [Hkv, S, D]; v: [Hkv, S, Dv] at absolute positions start .. start + S - 1.
-        grad: optional (dk, dv) buffers of the same shapes; backward adds
-            dLoss/dk, dLoss/dv into them (exact mode, and branch pieces).
-        cp: a `distributed.ContextParallel` when k, v are this rank's rows of a
-            position-sharded state; None when they are the whole segment.
-    """
-
-    k: torch.Tensor
-    v: torch.Tensor
-    start: int
-    grad: tuple | None = None
-    cp: object = None
 
 
 def can_use_fused(q, k, v, prefixes: list[KVSegment], window) -> bool:
@@ -164,8 +147,8 @@ def can_use_fused(q, k, v, prefixes: list[KVSegment], window) -> bool:
         return False
     if q.device.type == "cuda" and q.shape[-1] > 256:
         return False
-    if any(seg.grad is not None for seg in prefixes):
-        return False
+    if torch.is_grad_enabled() and any(seg.grad is not None for seg in prefixes):
+        return False  # (without autograd nothing is ever added into the sinks)
     if torch.is_grad_enabled() and any(x.requires_grad for x in (q, k, v, *(seg.k for seg in prefixes))):
         return False
     return True
@@ -197,7 +180,7 @@ def prefix_causal_attention(q, k, v, *, prefixes: list[KVSegment], q_start: int,
         prefixes: `KVSegment`s, all before q_start (the prompt state; in a branch
             replayed in pieces, also the earlier pieces). Empty segments are skipped.
             A segment with `cp` set holds only this rank's rows of a context-parallel
-            shard: its partial attention is merged across ranks (`distributed.py`).
+            shard: its partial attention is merged across ranks (`ops/collectives.py`).
         scale: softmax scale. window: sliding window W or None.
         block_size: prefix positions per block.
         allow_fused: without autograd, use torch's fused flash kernel where one fits
@@ -229,6 +212,10 @@ def prefix_causal_attention(q, k, v, *, prefixes: list[KVSegment], q_start: int,
                     q.new_full((hkv, g * t), float("-inf"), dtype=acc))
         if fused:
             return _flash_partial(q, seg_k, seg_v, scale, causal)
+        if grad is not None and torch.is_grad_enabled() and not rows_in.requires_grad:
+            # a gradient sink must see backward even when nothing upstream needs dq (a frozen
+            # first layer under LoRA): make the queries a throwaway leaf
+            rows_in = rows_in.detach().requires_grad_()
         return PrefixAttention.apply(rows_in, seg_k, seg_v, q_pos, seg_start, scale, window, block_size, grad, causal)
 
     # self part: causal over the new tokens. The blockwise kernel holds O(M x block)
@@ -238,8 +225,6 @@ def prefix_causal_attention(q, k, v, *, prefixes: list[KVSegment], q_start: int,
         if seg.cp is not None:  # this rank's shard: merge the partial across ranks
             if q_start <= seg.start:
                 continue  # no rank holds anything before the queries
-            from ..distributed import MergeAcrossRanks, SumGradAcrossRanks
-
             rows_in = rows if fused else SumGradAcrossRanks.apply(rows, seg.cp)
             out_p, lse_p = MergeAcrossRanks.apply(*attend(rows_in, seg.k, seg.v, seg.start, seg.grad, False), seg.cp)
         elif seg.k.shape[1] == 0:

@@ -23,7 +23,9 @@ from __future__ import annotations
 
 import torch
 
-from .attention import PrefixAttention, accumulation_dtype, fused_kernel, merge_partials
+from ..tensors import accumulation_dtype
+from .attention import PrefixAttention
+from .flash import fused_kernel, merge_partials
 
 
 def shared_partial(rows, seg_k, seg_v, seg_start: int, q_position: int, scale: float, window: int | None,

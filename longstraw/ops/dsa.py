@@ -12,7 +12,9 @@ sparse attention it restricts (GLM-5.x, DeepSeek-V3.2).
   per position) restricted to the selected positions. It gathers only the selected
   rows per query block and recomputes them in backward, so memory is
   O(query_block x K x D), never O(T x S); the state segments are read in place and
-  their gradient, when wanted, is added into their `KVSegment.grad` sinks.
+  their gradient, when wanted, is added into their `KVSegment.grad` sinks. Where each
+  block's entries live is counted once per call (a [T, K] bool/uint8 pass) and read to the
+  host in one sync, so the blocks themselves never wait for the device.
 
 Index convention (both ops): indices are ABSOLUTE positions (LongTensor [T, K]);
 -1 means "no position" (a query that sees fewer than K positions). Rows are ordered
@@ -197,33 +199,65 @@ def _sources(prefixes, k_new, v_new, q_start) -> list[_Source]:
     return out
 
 
+def _block_counts(indices: torch.Tensor, sources: list[_Source], query_block: int) -> list[list[int]]:
+    """Per query block of indices [T, K]: [valid entries, entries in each source], read to the
+    host at once (one sync per call, not one per block). ValueError if an index is neither -1
+    nor a position of exactly one source."""
+    t = indices.shape[0]
+    device = indices.device
+    nblocks = -(-t // query_block)
+    row_block = torch.arange(t, device=device) // query_block
+
+    def per_block(mask):  # [T, K] bool -> [nblocks]
+        return torch.zeros(nblocks, dtype=torch.long, device=device).index_add_(0, row_block, mask.sum(-1))
+
+    valid = indices >= 0
+    hits = torch.zeros(indices.shape, dtype=torch.uint8, device=device)  # sources holding each entry
+    counts = [per_block(valid)]
+    for src in sources:
+        m = (indices >= src.start) & (indices < src.start + src.k.shape[0])
+        hits += m
+        counts.append(per_block(m))
+        del m
+    bad = (hits != valid).any().view(1).long()
+    flat = torch.cat([torch.stack(counts).T.reshape(-1), bad]).tolist()  # the one sync
+    if flat[-1]:
+        raise ValueError("an index is neither -1 nor a position of exactly one prefix segment or new token")
+    width = len(sources) + 1
+    return [flat[b * width:(b + 1) * width] for b in range(nblocks)]
+
+
+def _entries(mask: torch.Tensor, count: int) -> torch.Tensor:
+    """Ids of the `count` True entries of a bool vector, ascending. The count is known on the
+    host, so on CUDA this does not wait for the device (`nonzero` would, to learn its size)."""
+    return torch.nonzero_static(mask, size=count).squeeze(1)
+
+
 class _Plan:
     """Where each entry of a query block's indices [B, K] lives.
 
     The source holding most entries is `primary`: it is gathered / scattered over all B*K entries
     at once (row index clamped; the other entries are overwritten / zeroed), the others only over
     their own entries. So the big rows are read with one index_select into a reused buffer and
-    their gradient written with one index_add_ per sink tensor."""
+    their gradient written with one index_add_ per sink tensor. `counts` is the block's row of
+    `_block_counts` (validated there), so building a plan never syncs with the device."""
 
-    def __init__(self, idx: torch.Tensor, sources: list[_Source]):
+    def __init__(self, idx: torch.Tensor, sources: list[_Source], counts: list[int]):
         flat = idx.reshape(-1)
         self.n = flat.numel()
         valid = flat >= 0
-        masks = [(flat >= s.start) & (flat < s.start + s.k.shape[0]) for s in sources]
-        counts = torch.stack([valid.sum()] + [m.sum() for m in masks]).tolist()  # one sync
-        if sum(counts[1:]) != counts[0] or not torch.equal(torch.stack(masks).any(0), valid):
-            raise ValueError("an index is neither -1 nor a position of exactly one prefix segment or new token")
-        counts = counts[1:]
+        n_valid, counts = counts[0], counts[1:]
         self.primary = max(range(len(sources)), key=counts.__getitem__)
         p = sources[self.primary]
         self.primary_rel = (flat - p.start).clamp_(0, p.k.shape[0] - 1)
         self.others = []  # (source index, entry ids, rows in that source)
-        for j, (src, m) in enumerate(zip(sources, masks)):
+        for j, src in enumerate(sources):
             if j != self.primary and counts[j] > 0:
-                sel = m.nonzero().squeeze(1)
+                sel = _entries((flat >= src.start) & (flat < src.start + src.k.shape[0]), counts[j])
                 self.others.append((j, sel, flat[sel] - src.start))
-        self.not_primary = (~masks[self.primary]).nonzero().squeeze(1)
-        self.invalid = (~valid).nonzero().squeeze(1)
+        in_primary = (flat >= p.start) & (flat < p.start + p.k.shape[0])
+        self.not_primary = _entries(~in_primary, self.n - counts[self.primary])
+        self.invalid = _entries(~valid, self.n - n_valid)
         self.valid = valid.view(idx.shape)
 
     def gather(self, sources: list[_Source], attr: str, buf: torch.Tensor) -> torch.Tensor:
@@ -294,9 +328,10 @@ class SparseLatentAttention(torch.autograd.Function):
         vbuf = None if latent else torch.empty(bmax * kk, dv, dtype=acc, device=q.device)
         out = torch.zeros(h, t, dv, dtype=acc, device=q.device)
         lse = torch.full((h, t), float("-inf"), dtype=acc, device=q.device)
+        counts = _block_counts(indices, sources, query_block)
         for b0 in range(0, t, query_block):
             b1 = min(t, b0 + query_block)
-            plan = _Plan(indices[b0:b1], sources)
+            plan = _Plan(indices[b0:b1], sources, counts[b0 // query_block])
             kb, vb = _block_rows(plan, sources, latent, kbuf, vbuf, b1 - b0, kk)
             qb = q[:, b0:b1].to(acc).transpose(0, 1)  # [B, H, D]
             scores = torch.matmul(qb, kb.transpose(1, 2)).mul_(scale)  # [B, H, K]
@@ -340,10 +375,11 @@ class SparseLatentAttention(torch.autograd.Function):
         vbuf = None if latent else torch.empty(bmax * kk, dv, dtype=acc, device=q.device)
         dkbuf = torch.empty(bmax * kk, d, dtype=acc, device=q.device) if need_rows else None
         dvbuf = torch.empty(bmax * kk, dv, dtype=acc, device=q.device) if need_rows else None
+        counts = _block_counts(indices, sources, query_block)
         for b0 in range(0, t, query_block):
             b1 = min(t, b0 + query_block)
             bsz = b1 - b0
-            plan = _Plan(indices[b0:b1], sources)
+            plan = _Plan(indices[b0:b1], sources, counts[b0 // query_block])
             kb, vb = _block_rows(plan, sources, latent, kbuf, vbuf, bsz, kk)
             qb = q[:, b0:b1].to(acc).transpose(0, 1)  # [B, H, D]
             scores = torch.matmul(qb, kb.transpose(1, 2)).mul_(scale)  # [B, H, K]

@@ -27,16 +27,13 @@ from __future__ import annotations
 
 import torch
 
+from ..tensors import accumulation_dtype
+
 FUSED_ENABLED = True
 """Allow the fused kernels (set False to force the blockwise path everywhere)."""
 
 BACKWARD_BLOCK = 8192
 """Prefix positions per fused backward call (bounds its dk / dv temporaries)."""
-
-
-def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
-    """float64 stays float64; everything else accumulates in float32."""
-    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 def fused_kernel(device_type: str, dtype: torch.dtype):

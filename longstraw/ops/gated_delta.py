@@ -59,7 +59,7 @@ def expand_kv_heads(x: torch.Tensor, num_v_heads: int) -> torch.Tensor:
 
 
 @functools.lru_cache(maxsize=None)
-def _fla_kernel():
+def fla_kernel():
     """flash-linear-attention's fused chunk kernel, or None when it cannot be imported."""
     try:
         from fla.ops.gated_delta_rule import chunk_gated_delta_rule as kernel
@@ -71,7 +71,7 @@ def _fla_kernel():
 def _can_use_fla(q: torch.Tensor, v: torch.Tensor) -> bool:
     """fla runs on CUDA in half precision only (its chunk kernel rejects float32)."""
     half = (torch.bfloat16, torch.float16)
-    return q.is_cuda and q.dtype in half and v.dtype in half and _fla_kernel() is not None
+    return q.is_cuda and q.dtype in half and v.dtype in half and fla_kernel() is not None
 
 
 def _fla_chunk(q, k, v, g, beta, initial_state, use_qk_l2norm):
@@ -79,7 +79,7 @@ def _fla_chunk(q, k, v, g, beta, initial_state, use_qk_l2norm):
     hv = v.shape[1]
     q, k = expand_kv_heads(q, hv), expand_kv_heads(k, hv)
     h0 = None if initial_state is None else initial_state.float()[None]
-    out, state = _fla_kernel()(
+    out, state = fla_kernel()(
         q[None].contiguous(), k[None].contiguous(), v[None].contiguous(), g.float()[None].contiguous(),
         beta[None].contiguous(), scale=q.shape[-1] ** -0.5, initial_state=h0, output_final_state=True,
         use_qk_l2norm_in_kernel=use_qk_l2norm,

@@ -67,7 +67,7 @@ def parse_bytes(text) -> int:
     return int(round(value * base**power))
 
 
-def _canonical_dtype(name: str, *, allow_quant: bool = False) -> str:
+def canonical_dtype(name: str, *, allow_quant: bool = False) -> str:
     key = str(name).lower().replace("torch.", "")
     key = _DTYPE_ALIASES.get(key, key)
     if key in DTYPE_BYTES or (allow_quant and key in QUANT_BYTES):
@@ -222,7 +222,7 @@ def architecture(config: dict) -> Arch:
                 head_dim=int(_get(cfg, "head_dim", h // heads)),
                 intermediate=int(_get(cfg, "intermediate_size", 0)),
                 max_positions=cfg.get("max_position_embeddings"),
-                dtype=_canonical_dtype(dtype) if dtype else None)
+                dtype=canonical_dtype(dtype) if dtype else None)
     if mt in ("llama", "mistral", "qwen2", "qwen3"):
         arch.qk_norm = mt == "qwen3"
         arch.qkv_bias = mt == "qwen2" or bool(cfg.get("attention_bias", False))

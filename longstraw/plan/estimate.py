@@ -18,8 +18,8 @@ from .arch import (
     Arch,
     LayerSpec,
     ParamCount,
-    _canonical_dtype,
     architecture,
+    canonical_dtype,
     count_parameters,
     human_bytes,
     load_model_config,
@@ -113,13 +113,19 @@ class PlanConfig:
     style; two layers' weights gathered at a time) instead of replicating them."""
 
     offload_state: bool = False
-    """Keep the prompt state (and its gradient) in host memory and stage two layers at a
-    time to the GPU (the paper's GLM-5.2 run)."""
+    """Keep the prompt state in host memory (the paper's GLM-5.2 run). The engine has no
+    state offload yet, so True is refused: the planner plans only what the engine runs."""
 
     score_passes: int = 0
-    """No-grad forwards of each branch before its replay, to score old / reference
-    log-probs (`Engine.score`). The paper's recipe: 2 (old + reference). On-policy with
-    beta = 0: 0. Adds time, and a (small) no-grad working set."""
+    """No-grad forwards of each branch that score old / reference log-probs from the one
+    captured prompt state (`Engine.score(group, state=...)` reusing the step's capture):
+    no second capture. The paper's recipe: 2 (old + reference). On-policy with beta = 0:
+    0. Adds time, and a (small) no-grad working set."""
+
+    keep_graph_bytes: int | str = 0
+    """Exact mode (`ExecConfig.keep_graph_bytes`): bytes of capture-chunk autograd graphs
+    kept instead of recomputed. The planner keeps as many of the last chunks as fit at its
+    estimate of one chunk's graph; they are alive from capture to the reverse walk."""
 
     throughput_tflops: float = 400.0
     """Effective dense throughput per rank, TFLOP/s (default 400: an H100/H200-class GPU
@@ -137,6 +143,9 @@ class PlanConfig:
                 raise ConfigError(f"PlanConfig.{name} must be a positive int or None, got {value!r}")
         if isinstance(self.score_passes, bool) or not isinstance(self.score_passes, int) or self.score_passes < 0:
             raise ConfigError(f"PlanConfig.score_passes must be an int >= 0, got {self.score_passes!r}")
+        if self.offload_state:
+            raise ConfigError("PlanConfig.offload_state: the engine has no state offload yet (the state lives on the "
+                              "model's device), so the planner cannot plan it; drop --offload-state")
         if self.mode not in ("detached", "exact"):
             raise ConfigError(f"PlanConfig.mode must be 'detached' or 'exact', got {self.mode!r}")
         if self.lora_targets not in LORA_TARGETS:
@@ -150,24 +159,26 @@ class PlanConfig:
             raise ConfigError(f"PlanConfig.throughput_tflops must be a number > 0, got {self.throughput_tflops!r}")
         self.gpu_memory = parse_bytes(self.gpu_memory)
         self.reserve = parse_bytes(self.reserve)
+        self.keep_graph_bytes = parse_bytes(self.keep_graph_bytes)
         if self.dtype is not None:
-            self.dtype = _canonical_dtype(self.dtype)
+            self.dtype = canonical_dtype(self.dtype)
         if self.weight_dtype is not None:
-            self.weight_dtype = _canonical_dtype(self.weight_dtype, allow_quant=True)
+            self.weight_dtype = canonical_dtype(self.weight_dtype, allow_quant=True)
             if self.weight_dtype in QUANT_BYTES and not self.lora_rank:
                 raise ConfigError(f"weight_dtype {self.weight_dtype!r} stores frozen base weights: "
                                   "full training needs a float dtype; pass lora_rank for (Q)LoRA")
 
 
-def _state_sizes(arch: Arch, b: int, rb: int, prompt: int, layers=None) -> dict:
+def _state_sizes(arch: Arch, b: int, rb: int, prompt: int, layers=None, keep_windows: bool = False) -> dict:
     """Per-token and constant state bytes by kind, over `layers` (default: all).
-    b: state dtype bytes; rb: recurrent state bytes."""
+    b: state dtype bytes; rb: recurrent state bytes. keep_windows: sliding-window layers
+    keep every position (exact mode: the reverse walk recomputes every chunk)."""
     s = {"attention_kv_per_token": 0, "mla_latent_per_token": 0, "indexer_keys_per_token": 0,
          "window_kv_fixed": 0, "recurrent_fixed": 0, "conv_tail_fixed": 0}
     kv = arch.kv_heads * 2 * arch.head_dim * b  # K and V per position
     for layer in arch.layers if layers is None else layers:
         if layer.mixer == "attention":
-            if layer.window is None:
+            if layer.window is None or keep_windows:
                 s["attention_kv_per_token"] += kv
             else:
                 s["window_kv_fixed"] += min(layer.window - 1, prompt) * kv
@@ -180,12 +191,6 @@ def _state_sizes(arch: Arch, b: int, rb: int, prompt: int, layers=None) -> dict:
     s["per_token"] = s["attention_kv_per_token"] + s["mla_latent_per_token"] + s["indexer_keys_per_token"]
     s["fixed"] = s["window_kv_fixed"] + s["recurrent_fixed"] + s["conv_tail_fixed"]
     return s
-
-
-def _layer_state_bytes(arch: Arch, layer: LayerSpec, b: int, rb: int, positions: int) -> int:
-    """State bytes of one layer holding `positions` positions."""
-    s = _state_sizes(arch, b, rb, positions, [layer])
-    return s["per_token"] * positions + s["fixed"]
 
 
 def _pairs(n_q: int, prefix: int, limit: int | None) -> float:
@@ -215,9 +220,21 @@ def _mixer_flops(arch: Arch, layer: LayerSpec, n_q: int, prefix: int) -> float:
     return f
 
 
-def _forward_flops(arch: Arch, params: ParamCount, n_q: int, prefix: int, lm_head: bool) -> float:
+def _forward_flops(arch: Arch, params: ParamCount, n_q: int, prefix: int, lm_head: bool, world: int = 1) -> float:
+    """Forward FLOPs one rank runs: the token computation (projections, MLP/MoE, GDN,
+    lm_head) is replicated on every rank under context parallelism; only attention
+    over the (sharded) prompt state is divided by `world`."""
     f = 2 * params.matmul_active * n_q + (2 * arch.vocab * arch.hidden * n_q if lm_head else 0)
-    return f + sum(_mixer_flops(arch, layer, n_q, prefix) for layer in arch.layers)
+    return f + sum(_mixer_flops(arch, layer, n_q, prefix) / (1 if layer.mixer == "gdn" else world)
+                   for layer in arch.layers)
+
+
+def rank_positions(positions: int, world: int, block: int) -> int:
+    """Prompt positions the fullest rank holds: blocks of `block` positions dealt
+    round-robin, block b on rank b % world (as `state.Shard`)."""
+    cycle = block * world
+    full, rem = divmod(positions, cycle)
+    return full * block + min(rem, block)
 
 
 def estimate(model, config: PlanConfig) -> dict:
@@ -237,25 +254,27 @@ def estimate(model, config: PlanConfig) -> dict:
     rb = max(4, b)  # GDN recurrent state: fp32 (fp64 under fp64)
     wdt = c.weight_dtype or dtype
     params = count_parameters(arch, c.lora_rank, c.lora_targets)
+    if wdt in QUANT_BYTES and arch.count(mixer="mla"):
+        raise ConfigError(f"weight_dtype {wdt!r}: the engine refuses quantized base weights for MLA models "
+                          "(absorbed MLA needs kv_b_proj as a float matrix); plan them in bf16")
     assumptions = []
 
     # ---- state
-    st = _state_sizes(arch, b, rb, P)
-    p_rank = math.ceil(P / W)
+    exact = c.mode == "exact"
+    st = _state_sizes(arch, b, rb, P, keep_windows=exact)
+    p_rank = rank_positions(P, W, c.attention_block_size) if W > 1 else P
     state_total = st["per_token"] * P + st["fixed"]
     state_rank = st["per_token"] * p_rank + st["fixed"]
-    exact = c.mode == "exact"
-    n_chunks_rank = math.ceil(p_rank / c.chunk_size)
-    checkpoints = n_chunks_rank * (st["recurrent_fixed"] + st["conv_tail_fixed"]) if exact else 0
-    state_grad = state_rank if exact else 0
+    # exact mode keeps the GDN snapshot at every chunk end of the WHOLE prompt on every rank
+    # (the recurrent state is replicated, and every rank walks every chunk); the last one
+    # is the state itself, already in state_rank
+    n_chunks = math.ceil(P / c.chunk_size)
+    checkpoints = (n_chunks - 1) * (st["recurrent_fixed"] + st["conv_tail_fixed"]) if exact else 0
+    # state gradients accumulate in fp32 (fp64 for fp64) whatever the state dtype
+    # (and the GDN snapshots' gradients, one per chunk start, kept until the step ends)
+    state_grad = (st["per_token"] * p_rank * acc // b
+                  + n_chunks * (st["recurrent_fixed"] + st["conv_tail_fixed"] * acc // b) if exact else 0)
     state_gpu, state_host = state_rank, 0
-    if c.offload_state:
-        biggest = max(_layer_state_bytes(arch, l, b, rb, p_rank) for l in arch.layers)
-        state_gpu = 2 * biggest * (2 if exact else 1)
-        state_host = state_rank + state_grad + checkpoints
-        state_grad = checkpoints = 0
-        assumptions.append("offload_state: the state (and in exact mode its gradient and the chunk-start recurrent "
-                           "checkpoints) lives in host memory; two layers' worth is staged on the GPU at a time")
 
     # ---- weights, gradients, optimizer
     if wdt in QUANT_BYTES:
@@ -293,7 +312,7 @@ def estimate(model, config: PlanConfig) -> dict:
     # ---- working sets
     T = min(R, c.branch_chunk_size or R)  # tokens in one replayed piece
     held = (R - 1) // T * T if T < R else 0  # branch tokens held as a state while pieces are walked back
-    C = min(c.chunk_size, p_rank)  # capture / recompute chunk on one rank
+    C = min(c.chunk_size, P)  # capture / recompute chunk: every rank runs every chunk's tokens
     gk = c.gdn_kernel
     graph_tok = sum(graph_bytes_per_token(arch, l, b, gk) for l in arch.layers) + 3 * arch.hidden * b
     dense_grad = c.self_attention != "flash"  # self part of autograd passes (replay, recompute)
@@ -313,14 +332,21 @@ def estimate(model, config: PlanConfig) -> dict:
 
     capture_working = nograd_working(C)
     recompute_working = sum(autograd_pass(arch, C, p_rank, blk, b, acc, dense_grad, gk)) if exact else 0.0
+    # exact mode's kept capture graphs (the last chunks that fit), alive from capture to their walk
+    chunks = -(-max(P - 1, 1) // C)
+    chunk_graph = autograd_pass(arch, C, p_rank, blk, b, acc, dense_grad, gk)[0]
+    kept_chunks = min(chunks, int(c.keep_graph_bytes // chunk_graph)) if exact and c.keep_graph_bytes else 0
+    kept_bytes = kept_chunks * chunk_graph
     score_working = 0.0
     if c.score_passes:  # one whole branch without autograd; fp32 logits + log-softmax of one chunk
         score_working = nograd_working(R) + min(R, c.logits_chunk_size) * arch.vocab * (b + 2 * 4)
     static = param_bytes + grad_bytes + optimizer_bytes + gathered + state_gpu + state_grad + checkpoints
     # what each phase holds beyond the static memory (capture may run before any gradient exists)
-    phases = {"capture": capture_working - (0 if c.grads_during_capture else grad_bytes), "replay": replay_working}
-    if exact:
-        phases["recompute"] = recompute_working
+    phases = {"capture": capture_working + kept_bytes - (0 if c.grads_during_capture else grad_bytes),
+              "replay": replay_working + kept_bytes}
+    if exact:  # the walk frees the kept graphs first; a chunk is recomputed only after all of them
+        phases["recompute"] = max(kept_bytes + (recompute_working - chunk_graph if kept_chunks else 0),
+                                  recompute_working if kept_chunks < chunks else 0)
     if c.score_passes:
         phases["score"] = score_working
     peak_phase = max(phases, key=phases.get)
@@ -329,18 +355,23 @@ def estimate(model, config: PlanConfig) -> dict:
 
     # ---- time
     thr = c.throughput_tflops * 1e12
-    flops_capture = _forward_flops(arch, params, P, 0, lm_head=False)
-    branch_fwd = _forward_flops(arch, params, R, P, lm_head=True)
-    held_fwd = _forward_flops(arch, params, held, P, lm_head=False) if held else 0.0
+    flops_capture = _forward_flops(arch, params, P, 0, lm_head=False, world=W)
+    branch_fwd = _forward_flops(arch, params, R, P, lm_head=True, world=W)
+    held_fwd = _forward_flops(arch, params, held, P, lm_head=False, world=W) if held else 0.0
     flops_branch = (1 + BACKWARD_FACTOR + c.score_passes) * branch_fwd + held_fwd
-    flops_exact_extra = (1 + BACKWARD_FACTOR) * flops_capture
-    t_detached = (flops_capture + G * flops_branch) / W / thr
-    t_exact = t_detached + flops_exact_extra / W / thr
+    # exact: a backward of every chunk, and a recomputed forward of those not kept
+    flops_exact_extra = (BACKWARD_FACTOR + (chunks - kept_chunks) / chunks) * flops_capture
+    t_detached = (flops_capture + G * flops_branch) / thr  # FLOPs of one rank (see _forward_flops)
+    t_exact = t_detached + flops_exact_extra / thr
 
     assumptions += [
-        f"state counted for all P = {P:,} prompt positions (capture keeps P - 1); per-token state sharded "
-        f"1/W = {p_rank:,} positions per rank, constant (recurrent / window) state replicated",
-        f"state in {dtype}; GDN recurrent state in {'fp64' if rb == 8 else 'fp32'}",
+        f"state counted for all P = {P:,} prompt positions (capture keeps P - 1); per-token state sharded in "
+        f"blocks of {c.attention_block_size} dealt round-robin: {p_rank:,} positions on the fullest rank; constant "
+        "(recurrent / window) state replicated" + ("; exact mode keeps every sliding-window position and one GDN "
+                                                   "snapshot per chunk of the whole prompt on every rank"
+                                                   if exact else ""),
+        f"state in {dtype}; GDN recurrent state in {'fp64' if rb == 8 else 'fp32'}"
+        + ("; state gradients in fp32" if exact and acc == 4 else ""),
         "replay working = one piece's autograd graph (T tokens x activation bytes per token, all layers) "
         "+ the larger of the blockwise-attention and chunked-logits working sets",
         "self-attention of a piece / chunk: " + {
@@ -351,8 +382,10 @@ def estimate(model, config: PlanConfig) -> dict:
             "flash": "a fused kernel everywhere (O(T) kept)"}[c.self_attention],
         f"FLOPs: 2 x active matmul params x tokens + attention QK/PV; backward = {BACKWARD_FACTOR:g} x forward; "
         "capture x1, replay x(1 + backward) per branch (+ x1 per score pass; pieces add a no-grad forward of the "
-        "held tokens), exact adds x(1 + backward) of the prompt forward",
-        f"time = FLOPs / W / {c.throughput_tflops:g} TFLOP/s effective per rank (perfect CP scaling assumed)",
+        "held tokens), exact adds a backward of the prompt forward plus a recomputed forward of every chunk whose "
+        "graph is not kept",
+        f"time = one rank's FLOPs / {c.throughput_tflops:g} TFLOP/s effective: the token computation is "
+        "replicated on every rank, only attention over the prompt state is divided by W",
         f"GDN kernel: {gk} " + ("(ops/gated_delta.py, fp32 arithmetic)" if gk == "torch" else
                                 "(flash-linear-attention; working set estimated, not measured)"),
         "capture " + ("counted with the parameter gradients allocated (any group after the first of a batch)"
@@ -395,6 +428,10 @@ def estimate(model, config: PlanConfig) -> dict:
         "replay_working_bytes": int(replay_working),
         "capture_working_bytes": int(capture_working),
         "recompute_working_bytes": int(recompute_working),
+        "chunk_graph_bytes": int(chunk_graph) if exact else 0,
+        "kept_graph_chunks": kept_chunks,
+        "kept_graph_bytes": int(kept_bytes),
+        "recomputed_chunks": chunks - kept_chunks if exact else 0,
         "score_working_bytes": int(score_working),
         "static_bytes_per_rank": int(static),
         "peak_bytes_per_rank": int(peak),
@@ -415,8 +452,8 @@ def estimate(model, config: PlanConfig) -> dict:
                        "logits_working_bytes": logits, "branch_state_bytes": branch_state},
             "capture": {"chunk_tokens": C, "working_bytes": capture_working},
             "phase_peak_bytes": {k: int(static + v) for k, v in phases.items()},
-            "time_s": {"capture": flops_capture / W / thr, "replay_per_branch": flops_branch / W / thr,
-                       "exact_extra": flops_exact_extra / W / thr},
+            "time_s": {"capture": flops_capture / thr, "replay_per_branch": flops_branch / thr,
+                       "exact_extra": flops_exact_extra / thr},
         },
         "inputs": {**asdict(c), "dtype": dtype, "weight_dtype": wdt},
         "assumptions": assumptions,
@@ -459,6 +496,9 @@ def format_report(r: dict) -> str:
     ]
     if r["mode"] == "exact":
         rows.append(("working: recompute (1 chunk)", hb(r["recompute_working_bytes"])))
+        if r["kept_graph_chunks"]:
+            rows.append((f"kept capture graphs ({r['kept_graph_chunks']} of "
+                         f"{r['kept_graph_chunks'] + r['recomputed_chunks']} chunks)", hb(r["kept_graph_bytes"])))
     rows += [
         ("static per rank", hb(r["static_bytes_per_rank"])),
         ("PEAK per rank", f"{hb(r['peak_bytes_per_rank'])}  (during {r['peak_phase']})"),

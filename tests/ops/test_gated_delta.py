@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from longstraw.ops.gated_delta import _fla_kernel, chunk_gated_delta_rule
+from longstraw.ops.gated_delta import chunk_gated_delta_rule, fla_kernel
 from longstraw.ops.naive import naive_gated_delta_rule
 
 DK, DV = 8, 6  # different on purpose, so a transposed state cannot pass
@@ -148,7 +148,7 @@ def test_bad_head_grouping_is_rejected():
         chunk_gated_delta_rule(*leaves)
 
 
-@pytest.mark.skipif(not torch.cuda.is_available() or _fla_kernel() is None, reason="needs CUDA and fla")
+@pytest.mark.skipif(not torch.cuda.is_available() or fla_kernel() is None, reason="needs CUDA and fla")
 def test_fla_kernel_matches_torch_path():
     leaves, dout, dstate = _inputs(130, 2, 4, init=True, seed=7, dtype=torch.bfloat16, device="cuda")
     h0 = leaves[5].detach().float().requires_grad_()

@@ -1,0 +1,126 @@
+"""GPU check of the paths CPU CI cannot reach: context parallelism over NCCL, bf16 exact
+mode, and the autocast refusal. Prints a table and ends with one JSON line.
+
+    python bench/gpu_check.py          # one GPU: NCCL process group of world_size 1
+    python bench/gpu_check.py --cpu    # the same code paths on CPU over gloo (float32 for
+                                       # the CP check, a tiny bf16 model for exact mode)
+
+Checks (each a row):
+1. cp_nccl: Engine(context_parallel=True) over a 1-rank NCCL group (every collective, the
+   fingerprint included, must carry CUDA tensors) equals the single-process step, float32.
+2. bf16_exact: bf16 exact-mode gradient vs float64 on the same weights: norm-wise relative
+   error per parameter <= 16 u (u = 2^-8; the bound is derived in
+   tests/test_exact.py::test_bf16_exact_mode_sums_state_gradients_in_float32).
+3. autocast_refused: a step under torch.autocast raises ConfigError before any work.
+Phase times come from `metrics` (CUDA-synchronized).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+
+import torch
+import torch.distributed as dist
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+import longstraw as ls  # noqa: E402
+from tests.reference import grads_of, random_group, tiny_model  # noqa: E402
+
+
+def _rel(got: dict, want: dict) -> float:
+    worst = 0.0
+    for name, w in want.items():
+        if w is None:
+            continue
+        worst = max(worst, float((got[name].double() - w.double()).norm() / w.double().norm().clamp_min(1e-300)))
+    return worst
+
+
+def check_cp(device: torch.device) -> dict:
+    model = tiny_model("qwen3", dtype=torch.float32).to(device)
+    group = random_group(97, 200, [17, 9, 30], seed=1)
+    kw = dict(chunk_size=64, attention_block_size=32, mode="exact")
+    model.zero_grad(set_to_none=True)
+    single = ls.Engine(model, ls.ExecConfig(**kw)).step(group)
+    want = grads_of(model)
+    model.zero_grad(set_to_none=True)
+    cp = ls.Engine(model, ls.ExecConfig(context_parallel=True, **kw)).step(group)
+    return {"check": "cp_nccl" if device.type == "cuda" else "cp_gloo", "rel_err": _rel(grads_of(model), want),
+            "limit": 1e-4, "time_s": cp.metrics["time_total_s"], "loss_diff": abs(cp.loss - single.loss)}
+
+
+def check_bf16_exact(device: torch.device) -> dict:
+    k = 64 if device.type == "cpu" else 320
+    model = tiny_model("llama", dtype=torch.bfloat16, num_hidden_layers=1).to(device)
+    prompt = torch.tensor([20, 21, 22, 23, 24, 3])
+    group = ls.Group(prompt=prompt, responses=[torch.tensor([5])] * k + [torch.tensor([11])] * k,
+                     rewards=torch.tensor([1.0] * k + [0.0] * k, dtype=torch.float64))
+
+    def rows(m):
+        m.zero_grad(set_to_none=True)
+        result = ls.Engine(m, ls.ExecConfig(mode="exact", chunk_size=8)).step(group)
+        return m.model.embed_tokens.weight.grad[prompt[:-1].to(device)].double(), result
+
+    got, result = rows(model)
+    want, _ = rows(model.double())
+    err = float((got - want).norm() / want.norm())
+    return {"check": "bf16_exact", "rel_err": err, "limit": 16 * 2.0 ** -8, "time_s": result.metrics["time_total_s"]}
+
+
+def check_autocast(device: torch.device) -> dict:
+    model = tiny_model("llama", dtype=torch.float32).to(device)
+    group = random_group(97, 9, [3, 2], seed=1)
+    t0 = time.perf_counter()
+    refused = False
+    with torch.autocast(device.type, dtype=torch.bfloat16):
+        try:
+            ls.Engine(model, ls.ExecConfig(chunk_size=4)).step(group)
+        except ls.ConfigError:
+            refused = True
+    untouched = all(p.grad is None for p in model.parameters())
+    return {"check": "autocast_refused", "rel_err": 0.0 if refused and untouched else 1.0, "limit": 0.5,
+            "time_s": time.perf_counter() - t0}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--cpu", action="store_true", help="run on CPU over gloo (no GPU needed)")
+    args = parser.parse_args()
+    use_cuda = torch.cuda.is_available() and not args.cpu
+    device = torch.device("cuda", 0) if use_cuda else torch.device("cpu")
+    if use_cuda:
+        torch.cuda.set_device(device)
+    init = tempfile.NamedTemporaryFile(delete=False).name
+    dist.init_process_group("nccl" if use_cuda else "gloo", init_method=f"file://{init}", rank=0, world_size=1)
+    rows = []
+    try:
+        for check in (check_cp, check_bf16_exact, check_autocast):
+            try:
+                row = check(device)
+                row["ok"] = row["rel_err"] <= row["limit"]
+            except Exception as exc:  # report, keep going
+                row = {"check": check.__name__, "ok": False, "error": f"{type(exc).__name__}: {exc}"[:300]}
+            rows.append(row)
+    finally:
+        dist.destroy_process_group()
+    name = torch.cuda.get_device_name(device) if use_cuda else "cpu"
+    print(f"device: {name}, torch {torch.__version__}, backend {'nccl' if use_cuda else 'gloo'}")
+    print(f"{'check':<18} {'ok':<5} {'rel_err':>10} {'limit':>10} {'time_s':>8}")
+    for r in rows:
+        if "error" in r:
+            print(f"{r['check']:<18} {'NO':<5} {r['error']}")
+        else:
+            print(f"{r['check']:<18} {'yes' if r['ok'] else 'NO':<5} {r['rel_err']:>10.3e} {r['limit']:>10.3e} "
+                  f"{r['time_s']:>8.2f}")
+    print(json.dumps({"device": name, "torch": torch.__version__, "all_ok": all(r["ok"] for r in rows),
+                      "rows": rows}))
+    return 0 if all(r["ok"] for r in rows) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,380 @@
+"""TRL integration: `LongStrawGRPOTrainer`, TRL's `GRPOTrainer` whose rollouts and
+update run through LongStraw. A TRL user changes one class:
+
+    from longstraw.integrations.trl import LongStrawGRPOTrainer
+    trainer = LongStrawGRPOTrainer(model=model, reward_funcs=[reward_fn], args=trl.GRPOConfig(...),
+                                   train_dataset=dataset, longstraw_config=ls.ExecConfig(mode="exact"))
+    trainer.train()
+
+What stays TRL's: the data loader and its RepeatSampler (each prompt num_generations
+times in a row), tokenisation, reward functions, advantages (every `scale_rewards`),
+logging, checkpoints, the optimizer, scheduler and gradient clipping.
+
+What LongStraw replaces, through three of GRPOTrainer's hooks:
+
+* `_generate_single_turn`: per prompt, one `engine.generate(prompt, num_samples=G)`
+  samples the group from one capture and keeps that capture's state.
+* `_get_per_token_logps_and_entropies`, which TRL calls under no_grad for the old
+  log-probs (num_iterations > 1) and for the reference (beta > 0): `engine.score` per
+  group, on the rollout's state while it is fresh. The reference is scored by a second
+  engine over `ref_model`, or, with PEFT, on the model with the adapter disabled; its
+  weights differ from the rollout's, so that is a separate capture (the stale-state
+  check sees the adapter switch and refuses the rollout's state).
+* `_prepare_inputs` / `training_step`: stock TRL shuffles rows and runs one batched
+  full-sequence forward + backward per micro-step, whose graph grows with
+  rows x (P + R). Here the generation batch stays whole prompt groups, dealt over the
+  gradient-accumulation micro-steps, and each group is one `engine.step(group,
+  totals=BatchTotals.of(all groups), state=rollout.state)`: it accumulates `.grad`
+  itself (one branch's graph at a time), so the Trainer's backward is skipped. With
+  the batch-wide divisors the summed gradient equals TRL's for "dapo", "grpo" and
+  "dr_grpo", however the groups fall into micro-steps.
+
+Advantages are TRL's own (from `_generate_and_score_completions`, so "group", "batch"
+and "none" scaling all work); they reach the engine as the rewards with
+`scale_rewards="none"`. They are already centred per group, so the engine's centring
+changes nothing (beyond float rounding).
+
+Memory: every prompt of a generation batch keeps its state from generation until its
+update (`longstraw_keep_states=False` drops it and captures again at the update: one
+state alive at a time, one more capture per prompt).
+
+Anything TRL offers that cannot run here is refused at construction with a
+`longstraw.ConfigError` naming the setting and the fix (`unsupported_settings`).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections import defaultdict
+from dataclasses import dataclass
+
+import torch
+
+from ..config import ExecConfig, GRPOConfig
+from ..engine import Engine
+from ..errors import ConfigError, ModelStateError, StaleStateError
+from ..group import BatchTotals, Group
+from ..measure import peak_rss_bytes
+from ..rollout import check_state
+
+try:
+    import trl
+    from transformers import PreTrainedTokenizerFast, ProcessorMixin
+except ImportError as exc:  # pragma: no cover - depends on the environment
+    raise ImportError("longstraw.integrations.trl needs TRL: pip install 'longstraw[trl]'") from exc
+
+logger = logging.getLogger(__name__)
+
+LOSS_TYPES = ("dapo", "grpo", "dr_grpo")
+"""TRL loss types LongStraw computes (same names and meanings as `longstraw.GRPOConfig`)."""
+
+
+# ----------------------------------------------------------------------------
+# what cannot run here
+
+
+def unsupported_settings(args, *, eval_dataset=None, processing_class=None, tools=None, rollout_func=None,
+                         environment_factory=None, longstraw_config: ExecConfig | None = None) -> list[str]:
+    """The TRL settings LongStrawGRPOTrainer refuses, one message each (empty: all fine)."""
+    bad = []
+
+    def refuse(condition, message):
+        if condition:
+            bad.append(message)
+
+    refuse(args.use_vllm, "use_vllm=True: rollouts come from engine.generate, which samples from the one prompt "
+                          "capture the update reuses; set use_vllm=False")
+    refuse(args.use_transformers_continuous_batching,
+           "use_transformers_continuous_batching=True: rollouts come from engine.generate; set it to False")
+    refuse(args.loss_type not in LOSS_TYPES,
+           f"loss_type={args.loss_type!r}: supported are {LOSS_TYPES} (bnpo normalises per shuffled micro-batch, "
+           "cispo/sapo/luspo/vespo use other objectives)")
+    refuse(args.importance_sampling_level != "token",
+           f"importance_sampling_level={args.importance_sampling_level!r}: only 'token' is supported")
+    refuse(args.delta is not None, "delta (two-sided clipping of the ratio) is not supported; set delta=None")
+    refuse(args.entropy_coef != 0 or args.use_adaptive_entropy,
+           "the entropy bonus (entropy_coef / use_adaptive_entropy) is not supported; set entropy_coef=0")
+    refuse(args.top_entropy_quantile < 1.0, "top_entropy_quantile < 1 is not supported; set it to 1.0")
+    refuse(args.off_policy_mask_threshold is not None,
+           "off_policy_mask_threshold is not supported; set it to None")
+    refuse(args.mask_truncated_completions, "mask_truncated_completions=True is not supported; set it to False")
+    refuse(args.beta != 0 and args.use_bias_correction_kl,
+           "beta > 0 with use_bias_correction_kl=True (the KL weighted by the importance ratio) is not supported; "
+           "set use_bias_correction_kl=False for the plain k3 KL")
+    refuse(args.multi_objective_aggregation != "sum_then_normalize",
+           f"multi_objective_aggregation={args.multi_objective_aggregation!r}: only 'sum_then_normalize' "
+           "(its advantages are centred per group)")
+    refuse(args.min_p is not None, "min_p sampling is not supported by engine.generate; set min_p=None")
+    refuse(args.repetition_penalty != 1.0, "repetition_penalty is not supported by engine.generate; set it to 1.0")
+    refuse(args.generation_kwargs, "generation_kwargs are not supported; engine.generate takes temperature, "
+                                   "top_p, top_k and eos (from GRPOConfig and the tokenizer)")
+    refuse(args.steps_per_generation != args.gradient_accumulation_steps,
+           f"steps_per_generation={args.steps_per_generation} != gradient_accumulation_steps="
+           f"{args.gradient_accumulation_steps}: one generation batch must be one optimizer step (whole prompt "
+           "groups are stepped); leave steps_per_generation and generation_batch_size unset")
+    refuse(args.fp16 or args.bf16, "fp16/bf16 autocast: LongStraw runs the model in its own dtype; load the model "
+                                   "in bfloat16 instead and set bf16=False, fp16=False")
+    refuse(args.cast_lm_head_to_fp32, "cast_lm_head_to_fp32=True is not supported; set it to False")
+    refuse(args.use_liger_kernel, "use_liger_kernel=True is not supported; set it to False")
+    refuse(args.world_size > 1 or args.deepspeed is not None or bool(args.fsdp),
+           "more than one process (DDP, DeepSpeed, FSDP) is not supported by the trainer yet; run one process "
+           "(LongStraw's own context parallelism is separate: docs/distributed.md)")
+    refuse(bool(tools) or rollout_func is not None or environment_factory is not None,
+           "tools, rollout_func and environment_factory (multi-turn rollouts) are not supported")
+    refuse(eval_dataset is not None or args.eval_strategy != "no",
+           "evaluation (eval_dataset / eval_strategy) is not supported yet; set eval_strategy='no'")
+    refuse(isinstance(processing_class, ProcessorMixin), "multimodal processors are not supported (text only)")
+    refuse(longstraw_config is not None and longstraw_config.context_parallel,
+           "ExecConfig(context_parallel=True) is not supported by the trainer")
+    return bad
+
+
+def token_id_tokenizer(vocab_size: int, *, eos_token_id: int = 0, pad_token_id: int | None = None):
+    """A tokenizer whose tokens are the decimal ids themselves ("12 7 3" <-> [12, 7, 3]),
+    for models built in code (nothing to download): pass it as `processing_class`."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    vocab = {str(i): i for i in range(vocab_size)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token=str(eos_token_id)))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    pad = eos_token_id if pad_token_id is None else pad_token_id
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=str(eos_token_id), pad_token=str(pad),
+                                   padding_side="left")
+
+
+# ----------------------------------------------------------------------------
+# the trainer
+
+
+@dataclass
+class _Pending:
+    """One prompt group between generation and its update."""
+
+    prompt: torch.Tensor  # [P]
+    state: object  # the rollout's prompt state, or None once dropped
+    group: Group | None = None
+
+
+@dataclass
+class _MicroBatch:
+    """What one gradient-accumulation micro-step steps: whole groups, batch-wide divisors."""
+
+    items: list
+    totals: BatchTotals
+
+
+class LongStrawGRPOTrainer(trl.GRPOTrainer):
+    """TRL's `GRPOTrainer` with LongStraw's rollouts and update (see the module doc).
+
+    Args:
+        model, reward_funcs, args, train_dataset, eval_dataset, processing_class,
+        reward_processing_classes, callbacks, optimizers, peft_config, and the other
+        keyword arguments: as `trl.GRPOTrainer`. `args.gradient_checkpointing` is turned
+        off (LongStraw bounds activation memory itself); unsupported settings raise
+        `ConfigError` (`unsupported_settings`).
+        longstraw_config: how the engine runs (`ExecConfig`: chunk sizes, mode). Default
+            `ExecConfig()` (detached); `mode="exact"` gives the full-sequence gradient.
+        longstraw_keep_states: keep each prompt's state from generation to its update
+            (default); False drops it after generation and captures again at the update.
+    """
+
+    def __init__(self, model, reward_funcs=None, args=None, train_dataset=None, eval_dataset=None,
+                 processing_class=None, reward_processing_classes=None, callbacks=None, optimizers=(None, None),
+                 peft_config=None, *, longstraw_config: ExecConfig | None = None, longstraw_keep_states: bool = True,
+                 **kwargs):
+        longstraw_config = ExecConfig() if longstraw_config is None else longstraw_config
+        if not isinstance(longstraw_config, ExecConfig):
+            raise ConfigError(f"longstraw_config must be a longstraw.ExecConfig, got {type(longstraw_config).__name__}")
+        if args is None:
+            name = model if isinstance(model, str) else getattr(model.config, "_name_or_path", "") or "model"
+            args = trl.GRPOConfig(f"{name.split('/')[-1]}-GRPO")
+        bad = unsupported_settings(args, eval_dataset=eval_dataset, processing_class=processing_class,
+                                   tools=kwargs.get("tools"), rollout_func=kwargs.get("rollout_func"),
+                                   environment_factory=kwargs.get("environment_factory"),
+                                   longstraw_config=longstraw_config)
+        if bad:
+            raise ConfigError("LongStrawGRPOTrainer cannot run these TRL settings:\n  - " + "\n  - ".join(bad))
+        if args.gradient_checkpointing or getattr(args, "activation_checkpointing", False):
+            logger.warning("LongStrawGRPOTrainer: turning gradient_checkpointing off; LongStraw replays one branch "
+                           "(or one chunk) at a time and never holds a full-sequence graph")
+            args.gradient_checkpointing = False
+            if hasattr(args, "activation_checkpointing"):  # its newer name (transformers >= 5.x)
+                args.activation_checkpointing = False
+
+        super().__init__(model=model, reward_funcs=reward_funcs, args=args, train_dataset=train_dataset,
+                         eval_dataset=eval_dataset, processing_class=processing_class,
+                         reward_processing_classes=reward_processing_classes, callbacks=callbacks,
+                         optimizers=optimizers, peft_config=peft_config, **kwargs)
+
+        if self.aux_loss_enabled:
+            raise ConfigError("the MoE load-balancing loss is not supported by LongStrawGRPOTrainer; "
+                              "set GRPOConfig(router_aux_loss_coef=0.0)")
+        policy = self.accelerator.unwrap_model(self.model)
+        self.longstraw_engine = Engine(policy, longstraw_config)
+        self.longstraw_ref_engine = (None if self.ref_model is None
+                                     else Engine(self.accelerator.unwrap_model(self.ref_model), longstraw_config))
+        was_training = policy.training
+        policy.train()  # the Trainer trains in train mode: refuse dropout now, not at the first step
+        try:
+            self.longstraw_engine.adapter.check_runnable()
+        except ModelStateError as exc:
+            raise ConfigError(f"{exc} With the trainer, set GRPOConfig(disable_dropout=True).") from exc
+        finally:
+            policy.train(was_training)
+        self.longstraw_keep_states = longstraw_keep_states
+        self.longstraw_grpo = GRPOConfig(loss_type=args.loss_type, epsilon_low=self.epsilon_low,
+                                         epsilon_high=self.epsilon_high, beta=self.beta, scale_rewards="none",
+                                         temperature=self.temperature, max_completion_length=self.max_completion_length)
+        self._pending: list[_Pending] = []
+        self._window = defaultdict(float)  # LongStraw metrics of the current optimizer step
+
+    # ------------------------------------------------------------------------
+    # rollouts and scoring (called from TRL's _generate_and_score_completions)
+
+    def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
+        """One `engine.generate` per prompt group (TRL repeats each prompt G times in a row)."""
+        if images is not None or multimodal_fields:
+            raise ConfigError("LongStrawGRPOTrainer takes text-only prompts")
+        completions, self._pending = [], []
+        for start in range(0, len(prompt_ids), num_generations):
+            rows = [list(r) for r in prompt_ids[start:start + num_generations]]
+            if len(rows) != num_generations or any(r != rows[0] for r in rows):
+                raise RuntimeError("expected each prompt num_generations times in a row (TRL's RepeatSampler)")
+            prompt = torch.tensor(rows[0], dtype=torch.long)
+            rollout = self.longstraw_engine.generate(
+                prompt, num_samples=num_generations, max_new_tokens=self.max_completion_length,
+                temperature=self.temperature, top_p=self.top_p, top_k=self.top_k or 0, eos_token_id=self.eos_token_ids)
+            completions += [r.tolist() for r in rollout.responses]
+            self._pending.append(_Pending(prompt, rollout.state if self.longstraw_keep_states else None))
+            m = rollout.metrics
+            self._window["captures"] += 1
+            self._window["time_capture_s"] += m["time_capture_s"]
+            self._window["time_generate_s"] += m["time_generate_s"]
+            self._window["state_bytes"] = max(self._window["state_bytes"], m["state_bytes"])
+        return completions, None  # sampling log-probs are only used for vLLM's importance sampling
+
+    def _fresh_state(self, state, prompt):
+        """`state` if the policy engine can still reuse it for `prompt`, else None."""
+        if state is None:
+            return None
+        try:
+            check_state(state, self.longstraw_engine, prompt)
+        except StaleStateError:
+            return None
+        return state
+
+    def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, batch_size=None,
+                                           compute_entropy=False, compute_aux_loss=False, **multimodal):
+        """Old or reference log-probs [B, logits_to_keep] of the generation batch, per
+        group through `engine.score` (no full-sequence forward). TRL calls it under no_grad."""
+        if torch.is_grad_enabled() or compute_entropy or compute_aux_loss:
+            raise RuntimeError("LongStrawGRPOTrainer scores log-probs only under no_grad; the loss goes through "
+                               "engine.step")
+        is_ref = self.ref_model is not None and model is self.ref_model
+        engine = self.longstraw_ref_engine if is_ref else self.longstraw_engine
+        split = input_ids.shape[1] - logits_to_keep  # prompt columns (left-padded)
+        num_generations = self.num_generations
+        out = None
+        for k, start in enumerate(range(0, input_ids.shape[0], num_generations)):
+            rows = range(start, start + num_generations)
+            prompt = input_ids[start, :split][attention_mask[start, :split].bool()]
+            responses = [input_ids[i, split:][attention_mask[i, split:].bool()] for i in rows]
+            state = None if is_ref else self._fresh_state(self._pending[k].state, prompt)
+            self._window["captures"] += state is None
+            logps = engine.score(Group(prompt=prompt, responses=responses, rewards=None), self.temperature,
+                                 state=state)
+            if out is None:
+                out = torch.zeros(input_ids.shape[0], logits_to_keep, dtype=logps[0].dtype, device=input_ids.device)
+            for i, lp in zip(rows, logps):
+                out[i, : lp.numel()] = lp
+        return out, None, None
+
+    # ------------------------------------------------------------------------
+    # the update
+
+    def _prepare_inputs(self, generation_batch):
+        """Generate and score a generation batch every steps_per_generation x
+        num_iterations micro-steps (as TRL); return this micro-step's groups."""
+        if not self.model.training:
+            raise RuntimeError("LongStrawGRPOTrainer does not evaluate")
+        generate_every = self.args.steps_per_generation * self.num_iterations
+        if self._step % generate_every == 0 or self._buffered_inputs is None:
+            batch = self._generate_and_score_completions(generation_batch)
+            self._buffered_inputs = self._micro_batches(batch)
+        return self._buffered_inputs[self._step % self.args.steps_per_generation]
+
+    def _micro_batches(self, batch) -> list[_MicroBatch]:
+        """TRL's padded generation batch -> whole groups dealt over the micro-steps."""
+        num_generations = self.num_generations
+        if batch["completion_ids"].shape[0] != len(self._pending) * num_generations:
+            raise RuntimeError("generation batch and rollouts are out of step")
+        for k, pending in enumerate(self._pending):
+            rows = list(range(k * num_generations, (k + 1) * num_generations))
+            responses = [batch["completion_ids"][i][batch["completion_mask"][i].bool()] for i in rows]
+
+            def per_row(key):
+                if batch.get(key) is None:
+                    return None
+                return [batch[key][i, : r.numel()] for i, r in zip(rows, responses)]
+
+            pending.group = Group(prompt=pending.prompt, responses=responses,
+                                  rewards=batch["advantages"][rows].detach().to("cpu", torch.float64),
+                                  old_logprobs=per_row("old_per_token_logps"), ref_logprobs=per_row("ref_per_token_logps"))
+        items, self._pending = self._pending, []
+        totals = BatchTotals.of(item.group for item in items)
+        steps = self.args.steps_per_generation
+        return [_MicroBatch(items[m::steps], totals) for m in range(steps)]
+
+    def _step_groups(self, micro: _MicroBatch) -> float:
+        """engine.step for each group of a micro-step; returns their summed loss."""
+        loss = tokens = clipped = kl = 0.0
+        for item in micro.items:
+            state = self._fresh_state(item.state, item.group.prompt)
+            item.state = None  # after this optimizer step it is stale; free it now
+            result = self.longstraw_engine.step(item.group, self.longstraw_grpo, totals=micro.totals, state=state)
+            m = result.metrics
+            loss += result.loss
+            skipped = m["skipped_zero_advantage"] > 0
+            if state is None and not skipped:  # the rollout's state was dropped or stale: captured again
+                self._window["captures"] += 1
+                self._window["time_capture_s"] += m["time_capture_s"]
+            self._window["time_replay_s"] += m["time_replay_s"]
+            self._window["time_reverse_s"] += m["time_reverse_s"]
+            self._window["state_grad_bytes"] = max(self._window["state_grad_bytes"], m["state_grad_bytes"])
+            if not skipped:
+                tokens += m["response_tokens"]
+                clipped += m["clip_fraction"] * m["response_tokens"]
+                kl += m.get("kl_mean", 0.0) * m["response_tokens"]
+        if tokens:
+            self._metrics["train"]["clip_ratio/region_mean"].append(clipped / tokens)
+            if self.beta != 0.0:
+                self._metrics["train"]["kl"].append(kl / tokens)
+        return loss
+
+    def training_step(self, model, inputs, num_items_in_batch=None):
+        """One micro-step: `engine.step` per group accumulates `.grad` (no Trainer backward).
+        Returns the micro-step's share of the batch loss (TRL's convention)."""
+        start = time.perf_counter()
+        model.train()
+        if hasattr(self.optimizer, "train") and callable(self.optimizer.train):
+            self.optimizer.train()
+        loss = self._step_groups(self._prepare_inputs(inputs))
+        self._step += 1
+        self._current_train_step_time += time.perf_counter() - start
+        if self._step % self.current_gradient_accumulation_steps == 0:
+            self._metrics["train"]["step_time"].append(self._current_train_step_time)
+            self._current_train_step_time = 0.0
+            self._flush_window()
+        return torch.tensor(loss, device=self.args.device)
+
+    def _flush_window(self) -> None:
+        """Log this optimizer step's LongStraw metrics (TRL averages them per logging step)."""
+        if torch.cuda.is_available() and self.accelerator.device.type == "cuda":
+            peak = torch.cuda.max_memory_allocated(self.accelerator.device)
+        else:
+            peak = peak_rss_bytes()
+        self._window["peak_memory_bytes"] = float(peak)
+        for key, value in self._window.items():
+            self._metrics["train"][f"longstraw/{key}"].append(float(value))
+        self._window.clear()

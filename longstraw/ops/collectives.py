@@ -1,0 +1,134 @@
+"""Collectives of context parallelism, and the two autograd Functions built on them.
+
+`cp` below is a `distributed.ContextParallel`: it names the process group (`cp.group`),
+the number of ranks (`cp.world`) and the device the group's backend carries tensors on
+(`cp.device`: CUDA for NCCL, CPU for gloo, None when the backend takes either). Every
+collective here moves its tensors to that device and back, so a CPU tensor never
+reaches NCCL and a CUDA tensor never reaches a CPU-only gloo group.
+
+This module knows nothing of the engine or the models: it sits with the other ops at
+the bottom of the package, and `ops/attention.py` and the models call it.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from ..errors import DistributedError
+
+
+def _collective(fn, cp, *args, **kwargs):
+    try:
+        return fn(*args, group=cp.group, **kwargs)
+    except (RuntimeError, ValueError) as exc:  # gloo/NCCL errors, a dead peer's timeout included
+        backend = getattr(cp, "backend", "?")
+        raise DistributedError(
+            f"context-parallel collective {fn.__name__} failed on the {backend} backend ({exc}). Every rank must "
+            "call it with the same group; if another rank failed first or died, its own error is the cause."
+        ) from exc
+
+
+def all_reduce_sum(tensor: torch.Tensor, cp) -> torch.Tensor:
+    """Sum over ranks, in place (through the backend's device when it differs); returns the tensor."""
+    device = getattr(cp, "device", None)
+    if device is None or tensor.device == device:
+        _collective(dist.all_reduce, cp, tensor, op=dist.ReduceOp.SUM)
+        return tensor
+    moved = tensor.to(device)
+    _collective(dist.all_reduce, cp, moved, op=dist.ReduceOp.SUM)
+    return tensor.copy_(moved)
+
+
+def all_gather(tensor: torch.Tensor, cp) -> list[torch.Tensor]:
+    """Every rank's `tensor` (same shape on all ranks), in rank order, on `tensor`'s device."""
+    device = getattr(cp, "device", None)
+    moved = tensor.contiguous() if device is None else tensor.to(device).contiguous()
+    out = [torch.empty_like(moved) for _ in range(cp.world)]
+    _collective(dist.all_gather, cp, out, moved)
+    return [t.to(tensor.device) for t in out]
+
+
+class SumGradAcrossRanks(torch.autograd.Function):
+    """Identity forward; backward sums the gradient over ranks. Put in front of a
+    replicated tensor that feeds a rank-local (sharded) computation."""
+
+    @staticmethod
+    def forward(ctx, x, cp):
+        ctx.cp = cp
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return all_reduce_sum(grad.contiguous().clone(), ctx.cp), None
+
+
+class MergeAcrossRanks(torch.autograd.Function):
+    """(o_r [.., M, Dv], lse_r [.., M]) partial attentions of every rank -> their
+    log-sum-exp merge (o, lse), identical on every rank.
+
+    Memory: the partials are merged one rank at a time as they arrive (an online
+    log-sum-exp), so besides (o, lse) at most one other rank's partial is alive:
+    O(1) partials, not O(W). Every rank merges in rank order, so every rank gets the
+    same bits.
+
+    Backward needs no communication: with w_r = exp(lse_r - lse),
+        d o_r   = w_r do
+        d lse_r = w_r (do . o_r - do . o + dlse)
+    and do, dlse are the same on every rank (the computation after the merge is
+    replicated)."""
+
+    @staticmethod
+    def forward(ctx, out, lse, cp):
+        merged, lse_all = None, None
+        for src in range(cp.world):
+            o_r, l_r = _broadcast_pair(out, lse, src, cp)
+            if merged is None:
+                merged, lse_all = o_r.clone(), l_r.clone()
+                continue
+            new = torch.logaddexp(lse_all, l_r)
+            safe = torch.where(torch.isinf(new), torch.zeros_like(new), new)
+            merged = torch.exp(lse_all - safe)[..., None] * merged + torch.exp(l_r - safe)[..., None] * o_r
+            lse_all = new
+            del o_r, l_r
+        safe = torch.where(torch.isinf(lse_all), torch.zeros_like(lse_all), lse_all)
+        ctx.save_for_backward(out, lse, merged, safe)
+        return merged, lse_all
+
+    @staticmethod
+    def backward(ctx, grad_out, grad_lse):
+        out, lse, merged, safe = ctx.saved_tensors
+        w = torch.exp(lse - safe)  # (.., M); 0 where this rank saw nothing
+        grad_out = torch.zeros_like(merged) if grad_out is None else grad_out
+        dot = (grad_out * (out - merged)).sum(-1)
+        if grad_lse is not None:
+            dot = dot + grad_lse
+        return w[..., None] * grad_out, w * dot, None
+
+
+def _broadcast_pair(out: torch.Tensor, lse: torch.Tensor, src: int, cp):
+    """Rank `src`'s (out, lse), on every rank (this rank's own tensors when src is us)."""
+    if src == cp.rank:
+        o_r, l_r = out, lse
+    else:
+        o_r, l_r = torch.empty_like(out), torch.empty_like(lse)
+    device = getattr(cp, "device", None)
+    pair = [(t if device is None else t.to(device)).contiguous() for t in (o_r, l_r)]
+    for t in pair:  # received in place: these are the tensors we return
+        _collective(dist.broadcast, cp, t, src=_global_rank(cp, src))
+    return tuple(p.to(out.device) for p in pair)
+
+
+def _global_rank(cp, group_rank: int) -> int:
+    if cp.group is None or cp.group == dist.group.WORLD:
+        return group_rank
+    return dist.get_global_rank(cp.group, group_rank)
+
+
+def broadcast_from_first(tensor: torch.Tensor, cp) -> torch.Tensor:
+    """Overwrite `tensor` on every rank with that of the group's first rank, in place
+    (through the backend's device when it differs); returns the tensor."""
+    device = getattr(cp, "device", None)
+    moved = tensor if device is None or tensor.device == device else tensor.to(device)
+    _collective(dist.broadcast, cp, moved, src=dist.get_global_rank(cp.group, 0))
+    return tensor if moved is tensor else tensor.copy_(moved)

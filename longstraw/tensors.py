@@ -1,0 +1,38 @@
+"""Small types and dtype rules shared by the kernels (`ops/`) and the state (`state.py`).
+
+Both rooms sit at the bottom of the package (engine -> models -> ops/state); neither
+imports the other. What they must agree on lives here:
+
+* `accumulation_dtype`: the dtype sums run in (softmax statistics, gradient buffers).
+* `KVSegment`: a run of earlier keys/values, as the state hands it to attention.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
+    """float64 stays float64; everything else (bf16, fp16, fp32) accumulates in float32."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+@dataclass
+class KVSegment:
+    """A run of earlier keys/values the new tokens attend to (read-only).
+
+    Fields:
+        k: [Hkv, S, D]; v: [Hkv, S, Dv] at absolute positions start .. start + S - 1.
+        grad: optional (dk, dv) buffers of the same shapes (in the accumulation dtype);
+            backward adds dLoss/dk, dLoss/dv into them (exact mode, and branch pieces).
+        cp: a `distributed.ContextParallel` when k, v are this rank's rows of a
+            position-sharded state; None when they are the whole segment.
+    """
+
+    k: torch.Tensor
+    v: torch.Tensor
+    start: int
+    grad: tuple | None = None
+    cp: object = None

@@ -1,0 +1,55 @@
+"""The `longstraw` command's own logic (the library is tested elsewhere)."""
+
+import torch
+
+from longstraw import cli
+
+
+def test_torchrun_with_cuda_picks_nccl_on_the_local_rank_device(monkeypatch):
+    import torch.distributed as dist
+
+    seen = {}
+    monkeypatch.setenv("WORLD_SIZE", "8")
+    monkeypatch.setenv("LOCAL_RANK", "3")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda d: seen.setdefault("set_device", d))
+    monkeypatch.setattr(dist, "init_process_group", lambda backend, **kw: seen.setdefault("backend", backend))
+    monkeypatch.setattr(dist, "get_rank", lambda: 3)
+    rank, device = cli._init_torchrun()
+    assert (rank, device, seen["backend"], seen["set_device"]) == (3, torch.device("cuda", 3), "nccl", device)
+
+
+def test_without_torchrun_the_demo_stays_on_cpu(monkeypatch):
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    assert cli._init_torchrun() == (None, torch.device("cpu"))
+
+
+def test_progress_shows_one_bar_per_phase_and_none_per_piece(capsys):
+    import longstraw as ls
+    from longstraw.tiny import random_group, tiny_model
+
+    model = tiny_model("qwen3", num_hidden_layers=1)
+    group = random_group(model.config.vocab_size, 64, 2, 12, seed=0)
+    engine = ls.Engine(model, ls.ExecConfig(chunk_size=32, branch_chunk_size=4, mode="exact", progress=True))
+    engine.step(group, ls.GRPOConfig())
+    err = capsys.readouterr().err
+    assert "capture" in err and "replay" in err and "reverse" in err
+    assert "pieces" not in err  # a branch's pieces run inside the replay bar
+
+
+def test_naive_estimate_drops_only_hf_kernel_fallback_warnings(caplog):
+    import logging
+
+    from longstraw.measure import without_hf_kernel_fallback_warning
+
+    hf = logging.getLogger("transformers.integrations.hub_kernels")
+    fallback = ("`chunk_gated_delta_rule` is falling back to its reference PyTorch implementation because "
+                "`flash-linear-attention` is not installed.")
+    with caplog.at_level(logging.WARNING, logger=hf.name), without_hf_kernel_fallback_warning():
+        hf.warning(fallback)
+        hf.warning("something else")
+    assert [r.getMessage() for r in caplog.records] == ["something else"]
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger=hf.name):
+        hf.warning(fallback)  # outside the estimate it is left alone
+    assert [r.getMessage() for r in caplog.records] == [fallback]
