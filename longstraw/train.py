@@ -50,7 +50,7 @@ from . import grpo as G
 from .config import ExecConfig, GRPOConfig
 from .engine import Engine
 from .group import BatchTotals, Group
-from .memory import peak_rss_bytes
+from .measure import peak_rss_bytes
 from .tasks import KVRecall, Vocab, exact_match
 
 ARMS = ("detached", "exact", "full")
