@@ -12,6 +12,11 @@ Checks (each a row):
    error per parameter <= 16 u (u = 2^-8; the bound is derived in
    tests/test_exact.py::test_bf16_exact_mode_sums_state_gradients_in_float32).
 3. autocast_refused: a step under torch.autocast raises ConfigError before any work.
+4. generate_greedy: float32 greedy `engine.generate` (3 branches) equals HF's greedy
+   `generate` token for token (fraction of mismatched tokens, limit 0).
+5. generate_bf16_cp: bf16 sampled rollout under context parallelism (the decode attention's
+   fused kernel on CUDA, the NCCL broadcast of the sampled tokens): the rollout's
+   log-probs against `score(group, state=rollout.state)` (max abs diff, limit 0.05).
 Phase times come from `metrics` (CUDA-synchronized).
 """
 
@@ -87,6 +92,32 @@ def check_autocast(device: torch.device) -> dict:
             "time_s": time.perf_counter() - t0}
 
 
+def check_generate_greedy(device: torch.device) -> dict:
+    model = tiny_model("qwen3", dtype=torch.float32).to(device)
+    prompt = random_group(97, 300, [1], seed=2).prompt
+    t0 = time.perf_counter()
+    rollout = ls.Engine(model, ls.ExecConfig(chunk_size=64)).generate(prompt, num_samples=3, max_new_tokens=24,
+                                                                      temperature=0)
+    model.generation_config.eos_token_id = model.config.eos_token_id = None
+    with torch.no_grad():
+        hf = model.generate(prompt[None].to(device), max_new_tokens=24, do_sample=False)[0, prompt.numel():]
+    wrong = sum(int((r.to(device) != hf).sum()) for r in rollout.responses) / (3 * 24)
+    return {"check": "generate_greedy", "rel_err": wrong, "limit": 0.0, "time_s": time.perf_counter() - t0}
+
+
+def check_generate_bf16_cp(device: torch.device) -> dict:
+    model = tiny_model("qwen3", dtype=torch.bfloat16).to(device)
+    prompt = random_group(97, 300, [1], seed=3).prompt
+    engine = ls.Engine(model, ls.ExecConfig(chunk_size=64, context_parallel=True))
+    t0 = time.perf_counter()
+    rollout = engine.generate(prompt, num_samples=4, max_new_tokens=16,
+                              generator=torch.Generator(device=device).manual_seed(0))
+    group = ls.Group(prompt=prompt, responses=rollout.responses, rewards=torch.rand(4))
+    scores = engine.score(group, state=rollout.state)
+    diff = max(float((a.float() - b.float()).abs().max()) for a, b in zip(scores, rollout.logprobs))
+    return {"check": "generate_bf16_cp", "rel_err": diff, "limit": 0.05, "time_s": time.perf_counter() - t0}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cpu", action="store_true", help="run on CPU over gloo (no GPU needed)")
@@ -99,7 +130,7 @@ def main() -> int:
     dist.init_process_group("nccl" if use_cuda else "gloo", init_method=f"file://{init}", rank=0, world_size=1)
     rows = []
     try:
-        for check in (check_cp, check_bf16_exact, check_autocast):
+        for check in (check_cp, check_bf16_exact, check_autocast, check_generate_greedy, check_generate_bf16_cp):
             try:
                 row = check(device)
                 row["ok"] = row["rel_err"] <= row["limit"]
