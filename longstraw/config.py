@@ -66,7 +66,8 @@ class ExecConfig:
     those chunks in the reverse walk (the last chunks that fit; their graphs are
     measured). 0 recomputes every chunk (smallest peak); a budget that holds every
     chunk's graph skips recomputation entirely (fastest). Only the kept graphs count
-    against it, not the state or the weights. See docs/exact.md."""
+    against it, not the state or the weights. Applies to a step's own capture; a state
+    reused from `generate` is walked by recomputation. See docs/exact.md."""
 
     progress: bool = False
     """Show a progress bar over capture chunks and branches (stderr)."""
