@@ -14,9 +14,13 @@
    its accumulated state gradient is pushed through it. That adds its parameter
    gradients and the gradients of earlier chunks' state. The result is the
    full-sequence gradient; memory is state + state gradients + one chunk's autograd
-   graph, so pick chunk_size well below P in this mode (see docs/exact.md).
+   graph, so pick chunk_size well below P in this mode (see docs/exact.md). With
+   `keep_graph_bytes`, the last capture chunks that fit keep their autograd graph
+   and are backpropagated without recomputation (`kept_graphs.py`).
 4. `step` only accumulates `.grad`, exactly as `loss.backward()` would; the caller
    steps the optimizer.
+5. `generate` samples the G responses from one capture (`rollout.py`); `step` and
+   `score` reuse that state (`state=`), refusing a stale or mismatched one.
 
 The engine knows no architecture: everything model-specific is in `models/`.
 """
