@@ -129,6 +129,17 @@ class Engine:
                                          state=state),
             lambda rewards, failed: _fingerprint(None if failed else group, rewards))
 
+    def check_positions(self, prompt_tokens: int, new_tokens: int, what: str) -> int:
+        """Refuse prompt + `new_tokens` beyond the model's max_position_embeddings (unless
+        `allow_position_overflow`); return the total."""
+        limit, total = self.adapter.max_positions, prompt_tokens + new_tokens
+        if limit is not None and total > limit and not self.config.allow_position_overflow:
+            raise PositionLimitError(
+                f"prompt ({prompt_tokens}) + {what} ({new_tokens}) = {total} tokens exceeds the model's "
+                f"max_position_embeddings={limit}; shorten the input or pass ExecConfig(allow_position_overflow=True)"
+            )
+        return total
+
     def check_runnable(self) -> None:
         """Refuse model states and contexts we cannot run exactly (before any work)."""
         self.adapter.check_runnable()
@@ -166,14 +177,7 @@ class Engine:
         rewards = validate_group(group, vocab_size=self.adapter.vocab_size, needs_ref=needs_ref,
                                  needs_rewards=needs_rewards)
         longest = max(int(r.numel()) for r in group.responses)
-        limit = self.adapter.max_positions
-        total = int(group.prompt.numel()) + longest
-        if limit is not None and total > limit and not self.config.allow_position_overflow:
-            raise PositionLimitError(
-                f"prompt ({group.prompt.numel()}) + longest response ({longest}) = {total} tokens exceeds the "
-                f"model's max_position_embeddings={limit}; shorten the input or pass "
-                "ExecConfig(allow_position_overflow=True)"
-            )
+        total = self.check_positions(int(group.prompt.numel()), longest, "longest response")
         self.check_runnable()
         if self.cp is not None:
             self.adapter.check_context_parallel(total)
@@ -344,9 +348,9 @@ class Engine:
         """The prompt state for `group`: the one given (already checked) or a new capture."""
         if state is None:
             state = self.capture(group.prompt, exact=exact, keep_graph_bytes=self.config.keep_graph_bytes)
-            if exact and not state.kept:
-                state.enable_grad_buffers()
-        elif exact:
+            if exact and self.config.keep_graph_bytes > 0:
+                return state  # its gradient buffers were allocated before capture: kept graphs add into them
+        if exact:
             state.enable_grad_buffers()  # zeroed for this step, also when a state is stepped again
         return state
 

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .errors import ConfigError, PositionLimitError, StaleStateError, StateMismatchError
+from .errors import ConfigError, StaleStateError, StateMismatchError
 from .group import check_token_ids
 from .logprobs import scaled_log_softmax
 
@@ -198,13 +198,7 @@ def validate_prompt(engine, prompt, config: SamplingConfig) -> None:
     """Everything `generate` checks before any work."""
     check_token_ids("prompt", prompt, engine.adapter.vocab_size, min_len=2)
     config.eos_ids()
-    limit = engine.adapter.max_positions
-    total = int(prompt.numel()) + config.max_new_tokens
-    if limit is not None and total > limit and not engine.config.allow_position_overflow:
-        raise PositionLimitError(
-            f"prompt ({prompt.numel()}) + max_new_tokens ({config.max_new_tokens}) = {total} tokens exceeds the "
-            f"model's max_position_embeddings={limit}; shorten them or pass ExecConfig(allow_position_overflow=True)"
-        )
+    engine.check_positions(int(prompt.numel()), config.max_new_tokens, "max_new_tokens")
     engine.check_runnable()
 
 

@@ -66,6 +66,25 @@ def _project(module, x):
     return mixed, z, module.in_proj_b(x), module.in_proj_a(x)
 
 
+def _split_heads(module, conv):
+    """q, k [N, Hk, Dk] and v [N, Hv, Dv] from the post-conv features conv [N, conv_dim]."""
+    n = conv.shape[0]
+    q, k, v = torch.split(conv, [module.key_dim, module.key_dim, module.value_dim], dim=-1)
+    return (q.reshape(n, -1, module.head_k_dim), k.reshape(n, -1, module.head_k_dim),
+            v.reshape(n, -1, module.head_v_dim))
+
+
+def _log_decay(module, a):
+    """The rule's log decay g [N, Hv] (<= 0) from the `a` projection, as HF computes it."""
+    return -module.A_log.float().exp() * F.softplus(a.float() + module.dt_bias)
+
+
+def _gated_output(module, out, z, shape):
+    """The module's gated norm and output projection: out, z [N, Hv, Dv] -> [*shape, d]."""
+    out = module.norm(out.reshape(-1, module.head_v_dim), z.reshape(-1, module.head_v_dim))
+    return module.out_proj(out.reshape(*shape, -1))
+
+
 def gdn_forward(module, hidden_states, cache_params=None, attention_mask=None, **kwargs):
     """Drop-in for a GDN module's forward: hidden_states [1, T, d] -> [1, T, d]
     (phase "decode": [G, 1, d] -> [G, 1, d])."""
@@ -79,15 +98,10 @@ def gdn_forward(module, hidden_states, cache_params=None, attention_mask=None, *
     weight = module.conv1d.weight[:, 0, :]  # (conv_dim, K)
     conv, tail1 = causal_conv1d_with_tail(mixed.transpose(0, 1), weight, module.conv1d.bias, tail0,
                                           activation=module.activation)  # (conv_dim, T)
-    q, k, v = torch.split(conv.transpose(0, 1), [module.key_dim, module.key_dim, module.value_dim], dim=-1)
-    q = q.reshape(t, -1, module.head_k_dim)
-    k = k.reshape(t, -1, module.head_k_dim)
-    v = v.reshape(t, -1, module.head_v_dim)
-    beta = b.sigmoid()
-    g = -module.A_log.float().exp() * F.softplus(a.float() + module.dt_bias)  # as HF: log decay, (T, Hv)
-    out, rec1 = chunk_gated_delta_rule(q, k, v, g, beta, rec0, use_qk_l2norm=True)  # (T, Hv, Dv)
-    out = module.norm(out.reshape(-1, module.head_v_dim), z.reshape(-1, module.head_v_dim))
-    out = module.out_proj(out.reshape(1, t, -1))
+    q, k, v = _split_heads(module, conv.transpose(0, 1))
+    out, rec1 = chunk_gated_delta_rule(q, k, v, _log_decay(module, a), b.sigmoid(), rec0,
+                                       use_qk_l2norm=True)  # (T, Hv, Dv)
+    out = _gated_output(module, out, z, (1, t))
 
     end = call.start + t
     layer: RecurrentState = call.states[-1].layers[module.layer_idx]
@@ -107,15 +121,11 @@ def _gdn_decode(module, hidden_states, own: BranchRecurrent):
     mixed, z, beta_logit, a = _project(module, x)  # (G, conv_dim), (G, Hv, Dv), (G, Hv), (G, Hv)
     conv, tail = causal_conv1d_step(mixed, module.conv1d.weight[:, 0, :], module.conv1d.bias, own.conv_tail,
                                     activation=module.activation)  # (G, conv_dim)
-    q, k, v = torch.split(conv, [module.key_dim, module.key_dim, module.value_dim], dim=-1)
-    q = q.reshape(b, -1, module.head_k_dim)
-    k = k.reshape(b, -1, module.head_k_dim)
-    v = v.reshape(b, -1, module.head_v_dim)
-    g = -module.A_log.float().exp() * F.softplus(a.float() + module.dt_bias)  # as HF: log decay, (G, Hv)
-    out, recurrent = gated_delta_step(q, k, v, g, beta_logit.sigmoid(), own.recurrent, use_qk_l2norm=True)
+    q, k, v = _split_heads(module, conv)
+    out, recurrent = gated_delta_step(q, k, v, _log_decay(module, a), beta_logit.sigmoid(), own.recurrent,
+                                      use_qk_l2norm=True)  # (G, Hv, Dv)
     own.update(recurrent, tail)
-    out = module.norm(out.reshape(-1, module.head_v_dim), z.reshape(-1, module.head_v_dim))
-    return module.out_proj(out.reshape(b, 1, -1))
+    return _gated_output(module, out, z, (b, 1))
 
 
 def routed_gdn(modules):

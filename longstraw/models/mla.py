@@ -38,7 +38,7 @@ from ..branch_state import BranchLatent, BranchState
 from ..state import IndexKeys, LatentKV, MLAState, PromptState
 from .attention_hook import current_call, seed_reader
 from .base import Adapter, forwards_replaced
-from .mla_decode import mla_decode
+from .mla_decode import mla_decode, prompt_candidates
 
 
 def check_dense_weight(linear, where: str) -> None:
@@ -115,13 +115,10 @@ def _select_across_ranks(indexer, q, keys, weights, call, held, query_block: int
     pieces, the new tokens) add theirs; the top-k of that union, by the same order
     (score, then lower position), is the global top-k, since every member of the global
     top-k is in its own shard's top-k."""
-    from ..distributed import all_gather
-    from ..ops.dsa import select_topk, indexer_scores, select_candidates
+    from ..ops.dsa import indexer_scores, select_candidates
 
     topk, scale, t = indexer.index_topk, indexer.softmax_scale, q.shape[0]
     shard_ix = next(ix for ix in held if ix.shard is not None)
-    cp = shard_ix.shard.cp
-    local_keys, local_pos = shard_ix.until(call.start), shard_ix.positions(call.start)  # fp32 per block only
     others = [ix for ix in held if ix.shard is None]
     rep_keys = torch.cat([ix.until(call.start) for ix in others] + [keys])
     rep_pos = torch.cat([ix.positions(call.start) for ix in others]
@@ -130,16 +127,12 @@ def _select_across_ranks(indexer, q, keys, weights, call, held, query_block: int
     for b0 in range(0, t, query_block):
         b1 = min(t, b0 + query_block)
         qb, wb = q[b0:b1].float(), weights[b0:b1]
-        scores = indexer_scores(qb, wb, local_keys, scale=scale)  # (B, n_local)
-        pos = select_topk(scores, local_pos, topk)  # (B, topk), -1 padded
-        cols = torch.searchsorted(local_pos, pos.clamp(min=0)).clamp(max=max(local_pos.numel() - 1, 0))
-        sc = scores.gather(-1, cols) if scores.shape[1] else torch.full(pos.shape, float("-inf"), device=q.device)
-        sc = torch.where(pos < 0, torch.full_like(sc, float("-inf")), sc)
+        shard_pos, shard_sc = prompt_candidates(qb, wb, shard_ix, call.start, topk, scale)  # every rank's, gathered
         rep_sc = indexer_scores(qb, wb, rep_keys, scale=scale)  # (B, n_rep)
         query_pos = torch.arange(call.start + b0, call.start + b1, device=q.device)
         visible = rep_pos[None, :] <= query_pos[:, None]
-        cand_pos = torch.cat(all_gather(pos, cp) + [torch.where(visible, rep_pos[None, :], -1)], dim=1)
-        cand_sc = torch.cat(all_gather(sc, cp) + [rep_sc], dim=1)
+        cand_pos = torch.cat([shard_pos, torch.where(visible, rep_pos[None, :], -1)], dim=1)
+        cand_sc = torch.cat([shard_sc, rep_sc], dim=1)
         out[b0:b1] = select_candidates(cand_sc, cand_pos, topk)
     return out
 

@@ -28,10 +28,12 @@ from ..state import MLAState
 from .attention_hook import merge_shard
 
 
-def _prompt_candidates(index_q, weights, prompt_index, until: int, topk: int, scale: float):
-    """Each query's top-k among the prompt's indexer keys before `until`: (positions [G, K'],
-    scores [G, K']), -1 / -inf padded. Context-parallel: every rank's shard candidates,
-    all-gathered (every member of the global top-k is in its own shard's top-k)."""
+def prompt_candidates(index_q, weights, prompt_index, until: int, topk: int, scale: float):
+    """Each query's top-k among the prompt's indexer keys before `until`: (positions [B, K'],
+    scores [B, K']), -1 / -inf padded, for queries index_q [B, Hi, Di] (float32) with
+    weights [B, Hi]. Context-parallel: every rank's shard candidates, all-gathered in rank
+    order (every member of the global top-k is in its own shard's top-k). Decode and
+    replay's selection across ranks (`mla._select_across_ranks`) both use it."""
     keys, pos = prompt_index.until(until), prompt_index.positions(until)
     scores = indexer_scores(index_q, weights, keys, scale=scale)  # (G, S) float32
     cand = select_topk(scores, pos, topk)  # (G, K)
@@ -60,7 +62,7 @@ def decode_topk(index_q, weights, prompt_index, own_keys, own_start: int, topk: 
         LongTensor [G, topk] absolute positions, best first, ties to the lower position, -1 padded.
     """
     q = index_q.float()  # scored in float32, as HF (and replay) do
-    cand, cand_sc = _prompt_candidates(q, weights, prompt_index, own_start, topk, scale)
+    cand, cand_sc = prompt_candidates(q, weights, prompt_index, own_start, topk, scale)
     own = torch.relu(torch.einsum("ghd,gnd->ghn", q, own_keys.float()) * scale)
     own_sc = torch.einsum("gh,ghn->gn", weights.float(), own)  # (G, n)
     own_pos = torch.arange(own_start, own_start + own_keys.shape[1], device=q.device).expand(q.shape[0], -1)

@@ -28,7 +28,7 @@ import torch
 from ..tensors import KVSegment, accumulation_dtype
 from . import flash
 from .collectives import MergeAcrossRanks, SumGradAcrossRanks
-from .flash import FlashAttention, can_use_flash_autograd, fused_kernel, merge_partials
+from .flash import FlashAttention, can_use_flash_autograd, empty_partial, fused_kernel, fused_takes, merge_partials
 
 
 def _window_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None, causal: bool) -> torch.Tensor | None:
@@ -143,9 +143,7 @@ class PrefixAttention(torch.autograd.Function):
 def can_use_fused(q, k, v, prefixes: list[KVSegment], window) -> bool:
     """The fused path needs: no autograd, no gradient sinks, no window, CPU, value dim =
     key dim (the kernel's constraint; absorbed MLA has Dv < D), a dtype the kernel takes."""
-    if window is not None or v.shape[-1] != q.shape[-1] or fused_kernel(q.device.type, q.dtype) is None:
-        return False
-    if q.device.type == "cuda" and q.shape[-1] > 256:
+    if not fused_takes(q, v.shape[-1], window):
         return False
     if torch.is_grad_enabled() and any(seg.grad is not None for seg in prefixes):
         return False  # (without autograd nothing is ever added into the sinks)
@@ -207,9 +205,7 @@ def prefix_causal_attention(q, k, v, *, prefixes: list[KVSegment], q_start: int,
 
     def attend(rows_in, seg_k, seg_v, seg_start, grad, causal):
         if fused and seg_k.shape[1] == 0:  # an empty shard on this rank: contributes nothing
-            acc = accumulation_dtype(q.dtype)
-            return (q.new_zeros(hkv, g * t, seg_v.shape[-1], dtype=acc),
-                    q.new_full((hkv, g * t), float("-inf"), dtype=acc))
+            return empty_partial(q, hkv, g * t, seg_v.shape[-1])
         if fused:
             return _flash_partial(q, seg_k, seg_v, scale, causal)
         if grad is not None and torch.is_grad_enabled() and not rows_in.requires_grad:

@@ -25,7 +25,7 @@ import torch
 
 from ..tensors import accumulation_dtype
 from .attention import PrefixAttention
-from .flash import fused_kernel, merge_partials
+from .flash import empty_partial, fused_kernel, fused_takes, merge_partials
 
 
 def shared_partial(rows, seg_k, seg_v, seg_start: int, q_position: int, scale: float, window: int | None,
@@ -33,12 +33,11 @@ def shared_partial(rows, seg_k, seg_v, seg_start: int, q_position: int, scale: f
     """(o [Hkv, M, Dv], lse [Hkv, M]) of query rows [Hkv, M, D], all at `q_position`, over
     one shared segment k [Hkv, S, D], v [Hkv, S, Dv] at positions seg_start.. (no grad).
     Uses torch's fused flash kernel where it applies, else the blockwise kernel."""
-    hkv, m, d = rows.shape
-    acc = accumulation_dtype(rows.dtype)
+    hkv, m, _ = rows.shape
     if seg_k.shape[1] == 0:  # e.g. an empty shard on this rank
-        return rows.new_zeros(hkv, m, seg_v.shape[-1], dtype=acc), rows.new_full((hkv, m), float("-inf"), dtype=acc)
-    flash = fused_kernel(rows.device.type, rows.dtype)
-    if window is None and seg_v.shape[-1] == d and flash is not None and not (rows.is_cuda and d > 256):
+        return empty_partial(rows, hkv, m, seg_v.shape[-1])
+    if fused_takes(rows, seg_v.shape[-1], window):
+        flash = fused_kernel(rows.device.type, rows.dtype)
         out, lse = flash(rows[None], seg_k[None], seg_v[None], False, scale)  # (1, Hkv, M, Dv), (1, Hkv, M)
         return out[0].to(lse.dtype), lse[0]
     q_pos = torch.full((m,), q_position, dtype=torch.long, device=rows.device)

@@ -74,13 +74,27 @@ def merge_partials(out_a, lse_a, out_b, lse_b):
     return torch.exp(lse_a - lse)[..., None] * out_a + torch.exp(lse_b - lse)[..., None] * out_b
 
 
+def fused_takes(q: torch.Tensor, value_dim: int, window: int | None) -> bool:
+    """torch's fused forward kernel takes queries like `q` ([.., D]) with this value dim:
+    no sliding window, Dv = D (absorbed MLA has Dv < D), a device and dtype it supports,
+    and D <= 256 on CUDA (FlashAttention-2's limit)."""
+    d = q.shape[-1]
+    return (window is None and value_dim == d and fused_kernel(q.device.type, q.dtype) is not None
+            and not (q.is_cuda and d > 256))
+
+
+def empty_partial(like: torch.Tensor, heads: int, rows: int, value_dim: int):
+    """(o = 0 [heads, rows, Dv], lse = -inf [heads, rows]) in `like`'s accumulation dtype:
+    the partial attention over no keys (e.g. an empty shard on this rank)."""
+    acc = accumulation_dtype(like.dtype)
+    return (like.new_zeros(heads, rows, value_dim, dtype=acc), like.new_full((heads, rows), float("-inf"), dtype=acc))
+
+
 def can_use_flash_autograd(q, k, v, prefixes, window) -> bool:
-    """FlashAttention applies: a fused forward and backward for this device and dtype, no
-    window, Dv = D, no context-parallel shard, and no prefix that itself requires grad
+    """FlashAttention applies: a fused forward (`fused_takes`) and a fused backward for this
+    device and dtype, no context-parallel shard, and no prefix that itself requires grad
     (the prefix is captured state: constant to autograd, its gradient goes to sinks)."""
-    if window is not None or v.shape[-1] != q.shape[-1]:
-        return False
-    if fused_kernel(q.device.type, q.dtype) is None or fused_backward_kernel(q.device.type, q.dtype) is None:
+    if not fused_takes(q, v.shape[-1], window) or fused_backward_kernel(q.device.type, q.dtype) is None:
         return False
     return not any(seg.cp is not None or seg.k.requires_grad or seg.v.requires_grad for seg in prefixes)
 
