@@ -135,6 +135,9 @@ class TrainConfig:
     """k3 KL weight to the warm-start policy (0: off; the KL is logged either way)."""
     log_kl: bool = True
     """Score the sampled responses under the warm-start model to log the KL (one more capture)."""
+    kl_prompts: int = 0
+    """Prompts per step whose samples the logged KL is estimated on (0: all of them). Each costs
+    one capture by the warm-start model; with beta > 0 every prompt is scored regardless."""
     chunk_size: int = 1024
     """Capture chunk (and exact mode's reverse-walk chunk)."""
     seed: int = 0
@@ -161,6 +164,8 @@ class TrainConfig:
             raise ValueError(f"model must be one of {sorted(MODEL_PRESETS)}, got {self.model!r}")
         if self.dtype not in ("float32", "float64"):
             raise ValueError(f"dtype must be float32 or float64, got {self.dtype!r}")
+        if self.kl_prompts < 0:
+            raise ValueError(f"kl_prompts must be >= 0, got {self.kl_prompts}")
         for name in ("prompt_tokens", "steps", "group_size", "prompts_per_step", "eval_prompts", "eval_every",
                      "checkpoint_every", "chunk_size"):
             if getattr(self, name) < 1:
@@ -406,7 +411,8 @@ def _train(cfg: TrainConfig) -> dict:
         kl = None
         if ref_engine is not None:
             kls = []
-            for grp, ro in zip(groups, rollouts):
+            scored = len(groups) if cfg.beta > 0 or cfg.kl_prompts == 0 else min(cfg.kl_prompts, len(groups))
+            for grp, ro in zip(groups[:scored], rollouts[:scored]):
                 ref = ref_engine.score(grp, temperature=cfg.temperature)  # its own capture (other weights)
                 if cfg.beta > 0:
                     grp.ref_logprobs = ref

@@ -94,3 +94,20 @@ def _compare_full_and_exact(net, cfg, tol):
     for n, p in net.named_parameters():
         err = (p.grad - want[n]).norm() / want[n].norm().clamp_min(1e-300)
         assert err < tol, (n, float(err))
+
+
+def test_kl_on_fewer_prompts_leaves_training_unchanged(tmp_path):
+    """kl_prompts=1 scores only the first prompt under the reference: the logged KL is
+    estimated on fewer samples, and nothing the update sees changes (beta = 0)."""
+    base = dict(LOOKUP, dtype="float64", arm="detached", steps=2, eval_every=2, log_kl=True, prompts_per_step=2)
+    logs = {}
+    for k in (0, 1):
+        out = tmp_path / f"kl{k}"
+        train(TrainConfig(**base, kl_prompts=k, out_dir=str(out)))
+        logs[k] = _log(out)[1:]
+    for full, sub in zip(logs[0], logs[1]):
+        assert sub["kl_ref"] is not None
+        assert full["reward_mean"] == sub["reward_mean"] and full["grad_norm"] == sub["grad_norm"]
+    assert logs[0][-1]["kl_ref"] != logs[1][-1]["kl_ref"]  # after one update, fewer samples: another estimate
+    with pytest.raises(ValueError, match="kl_prompts"):
+        TrainConfig(**base, kl_prompts=-1)
