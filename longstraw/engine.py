@@ -42,6 +42,7 @@ from .kept_graphs import SavedBytes, chunks_to_keep
 from .logprobs import token_logprobs
 from .models import adapter_for
 from .rollout import Rollout, SamplingConfig, check_state, generate, stamp_state
+from .sequence_parallel import divided_capture
 from .state import PromptState, Shard
 
 
@@ -246,7 +247,12 @@ class Engine:
         keep_graph_bytes = keep_graph_bytes if exact else 0
         if keep_graph_bytes > 0:
             state.enable_grad_buffers()  # the kept graphs add into these sinks in the walk
-        self._capture_chunks(ids, 0, [state], self.config.chunk_size, "capture", keep_graph_bytes)
+        if shard is not None and self.adapter.divides_capture and keep_graph_bytes == 0 and self.config.divide_capture:
+            # each prompt token computed on one rank, layer by layer (`sequence_parallel.py`)
+            divided_capture(self.adapter, ids, state, shard, chunk_size=self.config.chunk_size, exact=exact,
+                            block_size=self.config.attention_block_size)
+        else:
+            self._capture_chunks(ids, 0, [state], self.config.chunk_size, "capture", keep_graph_bytes)
         stamp_state(state, self, prompt, exact)
         return state
 
