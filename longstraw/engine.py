@@ -247,7 +247,7 @@ class Engine:
         keep_graph_bytes = keep_graph_bytes if exact else 0
         if keep_graph_bytes > 0:
             state.enable_grad_buffers()  # the kept graphs add into these sinks in the walk
-        if shard is not None and self.adapter.divides_capture and keep_graph_bytes == 0 and self.config.divide_capture:
+        if shard is not None and self.divides_capture(ids.shape[0], keep_graph_bytes):
             # each prompt token computed on one rank, layer by layer (`sequence_parallel.py`)
             divided_capture(self.adapter, ids, state, shard, chunk_size=self.config.chunk_size, exact=exact,
                             block_size=self.config.attention_block_size)
@@ -255,6 +255,16 @@ class Engine:
             self._capture_chunks(ids, 0, [state], self.config.chunk_size, "capture", keep_graph_bytes)
         stamp_state(state, self, prompt, exact)
         return state
+
+    def divides_capture(self, positions: int, keep_graph_bytes: int = 0) -> bool:
+        """Whether a capture of `positions` tokens runs divided under context parallelism
+        (each prompt token on one rank, `sequence_parallel.py`): the family supports it,
+        no chunk graphs are kept, and every rank owns at least one block (a shorter prompt
+        is captured replicated)."""
+        if self.cp is None or not (self.config.divide_capture and self.adapter.divides_capture):
+            return False
+        block = self.config.shard_block_size or self.config.attention_block_size
+        return keep_graph_bytes == 0 and positions > (self.cp.world - 1) * block
 
     def walk_back(self, ids: torch.Tensor, start: int, states: list[PromptState], size: int, *,
                   piece_loss=None, desc: str | None = "reverse") -> None:
@@ -404,6 +414,8 @@ class Engine:
         adv = torch.zeros_like(rewards) if equal else G.advantages(rewards, grpo)
         metrics = {
             "context_parallel_world": float(self.cp.world if self.cp is not None else 1),
+            "divided_capture": float(state is None and self.divides_capture(
+                group.prompt.numel() - 1, self.config.keep_graph_bytes if self.config.mode == "exact" else 0)),
             "prompt_tokens": float(group.prompt.numel()),
             "response_tokens": float(group.response_tokens),
             "num_branches": float(group.size),
@@ -417,8 +429,8 @@ class Engine:
         }
         if equal and grpo.beta == 0:
             # Zero advantage and no KL term: the loss and its gradient are exactly 0.
-            metrics.update(skipped_zero_advantage=1.0, state_bytes=0.0, state_grad_bytes=0.0, time_capture_s=0.0,
-                           time_replay_s=0.0, time_reverse_s=0.0, time_total_s=0.0)
+            metrics.update(skipped_zero_advantage=1.0, divided_capture=0.0, state_bytes=0.0, state_grad_bytes=0.0,
+                           time_capture_s=0.0, time_replay_s=0.0, time_reverse_s=0.0, time_total_s=0.0)
             return StepResult(loss=0.0, metrics=metrics)
 
         exact = self.config.mode == "exact"

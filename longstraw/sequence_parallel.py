@@ -58,31 +58,3 @@ def divided_capture(adapter, ids: torch.Tensor, state: PromptState, shard: Shard
         adapter.run(own, 0, [state], phase="divided", block_size=block_size, divided=divided)
     state.length = n
 
-
-def predicted_capture_traffic(*, positions: int, world: int, block: int, chunk_size: int, exact: bool,
-                              attention_layers: list[tuple[int, int, int, int]],
-                              gdn_layers: list[tuple[int, int, int, int, int, int]], rank: int = 0) -> float:
-    """Bytes rank `rank` receives in a divided capture (the model of `ops.collectives.Traffic`).
-
-    attention_layers: per layer (kv_heads, head_dim, v_head_dim, element bytes).
-    gdn_layers: per layer (value heads, key dim, value dim, state element bytes, conv channels
-    x (K-1), conv element bytes).
-    """
-    shard = lambda r, p: Shard(rank=r, world=world, block=block).count(p)  # noqa: E731
-    others = positions - shard(rank, positions)
-    total = 0.0
-    for hkv, d, dv, nbytes in attention_layers:
-        total += others * hkv * (d + dv) * nbytes
-    if world == 1:
-        return total
-    div = Divided(total=positions, rank=rank, world=world, block=block, cp=None,
-                  snapshots=snapshot_positions(positions, chunk_size, exact), chunk_size=chunk_size)
-    received = sum(1 for s, _ in div.segments() if s > 0 and div.owner(s - 1) != rank)
-    blocks = -(-positions // block)
-    per_rank_blocks = -(-blocks // world)
-    snaps = len(div.snapshots)
-    for hv, dk, dv, state_bytes, conv, conv_bytes in gdn_layers:
-        total += received * hv * dk * dv * state_bytes  # relay
-        total += (world - 1) * per_rank_blocks * conv * conv_bytes  # block tails, all-gathered
-        total += 2 * (world - 1) / world * snaps * (hv * dk * dv * state_bytes + conv * conv_bytes)  # snapshots
-    return total

@@ -239,3 +239,55 @@ def all_gather_ints(value: int) -> list:
     out = [torch.zeros(1, dtype=torch.float64) for _ in range(dist.get_world_size())]
     dist.all_gather(out, torch.tensor([float(value)], dtype=torch.float64))
     return [float(t) for t in out]
+
+
+def run_divided(rank: int, world: int, init_file: str) -> None:
+    """Divided capture (each prompt token on one rank) at awkward geometries: a GDN
+    segment cut by a chunk boundary inside a block, blocks that do not divide the prompt,
+    blocks shorter than the conv's K-1 tail, more ranks than some blocks. Loss and every
+    gradient equal the single process; the state equals a replicated capture's rows and
+    snapshots; the step's metrics say the capture was divided."""
+    _init(rank, world, init_file)
+    try:
+        for name, prompt_len, block, chunk in [("hybrid", 22, 4, 6), ("hybrid", 20, 2, 5), ("dense", 22, 4, 6),
+                                               ("hybrid", 12, 4, 3), ("hybrid", 9, 5, 3)]:
+            model = CASES[name]()
+            group = random_group(97, prompt_len, [4, 2], seed=5)
+            with float64_hybrid(model) if name == "hybrid" else _null():
+                for mode in ("detached", "exact"):
+                    kw = dict(chunk_size=chunk, attention_block_size=3, shard_block_size=block, mode=mode)
+                    model.zero_grad(set_to_none=True)
+                    want = ls.Engine(model, ls.ExecConfig(**kw)).step(group)
+                    grads = grads_of(model)
+                    model.zero_grad(set_to_none=True)
+                    got = ls.Engine(model, ls.ExecConfig(context_parallel=True, **kw)).step(group)
+                    # 8 positions in blocks of 5 leave rank 2 of 3 without a block: replicated capture
+                    assert got.metrics["divided_capture"] == float(prompt_len - 1 > (world - 1) * block), name
+                    assert abs(got.loss - want.loss) <= 1e-9 * abs(want.loss) + 1e-13, (name, mode)
+                    assert_grads_close(grads_of(model), grads, 1e-9)
+                    divided = ls.Engine(model, ls.ExecConfig(context_parallel=True, **kw)).capture(
+                        group.prompt, exact=mode == "exact")
+                    replicated = ls.Engine(model, ls.ExecConfig(context_parallel=True, divide_capture=False,
+                                                                **kw)).capture(group.prompt, exact=mode == "exact")
+                    _assert_same_state(divided, replicated)
+    finally:
+        dist.destroy_process_group()
+
+
+def _assert_same_state(a, b) -> None:
+    from longstraw.state import AttentionKV, RecurrentState
+
+    assert a.length == b.length
+    for x, y in zip(a.layers, b.layers):
+        if isinstance(x, AttentionKV):
+            assert (x.length, x.consumed) == (y.length, y.consumed)
+            for s, t in zip(x.keys(), y.keys()):
+                torch.testing.assert_close(s, t, rtol=1e-10, atol=1e-12)
+        else:
+            assert isinstance(x, RecurrentState) and sorted(x.snapshots) == sorted(y.snapshots)
+            for p in x.snapshots:
+                for s, t in zip(x.snapshots[p], y.snapshots[p]):
+                    assert (s is None) == (t is None)
+                    if s is not None:
+                        assert s.dtype == t.dtype
+                        torch.testing.assert_close(s, t, rtol=1e-10, atol=1e-12)
