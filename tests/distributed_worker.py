@@ -103,37 +103,45 @@ def crash_one_rank(rank: int, world: int, init_file: str, flag_dir: str) -> None
 
 def run_fsdp(rank: int, world: int, init_file: str) -> None:
     """Decoder layers wrapped with FSDP2 `fully_shard`: each rank's gradient shard equals
-    the matching slice of the single-process gradient (and the full tensor equals it)."""
+    the matching slice of the single-process gradient (and the full tensor equals it), with
+    the capture divided (each prompt token on one rank) and replicated: no gradient is
+    reduced twice or missed."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     _init(rank, world, init_file)
     try:
-        model = tiny_model("qwen3")
-        group = random_group(97, 23, [5, 3], seed=3)
-        want = {}
-        for mode in ("detached", "exact"):
-            model.zero_grad(set_to_none=True)
-            ls.Engine(model, ls.ExecConfig(chunk_size=6, mode=mode)).step(group)
-            want[mode] = grads_of(model)
-        mesh = init_device_mesh("cpu", (world,))
-        for layer in model.model.layers:
-            fully_shard(layer, mesh=mesh)
-        sharded = 0
-        for mode in ("detached", "exact"):
-            model.zero_grad(set_to_none=True)
-            ls.Engine(model, ls.ExecConfig(chunk_size=6, mode=mode, context_parallel=True)).step(group)
-            for name, p in model.named_parameters():
-                grad, ref = p.grad, want[mode][name]
-                if hasattr(grad, "to_local"):  # a DTensor shard: dim-0 chunks, as FSDP2 lays them out
-                    sharded += 1
-                    local = grad.to_local()
-                    expected = ref.chunk(world, dim=0)[rank] if rank < len(ref.chunk(world, dim=0)) else ref[:0]
-                    assert (local - expected).abs().max() <= 1e-9 * ref.abs().max(), (mode, name)
-                    grad = grad.full_tensor()
-                assert (grad - ref).abs().max() <= 1e-9 * ref.abs().max() + 1e-300, (mode, name)
-        assert sharded > 0
-        del model
+        for name in ("dense", "hybrid"):
+            model = CASES[name]()
+            group = random_group(97, 23, [5, 3], seed=3)
+            kw = dict(chunk_size=6, attention_block_size=4, shard_block_size=3)
+            with float64_hybrid(model) if name == "hybrid" else _null():
+                want = {}
+                for mode in ("detached", "exact"):
+                    model.zero_grad(set_to_none=True)
+                    ls.Engine(model, ls.ExecConfig(mode=mode, **kw)).step(group)
+                    want[mode] = grads_of(model)
+                mesh = init_device_mesh("cpu", (world,))
+                for layer in model.model.layers:
+                    fully_shard(layer, mesh=mesh)
+                sharded = 0
+                for mode, divide in (("detached", True), ("exact", True), ("detached", False)):
+                    model.zero_grad(set_to_none=True)
+                    result = ls.Engine(model, ls.ExecConfig(mode=mode, context_parallel=True, divide_capture=divide,
+                                                            **kw)).step(group)
+                    assert result.metrics["divided_capture"] == float(divide)
+                    for pname, p in model.named_parameters():
+                        grad, ref = p.grad, want[mode][pname]
+                        if hasattr(grad, "to_local"):  # a DTensor shard: dim-0 chunks, as FSDP2 lays them out
+                            sharded += 1
+                            local = grad.to_local()
+                            chunks = ref.chunk(world, dim=0)
+                            expected = chunks[rank] if rank < len(chunks) else ref[:0]
+                            assert (local - expected).abs().max() <= 1e-9 * ref.abs().max(), (name, mode, pname)
+                            grad = grad.full_tensor()
+                        assert (grad - ref).abs().max() <= 1e-9 * ref.abs().max() + 1e-300, (name, mode, pname)
+                assert sharded > 0
+            del model
         dist.barrier()  # FSDP2's gloo reduce-scatters are finished on every rank before teardown
     finally:
         dist.destroy_process_group()
