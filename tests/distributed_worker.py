@@ -241,6 +241,17 @@ def check_planner(world: int) -> None:
         want = plan["state_bytes_per_rank"] + plan["exact_checkpoint_bytes_per_rank"]
         assert max(held) == held[0] == want, (mode, held, plan["state_bytes_per_rank"],
                                               plan["exact_checkpoint_bytes_per_rank"])
+        # the bytes the busiest rank receives in the (divided) capture: as the planner predicts
+        from longstraw.ops.collectives import Traffic
+        from longstraw.plan.estimate import divided_capture_traffic
+
+        Traffic.received = 0
+        engine.capture(prompt, exact=mode == "exact")
+        received = max(all_gather_ints(Traffic.received))
+        predicted = divided_capture_traffic(model.config.to_dict(), positions=40, world=world, block=3, chunk_size=7,
+                                            dtype="float64", exact=mode == "exact")
+        assert plan["divided_capture"] and received > 0
+        assert abs(received - predicted) <= 64, (mode, received, predicted)
 
 
 def all_gather_ints(value: int) -> list:

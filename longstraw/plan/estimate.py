@@ -449,13 +449,14 @@ def estimate(model, config: PlanConfig) -> dict:
 
     # ---- time
     thr = c.throughput_tflops * 1e12
-    flops_capture = (divided_flops(arch, params, P, W, c.attention_block_size) if divided
-                     else _forward_flops(arch, params, P, 0, lm_head=False, world=W))
+    flops_prompt = _forward_flops(arch, params, P, 0, lm_head=False, world=W)  # one replicated prompt forward
+    flops_capture = divided_flops(arch, params, P, W, c.attention_block_size) if divided else flops_prompt
     branch_fwd = _forward_flops(arch, params, R, P, lm_head=True, world=W)
     held_fwd = _forward_flops(arch, params, held, P, lm_head=False, world=W) if held else 0.0
     flops_branch = (1 + BACKWARD_FACTOR + c.score_passes) * branch_fwd + held_fwd
     # exact: a backward of every chunk, and a recomputed forward of those not kept
-    flops_exact_extra = (BACKWARD_FACTOR + (chunks - kept_chunks) / chunks) * flops_capture
+    # (the reverse walk is replicated: every rank recomputes and backpropagates every chunk)
+    flops_exact_extra = (BACKWARD_FACTOR + (chunks - kept_chunks) / chunks) * flops_prompt
     t_detached = (flops_capture + G * flops_branch) / thr  # FLOPs of one rank (see _forward_flops)
     t_exact = t_detached + flops_exact_extra / thr
 
@@ -591,7 +592,8 @@ def format_report(r: dict) -> str:
         rows += [("state gradient per rank", hb(r["state_grad_bytes_per_rank"])),
                  ("recurrent checkpoints per rank", hb(r["exact_checkpoint_bytes_per_rank"]))]
     rows += [
-        ("working: capture (1 chunk)", hb(r["capture_working_bytes"])),
+        ("working: capture (divided, layer by layer)" if r["divided_capture"] else "working: capture (1 chunk)",
+         hb(r["capture_working_bytes"])),
         ("working: replay (1 branch)", hb(r["replay_working_bytes"])),
     ]
     if r["mode"] == "exact":
@@ -607,6 +609,7 @@ def format_report(r: dict) -> str:
         ("fits", f"{'yes' if r['fits'] else 'NO'}  (peak + {hb(r['reserve_bytes'])} reserve vs "
                  f"{hb(r['gpu_memory_bytes'])})"),
         None,
+        ("capture traffic per rank", hb(r["capture_comm_bytes_per_rank"])),
         ("time, detached", f"{r['estimated_time_s_detached']:,.1f} s"),
         ("time, exact", f"{r['estimated_time_s_exact']:,.1f} s"),
         ("  at", f"{i['throughput_tflops']:g} TFLOP/s effective per rank x {i['gpus']} rank(s)"),
