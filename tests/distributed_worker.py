@@ -31,7 +31,10 @@ CASES = {
     "glm": lambda: tiny_mla("glm_moe_dsa", index_topk=64),
     "glm_sparse": lambda: tiny_mla("glm_moe_dsa"),  # index_topk 8 < P: global top-k across ranks
     "dsv32_sparse": lambda: tiny_mla("deepseek_v32"),
+    "next": lambda: tiny_hybrid("qwen3_next"),
+    "hybrid_moe": lambda: tiny_hybrid("qwen3_5_moe"),
 }
+HYBRIDS = ("hybrid", "next", "hybrid_moe")
 
 
 def _init(rank: int, world: int, init_file: str) -> None:
@@ -268,11 +271,14 @@ def run_divided(rank: int, world: int, init_file: str) -> None:
     snapshots; the step's metrics say the capture was divided."""
     _init(rank, world, init_file)
     try:
-        for name, prompt_len, block, chunk in [("hybrid", 22, 4, 6), ("hybrid", 20, 2, 5), ("dense", 22, 4, 6),
-                                               ("hybrid", 12, 4, 3), ("hybrid", 9, 5, 3)]:
+        cases = [("hybrid", 22, 4, 6), ("hybrid", 20, 2, 5), ("dense", 22, 4, 6), ("hybrid", 12, 4, 3),
+                 ("hybrid", 9, 5, 3)]
+        if world == 2:  # Qwen3-Next's grouped projection layout and Qwen3.5's MoE, once
+            cases += [("next", 22, 4, 6), ("hybrid_moe", 16, 3, 4)]
+        for name, prompt_len, block, chunk in cases:
             model = CASES[name]()
             group = random_group(97, prompt_len, [4, 2], seed=5)
-            with float64_hybrid(model) if name == "hybrid" else _null():
+            with float64_hybrid(model) if name in HYBRIDS else _null():
                 for mode in ("detached", "exact"):
                     kw = dict(chunk_size=chunk, attention_block_size=3, shard_block_size=block, mode=mode)
                     model.zero_grad(set_to_none=True)
