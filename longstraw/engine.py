@@ -2,6 +2,8 @@
 
 1. Capture runs prompt[:-1] in chunks of `chunk_size` under no_grad. The adapter
    keeps only the per-layer state later tokens need (K/V for attention layers).
+   Under context parallelism it runs divided instead where it can: each prompt token
+   on one rank, layer by layer (`sequence_parallel.py`).
 2. Replay runs each branch `[prompt[-1]] + response[:-1]` at positions P-1 .. with
    autograd against the read-only state, computes that branch's share of the group
    loss, calls backward, and frees the graph before the next branch. Peak memory is
