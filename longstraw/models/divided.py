@@ -119,10 +119,10 @@ def divided_attention(module, query, key, value, call, scaling):
 def _block_tails(mixed: torch.Tensor, d: Divided, width: int) -> torch.Tensor:
     """Every block's last `width` pre-conv rows, all ranks: [blocks, width, C] (front zero
     padded for a block shorter than `width`), via one all-gather."""
-    mine = d.blocks()
-    per_rank = -(-(-(-d.total // d.block)) // d.world)
+    blocks = -(-d.total // d.block)
+    per_rank = -(-blocks // d.world)  # the most blocks any rank owns (rank 0's)
     table = mixed.new_zeros(per_rank, width, mixed.shape[1])
-    for i, (a, b, row) in enumerate(mine):
+    for i, (a, b, row) in enumerate(d.blocks()):
         m = min(width, b - a)
         table[i, width - m:] = mixed[row + (b - a) - m: row + (b - a)]
     if d.world == 1:
@@ -131,7 +131,6 @@ def _block_tails(mixed: torch.Tensor, d: Divided, width: int) -> torch.Tensor:
         from ..ops.collectives import all_gather
 
         gathered = all_gather(table, d.cp)
-    blocks = -(-d.total // d.block)
     return torch.stack([gathered[b % d.world][b // d.world] for b in range(blocks)]) if blocks else table[:0]
 
 
