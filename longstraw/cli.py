@@ -127,7 +127,7 @@ def demo(args) -> int:
 _PLAN_FIELDS = ("prompt_tokens", "group", "response_tokens", "mode", "gpus", "gpu_memory", "reserve", "dtype",
                 "weight_dtype", "lora_rank", "lora_targets", "chunk_size", "branch_chunk_size", "attention_block_size",
                 "logits_chunk_size", "self_attention", "gdn_kernel", "grads_during_capture", "shard_params",
-                "offload_state", "score_passes", "keep_graph_bytes", "throughput_tflops")
+                "offload_state", "score_passes", "keep_graph_bytes", "throughput_tflops", "divide_capture")
 
 
 def plan(args) -> int:
@@ -176,6 +176,8 @@ def _add_plan_parser(sub) -> None:
                    help="plan the first group after zero_grad(set_to_none=True): no gradient buffers during "
                         "capture (default: a later group of the batch, gradients already allocated)")
     p.add_argument("--shard-params", action="store_true", help="shard weights/grads/optimizer 1/W (FSDP-style)")
+    p.add_argument("--replicate-capture", dest="divide_capture", action="store_false",
+                   help="plan capture with every token on every rank (divide_capture=False)")
     p.add_argument("--offload-state", action="store_true", help="not available: the engine has no state offload "
                                                                 "yet (refused)")
     p.add_argument("--keep-graph-bytes", default="0", help="exact mode: bytes of capture-chunk graphs kept instead "

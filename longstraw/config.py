@@ -57,6 +57,13 @@ class ExecConfig:
     """Context parallelism: positions per round-robin block of the sharded state.
     None: `attention_block_size`."""
 
+    divide_capture: bool = True
+    """Context parallelism: compute each prompt token of capture on one rank (the owner
+    of its block), layer by layer, for the families that support it (dense attention
+    and Gated DeltaNet hybrids); False replicates capture's token computation on every
+    rank (what the MLA/DSA families always do). Same result either way. See
+    docs/distributed.md."""
+
     allow_position_overflow: bool = False
     """Allow P + R beyond the model's `max_position_embeddings` (RoPE then
     extrapolates). Off by default: such inputs raise `PositionLimitError`."""

@@ -3,9 +3,11 @@
 Every rank runs the same group (`Engine.step` is called with the same `Group` on all
 ranks). The per-token prompt state (attention K/V, MLA latents) is sharded by blocks
 of positions dealt round-robin (`state.Shard`); small state (GDN recurrent state) is
-replicated. The token computation itself (projections, MLP/MoE, norms, the branch's
-own causal attention) is replicated on every rank, so only attention over the prompt
-state is distributed:
+replicated. Capture's token computation is divided for dense and GDN-hybrid families
+(each prompt token on the rank that owns its block, layer by layer:
+`sequence_parallel.py`). Replay, exact mode's reverse walk and MLA/DSA capture run
+their token computation (projections, MLP/MoE, norms, the branch's own causal
+attention) on every rank, and only attention over the prompt state is distributed:
 
     forward    each rank attends over its own shard -> partial (o_r, lse_r);
                all-gather and merge by log-sum-exp -> the same (o, lse) everywhere
@@ -23,9 +25,9 @@ Collectives run on the device the group's backend carries (`ContextParallel.devi
 the current CUDA device for NCCL, so call `torch.cuda.set_device(local_rank)` before
 building the engine; CPU for gloo); `ops/collectives.py` moves tensors there and back.
 
-What this buys is memory: each rank holds ~1/W of the prompt state and of the
-attention work over it. The replicated token computation is not divided (sequence-
-parallel token compute is future work).
+What this buys: each rank holds ~1/W of the prompt state and does ~1/W of the
+attention work over it and of capture's token computation; replay and the reverse
+walk's token computation are not divided (docs/distributed.md).
 """
 
 from __future__ import annotations

@@ -2,6 +2,8 @@
 
 1. Capture runs prompt[:-1] in chunks of `chunk_size` under no_grad. The adapter
    keeps only the per-layer state later tokens need (K/V for attention layers).
+   Under context parallelism it runs divided instead where it can: each prompt token
+   on one rank, layer by layer (`sequence_parallel.py`).
 2. Replay runs each branch `[prompt[-1]] + response[:-1]` at positions P-1 .. with
    autograd against the read-only state, computes that branch's share of the group
    loss, calls backward, and frees the graph before the next branch. Peak memory is
@@ -42,6 +44,7 @@ from .kept_graphs import SavedBytes, chunks_to_keep
 from .logprobs import token_logprobs
 from .models import adapter_for
 from .rollout import Rollout, SamplingConfig, check_state, generate, stamp_state
+from .sequence_parallel import divided_capture
 from .state import PromptState, Shard
 
 
@@ -246,9 +249,24 @@ class Engine:
         keep_graph_bytes = keep_graph_bytes if exact else 0
         if keep_graph_bytes > 0:
             state.enable_grad_buffers()  # the kept graphs add into these sinks in the walk
-        self._capture_chunks(ids, 0, [state], self.config.chunk_size, "capture", keep_graph_bytes)
+        if shard is not None and self.divides_capture(ids.shape[0], keep_graph_bytes):
+            # each prompt token computed on one rank, layer by layer (`sequence_parallel.py`)
+            divided_capture(self.adapter, ids, state, shard, chunk_size=self.config.chunk_size, exact=exact,
+                            block_size=self.config.attention_block_size)
+        else:
+            self._capture_chunks(ids, 0, [state], self.config.chunk_size, "capture", keep_graph_bytes)
         stamp_state(state, self, prompt, exact)
         return state
+
+    def divides_capture(self, positions: int, keep_graph_bytes: int = 0) -> bool:
+        """Whether a capture of `positions` tokens runs divided under context parallelism
+        (each prompt token on one rank, `sequence_parallel.py`): the family supports it,
+        no chunk graphs are kept, and every rank owns at least one block (a shorter prompt
+        is captured replicated)."""
+        if self.cp is None or not (self.config.divide_capture and self.adapter.divides_capture):
+            return False
+        block = self.config.shard_block_size or self.config.attention_block_size
+        return keep_graph_bytes == 0 and positions > (self.cp.world - 1) * block
 
     def walk_back(self, ids: torch.Tensor, start: int, states: list[PromptState], size: int, *,
                   piece_loss=None, desc: str | None = "reverse") -> None:
@@ -398,6 +416,8 @@ class Engine:
         adv = torch.zeros_like(rewards) if equal else G.advantages(rewards, grpo)
         metrics = {
             "context_parallel_world": float(self.cp.world if self.cp is not None else 1),
+            "divided_capture": float(state is None and self.divides_capture(
+                group.prompt.numel() - 1, self.config.keep_graph_bytes if self.config.mode == "exact" else 0)),
             "prompt_tokens": float(group.prompt.numel()),
             "response_tokens": float(group.response_tokens),
             "num_branches": float(group.size),
@@ -411,8 +431,8 @@ class Engine:
         }
         if equal and grpo.beta == 0:
             # Zero advantage and no KL term: the loss and its gradient are exactly 0.
-            metrics.update(skipped_zero_advantage=1.0, state_bytes=0.0, state_grad_bytes=0.0, time_capture_s=0.0,
-                           time_replay_s=0.0, time_reverse_s=0.0, time_total_s=0.0)
+            metrics.update(skipped_zero_advantage=1.0, divided_capture=0.0, state_bytes=0.0, state_grad_bytes=0.0,
+                           time_capture_s=0.0, time_replay_s=0.0, time_reverse_s=0.0, time_total_s=0.0)
             return StepResult(loss=0.0, metrics=metrics)
 
         exact = self.config.mode == "exact"

@@ -171,6 +171,14 @@ class AttentionKV:
         self.start += drop
         self.length = self.consumed = self.k.shape[1]
 
+    @torch.no_grad()
+    def append_own(self, k_rows: torch.Tensor, v_rows: torch.Tensor, consumed: int) -> None:
+        """Context parallelism's divided capture: write this rank's rows (k_rows [Hkv, n, D],
+        v_rows [Hkv, n, Dv]) of the next `consumed` positions, computed here."""
+        assert self.shard is not None and not self.trim and self.length == 0, "a sharded state, filled once"
+        self._write(k_rows, v_rows)
+        self.consumed += consumed
+
     def _write(self, k_new: torch.Tensor, v_new: torch.Tensor) -> None:
         n = k_new.shape[1]
         assert self.length + n <= self.k.shape[1], "AttentionKV overflow: more positions than allocated"

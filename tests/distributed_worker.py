@@ -31,7 +31,10 @@ CASES = {
     "glm": lambda: tiny_mla("glm_moe_dsa", index_topk=64),
     "glm_sparse": lambda: tiny_mla("glm_moe_dsa"),  # index_topk 8 < P: global top-k across ranks
     "dsv32_sparse": lambda: tiny_mla("deepseek_v32"),
+    "next": lambda: tiny_hybrid("qwen3_next"),
+    "hybrid_moe": lambda: tiny_hybrid("qwen3_5_moe"),
 }
+HYBRIDS = ("hybrid", "next", "hybrid_moe")
 
 
 def _init(rank: int, world: int, init_file: str) -> None:
@@ -103,37 +106,45 @@ def crash_one_rank(rank: int, world: int, init_file: str, flag_dir: str) -> None
 
 def run_fsdp(rank: int, world: int, init_file: str) -> None:
     """Decoder layers wrapped with FSDP2 `fully_shard`: each rank's gradient shard equals
-    the matching slice of the single-process gradient (and the full tensor equals it)."""
+    the matching slice of the single-process gradient (and the full tensor equals it), with
+    the capture divided (each prompt token on one rank) and replicated: no gradient is
+    reduced twice or missed."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     _init(rank, world, init_file)
     try:
-        model = tiny_model("qwen3")
-        group = random_group(97, 23, [5, 3], seed=3)
-        want = {}
-        for mode in ("detached", "exact"):
-            model.zero_grad(set_to_none=True)
-            ls.Engine(model, ls.ExecConfig(chunk_size=6, mode=mode)).step(group)
-            want[mode] = grads_of(model)
-        mesh = init_device_mesh("cpu", (world,))
-        for layer in model.model.layers:
-            fully_shard(layer, mesh=mesh)
-        sharded = 0
-        for mode in ("detached", "exact"):
-            model.zero_grad(set_to_none=True)
-            ls.Engine(model, ls.ExecConfig(chunk_size=6, mode=mode, context_parallel=True)).step(group)
-            for name, p in model.named_parameters():
-                grad, ref = p.grad, want[mode][name]
-                if hasattr(grad, "to_local"):  # a DTensor shard: dim-0 chunks, as FSDP2 lays them out
-                    sharded += 1
-                    local = grad.to_local()
-                    expected = ref.chunk(world, dim=0)[rank] if rank < len(ref.chunk(world, dim=0)) else ref[:0]
-                    assert (local - expected).abs().max() <= 1e-9 * ref.abs().max(), (mode, name)
-                    grad = grad.full_tensor()
-                assert (grad - ref).abs().max() <= 1e-9 * ref.abs().max() + 1e-300, (mode, name)
-        assert sharded > 0
-        del model
+        for name in ("dense", "hybrid"):
+            model = CASES[name]()
+            group = random_group(97, 23, [5, 3], seed=3)
+            kw = dict(chunk_size=6, attention_block_size=4, shard_block_size=3)
+            with float64_hybrid(model) if name == "hybrid" else _null():
+                want = {}
+                for mode in ("detached", "exact"):
+                    model.zero_grad(set_to_none=True)
+                    ls.Engine(model, ls.ExecConfig(mode=mode, **kw)).step(group)
+                    want[mode] = grads_of(model)
+                mesh = init_device_mesh("cpu", (world,))
+                for layer in model.model.layers:
+                    fully_shard(layer, mesh=mesh)
+                sharded = 0
+                for mode, divide in (("detached", True), ("exact", True), ("detached", False)):
+                    model.zero_grad(set_to_none=True)
+                    result = ls.Engine(model, ls.ExecConfig(mode=mode, context_parallel=True, divide_capture=divide,
+                                                            **kw)).step(group)
+                    assert result.metrics["divided_capture"] == float(divide)
+                    for pname, p in model.named_parameters():
+                        grad, ref = p.grad, want[mode][pname]
+                        if hasattr(grad, "to_local"):  # a DTensor shard: dim-0 chunks, as FSDP2 lays them out
+                            sharded += 1
+                            local = grad.to_local()
+                            chunks = ref.chunk(world, dim=0)
+                            expected = chunks[rank] if rank < len(chunks) else ref[:0]
+                            assert (local - expected).abs().max() <= 1e-9 * ref.abs().max(), (name, mode, pname)
+                            grad = grad.full_tensor()
+                        assert (grad - ref).abs().max() <= 1e-9 * ref.abs().max() + 1e-300, (name, mode, pname)
+                assert sharded > 0
+            del model
         dist.barrier()  # FSDP2's gloo reduce-scatters are finished on every rank before teardown
     finally:
         dist.destroy_process_group()
@@ -233,9 +244,75 @@ def check_planner(world: int) -> None:
         want = plan["state_bytes_per_rank"] + plan["exact_checkpoint_bytes_per_rank"]
         assert max(held) == held[0] == want, (mode, held, plan["state_bytes_per_rank"],
                                               plan["exact_checkpoint_bytes_per_rank"])
+        # the bytes the busiest rank receives in the (divided) capture: as the planner predicts
+        from longstraw.ops.collectives import Traffic
+        from longstraw.plan.estimate import divided_capture_traffic
+
+        Traffic.received = 0
+        engine.capture(prompt, exact=mode == "exact")
+        received = max(all_gather_ints(Traffic.received))
+        predicted = divided_capture_traffic(model.config.to_dict(), positions=40, world=world, block=3, chunk_size=7,
+                                            dtype="float64", exact=mode == "exact")
+        assert plan["divided_capture"] and received > 0
+        assert abs(received - predicted) <= 64, (mode, received, predicted)
 
 
 def all_gather_ints(value: int) -> list:
     out = [torch.zeros(1, dtype=torch.float64) for _ in range(dist.get_world_size())]
     dist.all_gather(out, torch.tensor([float(value)], dtype=torch.float64))
     return [float(t) for t in out]
+
+
+def run_divided(rank: int, world: int, init_file: str) -> None:
+    """Divided capture (each prompt token on one rank) at awkward geometries: a GDN
+    segment cut by a chunk boundary inside a block, blocks that do not divide the prompt,
+    blocks shorter than the conv's K-1 tail, more ranks than some blocks. Loss and every
+    gradient equal the single process; the state equals a replicated capture's rows and
+    snapshots; the step's metrics say the capture was divided."""
+    _init(rank, world, init_file)
+    try:
+        cases = [("hybrid", 22, 4, 6), ("hybrid", 20, 2, 5), ("dense", 22, 4, 6), ("hybrid", 12, 4, 3),
+                 ("hybrid", 9, 5, 3)]
+        if world == 2:  # Qwen3-Next's grouped projection layout and Qwen3.5's MoE, once
+            cases += [("next", 22, 4, 6), ("hybrid_moe", 16, 3, 4)]
+        for name, prompt_len, block, chunk in cases:
+            model = CASES[name]()
+            group = random_group(97, prompt_len, [4, 2], seed=5)
+            with float64_hybrid(model) if name in HYBRIDS else _null():
+                for mode in ("detached", "exact"):
+                    kw = dict(chunk_size=chunk, attention_block_size=3, shard_block_size=block, mode=mode)
+                    model.zero_grad(set_to_none=True)
+                    want = ls.Engine(model, ls.ExecConfig(**kw)).step(group)
+                    grads = grads_of(model)
+                    model.zero_grad(set_to_none=True)
+                    got = ls.Engine(model, ls.ExecConfig(context_parallel=True, **kw)).step(group)
+                    # 8 positions in blocks of 5 leave rank 2 of 3 without a block: replicated capture
+                    assert got.metrics["divided_capture"] == float(prompt_len - 1 > (world - 1) * block), name
+                    assert abs(got.loss - want.loss) <= 1e-9 * abs(want.loss) + 1e-13, (name, mode)
+                    assert_grads_close(grads_of(model), grads, 1e-9)
+                    divided = ls.Engine(model, ls.ExecConfig(context_parallel=True, **kw)).capture(
+                        group.prompt, exact=mode == "exact")
+                    replicated = ls.Engine(model, ls.ExecConfig(context_parallel=True, divide_capture=False,
+                                                                **kw)).capture(group.prompt, exact=mode == "exact")
+                    _assert_same_state(divided, replicated)
+    finally:
+        dist.destroy_process_group()
+
+
+def _assert_same_state(a, b) -> None:
+    from longstraw.state import AttentionKV, RecurrentState
+
+    assert a.length == b.length
+    for x, y in zip(a.layers, b.layers):
+        if isinstance(x, AttentionKV):
+            assert (x.length, x.consumed) == (y.length, y.consumed)
+            for s, t in zip(x.keys(), y.keys()):
+                torch.testing.assert_close(s, t, rtol=1e-10, atol=1e-12)
+        else:
+            assert isinstance(x, RecurrentState) and sorted(x.snapshots) == sorted(y.snapshots)
+            for p in x.snapshots:
+                for s, t in zip(x.snapshots[p], y.snapshots[p]):
+                    assert (s is None) == (t is None)
+                    if s is not None:
+                        assert s.dtype == t.dtype
+                        torch.testing.assert_close(s, t, rtol=1e-10, atol=1e-12)

@@ -86,3 +86,8 @@ def test_a_collective_error_is_not_reported_as_a_dead_peer(monkeypatch):
     message = str(info.value)
     assert "nccl" in message and "device type cpu" in message and "peer rank may have died" not in message
 
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_divided_capture_at_awkward_block_and_chunk_boundaries(tmp_path, world):
+    mp.spawn(worker.run_divided, args=(world, str(tmp_path / "init")), nprocs=world, join=True)

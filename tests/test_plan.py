@@ -167,13 +167,47 @@ def test_parse_bytes():
 
 
 def test_peak_per_rank_decreases_with_gpus():
-    peaks = [plan("qwen3.6-27b", prompt_tokens=2_097_152, gpus=w)["peak_bytes_per_rank"] for w in (1, 2, 4, 8)]
+    peaks = [plan("qwen3.6-27b", prompt_tokens=2_097_152, gpus=w, divide_capture=False)["peak_bytes_per_rank"]
+             for w in (1, 2, 4, 8)]
     assert peaks == sorted(peaks, reverse=True) and len(set(peaks)) == 4
-    # the token computation is replicated on every rank; only attention over the prompt is divided
+    # a divided capture holds the rank's hidden-state shard and one layer's projections of it
+    # (~P/W tokens): at W = 2 and 2M tokens that is more than a replicated capture's chunk
+    divided = [plan("qwen3.6-27b", prompt_tokens=2_097_152, gpus=w) for w in (2, 4, 8)]
+    assert divided[0]["peak_phase"] == "capture"
+    assert divided[0]["peak_bytes_per_rank"] > peaks[1]
+    assert [r["peak_bytes_per_rank"] for r in divided] == sorted((r["peak_bytes_per_rank"] for r in divided),
+                                                                 reverse=True)
+    # capture is divided (each prompt token on one rank); replay's token computation is replicated
     times = [plan("qwen3.6-27b", prompt_tokens=2_097_152, gpus=w)["estimated_time_s"] for w in (1, 8)]
-    assert times[0] / 8 < times[1] < times[0]
+    assert times[0] / 8 < times[1] < times[0] / 4
     one, eight = (plan("qwen3.6-27b", prompt_tokens=2_097_152, gpus=w) for w in (1, 8))
-    assert one["flops_capture"] / 8 < eight["flops_capture"] < one["flops_capture"]  # FLOPs of one rank
+    assert eight["divided_capture"] and not one["divided_capture"]
+    # FLOPs of one rank: 1/8 of the tokens, plus the GDN transitions' extra (Dk + Dv) / Dv
+    assert one["flops_capture"] / 8 < eight["flops_capture"] < 1.1 * one["flops_capture"] / 8
+    replicated = plan("qwen3.6-27b", prompt_tokens=2_097_152, gpus=8, divide_capture=False)
+    assert not replicated["divided_capture"] and replicated["capture_comm_bytes_per_rank"] == 0
+    token = 2 * one["num_active_parameters"] * 2_097_152  # the token computation of the whole prompt
+    assert replicated["flops_capture"] - eight["flops_capture"] == pytest.approx(7 / 8 * token, rel=0.15)
+
+
+def test_divided_capture_traffic_and_fallbacks():
+    """Bytes received in a divided capture: per attention layer the other ranks' K/V rows,
+    per GDN layer one relayed state per block (rank 0 skips block 0), the conv tails and the
+    snapshots; MLA/DSA families and prompts with fewer blocks than ranks are not divided."""
+    from longstraw.plan.arch import architecture, load_model_config
+    from longstraw.plan.estimate import divided_capture_traffic
+
+    arch = architecture(load_model_config("tiny-qwen3")[1])
+    got = divided_capture_traffic("tiny-qwen3", positions=4000, world=2, block=1000, chunk_size=4096,
+                                  dtype="float32")
+    assert got == len(arch.layers) * 2000 * arch.kv_heads * 2 * arch.head_dim * 4  # every rank gets 2000 rows
+    assert divided_capture_traffic("tiny-qwen3", positions=4000, world=1, block=1000, chunk_size=64) == 0
+    r = plan("qwen3.6-27b", gpus=4)
+    assert r["divided_capture"] and r["capture_comm_bytes_per_rank"] > 0
+    assert r["capture_comm_bytes_per_rank"] < plan("qwen3.6-27b", gpus=4, mode="exact",
+                                                   chunk_size=512)["capture_comm_bytes_per_rank"]  # snapshots
+    assert not plan("glm-5.2", gpus=4)["divided_capture"]
+    assert not plan("qwen3.6-27b", gpus=4, prompt_tokens=2048, attention_block_size=1024)["divided_capture"]
 
 
 def test_exact_mode_keeps_every_gdn_snapshot_on_every_rank():

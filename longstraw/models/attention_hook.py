@@ -20,6 +20,8 @@ pieces) and what to do with the new tokens' K/V in the last of them:
     decode     a rollout step: G branches, one token each at position `start`; their
                K/V go into the per-branch `call.branches`, and the shared prompt state
                is only read (`ops/decode_attention.py`)
+    divided    context parallelism's divided capture: the tokens are this rank's own
+               positions (`call.positions`), the whole prompt in one call; see `divided.py`
 """
 
 from __future__ import annotations
@@ -50,6 +52,9 @@ class AttentionCall:
         phase: "capture", "replay", "recompute" or "decode" (see the module docstring).
         block_size: prefix positions per attention block.
         branches: phase "decode" only: the G branches' own state.
+        positions: the tokens' absolute positions [T] when they are not start.. (phase
+            "divided": this rank's own positions).
+        divided: phase "divided" only: a `divided.Divided`.
     """
 
     states: list[PromptState]
@@ -57,6 +62,8 @@ class AttentionCall:
     phase: str
     block_size: int
     branches: BranchState | None = None
+    positions: torch.Tensor | None = None
+    divided: object = None
 
     def records_roots(self) -> bool:
         """Whether the chunk's own state tensors are recorded as roots of its graph
@@ -86,6 +93,11 @@ def longstraw_attention(module, query, key, value, attention_mask, scaling=None,
     call = current_call()
     if call.phase == "decode":
         return _decode_attention(module, query, key, value, call, scaling, sliding_window)
+    if call.phase == "divided":
+        from .divided import divided_attention
+
+        assert sliding_window is None or sliding_window >= call.divided.total, "divided capture: full attention only"
+        return divided_attention(module, query, key, value, call, scaling)
     if query.shape[0] != 1:
         raise RuntimeError(f"longstraw runs one sequence at a time, got batch {query.shape[0]}")
     if dropout:
@@ -172,6 +184,8 @@ def run_backbone(backbone, config, input_ids: torch.Tensor, call: AttentionCall)
     if call.phase == "decode":
         ids = input_ids[:, None]  # (G, 1): a batch of G one-token sequences
         positions = torch.full_like(ids, call.start)
+    elif call.positions is not None:
+        ids, positions = input_ids[None], call.positions[None]  # (1, T)
     else:
         ids = input_ids[None]  # (1, T)
         positions = torch.arange(call.start, call.start + input_ids.shape[0], device=input_ids.device)[None]

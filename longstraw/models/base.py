@@ -147,8 +147,12 @@ class Adapter:
         (the attention function is routed by `run_backbone` for every family)."""
         return contextlib.nullcontext()
 
+    divides_capture: bool = False
+    """Whether a context-parallel capture may run divided (`divided.py`): each prompt
+    token computed on one rank. Families without it capture replicated."""
+
     def run(self, input_ids: torch.Tensor, start: int, states: list[PromptState], *, phase: str,
-            block_size: int, branches: BranchState | None = None) -> torch.Tensor:
+            block_size: int, branches: BranchState | None = None, divided=None) -> torch.Tensor:
         """Run tokens input_ids [T] at positions start .. start+T-1 against `states`
         (stacked, earliest first: the prompt state, then any earlier branch pieces).
 
@@ -158,9 +162,19 @@ class Adapter:
         state tensors with their accumulated gradients in `states[-1].seeds`.
         phase "decode": input_ids [G] are one token per branch, all at position
         `start`; they read `states` and append to `branches` (the caller holds no_grad).
+        phase "divided": input_ids [N] are this rank's own prompt positions (`divided`, a
+        `divided.Divided`), the whole prompt at once, layer by layer (the caller holds
+        no_grad); they append to states[-1].
         Returns final hidden states [T, d] ([G, d] for decode), after the final norm,
         ready for the lm_head.
         """
-        call = AttentionCall(states=states, start=start, phase=phase, block_size=block_size, branches=branches)
-        with self.routing():
+        positions = divided.positions(input_ids.device) if divided is not None else None
+        call = AttentionCall(states=states, start=start, phase=phase, block_size=block_size, branches=branches,
+                             positions=positions, divided=divided)
+        pieces = contextlib.nullcontext()
+        if divided is not None:
+            from .divided import chunked_mlps
+
+            pieces = chunked_mlps(self.backbone.layers, divided.chunk_size)
+        with self.routing(), pieces:
             return run_backbone(self.backbone, self.config, input_ids, call)

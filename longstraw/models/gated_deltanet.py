@@ -16,6 +16,7 @@ Per phase (see `attention_hook.py`):
                end state with the gradient accumulated for it, if any
     decode     one token for each of G branches: step each branch's own copy of the
                state (`BranchRecurrent`) with the recurrent form of the rule
+    divided    context parallelism's divided capture (`divided.py`)
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from ..ops.gated_delta import chunk_gated_delta_rule, gated_delta_step
 from ..state import RecurrentState
 from .attention_hook import current_call
 from .base import forwards_replaced
+from .divided import divided_gdn
 
 
 def initial_snapshot(states, layer_idx: int, position: int):
@@ -91,6 +93,8 @@ def gdn_forward(module, hidden_states, cache_params=None, attention_mask=None, *
     call = current_call()
     if call.phase == "decode":
         return _gdn_decode(module, hidden_states, call.branches.layers[module.layer_idx])
+    if call.phase == "divided":  # context parallelism: this rank's own positions (`divided.py`)
+        return divided_gdn(module, hidden_states[0], call, (_project, _split_heads, _log_decay, _gated_output))
     x = hidden_states[0]  # (T, d)
     t = x.shape[0]
     mixed, z, b, a = _project(module, x)

@@ -29,8 +29,26 @@ def _collective(fn, cp, *args, **kwargs):
         ) from exc
 
 
+class Traffic:
+    """Bytes this rank received through the collectives below, by a simple model of each:
+    broadcast and recv: the tensor (not at the source); all-gather: (W-1) tensors;
+    all-reduce: 2 (W-1)/W of the tensor (ring). `bench/bench_cp.py` reads it around a
+    phase and compares it with the planner's prediction."""
+
+    received = 0
+
+    @classmethod
+    def add(cls, nbytes: float) -> None:
+        cls.received += int(nbytes)
+
+
+def _nbytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
 def all_reduce_sum(tensor: torch.Tensor, cp) -> torch.Tensor:
     """Sum over ranks, in place (through the backend's device when it differs); returns the tensor."""
+    Traffic.add(2 * (cp.world - 1) / cp.world * _nbytes(tensor))
     device = getattr(cp, "device", None)
     if device is None or tensor.device == device:
         _collective(dist.all_reduce, cp, tensor, op=dist.ReduceOp.SUM)
@@ -44,6 +62,7 @@ def all_gather(tensor: torch.Tensor, cp) -> list[torch.Tensor]:
     """Every rank's `tensor` (same shape on all ranks), in rank order, on `tensor`'s device."""
     device = getattr(cp, "device", None)
     moved = tensor.contiguous() if device is None else tensor.to(device).contiguous()
+    Traffic.add((cp.world - 1) * _nbytes(moved))
     out = [torch.empty_like(moved) for _ in range(cp.world)]
     _collective(dist.all_gather, cp, out, moved)
     return [t.to(tensor.device) for t in out]
@@ -115,6 +134,7 @@ def _broadcast_pair(out: torch.Tensor, lse: torch.Tensor, src: int, cp):
     device = getattr(cp, "device", None)
     pair = [(t if device is None else t.to(device)).contiguous() for t in (o_r, l_r)]
     for t in pair:  # received in place: these are the tensors we return
+        Traffic.add(0 if src == cp.rank else _nbytes(t))
         _collective(dist.broadcast, cp, t, src=_global_rank(cp, src))
     return tuple(p.to(out.device) for p in pair)
 
@@ -132,3 +152,40 @@ def broadcast_from_first(tensor: torch.Tensor, cp) -> torch.Tensor:
     moved = tensor if device is None or tensor.device == device else tensor.to(device)
     _collective(dist.broadcast, cp, moved, src=dist.get_global_rank(cp.group, 0))
     return tensor if moved is tensor else tensor.copy_(moved)
+
+
+def broadcast_from(tensor: torch.Tensor, src: int, cp) -> torch.Tensor:
+    """Rank `src`'s `tensor` on every rank: the source passes its tensor, the others a
+    buffer of the same shape that is overwritten (through the backend's device when it
+    differs); returns it."""
+    device = getattr(cp, "device", None)
+    moved = tensor.contiguous() if device is None else tensor.to(device).contiguous()
+    Traffic.add(0 if src == cp.rank else _nbytes(moved))
+    _collective(dist.broadcast, cp, moved, src=_global_rank(cp, src))
+    return moved if moved.device == tensor.device else moved.to(tensor.device)
+
+
+def send_to(tensor: torch.Tensor, dst: int, cp):
+    """Start sending `tensor` to rank `dst` (point to point); returns a function that waits
+    for the send to finish (keep the tensor alive until then)."""
+    device = getattr(cp, "device", None)
+    moved = tensor.contiguous() if device is None else tensor.to(device).contiguous()
+    work = _collective(dist.isend, cp, moved, dst=_global_rank(cp, dst))
+
+    def wait():
+        try:
+            work.wait()
+        except (RuntimeError, ValueError) as exc:
+            raise DistributedError(f"context-parallel send to rank {dst} failed on the "
+                                   f"{getattr(cp, 'backend', '?')} backend ({exc})") from exc
+        return moved
+    return wait
+
+
+def recv_from(buffer: torch.Tensor, src: int, cp) -> torch.Tensor:
+    """Receive rank `src`'s tensor into a buffer of its shape and dtype; returns it."""
+    device = getattr(cp, "device", None)
+    moved = buffer if device is None or buffer.device == device else buffer.to(device)
+    Traffic.add(_nbytes(moved))
+    _collective(dist.recv, cp, moved, src=_global_rank(cp, src))
+    return moved if moved.device == buffer.device else moved.to(buffer.device)

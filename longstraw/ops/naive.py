@@ -118,3 +118,33 @@ def naive_sparse_attention(q, keys_all, values_all, positions_all, indices, q_po
     scores = (q @ keys_all.T) * scale  # (H, T, N)
     scores = scores.masked_fill(~selected[None], float("-inf"))
     return torch.softmax(scores, dim=-1) @ values_all
+
+
+def naive_gated_delta_transition(q, k, v, g, beta, use_qk_l2norm=True):
+    """The segment's affine map token by token: A = prod_t e^(g_t) (I - beta_t k_t k_t^T)
+    (later tokens on the left), C = the end state from zero, and per token the read of the
+    start state R_t = q_t^T A_t and the output from zero O_t.
+
+    q, k [T, Hk, Dk], v [T, Hv, Dv], g, beta [T, Hv] -> (read [T, Hv, Dk], out0 [T, Hv, Dv],
+    A [Hv, Dk, Dk], C [Hv, Dk, Dv]), as `ops.gated_delta_scan.gated_delta_transition`."""
+    t, hv, dv = v.shape
+    dk = k.shape[-1]
+    if use_qk_l2norm:
+        q = q / torch.sqrt((q * q).sum(-1, keepdim=True) + 1e-6)
+        k = k / torch.sqrt((k * k).sum(-1, keepdim=True) + 1e-6)
+    q = (q / dk ** 0.5).repeat_interleave(hv // q.shape[1], dim=1)
+    k = k.repeat_interleave(hv // k.shape[1], dim=1)
+    a = torch.eye(dk, dtype=v.dtype).repeat(hv, 1, 1)
+    c = v.new_zeros(hv, dk, dv)
+    reads, outs = [], []
+    for i in range(t):
+        step = torch.exp(g[i])[:, None, None] * (torch.eye(dk, dtype=v.dtype)
+                                                 - beta[i][:, None, None] * k[i][:, :, None] * k[i][:, None, :])
+        a = step @ a
+        c = step @ c + beta[i][:, None, None] * k[i][:, :, None] * v[i][:, None, :]
+        reads.append(torch.einsum("hk,hkj->hj", q[i], a))
+        outs.append(torch.einsum("hk,hkv->hv", q[i], c))
+    empty = v.new_zeros(0, hv, dk), v.new_zeros(0, hv, dv)
+    read = torch.stack(reads) if reads else empty[0]
+    out0 = torch.stack(outs) if outs else empty[1]
+    return read, out0, a, c

@@ -127,6 +127,12 @@ class PlanConfig:
     kept instead of recomputed. The planner keeps as many of the last chunks as fit at its
     estimate of one chunk's graph; they are alive from capture to the reverse walk."""
 
+    divide_capture: bool = True
+    """Under context parallelism (W > 1), capture computes each prompt token on one rank
+    (`ExecConfig.divide_capture`; dense attention and GDN hybrids, not MLA/DSA families,
+    and only when every rank owns a block). False: capture's token computation is
+    replicated on every rank."""
+
     throughput_tflops: float = 400.0
     """Effective dense throughput per rank, TFLOP/s (default 400: an H100/H200-class GPU
     at ~40-50% of its bf16 peak; an H20 is ~148 peak)."""
@@ -227,6 +233,87 @@ def _forward_flops(arch: Arch, params: ParamCount, n_q: int, prefix: int, lm_hea
     f = 2 * params.matmul_active * n_q + (2 * arch.vocab * arch.hidden * n_q if lm_head else 0)
     return f + sum(_mixer_flops(arch, layer, n_q, prefix) / (1 if layer.mixer == "gdn" else world)
                    for layer in arch.layers)
+
+
+def divided_flops(arch: Arch, params: ParamCount, positions: int, world: int, block: int) -> float:
+    """Forward FLOPs of a divided capture on the fullest rank: the token computation of its
+    own positions (each prompt token on one rank), attention of its queries over every
+    earlier position (the round-robin deal balances it: ~1/W of the causal pairs), and for
+    GDN layers the affine transition ((Dk + Dv) / Dv of one pass of the recurrence) plus
+    the read of each start state (2 Dk Dv per head and token)."""
+    mine = rank_positions(positions, world, block)
+    f = 2 * params.matmul_active * mine
+    for layer in arch.layers:
+        if layer.mixer == "gdn":
+            f += _mixer_flops(arch, layer, mine, 0) * (arch.gdn_k_dim + arch.gdn_v_dim) / arch.gdn_v_dim
+            f += 2 * arch.gdn_v_heads * arch.gdn_k_dim * arch.gdn_v_dim * mine
+        else:
+            f += _mixer_flops(arch, layer, positions, 0) / world
+    return f
+
+
+def divided_capture_traffic(model, *, positions: int, world: int, block: int, chunk_size: int,
+                            dtype: str | None = None, exact: bool = False) -> float:
+    """Bytes the busiest rank receives in a divided capture of `positions` tokens (the
+    model `ops.collectives.Traffic` counts by):
+
+        attention layer   every other rank's K/V rows, broadcast piece by piece
+        GDN layer         the relay: one recurrent state per own block after the first;
+                          the all-gather of every block's last K-1 pre-conv rows; and the
+                          all-reduce (2 (W-1)/W) of the snapshots every rank keeps (the end;
+                          exact mode: every chunk start)
+    """
+    _, cfg, _ = load_model_config(model)
+    arch = architecture(cfg)
+    dtype = dtype or arch.dtype or "bfloat16"
+    b = DTYPE_BYTES[dtype]
+    rb = max(4, b)
+    if world == 1:
+        return 0.0
+    blocks = -(-positions // block)
+    per_rank_blocks = -(-blocks // world)
+    snapshots = len(range(chunk_size, positions, chunk_size)) + 1 if exact else 1
+    worst = 0.0
+    for rank in range(world):
+        mine = rank_positions_of(positions, world, block, rank)
+        own_blocks = len(range(rank, blocks, world))
+        relayed = own_blocks - (1 if rank == 0 and own_blocks else 0)
+        total = 0.0
+        for layer in arch.layers:
+            if layer.mixer == "attention":
+                total += (positions - mine) * arch.kv_heads * 2 * arch.head_dim * b
+            elif layer.mixer == "gdn":
+                state = arch.gdn_v_heads * arch.gdn_k_dim * arch.gdn_v_dim * rb
+                tail = arch.conv_dim * (arch.gdn_kernel - 1) * b
+                total += relayed * state + (world - 1) * per_rank_blocks * tail
+                total += 2 * (world - 1) / world * snapshots * (state + tail)
+        worst = max(worst, total)
+    return worst
+
+
+def _divided_working(arch: Arch, mine: int, chunk: int, b: int, acc: int) -> float:
+    """No-grad working set of a divided capture layer on a rank holding `mine` positions:
+    the hidden shard, its residual and the layer output ([mine, d] each), plus the larger of
+    an attention layer's q/k/v/output rows (and the fp32 running output of its queries) and a
+    GDN layer's projections (conv input, z, gates) with the per-token read of the start
+    state and zero-start output (accumulation dtype); the MLP runs in pieces of `chunk`
+    (counted by the chunked no-grad working set)."""
+    hidden = 3 * mine * arch.hidden * b
+    layers = [0.0]
+    if arch.count(mixer="attention"):
+        layers.append(mine * ((2 * arch.heads + 2 * arch.kv_heads) * arch.head_dim * b
+                              + arch.heads * arch.head_dim * acc))
+    if arch.count(mixer="gdn"):
+        layers.append(mine * (2 * arch.conv_dim * b + arch.gdn_v_heads * arch.gdn_v_dim * 2 * b
+                              + arch.gdn_v_heads * (arch.gdn_k_dim + arch.gdn_v_dim) * acc))
+    return hidden + max(layers)
+
+
+def rank_positions_of(positions: int, world: int, block: int, rank: int) -> int:
+    """Prompt positions rank `rank` holds (as `state.Shard.count`)."""
+    cycle = block * world
+    full, rem = divmod(positions, cycle)
+    return full * block + min(max(rem - rank * block, 0), block)
 
 
 def rank_positions(positions: int, world: int, block: int) -> int:
@@ -330,7 +417,14 @@ def estimate(model, config: PlanConfig) -> dict:
         return max(nograd_layer_bytes(arch, l, tokens, p_rank, blk, acc, b, gk, fused=fused_nograd)
                    for l in arch.layers)
 
+    divided = (c.divide_capture and W > 1 and not arch.count(mixer="mla")
+               and P - 1 > (W - 1) * c.attention_block_size)
     capture_working = nograd_working(C)
+    capture_comm = 0.0
+    if divided:  # layer by layer over the rank's positions: its hidden shard and one layer's projections
+        capture_working = max(capture_working, _divided_working(arch, p_rank, C, b, acc))
+        capture_comm = divided_capture_traffic(cfg, positions=P - 1, world=W, block=c.attention_block_size,
+                                               chunk_size=c.chunk_size, dtype=dtype, exact=exact)
     recompute_working = sum(autograd_pass(arch, C, p_rank, blk, b, acc, dense_grad, gk)) if exact else 0.0
     # exact mode's kept capture graphs (the last chunks that fit), alive from capture to their walk
     chunks = -(-max(P - 1, 1) // C)
@@ -355,12 +449,14 @@ def estimate(model, config: PlanConfig) -> dict:
 
     # ---- time
     thr = c.throughput_tflops * 1e12
-    flops_capture = _forward_flops(arch, params, P, 0, lm_head=False, world=W)
+    flops_prompt = _forward_flops(arch, params, P, 0, lm_head=False, world=W)  # one replicated prompt forward
+    flops_capture = divided_flops(arch, params, P, W, c.attention_block_size) if divided else flops_prompt
     branch_fwd = _forward_flops(arch, params, R, P, lm_head=True, world=W)
     held_fwd = _forward_flops(arch, params, held, P, lm_head=False, world=W) if held else 0.0
     flops_branch = (1 + BACKWARD_FACTOR + c.score_passes) * branch_fwd + held_fwd
     # exact: a backward of every chunk, and a recomputed forward of those not kept
-    flops_exact_extra = (BACKWARD_FACTOR + (chunks - kept_chunks) / chunks) * flops_capture
+    # (the reverse walk is replicated: every rank recomputes and backpropagates every chunk)
+    flops_exact_extra = (BACKWARD_FACTOR + (chunks - kept_chunks) / chunks) * flops_prompt
     t_detached = (flops_capture + G * flops_branch) / thr  # FLOPs of one rank (see _forward_flops)
     t_exact = t_detached + flops_exact_extra / thr
 
@@ -384,8 +480,11 @@ def estimate(model, config: PlanConfig) -> dict:
         "capture x1, replay x(1 + backward) per branch (+ x1 per score pass; pieces add a no-grad forward of the "
         "held tokens), exact adds a backward of the prompt forward plus a recomputed forward of every chunk whose "
         "graph is not kept",
-        f"time = one rank's FLOPs / {c.throughput_tflops:g} TFLOP/s effective: the token computation is "
-        "replicated on every rank, only attention over the prompt state is divided by W",
+        f"time = one rank's FLOPs / {c.throughput_tflops:g} TFLOP/s effective (communication not counted): "
+        + ("capture divided (each prompt token on one rank; GDN transitions (Dk+Dv)/Dv of a plain pass), "
+           "replay and the exact reverse walk replicated except attention over the prompt state (divided by W)"
+           if divided else "the token computation is replicated on every rank, only attention over the prompt "
+           "state is divided by W"),
         f"GDN kernel: {gk} " + ("(ops/gated_delta.py, fp32 arithmetic)" if gk == "torch" else
                                 "(flash-linear-attention; working set estimated, not measured)"),
         "capture " + ("counted with the parameter gradients allocated (any group after the first of a batch)"
@@ -439,6 +538,8 @@ def estimate(model, config: PlanConfig) -> dict:
         "gpu_memory_bytes": c.gpu_memory,
         "reserve_bytes": c.reserve,
         "fits": bool(fits),
+        "divided_capture": bool(divided),
+        "capture_comm_bytes_per_rank": capture_comm,
         "flops_capture": flops_capture,
         "flops_replay_per_branch": flops_branch,
         "flops_exact_extra": flops_exact_extra,
@@ -491,7 +592,8 @@ def format_report(r: dict) -> str:
         rows += [("state gradient per rank", hb(r["state_grad_bytes_per_rank"])),
                  ("recurrent checkpoints per rank", hb(r["exact_checkpoint_bytes_per_rank"]))]
     rows += [
-        ("working: capture (1 chunk)", hb(r["capture_working_bytes"])),
+        ("working: capture (divided, layer by layer)" if r["divided_capture"] else "working: capture (1 chunk)",
+         hb(r["capture_working_bytes"])),
         ("working: replay (1 branch)", hb(r["replay_working_bytes"])),
     ]
     if r["mode"] == "exact":
@@ -507,6 +609,7 @@ def format_report(r: dict) -> str:
         ("fits", f"{'yes' if r['fits'] else 'NO'}  (peak + {hb(r['reserve_bytes'])} reserve vs "
                  f"{hb(r['gpu_memory_bytes'])})"),
         None,
+        ("capture traffic per rank", hb(r["capture_comm_bytes_per_rank"])),
         ("time, detached", f"{r['estimated_time_s_detached']:,.1f} s"),
         ("time, exact", f"{r['estimated_time_s_exact']:,.1f} s"),
         ("  at", f"{i['throughput_tflops']:g} TFLOP/s effective per rank x {i['gpus']} rank(s)"),

@@ -1,0 +1,159 @@
+"""Divided capture on GPUs (NCCL): W = 1 against W = 2 (and more, as many as there are devices).
+
+Physics as in `bench/bench_cp.py`: a divided capture runs each prompt token on one rank,
+so capture should approach 1/W plus communication (K/V rows of the other ranks per
+attention layer, one recurrent state per block per GDN layer, conv tails, snapshots),
+which NVLink carries at hundreds of GB/s. A detached step adds the replicated replay.
+
+Each W runs in fresh processes under `torchrun --nproc-per-node W` (one rank per device,
+`cuda:LOCAL_RANK`, NCCL). Per rank: the model in bf16 (`--family`, a tiny preset scaled
+by `--hidden` / `--layers`), a random group (G, R); warm-up, then capture and one detached
+step (barrier + synchronize around each; the slowest rank reported), the bytes received
+(`ops.collectives.Traffic`) against `plan.estimate.divided_capture_traffic`, and the loss,
+which must equal W = 1's within bf16 rounding (`--check`, reported). Devices with fewer than
+W GPUs skip that W (NCCL needs one device per rank) and say so.
+
+Usage (one machine, any number of GPUs):
+    python bench/gpu_cp.py --family qwen3_5 --prompt-tokens 262144 --worlds 1 2 --out bench/results/cp_gpu.csv
+Ends with one JSON line.
+"""
+
+from __future__ import annotations
+
+import argparse
+import csv
+import json
+import os
+import subprocess
+import sys
+import tempfile
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+if REPO not in sys.path:
+    sys.path.insert(0, REPO)
+
+
+def rank_main(args) -> None:
+    import datetime
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    import longstraw as ls
+    from longstraw.ops.collectives import Traffic
+    from longstraw.plan.estimate import divided_capture_traffic
+    from longstraw.tiny import random_group, tiny_model
+
+    local = int(os.environ.get("LOCAL_RANK", "0"))
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    torch.cuda.set_device(local)
+    cp = world > 1
+    if cp:
+        dist.init_process_group("nccl", timeout=datetime.timedelta(minutes=10))
+    overrides = {}
+    if args.hidden:
+        overrides.update(hidden_size=args.hidden, intermediate_size=3 * args.hidden)
+    if args.layers:
+        overrides["num_hidden_layers"] = args.layers
+        if args.family == "qwen3_5":
+            overrides["layer_types"] = (["linear_attention"] * 3 + ["full_attention"]) * (args.layers // 4)
+    model = tiny_model(args.family, dtype=torch.bfloat16, **overrides).cuda()
+    engine = ls.Engine(model, ls.ExecConfig(chunk_size=args.chunk_size, attention_block_size=args.block,
+                                            context_parallel=cp))
+    group = random_group(4096, args.prompt_tokens, args.group, args.response_tokens, seed=0)
+    engine.step(random_group(4096, 4 * args.block * world + 1, 1, 8, seed=1))  # warm-up
+
+    def timed(fn):
+        if cp:
+            dist.barrier()
+        torch.cuda.synchronize()
+        Traffic.received = 0
+        t0 = time.perf_counter()
+        out = fn()
+        torch.cuda.synchronize()
+        if cp:
+            dist.barrier()
+        return time.perf_counter() - t0, Traffic.received, out
+
+    t_cap, b_cap, _ = timed(lambda: engine.capture(group.prompt))
+    model.zero_grad(set_to_none=True)
+    t_step, b_step, result = timed(lambda: engine.step(group))
+    predicted = divided_capture_traffic(model.config.to_dict(), positions=args.prompt_tokens - 1, world=world,
+                                        block=args.block, chunk_size=args.chunk_size, dtype="bfloat16")
+    row = torch.tensor([t_cap, t_step, float(b_cap), float(b_step), result.loss,
+                        torch.cuda.max_memory_allocated() / 2**30], dtype=torch.float64, device="cuda")
+    if cp:
+        rows = [torch.zeros_like(row) for _ in range(world)]
+        dist.all_gather(rows, row)
+        dist.destroy_process_group()
+    else:
+        rows = [row]
+    if int(os.environ.get("RANK", "0")) == 0:
+        worst = torch.stack(rows).max(0).values.tolist()
+        with open(args.result, "w") as f:
+            json.dump({"world": world, "capture_s": worst[0], "step_s": worst[1], "capture_bytes_received": worst[2],
+                       "step_bytes_received": worst[3], "loss": float(rows[0][4]), "peak_gib": worst[5],
+                       "capture_bytes_predicted": predicted,
+                       "divided_capture": result.metrics.get("divided_capture")}, f)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--family", default="qwen3_5")
+    ap.add_argument("--worlds", nargs="+", type=int, default=[1, 2])
+    ap.add_argument("--prompt-tokens", type=int, default=262144)
+    ap.add_argument("--group", type=int, default=4)
+    ap.add_argument("--response-tokens", type=int, default=128)
+    ap.add_argument("--chunk-size", type=int, default=8192)
+    ap.add_argument("--block", type=int, default=2048)
+    ap.add_argument("--hidden", type=int, default=0)
+    ap.add_argument("--layers", type=int, default=0)
+    ap.add_argument("--out", default=os.path.join(REPO, "bench", "results", "cp_gpu.csv"))
+    ap.add_argument("--rank", action="store_true")
+    ap.add_argument("--result")
+    args = ap.parse_args()
+    if args.rank:
+        rank_main(args)
+        return
+    import torch
+
+    devices = torch.cuda.device_count()
+    rows, notes = [], []
+    for world in args.worlds:
+        if world > devices:
+            notes.append(f"W={world} skipped: {devices} CUDA device(s), NCCL needs one per rank")
+            print(notes[-1], flush=True)
+            continue
+        result = tempfile.mktemp(suffix=".json")
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
+               os.path.abspath(__file__), "--rank", "--result", result] + [
+            a for k in ("family", "prompt_tokens", "group", "response_tokens", "chunk_size", "block", "hidden",
+                        "layers") for a in (f"--{k.replace('_', '-')}", str(getattr(args, k)))]
+        subprocess.run(cmd, check=True)
+        with open(result) as f:
+            got = json.load(f)
+        got.update(family=args.family, prompt_tokens=args.prompt_tokens, group=args.group,
+                   response_tokens=args.response_tokens, device=torch.cuda.get_device_name(0))
+        rows.append(got)
+        print(f"W={world} capture {got['capture_s']:.3f} s  step {got['step_s']:.3f} s  loss {got['loss']:.6f}  "
+              f"received {got['capture_bytes_received'] / 2**20:.1f} MiB (predicted "
+              f"{got['capture_bytes_predicted'] / 2**20:.1f})  peak {got['peak_gib']:.2f} GiB", flush=True)
+    if rows:
+        os.makedirs(os.path.dirname(args.out), exist_ok=True)
+        new = not os.path.exists(args.out)
+        with open(args.out, "a", newline="") as f:
+            w = csv.DictWriter(f, fieldnames=sorted(rows[0]))
+            if new:
+                w.writeheader()
+            w.writerows(rows)
+    base = next((r for r in rows if r["world"] == 1), None)
+    ratios = {f"W{r['world']}": {"capture": r["capture_s"] / base["capture_s"], "step": r["step_s"] / base["step_s"],
+                                 "loss_rel_diff": abs(r["loss"] - base["loss"]) / max(abs(base["loss"]), 1e-12)}
+              for r in rows if base is not None and r["world"] > 1}
+    print(json.dumps({"bench": "gpu_cp", "family": args.family, "prompt_tokens": args.prompt_tokens,
+                      "ratios_to_W1": ratios, "notes": notes}))
+
+
+if __name__ == "__main__":
+    main()
