@@ -330,12 +330,17 @@ class _Restage(torch.autograd.Function):
 def staged_layers(states: list[PromptState], idx: int, until: int) -> list:
     """Layer `idx` of each stacked state, for reading rows before `until`: the state's
     own object, or (offloaded) a view whose tensors live in the stager's slot."""
-    return [s.layers[idx] if s.offload is None else s.offload.view(idx, until) for s in states]
+    return [s.offload.view(idx, until) if _staged(s, idx) else s.layers[idx] for s in states]
+
+
+def _staged(state: PromptState, idx: int) -> bool:
+    """Whether layer idx of `state` is offloaded (a trimmed window or GDN layer is not)."""
+    return state.offload is not None and idx in state.offload.rank
 
 
 def write_back(states: list[PromptState], idx: int) -> None:
     """Capture appended to layer idx of states[-1] (its view, if offloaded): copy to host."""
-    if states[-1].offload is not None:
+    if _staged(states[-1], idx):
         states[-1].offload.write_back(idx)
 
 
@@ -345,7 +350,7 @@ def restage_on_backward(out: torch.Tensor, states: list[PromptState], idx: int, 
     if not torch.is_grad_enabled() or not out.requires_grad:
         return out
     for s in states:
-        if s.offload is not None:
+        if _staged(s, idx):
             out = _Restage.apply(out, s.offload, idx, until)
     return out
 
