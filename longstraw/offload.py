@@ -278,8 +278,6 @@ class Stager:
                     dst.copy_(_rows(getattr(v, f), a, b), non_blocking=True)
                     self.stats.d2h_bytes += _nbytes(dst)
                 h.length, h.consumed = v.length, v.consumed
-        slot = self.rank[idx] % 2
-        self.holds[slot] = (idx, _holders(layer)[0].end)  # the slot holds every row written so far
 
     def restage(self, idx: int, until: int) -> None:
         """Backward of layer idx's attention is next: stage its rows (and gradient sinks)
@@ -294,11 +292,15 @@ class Stager:
 
     def settle(self) -> None:
         """After a run or a backward: copy pending gradient sinks back to host and wait
-        for every queued copy (host rows are then valid for the CPU to read)."""
+        for every queued copy (host rows are then valid for the CPU to read). The slots
+        are then forgotten, so every pass (a forward, a backward) stages each layer it
+        visits exactly once, whatever the previous pass left: the traffic the planner
+        counts (`plan/offload.py`)."""
         for slot in (0, 1):
             self._flush(slot)
         if self.cuda:
             self.stream.synchronize()
+        self.holds = [None, None]
 
     def release(self) -> None:
         """Free the device slots (after `settle`); the next view allocates them again."""
@@ -331,6 +333,11 @@ def staged_layers(states: list[PromptState], idx: int, until: int) -> list:
     """Layer `idx` of each stacked state, for reading rows before `until`: the state's
     own object, or (offloaded) a view whose tensors live in the stager's slot."""
     return [s.offload.view(idx, until) if _staged(s, idx) else s.layers[idx] for s in states]
+
+
+def stager_of(state: PromptState, idx: int):
+    """The `Stager` that stages layer idx of `state`, or None (not offloaded)."""
+    return state.offload if _staged(state, idx) else None
 
 
 def _staged(state: PromptState, idx: int) -> bool:

@@ -19,6 +19,9 @@ def run(rank: int, world: int, init_file: str, cases: list[str]) -> None:
     try:
         group = random_group(97, 23, [5, 1, 7], seed=3)
         for name in cases:
+            if name == "planner":
+                check_planner(rank, world)
+                continue
             model = MODELS[name]()
             for mode in ("detached", "exact"):
                 kw = dict(chunk_size=6, attention_block_size=4, shard_block_size=3, mode=mode)
@@ -48,3 +51,23 @@ def run(rank: int, world: int, init_file: str, cases: list[str]) -> None:
                 assert (la - lb).abs().max() <= 1e-12 and (xa - xb).abs().max() <= 1e-12, name
     finally:
         dist.destroy_process_group()
+
+
+def check_planner(rank: int, world: int) -> None:
+    """Rank 0 (the fullest) moves and holds what the planner's `--offload-state` figures
+    for `gpus=world` say, in detached and exact mode."""
+    from longstraw.plan import PlanConfig, estimate
+
+    model = MODELS["qwen3"]()
+    group = random_group(97, 23, [6, 6], seed=5)
+    for mode in ("detached", "exact"):
+        engine = ls.Engine(model, ls.ExecConfig(context_parallel=True, state_device="cpu", mode=mode, chunk_size=5,
+                                                attention_block_size=3, branch_chunk_size=4))
+        metrics = engine.step(group).metrics
+        plan = estimate(model.config.to_dict(), PlanConfig(
+            prompt_tokens=23, group=2, response_tokens=6, mode=mode, chunk_size=5, attention_block_size=3,
+            branch_chunk_size=4, gpus=world, dtype="float64", offload_state=True))["offload"]
+        if rank == 0:
+            assert metrics["offload_h2d_bytes"] == sum(plan["h2d_bytes"].values()), (mode, metrics, plan)
+            assert metrics["offload_d2h_bytes"] == sum(plan["d2h_bytes"].values()), (mode, metrics, plan)
+            assert metrics["offload_slot_bytes"] == plan["slot_bytes"], (mode, metrics, plan)

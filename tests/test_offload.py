@@ -196,8 +196,8 @@ def test_trimmed_window_and_gdn_state_stay_on_the_device():
 # context parallelism
 
 
-@pytest.mark.parametrize("world,cases", [(2, ["qwen3", "qwen3_5", "glm_moe_dsa_sparse"]),
-                                         (3, ["deepseek_v32_sparse"])])
+@pytest.mark.parametrize("world,cases", [(2, ["planner", "qwen3", "qwen3_5", "glm_moe_dsa_sparse"]),
+                                         (3, ["planner", "deepseek_v32_sparse"])])
 def test_context_parallel_ranks_offload_their_shards(tmp_path, world, cases):
     from tests import offload_worker
 
@@ -226,3 +226,34 @@ def test_state_device_on_another_accelerator_is_refused_before_any_work():
 def test_kept_graphs_with_offload_are_refused():
     with pytest.raises(ls.ConfigError, match="keep_graph_bytes"):
         ls.ExecConfig(mode="exact", keep_graph_bytes=1 << 20, state_device="cpu")
+
+
+# ----------------------------------------------------------------------------
+# the planner counts what the engine moves
+
+
+@pytest.mark.parametrize("name,mode,pieces", [("qwen3", "detached", None), ("qwen3", "exact", 3),
+                                              ("qwen3_5", "exact", None), ("qwen2_window", "exact", None),
+                                              ("qwen2_window", "detached", 4), ("deepseek_v32_sparse", "exact", None)])
+def test_planner_offload_figures_equal_the_engines(name, mode, pieces):
+    """Host bytes, device slot bytes and host <-> device bytes of one step: the planner's
+    `--offload-state` figures equal what the engine's stager allocated and counted."""
+    from longstraw.plan import PlanConfig, estimate
+
+    model = MODELS[name]()
+    group = random_group(97, 21, [8, 8, 8], seed=11)
+    kw = dict(mode=mode, chunk_size=6, attention_block_size=4, branch_chunk_size=pieces)
+    engine = ls.Engine(model, ls.ExecConfig(state_device="cpu", **kw))
+    metrics = engine.step(group).metrics
+    plan = estimate(model.config.to_dict(), PlanConfig(
+        prompt_tokens=21, group=3, response_tokens=8, mode=mode, chunk_size=6, attention_block_size=4,
+        branch_chunk_size=pieces, dtype="float64", offload_state=True))
+    state = engine.capture(group.prompt, exact=mode == "exact")
+    if mode == "exact":
+        state.enable_grad_buffers()
+    host = sum(state.layers[i].nbytes() + state.layers[i].grad_nbytes() for i in state.offload.order)
+    assert plan["offload_host_bytes_per_rank"] == host  # the P - 1 positions the state holds
+    o = plan["offload"]
+    assert metrics["offload_h2d_bytes"] == sum(o["h2d_bytes"].values())
+    assert metrics["offload_d2h_bytes"] == sum(o["d2h_bytes"].values())
+    assert metrics["offload_slot_bytes"] == o["slot_bytes"]

@@ -34,7 +34,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from ..branch_state import BranchKV, BranchState
 from ..ops.attention import prefix_causal_attention
 from ..ops.decode_attention import decode_attention
-from ..offload import restage_on_backward, staged_layers, write_back
+from ..offload import restage_on_backward, staged_layers, stager_of, write_back
 from ..state import AttentionKV, PromptState
 
 IMPLEMENTATION = "longstraw"
@@ -107,20 +107,24 @@ def longstraw_attention(module, query, key, value, attention_mask, scaling=None,
         layers[-1].append(key[0], value[0])
         write_back(call.states, module.layer_idx)
     if call.records_roots() and call.start + key.shape[2] <= kv.end:  # held: its gradient seeds the chunk
-        call.states[-1].seeds.append(((key[0], value[0]), seed_reader(kv, call.start, call.start + key.shape[2],
-                                                                      device=key.device)))
+        read = seed_reader(kv, call.start, call.start + key.shape[2], device=key.device,
+                           stager=stager_of(call.states[-1], module.layer_idx))
+        call.states[-1].seeds.append(((key[0], value[0]), read))
     out = restage_on_backward(out, call.states, module.layer_idx, call.start)
     return out.transpose(0, 1)[None], None
 
 
-def seed_reader(held, start: int, end: int, parts: int = 2, device=None):
+def seed_reader(held, start: int, end: int, parts: int = 2, device=None, stager=None):
     """A function returning the gradients accumulated for the rows of positions [start,
     end) of `held` (an AttentionKV or LatentKV; the first `parts` of (dk, dv)), on
     `device` (default: the state's; the compute device when the state is offloaded to
-    host), summed over ranks when it is a shard: the seeds of a chunk's own state, read
-    when the chunk is walked back."""
+    host: `stager` then counts the bytes it moves), summed over ranks when it is a
+    shard: the seeds of a chunk's own state, read when the chunk is walked back."""
     def read():
-        seeds = [g.to(device) for g in held.chunk_grads(start, end)[:parts]]
+        seeds = held.chunk_grads(start, end)[:parts]
+        if stager is not None:  # host -> compute device ([.., end - start, ..]: zeros on rows another rank holds)
+            stager.stats.h2d_bytes += sum(g.numel() * g.element_size() for g in seeds)
+        seeds = [g.to(device) for g in seeds]
         if held.shard is not None:  # each rank holds its rows' gradients: sum them
             from ..distributed import all_reduce_sum
 

@@ -33,7 +33,7 @@ import sys
 import torch
 
 from ..errors import UnsupportedModelError
-from ..offload import restage_on_backward, staged_layers, write_back
+from ..offload import restage_on_backward, staged_layers, stager_of, write_back
 from ..ops.attention import prefix_causal_attention
 from ..branch_state import BranchLatent, BranchState
 from ..state import HOST, IndexKeys, LatentKV, MLAState, PromptState
@@ -245,7 +245,8 @@ def mla_forward(module, spec, hidden_states, position_embeddings=None, attention
             layers[-1].index.append(new_index_keys)
         write_back(call.states, module.layer_idx)
     if call.records_roots() and call.start + t <= own.latent.end:
-        read = seed_reader(own.latent, call.start, call.start + t, parts=1, device=k_new.device)
+        read = seed_reader(own.latent, call.start, call.start + t, parts=1, device=k_new.device,
+                           stager=stager_of(call.states[-1], module.layer_idx))
         call.states[-1].seeds.append(((k_new,), lambda: (read()[0][0],)))  # dk [1, T, R + Dr] holds dv too
     return (out, None, indices) if spec["returns_topk"] else (out, None)
 
