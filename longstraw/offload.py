@@ -144,6 +144,7 @@ class Stager:
         self.views: dict = {}  # layer idx -> the view handed out last
         self.cuda = self.device.type == "cuda"
         self.stream = torch.cuda.Stream(self.device) if self.cuda else None
+        self.compute_stream = torch.cuda.current_stream(self.device) if self.cuda else None
         self.ready: list = [None, None]  # per slot: CUDA event, recorded after its last fill
         self.stats = StageStats()
 
@@ -162,7 +163,12 @@ class Stager:
         if buf is None or buf.shape != like.shape or buf.dtype != like.dtype:
             if buf is not None:
                 self.stats.slot_bytes -= _nbytes(buf)
-            buf = torch.empty(like.shape, dtype=like.dtype, device=self.device)
+            if self.cuda:  # allocated on the compute stream, also used by the side stream's copies
+                with torch.cuda.stream(self.compute_stream):
+                    buf = torch.empty(like.shape, dtype=like.dtype, device=self.device)
+                buf.record_stream(self.stream)
+            else:
+                buf = torch.empty(like.shape, dtype=like.dtype, device=self.device)
             self.buffers[slot][key] = buf
             self.stats.slot_bytes += _nbytes(buf)
         return buf
