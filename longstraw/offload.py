@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -134,7 +135,7 @@ class Stager:
     """
 
     def __init__(self, state: PromptState, device):
-        self.state = state
+        self._state = weakref.ref(state)  # the state owns its stager: no cycle keeps either (or the slots) alive
         self.device = torch.device(device)
         self.order = [i for i, layer in enumerate(state.layers) if has_rows(layer)]
         self.rank = {idx: j for j, idx in enumerate(self.order)}
@@ -147,6 +148,10 @@ class Stager:
         self.compute_stream = torch.cuda.current_stream(self.device) if self.cuda else None
         self.ready: list = [None, None]  # per slot: CUDA event, recorded after its last fill
         self.stats = StageStats()
+
+    @property
+    def state(self) -> PromptState:
+        return self._state()
 
     # --- slots ------------------------------------------------------------------
 
@@ -307,13 +312,6 @@ class Stager:
         if self.cuda:
             self.stream.synchronize()
         self.holds = [None, None]
-
-    def release(self) -> None:
-        """Free the device slots (after `settle`); the next view allocates them again."""
-        self.settle()
-        self.buffers = [{}, {}]
-        self.holds = [None, None]
-        self.stats.slot_bytes = 0
 
 
 class _Restage(torch.autograd.Function):

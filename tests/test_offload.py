@@ -257,3 +257,22 @@ def test_planner_offload_figures_equal_the_engines(name, mode, pieces):
     assert metrics["offload_h2d_bytes"] == sum(o["h2d_bytes"].values())
     assert metrics["offload_d2h_bytes"] == sum(o["d2h_bytes"].values())
     assert metrics["offload_slot_bytes"] == o["slot_bytes"]
+
+
+def test_a_dropped_state_frees_its_slots_without_the_garbage_collector():
+    """The stager does not keep its state alive (no reference cycle): dropping the state
+    frees the host rows and the device slots at once."""
+    import gc
+    import weakref
+
+    model = MODELS["qwen3"]()
+    engine = ls.Engine(model, ls.ExecConfig(state_device="cpu", **EXEC))
+    state = engine.capture(random_group(97, 21, [1]).prompt)
+    gc.disable()
+    try:
+        slot = weakref.ref(next(iter(state.offload.buffers[0].values())))
+        host = weakref.ref(state.layers[0].k)
+        del state
+        assert slot() is None and host() is None
+    finally:
+        gc.enable()
