@@ -21,6 +21,9 @@
    steps the optimizer.
 5. `generate` samples the G responses from one capture (`rollout.py`); `step` and
    `score` reuse that state (`state=`), refusing a stale or mismatched one.
+6. State offload (`ExecConfig(state_device="cpu")`): capture allocates the prompt
+   state's per-token rows in host memory and `offload.Stager` stages them to the device
+   one layer at a time in every phase above (`docs/offload.md`); nothing else changes.
 
 The engine knows no architecture: everything model-specific is in `models/`.
 """
@@ -115,8 +118,9 @@ class Engine:
         self.model = model
         self.config = config
         self.adapter = adapter_for(model)
-        if config.state_device is not None and not config.offloads_state() \
-                and torch.device(config.state_device).type != self.adapter.device.type:
+        want, have = (torch.device(config.state_device) if config.state_device else None), self.adapter.device
+        if want is not None and not config.offloads_state() \
+                and (want.type != have.type or (want.index is not None and want.index != have.index)):
             raise ConfigError(
                 f"ExecConfig.state_device={config.state_device!r} but the model is on {self.adapter.device}; pass "
                 "None (the state on the model's device) or \"cpu\" (state offload to host memory)"
