@@ -127,7 +127,8 @@ def demo(args) -> int:
 _PLAN_FIELDS = ("prompt_tokens", "group", "response_tokens", "mode", "gpus", "gpu_memory", "reserve", "dtype",
                 "weight_dtype", "lora_rank", "lora_targets", "chunk_size", "branch_chunk_size", "attention_block_size",
                 "logits_chunk_size", "self_attention", "gdn_kernel", "grads_during_capture", "shard_params",
-                "offload_state", "score_passes", "keep_graph_bytes", "throughput_tflops", "divide_capture")
+                "offload_state", "host_bandwidth_gbs", "score_passes", "keep_graph_bytes", "throughput_tflops",
+                "divide_capture")
 
 
 def plan(args) -> int:
@@ -178,8 +179,10 @@ def _add_plan_parser(sub) -> None:
     p.add_argument("--shard-params", action="store_true", help="shard weights/grads/optimizer 1/W (FSDP-style)")
     p.add_argument("--replicate-capture", dest="divide_capture", action="store_false",
                    help="plan capture with every token on every rank (divide_capture=False)")
-    p.add_argument("--offload-state", action="store_true", help="not available: the engine has no state offload "
-                                                                "yet (refused)")
+    p.add_argument("--offload-state", action="store_true", help="the prompt state's per-token rows in host memory, "
+                   "staged one layer at a time (ExecConfig(state_device='cpu')): device peak, host bytes, traffic")
+    p.add_argument("--host-bandwidth", dest="host_bandwidth_gbs", type=float, default=50.0,
+                   help="host<->device GB/s for the offload traffic's time (default 50, PCIe Gen5 x16 in practice)")
     p.add_argument("--keep-graph-bytes", default="0", help="exact mode: bytes of capture-chunk graphs kept instead "
                                                            "of recomputed, e.g. 2GiB (ExecConfig.keep_graph_bytes; "
                                                            "default 0: recompute every chunk)")

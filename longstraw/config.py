@@ -9,6 +9,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+import torch
+
 from .errors import ConfigError
 
 MODES = ("detached", "exact")
@@ -61,7 +63,8 @@ class ExecConfig:
     """Context parallelism: compute each prompt token of capture on one rank (the owner
     of its block), layer by layer, for the families that support it (dense attention
     and Gated DeltaNet hybrids); False replicates capture's token computation on every
-    rank (what the MLA/DSA families always do). Same result either way. See
+    rank (what the MLA/DSA families always do, and what an offloaded state
+    (`state_device="cpu"`) or kept capture graphs get). Same result either way. See
     docs/distributed.md."""
 
     allow_position_overflow: bool = False
@@ -75,6 +78,15 @@ class ExecConfig:
     chunk's graph skips recomputation entirely (fastest). Only the kept graphs count
     against it, not the state or the weights. Applies to a step's own capture; a state
     reused from `generate` is walked by recomputation. See docs/exact.md."""
+
+    state_device: str | None = None
+    """Where the prompt state's per-token rows (K/V, MLA latents, DSA indexer keys and
+    exact mode's gradients for them) live. None (or the model's own device): on the
+    model's device. "cpu": state offload, in host memory (pinned when CUDA is
+    available), staged to the model's device one layer at a time, the next layer's copy
+    overlapping the current layer's compute; constant-size state (GDN snapshots,
+    a detached sliding window) stays on the device. It changes where bytes live and
+    how many cross PCIe, never the result. See docs/offload.md."""
 
     progress: bool = False
     """Show a progress bar over capture chunks and branches (stderr)."""
@@ -90,6 +102,22 @@ class ExecConfig:
             raise ConfigError(f"ExecConfig.keep_graph_bytes must be an int >= 0, got {self.keep_graph_bytes!r}")
         if self.mode not in MODES:
             raise ConfigError(f"ExecConfig.mode must be one of {MODES}, got {self.mode!r}")
+        if self.state_device is not None:
+            try:
+                ok = isinstance(self.state_device, str) and torch.device(self.state_device) is not None
+            except (RuntimeError, TypeError):
+                ok = False
+            if not ok:
+                raise ConfigError(f"ExecConfig.state_device must be None, \"cpu\" (state offload) or the model's "
+                                  f"device, got {self.state_device!r}")
+            if self.offloads_state() and self.keep_graph_bytes > 0:
+                raise ConfigError("ExecConfig.keep_graph_bytes > 0 keeps capture graphs that read the state on the "
+                                  "device, which state_device=\"cpu\" does not hold; use keep_graph_bytes=0 or "
+                                  "state_device=None")
+
+    def offloads_state(self) -> bool:
+        """Whether the prompt state's per-token rows live in host memory (state offload)."""
+        return self.state_device is not None and torch.device(self.state_device).type == "cpu"
 
 
 @dataclass(kw_only=True, slots=True)

@@ -23,6 +23,9 @@
    steps the optimizer.
 5. `generate` samples the G responses from one capture (`rollout.py`); `step` and
    `score` reuse that state (`state=`), refusing a stale or mismatched one.
+6. State offload (`ExecConfig(state_device="cpu")`): capture allocates the prompt
+   state's per-token rows in host memory and `offload.Stager` stages them to the device
+   one layer at a time in every phase above (`docs/offload.md`); nothing else changes.
 
 The engine knows no architecture: everything model-specific is in `models/`.
 """
@@ -43,6 +46,7 @@ from .group import BatchTotals, Group, StepResult, validate_group
 from .kept_graphs import SavedBytes, chunks_to_keep
 from .logprobs import token_logprobs
 from .models import adapter_for
+from .offload import Stager, settle
 from .rollout import Rollout, SamplingConfig, check_state, generate, stamp_state
 from .sequence_parallel import divided_capture
 from .state import PromptState, Shard
@@ -117,6 +121,13 @@ class Engine:
         self.model = model
         self.config = config
         self.adapter = adapter_for(model)
+        want, have = (torch.device(config.state_device) if config.state_device else None), self.adapter.device
+        if want is not None and not config.offloads_state() \
+                and (want.type != have.type or (want.index is not None and want.index != have.index)):
+            raise ConfigError(
+                f"ExecConfig.state_device={config.state_device!r} but the model is on {self.adapter.device}; pass "
+                "None (the state on the model's device) or \"cpu\" (state offload to host memory)"
+            )
         self.cp = ContextParallel.from_default_group(process_group) if config.context_parallel else None
 
     # ------------------------------------------------------------------------
@@ -245,7 +256,10 @@ class Engine:
         if self.cp is not None:
             block = self.config.shard_block_size or self.config.attention_block_size
             shard = Shard(rank=self.cp.rank, world=self.cp.world, block=block, cp=self.cp)
-        state = self.adapter.new_state(ids.shape[0], exact=exact, shard=shard)
+        offload = self.config.offloads_state()
+        state = self.adapter.new_state(ids.shape[0], exact=exact, shard=shard, host=offload)
+        if offload:  # per-token rows in host memory, staged one layer at a time (offload.py)
+            state.offload = Stager(state, self.adapter.device)
         keep_graph_bytes = keep_graph_bytes if exact else 0
         if keep_graph_bytes > 0:
             state.enable_grad_buffers()  # the kept graphs add into these sinks in the walk
@@ -261,9 +275,12 @@ class Engine:
     def divides_capture(self, positions: int, keep_graph_bytes: int = 0) -> bool:
         """Whether a capture of `positions` tokens runs divided under context parallelism
         (each prompt token on one rank, `sequence_parallel.py`): the family supports it,
-        no chunk graphs are kept, and every rank owns at least one block (a shorter prompt
-        is captured replicated)."""
+        no chunk graphs are kept, the state is not offloaded (divided capture writes its
+        rows in place on the device; an offloaded state is captured replicated), and every
+        rank owns at least one block (a shorter prompt is captured replicated)."""
         if self.cp is None or not (self.config.divide_capture and self.adapter.divides_capture):
+            return False
+        if self.config.offloads_state():
             return False
         block = self.config.shard_block_size or self.config.attention_block_size
         return keep_graph_bytes == 0 and positions > (self.cp.world - 1) * block
@@ -291,7 +308,7 @@ class Engine:
                     hidden = self.adapter.run(ids[a:b], start + a, states, phase="recompute",
                                               block_size=self.config.attention_block_size)
                 kept, states[-1].seeds = states[-1].seeds, []
-            roots = [(t, g.to(t.dtype)) for tensors, read in kept for t, g in zip(tensors, read())
+            roots = [(t, g.to(device=t.device, dtype=t.dtype)) for tensors, read in kept for t, g in zip(tensors, read())
                      if g is not None and t.requires_grad]
             if piece_loss is not None:
                 with torch.enable_grad():
@@ -299,6 +316,7 @@ class Engine:
                 roots.append((loss, torch.ones_like(loss)))
             if roots:
                 torch.autograd.backward([t for t, _ in roots], [g for _, g in roots])
+                settle(states)  # offloaded states: the last layers' gradient sinks back to host
             del roots, hidden, kept
 
     def replay_branch(self, state: PromptState, prompt: torch.Tensor, response: torch.Tensor, piece_loss) -> None:
@@ -458,6 +476,11 @@ class Engine:
         if exact:
             self.walk_back(group.prompt[:-1].to(self.adapter.device), 0, [state], self.config.chunk_size)
         t3 = _clock(self.adapter.device)
+        if state.offload is not None:  # since the capture, or since the reused state's last step
+            moved = state.offload.stats
+            metrics.update(offload_h2d_bytes=float(moved.h2d_bytes), offload_d2h_bytes=float(moved.d2h_bytes),
+                           offload_slot_bytes=float(moved.slot_bytes))
+            moved.reset()
         metrics.update(
             state_bytes=float(state.nbytes()),
             state_grad_bytes=float(state.grad_nbytes()),

@@ -17,6 +17,22 @@ import torch
 
 from .tensors import KVSegment, accumulation_dtype
 
+HOST = "host"
+"""The `device` that allocates per-token rows in host memory (state offload,
+`offload.py`): CPU tensors, pinned when CUDA is available (so copies can overlap)."""
+
+
+def empty_rows(*shape: int, dtype: torch.dtype, device) -> torch.Tensor:
+    """An uninitialised tensor of `shape` on `device`, or in (pinned) host memory for `HOST`."""
+    if device == HOST:
+        return torch.empty(*shape, dtype=dtype, pin_memory=torch.cuda.is_available())
+    return torch.empty(*shape, dtype=dtype, device=device)
+
+
+def zeros_like_rows(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Zeros shaped like `t` in `dtype`, on its device; pinned when `t` is (host rows)."""
+    return torch.zeros(t.shape, dtype=dtype, device=t.device, pin_memory=t.device.type == "cpu" and t.is_pinned())
+
 
 @dataclass(frozen=True)
 class Shard:
@@ -97,8 +113,8 @@ class AttentionKV:
             capacity = 0  # grows by chunk, trimmed to window - 1 after each append
         elif shard is not None:
             capacity = shard.count(start + capacity) - shard.count(start)
-        k = torch.empty(kv_heads, capacity, head_dim, dtype=dtype, device=device)
-        v = torch.empty(kv_heads, capacity, v_head_dim, dtype=dtype, device=device)
+        k = empty_rows(kv_heads, capacity, head_dim, dtype=dtype, device=device)
+        v = empty_rows(kv_heads, capacity, v_head_dim, dtype=dtype, device=device)
         return cls(k=k, v=v, start=start, window=window, trim=trim, shard=shard)
 
     @property
@@ -147,8 +163,8 @@ class AttentionKV:
         or will hold (exact mode's prompt state, also before capture when capture keeps
         chunk graphs; the earlier pieces of a branch replayed in pieces)."""
         acc = accumulation_dtype(self.k.dtype)  # summed over branches and chunks: never in bf16/fp16
-        self.k_grad = torch.zeros_like(self.k, dtype=acc)
-        self.v_grad = torch.zeros_like(self.v, dtype=acc)
+        self.k_grad = zeros_like_rows(self.k, acc)
+        self.v_grad = zeros_like_rows(self.v, acc)
 
     @torch.no_grad()
     def append(self, k_new: torch.Tensor, v_new: torch.Tensor) -> None:
@@ -214,6 +230,9 @@ class PromptState:
             them instead of recomputing those chunks.
         origin: what the state was captured from (engine, prompt, weights), set by
             `Engine.capture` so that reusing it can be checked (`rollout.StateOrigin`).
+        offload: state offload (`ExecConfig.state_device="cpu"`): the `offload.Stager`
+            that stages the per-token rows, held in host memory, to the compute device
+            one layer at a time; None: every row lives on the compute device.
     """
 
     layers: list = field(default_factory=list)
@@ -222,6 +241,7 @@ class PromptState:
     seeds: list = field(default_factory=list)
     kept: dict = field(default_factory=dict)
     origin: object = None
+    offload: object = None
 
     def nbytes(self) -> int:
         return sum(s.nbytes() for s in self.layers if s is not None)
@@ -301,7 +321,7 @@ class LatentKV(AttentionKV):
                      shard: Shard | None = None) -> "LatentKV":
         if shard is not None:
             capacity = shard.count(start + capacity) - shard.count(start)
-        k = torch.empty(1, capacity, rank + rope_dim, dtype=dtype, device=device)
+        k = empty_rows(1, capacity, rank + rope_dim, dtype=dtype, device=device)
         return cls(k=k, v=k[..., :rank], start=start, trim=False, shard=shard)
 
     def _write(self, k_new: torch.Tensor, v_new: torch.Tensor) -> None:
@@ -312,7 +332,7 @@ class LatentKV(AttentionKV):
         self.length += n
 
     def enable_grad_buffers(self) -> None:
-        self.k_grad = torch.zeros_like(self.k, dtype=accumulation_dtype(self.k.dtype))
+        self.k_grad = zeros_like_rows(self.k, accumulation_dtype(self.k.dtype))
         self.v_grad = self.k_grad[..., : self.v.shape[-1]]
 
     def nbytes(self) -> int:
@@ -343,7 +363,7 @@ class IndexKeys:
     def empty(cls, *, capacity: int, dim: int, start: int = 0, dtype, device, shard: Shard | None = None):
         if shard is not None:
             capacity = shard.count(start + capacity) - shard.count(start)
-        return cls(keys=torch.empty(capacity, dim, dtype=dtype, device=device), start=start, shard=shard)
+        return cls(keys=empty_rows(capacity, dim, dtype=dtype, device=device), start=start, shard=shard)
 
     @property
     def end(self) -> int:

@@ -269,12 +269,44 @@ def test_shard_params():
     assert sharded["state_bytes_on_gpu_per_rank"] == base["state_bytes_on_gpu_per_rank"] == 5.8125 * GiB
 
 
-def test_state_offload_is_refused_until_the_engine_has_it(capsys):
-    with pytest.raises(ConfigError, match="no state offload"):
-        plan("glm-5.2", offload_state=True)
-    code, _, err = run_cli(capsys, "--model", "glm-5.2", "--prompt-tokens", 1000, "--group", 2,
-                           "--response-tokens", 10, "--offload-state")
-    assert code == 2 and "no state offload" in err
+def test_state_offload_keeps_two_layers_on_the_device_and_counts_the_traffic():
+    """GLM-5.2 as the paper ran it (32 ranks, LoRA): 5.8125 GiB of state per rank moves to
+    host; the device keeps two of its 78 layers' rows. Qwen3.6-27B at 2M positions on one
+    141 GB GPU fits only with offload (LoRA, branch pieces of 1024)."""
+    base = plan("glm-5.2", prompt_tokens=2_097_152, gpus=32, lora_rank=8)
+    off = plan("glm-5.2", prompt_tokens=2_097_152, gpus=32, lora_rank=8, offload_state=True)
+    assert off["offload_host_bytes_per_rank"] == pytest.approx(5.8125 * GiB, rel=1e-4)  # P - 1 rows, not P
+    assert off["offload_slot_bytes_per_rank"] < off["offload_host_bytes_per_rank"] * 2.5 / 78  # two of 78 layers
+    assert off["peak_bytes_per_rank"] < base["peak_bytes_per_rank"] - 5 * GiB
+    assert off["offload_traffic_bytes_per_step"] > 0 and off["offload_transfer_time_s"] == pytest.approx(
+        off["offload_traffic_bytes_per_step"] / 50e9)
+    assert base["offload_traffic_bytes_per_step"] == 0 and base["offload_host_bytes_per_rank"] == 0
+
+    kw = dict(prompt_tokens=2_097_152, gpus=1, group=8, response_tokens=8192, branch_chunk_size=1024, lora_rank=16,
+              chunk_size=8192, gpu_memory="141GB")
+    on_device, offloaded = plan("qwen3.6-27b", **kw), plan("qwen3.6-27b", offload_state=True, **kw)
+    assert not on_device["fits"] and offloaded["fits"]
+    assert offloaded["offload_host_bytes_per_rank"] == 16 * 8 * GiB - 16 * 4096  # 16 layers x 8 GiB, P - 1 rows
+    assert offloaded["offload_slot_bytes_per_rank"] == 2 * (8 * GiB - 4096)
+    # traffic: capture reads each chunk's prefix of every layer; each piece stages every layer twice
+    o, rows = offloaded["offload"], 2_097_151
+    prefix = sum(range(0, rows, 8192))
+    assert o["h2d_bytes"]["capture"] == 16 * 4096 * prefix
+    assert o["h2d_bytes"]["replay"] == 8 * (7 + 8 + 8) * 16 * 4096 * rows
+    twice = plan("qwen3.6-27b", offload_state=True, host_bandwidth_gbs=100.0, **kw)
+    assert twice["offload_transfer_time_s"] == pytest.approx(offloaded["offload_transfer_time_s"] / 2)
+
+
+def test_state_offload_on_the_command_line(capsys):
+    code, out, _ = run_cli(capsys, "--model", "qwen3.6-27b", "--prompt-tokens", 2097152, "--gpus", 1,
+                           "--group", 8, "--response-tokens", 8192, "--branch-chunk-size", 1024, "--lora-rank", 16,
+                           "--chunk-size", 8192, "--gpu-memory", "141GB", "--offload-state", "--host-bandwidth", 25)
+    assert code == 0 and "offload: host memory per rank" in out and "at 25 GB/s" in out
+    assert [line.split()[1] for line in out.splitlines() if line.split()[:1] == ["fits"]] == ["yes"]
+    with pytest.raises(ConfigError, match="keep_graph_bytes"):
+        plan("qwen3.6-27b", mode="exact", offload_state=True, keep_graph_bytes="1GiB")
+    with pytest.raises(ConfigError, match="host_bandwidth_gbs"):
+        plan("qwen3.6-27b", offload_state=True, host_bandwidth_gbs=0)
 
 
 def test_score_passes_add_time_not_replay_memory():

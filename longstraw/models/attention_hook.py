@@ -36,6 +36,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from ..branch_state import BranchKV, BranchState
 from ..ops.attention import prefix_causal_attention
 from ..ops.decode_attention import decode_attention
+from ..offload import restage_on_backward, staged_layers, stager_of, write_back
 from ..state import AttentionKV, PromptState
 
 IMPLEMENTATION = "longstraw"
@@ -102,8 +103,8 @@ def longstraw_attention(module, query, key, value, attention_mask, scaling=None,
         raise RuntimeError(f"longstraw runs one sequence at a time, got batch {query.shape[0]}")
     if dropout:
         raise RuntimeError("attention dropout is not supported; put the model in eval mode")
-    layers: list[AttentionKV] = [state.layers[module.layer_idx] for state in call.states]
-    kv = layers[-1]
+    layers: list[AttentionKV] = staged_layers(call.states, module.layer_idx, call.start)  # offloaded: in a slot
+    kv = call.states[-1].layers[module.layer_idx]  # the state itself (host rows when offloaded)
     window = sliding_window
     if window is not None and call.start + key.shape[2] <= window:
         window = None  # the window covers every position so far: full attention (a sharded state holds no window)
@@ -115,19 +116,27 @@ def longstraw_attention(module, query, key, value, attention_mask, scaling=None,
         q_start=call.start, scale=scale, window=window, block_size=call.block_size,
     )  # (H, T, Dv)
     if call.phase == "capture":
-        kv.append(key[0], value[0])
+        layers[-1].append(key[0], value[0])
+        write_back(call.states, module.layer_idx)
     if call.records_roots() and call.start + key.shape[2] <= kv.end:  # held: its gradient seeds the chunk
-        call.states[-1].seeds.append(((key[0], value[0]), seed_reader(kv, call.start, call.start + key.shape[2])))
+        read = seed_reader(kv, call.start, call.start + key.shape[2], device=key.device,
+                           stager=stager_of(call.states[-1], module.layer_idx))
+        call.states[-1].seeds.append(((key[0], value[0]), read))
+    out = restage_on_backward(out, call.states, module.layer_idx, call.start)
     return out.transpose(0, 1)[None], None
 
 
-def seed_reader(held, start: int, end: int, parts: int = 2):
+def seed_reader(held, start: int, end: int, parts: int = 2, device=None, stager=None):
     """A function returning the gradients accumulated for the rows of positions [start,
-    end) of `held` (an AttentionKV or LatentKV; the first `parts` of (dk, dv)), summed
-    over ranks when it is a shard: the seeds of a chunk's own state, read when the chunk
-    is walked back."""
+    end) of `held` (an AttentionKV or LatentKV; the first `parts` of (dk, dv)), on
+    `device` (default: the state's; the compute device when the state is offloaded to
+    host: `stager` then counts the bytes it moves), summed over ranks when it is a
+    shard: the seeds of a chunk's own state, read when the chunk is walked back."""
     def read():
         seeds = held.chunk_grads(start, end)[:parts]
+        if stager is not None:  # host -> compute device ([.., end - start, ..]: zeros on rows another rank holds)
+            stager.stats.h2d_bytes += sum(g.numel() * g.element_size() for g in seeds)
+        seeds = [g.to(device) for g in seeds]
         if held.shard is not None:  # each rank holds its rows' gradients: sum them
             from ..distributed import all_reduce_sum
 
@@ -151,7 +160,7 @@ def _decode_attention(module, query, key, value, call: AttentionCall, scaling, s
     assert own.window == sliding_window, f"layer {module.layer_idx}: {own.window} != {sliding_window}"
     own.append(key, value)
     own_k, own_v = own.keys()
-    prefixes = [state.layers[module.layer_idx].segment(until=call.start) for state in call.states]
+    prefixes = [layer.segment(until=call.start) for layer in staged_layers(call.states, module.layer_idx, call.start)]
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     out = decode_attention(query[:, :, 0], own_k, own_v, own_start=own.start, prefixes=prefixes,
                            q_position=call.start, scale=scale, window=sliding_window, block_size=call.block_size,

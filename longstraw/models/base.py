@@ -15,6 +15,7 @@ from torch import nn
 
 from ..branch_state import BranchState
 from ..errors import ModelStateError, UnsupportedModelError
+from ..offload import settle
 from ..state import PromptState
 from .attention_hook import AttentionCall, run_backbone
 
@@ -129,11 +130,14 @@ class Adapter:
 
     # --- the work ------------------------------------------------------------
 
-    def new_state(self, positions: int, *, start: int = 0, exact: bool = False, shard=None) -> PromptState:
+    def new_state(self, positions: int, *, start: int = 0, exact: bool = False, shard=None,
+                  host: bool = False) -> PromptState:
         """Empty state for `positions` tokens from absolute position `start` (the
         prompt: P - 1 tokens from 0; a branch's pieces: from P - 1). `exact` keeps
         everything a reverse walk needs to recompute each chunk. `shard`
-        (context parallelism) keeps only this rank's per-token rows."""
+        (context parallelism) keeps only this rank's per-token rows. `host` (state
+        offload) allocates the per-token rows (K/V, MLA latents, indexer keys) in host
+        memory (`state.HOST`); constant-size state stays on the model's device."""
         raise NotImplementedError
 
     def new_branch_state(self, prompt: PromptState, branches: int, capacity: int) -> BranchState:
@@ -177,4 +181,6 @@ class Adapter:
 
             pieces = chunked_mlps(self.backbone.layers, divided.chunk_size)
         with self.routing(), pieces:
-            return run_backbone(self.backbone, self.config, input_ids, call)
+            hidden = run_backbone(self.backbone, self.config, input_ids, call)
+        settle(states)  # offloaded states: capture's rows are on host before anyone reads them there
+        return hidden

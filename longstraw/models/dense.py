@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from ..branch_state import BranchKV, BranchState
 from ..errors import UnsupportedModelError
-from ..state import AttentionKV, PromptState
+from ..state import HOST, AttentionKV, PromptState
 from .base import Adapter
 
 
@@ -47,7 +47,8 @@ class DenseAdapter(Adapter):
                     "context parallelism supports full attention only"
                 )
 
-    def new_state(self, positions: int, *, start: int = 0, exact: bool = False, shard=None) -> PromptState:
+    def new_state(self, positions: int, *, start: int = 0, exact: bool = False, shard=None,
+                  host: bool = False) -> PromptState:
         layers = []
         for layer in self.backbone.layers:
             attn = layer.self_attn
@@ -55,9 +56,11 @@ class DenseAdapter(Adapter):
             window = layer_window(self.config, attn)
             if shard is not None and window is not None and window >= start + positions:
                 window = None  # the window covers the whole sequence: full attention (checked beforehand)
+            trimmed = not exact and window is not None  # constant size: stays on the device
             layers.append(AttentionKV.empty(
                 kv_heads=kv_heads, head_dim=head_dim, v_head_dim=head_dim, capacity=positions, start=start,
-                window=window, dtype=self.dtype, device=self.device, trim=not exact, shard=shard,
+                window=window, dtype=self.dtype, device=HOST if host and not trimmed else self.device,
+                trim=not exact, shard=shard,
             ))
         return PromptState(layers=layers, start=start)
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from ..branch_state import BranchRecurrent, BranchState
 from ..errors import UnsupportedModelError
-from ..state import AttentionKV, PromptState, RecurrentState
+from ..state import HOST, AttentionKV, PromptState, RecurrentState
 from .dense import DenseAdapter
 from .gated_deltanet import routed_gdn
 
@@ -28,7 +28,8 @@ class HybridAdapter(DenseAdapter):
             raise UnsupportedModelError("every hybrid layer needs a linear_attn (GDN) or a self_attn module")
         self.gdn_modules = [layer.linear_attn for layer in layers if hasattr(layer, "linear_attn")]
 
-    def new_state(self, positions: int, *, start: int = 0, exact: bool = False, shard=None) -> PromptState:
+    def new_state(self, positions: int, *, start: int = 0, exact: bool = False, shard=None,
+                  host: bool = False) -> PromptState:
         layers = []
         for layer in self.backbone.layers:
             if hasattr(layer, "linear_attn"):
@@ -37,7 +38,7 @@ class HybridAdapter(DenseAdapter):
             kv_heads, head_dim = self.attention_geometry(layer.self_attn)
             layers.append(AttentionKV.empty(
                 kv_heads=kv_heads, head_dim=head_dim, v_head_dim=head_dim, capacity=positions, start=start,
-                window=None, dtype=self.dtype, device=self.device, shard=shard,
+                window=None, dtype=self.dtype, device=HOST if host else self.device, shard=shard,
             ))
         return PromptState(layers=layers, start=start)
 

@@ -33,9 +33,10 @@ import sys
 import torch
 
 from ..errors import UnsupportedModelError
+from ..offload import restage_on_backward, staged_layers, stager_of, write_back
 from ..ops.attention import prefix_causal_attention
 from ..branch_state import BranchLatent, BranchState
-from ..state import IndexKeys, LatentKV, MLAState, PromptState
+from ..state import HOST, IndexKeys, LatentKV, MLAState, PromptState
 from .attention_hook import current_call, seed_reader
 from .base import Adapter, forwards_replaced
 from .mla_decode import mla_decode, prompt_candidates
@@ -93,12 +94,13 @@ def _indexer_inputs(indexer, x, q_resid, cos, sin, index_rope):
     return q, keys, weights
 
 
-def _select(indexer, layer_idx, q, keys, weights, call):
+def _select(indexer, layers, q, keys, weights, call):
     """Top-k absolute positions [T, K] (-1: none) over the whole prompt and the new
-    tokens (causal), scored in float32 as HF does, ties to the lower position."""
+    tokens (causal), scored in float32 as HF does, ties to the lower position.
+    `layers`: the stacked states' `MLAState`s of this layer (staged, when offloaded)."""
     from ..ops.dsa import indexer_topk
 
-    held = [s.layers[layer_idx].index for s in call.states if s.layers[layer_idx].index is not None]
+    held = [layer.index for layer in layers if layer.index is not None]
     if any(ix.shard is not None for ix in held):
         return _select_across_ranks(indexer, q, keys, weights, call, held)
     segments = [(ix.until(call.start), ix.start) for ix in held]  # scored in fp32 block by block, never copied whole
@@ -203,7 +205,7 @@ def mla_forward(module, spec, hidden_states, position_embeddings=None, attention
     q_full = torch.cat([torch.einsum("htn,hnr->htr", q_pass, w_uk), q_rot], dim=-1)  # (H, T, R + Dr)
     k_new = torch.cat([latent, k_rot], dim=-1)  # (T, R + Dr)
 
-    layers: list[MLAState] = [s.layers[module.layer_idx] for s in call.states]
+    layers: list[MLAState] = staged_layers(call.states, module.layer_idx, call.start)  # offloaded: in a slot
     topk = indexer.index_topk if indexer is not None else spec["shared_topk"]
     if decode:
         assert len(layers) == 1, "decode reads one prompt state"
@@ -223,7 +225,7 @@ def mla_forward(module, spec, hidden_states, position_embeddings=None, attention
         index_q, new_index_keys, index_w = _indexer_inputs(indexer, x, q_resid, cos, sin, spec["index_rope"])
     if topk is not None and topk < call.start + t:  # some query sees more than top-k positions
         if indexer is not None:
-            indices = _select(indexer, module.layer_idx, index_q, new_index_keys, index_w, call)
+            indices = _select(indexer, layers, index_q, new_index_keys, index_w, call)
         else:
             indices = prev_topk_indices
             assert indices is not None, "a shared DSA layer needs the previous layer's selection"
@@ -232,16 +234,19 @@ def mla_forward(module, spec, hidden_states, position_embeddings=None, attention
     else:  # every query selects all it sees: dense (the indexer keys are still kept)
         o_lat = prefix_causal_attention(q_full, k_new[None], latent[None], prefixes=segments, q_start=call.start,
                                         scale=module.scaling, block_size=call.block_size)  # (H, T, R)
+    o_lat = restage_on_backward(o_lat, call.states, module.layer_idx, call.start)
     out = torch.einsum("htr,hvr->thv", o_lat, w_uv).reshape(1, t, h * vdim)
     out = module.o_proj(out)
 
-    own = layers[-1]
+    own = call.states[-1].layers[module.layer_idx]  # the state itself (host rows when offloaded)
     if call.phase == "capture":
-        own.latent.append(k_new[None], latent[None])
-        if own.index is not None:
-            own.index.append(new_index_keys)
+        layers[-1].latent.append(k_new[None], latent[None])
+        if layers[-1].index is not None:
+            layers[-1].index.append(new_index_keys)
+        write_back(call.states, module.layer_idx)
     if call.records_roots() and call.start + t <= own.latent.end:
-        read = seed_reader(own.latent, call.start, call.start + t, parts=1)
+        read = seed_reader(own.latent, call.start, call.start + t, parts=1, device=k_new.device,
+                           stager=stager_of(call.states[-1], module.layer_idx))
         call.states[-1].seeds.append(((k_new,), lambda: (read()[0][0],)))  # dk [1, T, R + Dr] holds dv too
     return (out, None, indices) if spec["returns_topk"] else (out, None)
 
@@ -270,15 +275,17 @@ class MLAAdapter(Adapter):
                                    shared_topk=self.config.index_topk if shared else None,
                                    returns_topk=model_type == "glm_moe_dsa"))
 
-    def new_state(self, positions: int, *, start: int = 0, exact: bool = False, shard=None) -> PromptState:
+    def new_state(self, positions: int, *, start: int = 0, exact: bool = False, shard=None,
+                  host: bool = False) -> PromptState:
         layers = []
+        device = HOST if host else self.device
         for attn in self.attn_modules:
             latent = LatentKV.empty_latent(rank=attn.kv_lora_rank, rope_dim=attn.qk_rope_head_dim, capacity=positions,
-                                           start=start, dtype=self.dtype, device=self.device, shard=shard)
+                                           start=start, dtype=self.dtype, device=device, shard=shard)
             index = None
             if getattr(attn, "indexer", None) is not None:
                 index = IndexKeys.empty(capacity=positions, dim=attn.indexer.head_dim, start=start, dtype=self.dtype,
-                                        device=self.device, shard=shard)
+                                        device=device, shard=shard)
             layers.append(MLAState(latent=latent, index=index))
         return PromptState(layers=layers, start=start)
 

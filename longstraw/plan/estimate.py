@@ -25,6 +25,7 @@ from .arch import (
     load_model_config,
     parse_bytes,
 )
+from .offload import offload_plan
 from .working import autograd_pass, graph_bytes_per_token, nograd_layer_bytes
 
 # ----------------------------------------------------------------------------
@@ -113,8 +114,15 @@ class PlanConfig:
     style; two layers' weights gathered at a time) instead of replicating them."""
 
     offload_state: bool = False
-    """Keep the prompt state in host memory (the paper's GLM-5.2 run). The engine has no
-    state offload yet, so True is refused: the planner plans only what the engine runs."""
+    """Keep the prompt state's per-token rows (and exact mode's gradients for them) in
+    host memory, staged to the device one layer at a time (`ExecConfig(state_device=
+    "cpu")`, the paper's GLM-5.2 run): the device holds two layers' rows (the running one
+    and the prefetched next), and each pass moves every staged layer's rows over the
+    host link (`plan/offload.py`)."""
+
+    host_bandwidth_gbs: float = 50.0
+    """Host <-> device bandwidth in GB/s (1e9 B/s) for the offload traffic's time (50: a
+    PCIe Gen5 x16 link in practice; an H200 NVL / GH200 host link is faster)."""
 
     score_passes: int = 0
     """No-grad forwards of each branch that score old / reference log-probs from the one
@@ -130,7 +138,7 @@ class PlanConfig:
     divide_capture: bool = True
     """Under context parallelism (W > 1), capture computes each prompt token on one rank
     (`ExecConfig.divide_capture`; dense attention and GDN hybrids, not MLA/DSA families,
-    and only when every rank owns a block). False: capture's token computation is
+    not with kept graphs or an offloaded state, and only when every rank owns a block). False: capture's token computation is
     replicated on every rank."""
 
     throughput_tflops: float = 400.0
@@ -149,9 +157,9 @@ class PlanConfig:
                 raise ConfigError(f"PlanConfig.{name} must be a positive int or None, got {value!r}")
         if isinstance(self.score_passes, bool) or not isinstance(self.score_passes, int) or self.score_passes < 0:
             raise ConfigError(f"PlanConfig.score_passes must be an int >= 0, got {self.score_passes!r}")
-        if self.offload_state:
-            raise ConfigError("PlanConfig.offload_state: the engine has no state offload yet (the state lives on the "
-                              "model's device), so the planner cannot plan it; drop --offload-state")
+        if not (isinstance(self.host_bandwidth_gbs, (int, float)) and math.isfinite(self.host_bandwidth_gbs)
+                and self.host_bandwidth_gbs > 0):
+            raise ConfigError(f"PlanConfig.host_bandwidth_gbs must be a number > 0, got {self.host_bandwidth_gbs!r}")
         if self.mode not in ("detached", "exact"):
             raise ConfigError(f"PlanConfig.mode must be 'detached' or 'exact', got {self.mode!r}")
         if self.lora_targets not in LORA_TARGETS:
@@ -166,6 +174,9 @@ class PlanConfig:
         self.gpu_memory = parse_bytes(self.gpu_memory)
         self.reserve = parse_bytes(self.reserve)
         self.keep_graph_bytes = parse_bytes(self.keep_graph_bytes)
+        if self.offload_state and self.keep_graph_bytes:
+            raise ConfigError("PlanConfig.offload_state with keep_graph_bytes: the engine refuses kept capture "
+                              "graphs with an offloaded state (ExecConfig); drop one of them")
         if self.dtype is not None:
             self.dtype = canonical_dtype(self.dtype)
         if self.weight_dtype is not None:
@@ -361,7 +372,7 @@ def estimate(model, config: PlanConfig) -> dict:
     # (and the GDN snapshots' gradients, one per chunk start, kept until the step ends)
     state_grad = (st["per_token"] * p_rank * acc // b
                   + n_chunks * (st["recurrent_fixed"] + st["conv_tail_fixed"] * acc // b) if exact else 0)
-    state_gpu, state_host = state_rank, 0
+    state_gpu, state_host, state_grad_gpu = state_rank, 0, state_grad
 
     # ---- weights, gradients, optimizer
     if wdt in QUANT_BYTES:
@@ -417,7 +428,10 @@ def estimate(model, config: PlanConfig) -> dict:
         return max(nograd_layer_bytes(arch, l, tokens, p_rank, blk, acc, b, gk, fused=fused_nograd)
                    for l in arch.layers)
 
-    divided = (c.divide_capture and W > 1 and not arch.count(mixer="mla")
+    # the engine's rule (Engine.divides_capture): not for MLA/DSA families, kept chunk
+    # graphs or an offloaded state, and only when every rank owns a block
+    divided = (c.divide_capture and W > 1 and not arch.count(mixer="mla") and not c.offload_state
+               and not (c.mode == "exact" and c.keep_graph_bytes > 0)
                and P - 1 > (W - 1) * c.attention_block_size)
     capture_working = nograd_working(C)
     capture_comm = 0.0
@@ -434,7 +448,22 @@ def estimate(model, config: PlanConfig) -> dict:
     score_working = 0.0
     if c.score_passes:  # one whole branch without autograd; fp32 logits + log-softmax of one chunk
         score_working = nograd_working(R) + min(R, c.logits_chunk_size) * arch.vocab * (b + 2 * 4)
-    static = param_bytes + grad_bytes + optimizer_bytes + gathered + state_gpu + state_grad + checkpoints
+    offload = None
+    if c.offload_state:  # per-token rows (and their gradients) in host memory, two layers' slots on the device
+        pieces = -(-R // T)
+        offload = offload_plan(arch, b=b, acc=acc, exact=exact, prompt=P, chunk=c.chunk_size, world=W,
+                               block=c.attention_block_size, group=G, pieces=pieces, held_pieces=held // T,
+                               score_passes=c.score_passes)
+        state_host = offload["host_bytes"]
+        state_gpu = st["fixed"] + offload["slot_bytes"]
+        state_grad_gpu = (n_chunks * (st["recurrent_fixed"] + st["conv_tail_fixed"] * acc // b)) if exact else 0
+        assumptions.append(
+            f"offload: {offload['staged_layers']} layers' per-token rows (+ exact mode's gradient rows) in host "
+            "memory; on the device two slots of the largest layer's rows (+ its gradient rows) and the constant "
+            "state; every pass stages each layer it visits once (traffic and its time at "
+            f"{c.host_bandwidth_gbs:g} GB/s host link; copies overlap compute, so the step takes at least the "
+            "larger of the two)")
+    static = param_bytes + grad_bytes + optimizer_bytes + gathered + state_gpu + state_grad_gpu + checkpoints
     # what each phase holds beyond the static memory (capture may run before any gradient exists)
     phases = {"capture": capture_working + kept_bytes - (0 if c.grads_during_capture else grad_bytes),
               "replay": replay_working + kept_bytes}
@@ -459,6 +488,7 @@ def estimate(model, config: PlanConfig) -> dict:
     flops_exact_extra = (BACKWARD_FACTOR + (chunks - kept_chunks) / chunks) * flops_prompt
     t_detached = (flops_capture + G * flops_branch) / thr  # FLOPs of one rank (see _forward_flops)
     t_exact = t_detached + flops_exact_extra / thr
+    t_transfer = offload["traffic_bytes"] / (c.host_bandwidth_gbs * 1e9) if offload else 0.0
 
     assumptions += [
         f"state counted for all P = {P:,} prompt positions (capture keeps P - 1); per-token state sharded in "
@@ -545,7 +575,12 @@ def estimate(model, config: PlanConfig) -> dict:
         "flops_exact_extra": flops_exact_extra,
         "estimated_time_s_detached": t_detached,
         "estimated_time_s_exact": t_exact,
-        "estimated_time_s": t_exact if exact else t_detached,
+        "estimated_time_s": max(t_exact if exact else t_detached, t_transfer),
+        "offload_host_bytes_per_rank": state_host,
+        "offload_slot_bytes_per_rank": offload["slot_bytes"] if offload else 0,
+        "offload_traffic_bytes_per_step": offload["traffic_bytes"] if offload else 0,
+        "offload_transfer_time_s": t_transfer,
+        "offload_decode_bytes_per_token": offload["decode_bytes_per_token"] if offload else 0,
         "breakdown": {
             "state": {k: v for k, v in st.items() if k not in ("per_token", "fixed")},
             "replay": {"piece_tokens": T, "held_branch_tokens": held, "graph_bytes_per_token": graph_tok,
@@ -556,6 +591,7 @@ def estimate(model, config: PlanConfig) -> dict:
             "time_s": {"capture": flops_capture / thr, "replay_per_branch": flops_branch / thr,
                        "exact_extra": flops_exact_extra / thr},
         },
+        "offload": offload,
         "inputs": {**asdict(c), "dtype": dtype, "weight_dtype": wdt},
         "assumptions": assumptions,
     }
@@ -582,14 +618,30 @@ def format_report(r: dict) -> str:
         ("state per prompt token", f"{r['state_bytes_per_token']:,} B"),
         ("state, constant in P", hb(r["state_bytes_fixed"])),
         ("state, whole prompt", hb(r["state_bytes_total"])),
-        ("state per rank", hb(r["state_bytes_per_rank"]) + (" (in host memory)" if i["offload_state"] else "")),
+        ("state per rank", hb(r["state_bytes_per_rank"])),
+    ]
+    if i["offload_state"]:
+        o = r["offload"]
+        rows += [
+            ("offload: host memory per rank", hb(r["offload_host_bytes_per_rank"]) + " (per-token rows"
+             + (" + their fp32 gradients)" if r["mode"] == "exact" else ")")),
+            ("offload: device slots", hb(r["offload_slot_bytes_per_rank"]) + " (2 layers' rows"
+             + (" + gradients)" if r["mode"] == "exact" else ")")),
+            ("offload: traffic per step", hb(r["offload_traffic_bytes_per_step"])
+             + f" = {r['offload_transfer_time_s']:,.1f} s at {i['host_bandwidth_gbs']:g} GB/s  (H2D "
+             + ", ".join(f"{k} {hb(v).split(' (')[0]}" for k, v in o["h2d_bytes"].items()) + "; D2H "
+             + ", ".join(f"{k} {hb(v).split(' (')[0]}" for k, v in o["d2h_bytes"].items()) + ")"),
+            ("offload: decode traffic per token", hb(r["offload_decode_bytes_per_token"])),
+        ]
+    rows += [
         None,
         ("weights per rank", hb(r["param_bytes"])),
         ("gradients per rank", hb(r["grad_bytes"])),
         ("optimizer per rank", hb(r["optimizer_bytes"])),
     ]
     if r["mode"] == "exact":
-        rows += [("state gradient per rank", hb(r["state_grad_bytes_per_rank"])),
+        rows += [("state gradient per rank", hb(r["state_grad_bytes_per_rank"])
+                  + (" (its per-token part in host memory)" if i["offload_state"] else "")),
                  ("recurrent checkpoints per rank", hb(r["exact_checkpoint_bytes_per_rank"]))]
     rows += [
         ("working: capture (divided, layer by layer)" if r["divided_capture"] else "working: capture (1 chunk)",
@@ -614,6 +666,9 @@ def format_report(r: dict) -> str:
         ("time, exact", f"{r['estimated_time_s_exact']:,.1f} s"),
         ("  at", f"{i['throughput_tflops']:g} TFLOP/s effective per rank x {i['gpus']} rank(s)"),
     ]
+    if i["offload_state"]:
+        rows.append(("time, with offload", f"{r['estimated_time_s']:,.1f} s  (the larger of compute and "
+                                           f"{r['offload_transfer_time_s']:,.1f} s of transfer, overlapped)"))
     width = max(len(row[0]) for row in rows if row)
     lines = [f"  {row[0]:<{width}}  {row[1]}" if row else "" for row in rows]
     lines += ["", "  assumptions:"] + [f"    - {a}" for a in r["assumptions"]]

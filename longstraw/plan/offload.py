@@ -1,0 +1,99 @@
+"""The planner's state offload figures (`--offload-state`, `ExecConfig(state_device="cpu")`):
+what stays on the device, what moves to host, and the host <-> device traffic of one
+step, counted the way `longstraw/offload.py` moves it.
+
+The engine (`offload.Stager`) stages every layer with per-token rows into one of two
+device slots each time a pass visits it, and forgets the slots after each pass, so
+per rank:
+
+    slots on the device   2 x the largest layer's rows [S rows] (+ its fp32 gradient
+                          rows in exact mode)
+    a forward pass        H2D: every staged layer's rows before the pass's first query
+    capture chunk k       + D2H: the chunk's new rows (write-back)
+    a backward pass       H2D: the rows of every staged layer autograd reaches (replay:
+                          all; the reverse walk: all but the model's last layer, whose
+                          attention output feeds no state), and in exact mode their
+                          gradient rows H2D and D2H (accumulated in the slot, written back)
+    the walk's seeds      H2D: each chunk's own gradient rows (read from host; every
+                          position of the chunk, zeros where another rank holds it)
+
+S is the rank's rows of the prompt (the fullest rank under context parallelism). The
+time is the traffic over a stated host bandwidth; the copies overlap compute, so a step
+takes at least the larger of the two. Planned, not measured.
+"""
+
+from __future__ import annotations
+
+import math
+
+
+def staged_layers(arch, b: int, acc: int, exact: bool) -> list[tuple[int, int, int]]:
+    """(layer index, row bytes per position, gradient bytes per position) of every layer
+    whose per-token rows offload keeps in host memory (a detached sliding window, trimmed
+    to W - 1 rows, and GDN layers stay on the device)."""
+    out = []
+    for i, layer in enumerate(arch.layers):
+        if layer.mixer == "attention" and (layer.window is None or exact):
+            kv = arch.kv_heads * 2 * arch.head_dim * b
+            out.append((i, kv, kv * acc // b))
+        elif layer.mixer == "mla":
+            latent = (arch.kv_lora_rank + arch.rope_dim) * b
+            index = arch.index_dim * b if layer.indexer else 0
+            out.append((i, latent + index, latent * acc // b))
+    return out
+
+
+def rows_before(position: int, world: int, block: int) -> int:
+    """Rows the fullest rank (rank 0) holds for positions [0, position): blocks of `block`
+    dealt round-robin (as `state.Shard.count`); every position for one rank."""
+    if world == 1:
+        return max(position, 0)
+    cycle = block * world
+    full, rem = divmod(max(position, 0), cycle)
+    return full * block + min(rem, block)
+
+
+def offload_plan(arch, *, b: int, acc: int, exact: bool, prompt: int, chunk: int, world: int, block: int,
+                 group: int, pieces: int, held_pieces: int, score_passes: int) -> dict:
+    """Bytes on the device (slots), in host memory, and moved per step, for one rank.
+
+    Args:
+        b / acc: state / gradient dtype bytes. prompt: P (capture holds P - 1 rows).
+        chunk: capture chunk C. world / block: context-parallel ranks and shard block.
+        group: G branches; pieces / held_pieces: pieces per branch and those captured
+        before the walk; score_passes: no-grad forwards per branch.
+    """
+    layers = staged_layers(arch, b, acc, exact)
+    rows = [r for _, r, _ in layers]
+    grads = [g for _, _, g in layers] if exact else [0] * len(layers)
+    r_all, g_all = sum(rows), sum(grads)
+    last = len(arch.layers) - 1
+    r_walk = sum(r for i, r, _ in layers if i != last)  # the walk's backward never reaches the last layer
+    g_walk = sum(g for (i, _, _), g in zip(layers, grads) if i != last)
+    n = prompt - 1  # positions the prompt state holds
+    S = rows_before(n, world, block)
+    starts = range(0, n, chunk)
+    prefix_rows = sum(rows_before(a, world, block) for a in starts)  # rows read by each chunk, summed
+
+    h2d = {"capture": r_all * prefix_rows}
+    d2h = {"capture": r_all * S}
+    # each branch: held pieces captured, then every piece recomputed forward and backward
+    forwards = held_pieces + pieces + score_passes
+    h2d["replay"] = group * (forwards * r_all * S + pieces * (r_all + g_all) * S)
+    d2h["replay"] = group * pieces * g_all * S
+    if exact:
+        # + the seeds: each chunk's gradient rows, full width (zeros where another rank holds them)
+        h2d["reverse"] = r_all * prefix_rows + (r_walk + g_walk) * prefix_rows + g_all * n
+        d2h["reverse"] = g_walk * prefix_rows
+    slot_bytes = 2 * (max(rows, default=0) + max(grads, default=0)) * S
+    return {
+        "staged_layers": len(layers),
+        "host_bytes": (r_all + g_all) * S,
+        "slot_bytes": slot_bytes,
+        "h2d_bytes": h2d,
+        "d2h_bytes": d2h,
+        "traffic_bytes": sum(h2d.values()) + sum(d2h.values()),
+        "decode_bytes_per_token": r_all * S,
+        "chunks": math.ceil(n / chunk) if n else 0,
+        "prompt_rows": S,
+    }
