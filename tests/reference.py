@@ -240,6 +240,24 @@ def _norm_gated(self, x, gate):  # gated RMSNorm: w * x_hat * silu(gate), in x's
     return self.weight * x_hat * torch.nn.functional.silu(gate)
 
 
+def float64_hybrid_norms(model):
+    """Make a hybrid model's RMSNorms and gated norms compute in the input dtype, for the
+    model's lifetime (`float64_hybrid`'s norms, without its HF-kernel patch: the engine
+    never calls HF's GDN kernel). Stock HF's gated norm applies silu in float32, and
+    torch's CPU silu rounds a row by where it falls in the batch (vectorised body or
+    scalar tail), so two engines that batch the same tokens differently (a divided
+    capture's own rows vs a chunk) can only agree to float32 precision (~1e-7)."""
+    import types
+
+    for module in model.modules():
+        name = type(module).__name__
+        if name.endswith("RMSNormGated"):
+            module.forward = types.MethodType(_norm_gated, module)
+        elif name.endswith("RMSNorm") and hasattr(module, "eps"):
+            module.forward = types.MethodType(_norm_1p, module)
+    return model
+
+
 @contextlib.contextmanager
 def float64_hybrid(model):
     """Run a hybrid model's HF internals in float64 where stock HF computes in float32
