@@ -20,6 +20,7 @@ from longstraw.offload import Stager, has_rows
 from tests.reference import (
     assert_grads_close,
     assert_loss_close,
+    float64_hybrid_norms,
     float64_norms,
     grads_of,
     random_group,
@@ -36,7 +37,7 @@ MODELS = {
     # layers 0-2 full attention, 3-5 a sliding window of 5 (trimmed, on the device, when detached)
     "qwen2_window": lambda: float64_norms(tiny_model("qwen2", num_hidden_layers=6, use_sliding_window=True,
                                                      sliding_window=5, max_window_layers=3)),
-    "qwen3_5": lambda: tiny_hybrid("qwen3_5", num_hidden_layers=5, layer_types=_HYBRID_TYPES),
+    "qwen3_5": lambda: float64_hybrid_norms(tiny_hybrid("qwen3_5", num_hidden_layers=5, layer_types=_HYBRID_TYPES)),
     "glm_moe_dsa_sparse": lambda: tiny_mla("glm_moe_dsa", num_hidden_layers=4,
                                            indexer_types=["full", "shared", "full", "shared"]),
     "deepseek_v32_sparse": lambda: tiny_mla("deepseek_v32", num_hidden_layers=4),
