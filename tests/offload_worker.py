@@ -33,6 +33,7 @@ def run(rank: int, world: int, init_file: str, cases: list[str]) -> None:
                 assert state.offload is not None and state.layers[state.offload.order[0]] is not None
                 model.zero_grad(set_to_none=True)
                 got = engine.step(group)
+                assert got.metrics["divided_capture"] == 0.0, name  # an offloaded state is captured replicated
                 assert abs(got.loss - single.loss) <= 1e-9 * abs(single.loss) + 1e-13, (name, mode)
                 assert_grads_close(grads_of(model), want_single, 1e-9)
             # rollouts and scores of the offloaded shard equal the on-device shard's
