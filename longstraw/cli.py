@@ -206,6 +206,21 @@ def train(args) -> int:
     return 0
 
 
+def field_docs(cls) -> dict[str, str]:
+    """The docstring written under each field of a dataclass (its source's string after
+    the annotated assignment), by field name: the flags' help text."""
+    import ast
+    import inspect
+
+    body = ast.parse(inspect.getsource(cls)).body[0].body
+    docs = {}
+    for node, after in zip(body, body[1:]):
+        if isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) \
+                and isinstance(after, ast.Expr) and isinstance(after.value, ast.Constant):
+            docs[node.target.id] = " ".join(str(after.value.value).split()).replace("%", "%%")
+    return docs
+
+
 def _add_train_parser(sub) -> None:
     import dataclasses
 
@@ -215,14 +230,17 @@ def _add_train_parser(sub) -> None:
                        description="Warm start, then GRPO at long P with engine.generate + engine.step; logs "
                                    "JSONL to --out-dir, checkpoints and resumes. See docs/learning.md.")
     p.add_argument("--config", default=None, help="JSON file of TrainConfig fields; flags override it")
+    docs = field_docs(TrainConfig)
     for f in dataclasses.fields(TrainConfig):
+        doc = docs.get(f.name, "")
         flag = "--" + f.name.replace("_", "-")
         kind = f.type if isinstance(f.type, str) else f.type.__name__
         if kind == "bool":
-            p.add_argument(flag, dest=f.name, default=None, action=argparse.BooleanOptionalAction)
+            p.add_argument(flag, dest=f.name, default=None, action=argparse.BooleanOptionalAction,
+                           help=f"{doc} (default {f.default})".strip())
         else:
             cast = {"int": int, "float": float}.get(kind.split(" |")[0], str)
-            p.add_argument(flag, dest=f.name, default=None, type=cast, help=f"(default {f.default})")
+            p.add_argument(flag, dest=f.name, default=None, type=cast, help=f"{doc} (default {f.default})".strip())
 
 
 def main(argv=None) -> int:

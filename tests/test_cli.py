@@ -53,3 +53,22 @@ def test_naive_estimate_drops_only_hf_kernel_fallback_warnings(caplog):
     with caplog.at_level(logging.WARNING, logger=hf.name):
         hf.warning(fallback)  # outside the estimate it is left alone
     assert [r.getMessage() for r in caplog.records] == [fallback]
+
+
+def test_train_flags_carry_their_fields_docstrings(capsys):
+    """`longstraw train --help` explains each flag with the TrainConfig field's docstring."""
+    import dataclasses
+
+    import pytest
+
+    from longstraw.cli import field_docs, main
+    from longstraw.train import TrainConfig
+
+    docs = field_docs(TrainConfig)
+    assert "one capture" in docs["kl_prompts"] and "P of the RL prompts" in docs["prompt_tokens"]
+    documented = [f.name for f in dataclasses.fields(TrainConfig) if f.name in docs]
+    assert len(documented) >= len(dataclasses.fields(TrainConfig)) // 2
+    with pytest.raises(SystemExit):
+        main(["train", "--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert "estimated on (0: all of them)" in out
