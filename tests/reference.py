@@ -247,30 +247,15 @@ def float64_hybrid_norms(model):
     torch's CPU silu rounds a row by where it falls in the batch (vectorised body or
     scalar tail), so two engines that batch the same tokens differently (a divided
     capture's own rows vs a chunk) can only agree to float32 precision (~1e-7)."""
-    import types
-
-    for module in model.modules():
-        name = type(module).__name__
-        if name.endswith("RMSNormGated"):
-            module.forward = types.MethodType(_norm_gated, module)
-        elif name.endswith("RMSNorm") and hasattr(module, "eps"):
-            module.forward = types.MethodType(_norm_1p, module)
+    _patch_norms(model)
     return model
 
 
-@contextlib.contextmanager
-def float64_hybrid(model):
-    """Run a hybrid model's HF internals in float64 where stock HF computes in float32
-    (the GDN kernel, and the RMSNorms and gated norms). Same maths; it lets the
-    engine be compared with HF at float64 precision. The engine does not call HF's
-    GDN kernel, so only the reference side changes there; the norms are shared."""
+def _patch_norms(model) -> list:
+    """Point every RMSNorm and gated norm of `model` at the input-dtype versions above;
+    returns the patched modules (`del module.forward` undoes each)."""
     import types
 
-    modules = [importlib.import_module(f"transformers.models.{m}.modeling_{m}") for m in HYBRID_FAMILIES]
-    kernels = ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule")
-    saved = [(m, name, getattr(m, name)) for m in modules for name in kernels]
-    for m, name, _ in saved:
-        setattr(m, name, _hf_gdn_float64)
     patched = []
     for module in model.modules():
         name = type(module).__name__
@@ -281,6 +266,21 @@ def float64_hybrid(model):
         else:
             continue
         patched.append(module)
+    return patched
+
+
+@contextlib.contextmanager
+def float64_hybrid(model):
+    """Run a hybrid model's HF internals in float64 where stock HF computes in float32
+    (the GDN kernel, and the RMSNorms and gated norms). Same maths; it lets the
+    engine be compared with HF at float64 precision. The engine does not call HF's
+    GDN kernel, so only the reference side changes there; the norms are shared."""
+    modules = [importlib.import_module(f"transformers.models.{m}.modeling_{m}") for m in HYBRID_FAMILIES]
+    kernels = ("torch_chunk_gated_delta_rule", "torch_recurrent_gated_delta_rule")
+    saved = [(m, name, getattr(m, name)) for m in modules for name in kernels]
+    for m, name, _ in saved:
+        setattr(m, name, _hf_gdn_float64)
+    patched = _patch_norms(model)
     try:
         yield model
     finally:
