@@ -178,6 +178,16 @@ class Stager:
             self.stats.slot_bytes += _nbytes(buf)
         return buf
 
+    def _copy_in(self, slot: int, holders: list, until, fields_of) -> None:
+        """Copy each holder's first rows (those before `until`) of the fields `fields_of`
+        names (`_row_fields` or `_grad_fields`) from host into slot `slot`'s buffers."""
+        for i, h in enumerate(holders):
+            n = h._rows_before(until)
+            for f in fields_of(h):
+                src = _rows(getattr(h, f), 0, n)
+                _rows(self._buffer(slot, (i, f), getattr(h, f)), 0, n).copy_(src, non_blocking=True)
+                self.stats.h2d_bytes += _nbytes(src)
+
     def _flush(self, slot: int) -> None:
         """Copy the slot's gradient sinks back to their host rows (queued on the side stream)."""
         if self.sink_of[slot] is None:
@@ -204,19 +214,9 @@ class Stager:
             if self.holds[slot] != key:
                 self.holds[slot] = key
                 self.stats.fills += 1
-                for i, h in enumerate(holders):
-                    n = h._rows_before(until)
-                    for f in _row_fields(h):
-                        src = getattr(h, f)
-                        _rows(self._buffer(slot, (i, f), src), 0, n).copy_(_rows(src, 0, n), non_blocking=True)
-                        self.stats.h2d_bytes += _nbytes(_rows(src, 0, n))
+                self._copy_in(slot, holders, until, _row_fields)
             if grads and not keep_sink:
-                for i, h in enumerate(holders):
-                    n = h._rows_before(until)
-                    for f in _grad_fields(h):
-                        src = getattr(h, f)
-                        _rows(self._buffer(slot, (i, f), src), 0, n).copy_(_rows(src, 0, n), non_blocking=True)
-                        self.stats.h2d_bytes += _nbytes(_rows(src, 0, n))
+                self._copy_in(slot, holders, until, _grad_fields)
                 self.sink_of[slot] = key
             if self.cuda:
                 self.ready[slot] = torch.cuda.Event()
