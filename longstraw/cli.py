@@ -128,7 +128,7 @@ _PLAN_FIELDS = ("prompt_tokens", "group", "response_tokens", "mode", "gpus", "gp
                 "weight_dtype", "lora_rank", "lora_targets", "chunk_size", "branch_chunk_size", "attention_block_size",
                 "logits_chunk_size", "self_attention", "gdn_kernel", "grads_during_capture", "shard_params",
                 "offload_state", "host_bandwidth_gbs", "score_passes", "keep_graph_bytes", "throughput_tflops",
-                "divide_capture")
+                "divide_capture", "divide_walk")
 
 
 def plan(args) -> int:
@@ -179,6 +179,8 @@ def _add_plan_parser(sub) -> None:
     p.add_argument("--shard-params", action="store_true", help="shard weights/grads/optimizer 1/W (FSDP-style)")
     p.add_argument("--replicate-capture", dest="divide_capture", action="store_false",
                    help="plan capture with every token on every rank (divide_capture=False)")
+    p.add_argument("--replicate-walk", dest="divide_walk", action="store_false",
+                   help="plan exact mode's reverse walk with every token on every rank (divide_walk=False)")
     p.add_argument("--offload-state", action="store_true", help="the prompt state's per-token rows in host memory, "
                    "staged one layer at a time (ExecConfig(state_device='cpu')): device peak, host bytes, traffic")
     p.add_argument("--host-bandwidth", dest="host_bandwidth_gbs", type=float, default=50.0,

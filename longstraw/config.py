@@ -67,6 +67,15 @@ class ExecConfig:
     (`state_device="cpu"`) or kept capture graphs get). Same result either way. See
     docs/distributed.md."""
 
+    divide_walk: bool = True
+    """Context parallelism, exact mode: recompute and backpropagate each prompt token of
+    the reverse walk on one rank (the owner of its block), for the families that support
+    it (dense attention); the walk's parameter gradients are then partial per rank and
+    summed once per step (one bucketed all-reduce). False replicates the walk on every
+    rank (what GDN hybrids and MLA/DSA families always do, and what an offloaded state,
+    kept capture graphs or FSDP2-sharded layers get). Same result either way. See
+    docs/distributed.md."""
+
     allow_position_overflow: bool = False
     """Allow P + R beyond the model's `max_position_embeddings` (RoPE then
     extrapolates). Off by default: such inputs raise `PositionLimitError`."""

@@ -5,8 +5,9 @@ ranks). The per-token prompt state (attention K/V, MLA latents) is sharded by bl
 of positions dealt round-robin (`state.Shard`); small state (GDN recurrent state) is
 replicated. Capture's token computation is divided for dense and GDN-hybrid families
 (each prompt token on the rank that owns its block, layer by layer:
-`sequence_parallel.py`). Replay, exact mode's reverse walk and MLA/DSA capture run
-their token computation (projections, MLP/MoE, norms, the branch's own causal
+`sequence_parallel.py`), and so is exact mode's reverse walk for dense families (each
+prompt token recomputed and backpropagated on its owner). Replay, the other families'
+reverse walk and MLA/DSA capture run their token computation (projections, MLP/MoE, norms, the branch's own causal
 attention) on every rank, and only attention over the prompt state is distributed:
 
     forward    each rank attends over its own shard -> partial (o_r, lse_r);
@@ -17,17 +18,19 @@ attention) on every rank, and only attention over the prompt state is distribute
 
 Because everything outside that attention is replicated with replicated gradients,
 every rank's `.grad` equals the single-process `.grad` with no parameter-gradient
-reduction, LoRA and K/V projections included. Exact mode's state gradients live with
-the shard that owns the rows; a chunk's seeds are summed over ranks (all-reduce)
-before the reverse walk pushes them through the replicated recomputation.
+reduction, LoRA and K/V projections included; a divided reverse walk's gradients are
+partial, and one bucketed all-reduce per step sums them (`partial_gradients`). Exact
+mode's state gradients live with the shard that owns the rows; in a replicated walk a
+chunk's seeds are summed over ranks (all-reduce) before the recomputation pushes them
+through; in a divided walk each rank seeds its own rows.
 
 Collectives run on the device the group's backend carries (`ContextParallel.device`:
 the current CUDA device for NCCL, so call `torch.cuda.set_device(local_rank)` before
 building the engine; CPU for gloo); `ops/collectives.py` moves tensors there and back.
 
 What this buys: each rank holds ~1/W of the prompt state and does ~1/W of the
-attention work over it and of capture's token computation; replay and the reverse
-walk's token computation are not divided (docs/distributed.md).
+attention work over it and of capture's token computation (and of a dense model's
+reverse walk); replay's token computation is not divided (docs/distributed.md).
 """
 
 from __future__ import annotations

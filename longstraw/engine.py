@@ -18,7 +18,10 @@
    full-sequence gradient; memory is state + state gradients + one chunk's autograd
    graph, so pick chunk_size well below P in this mode (see docs/exact.md). With
    `keep_graph_bytes`, the last capture chunks that fit keep their autograd graph
-   and are backpropagated without recomputation (`kept_graphs.py`).
+   and are backpropagated without recomputation (`kept_graphs.py`). Under context
+   parallelism the walk runs divided where it can: each prompt token recomputed and
+   backpropagated on one rank, the ranks' parameter gradients summed once
+   (`sequence_parallel.py`).
 4. `step` only accumulates `.grad`, exactly as `loss.backward()` would; the caller
    steps the optimizer.
 5. `generate` samples the G responses from one capture (`rollout.py`); `step` and
@@ -48,7 +51,7 @@ from .logprobs import token_logprobs
 from .models import adapter_for
 from .offload import Stager, settle
 from .rollout import Rollout, SamplingConfig, check_state, generate, stamp_state
-from .sequence_parallel import divided_capture
+from .sequence_parallel import divided_capture, divided_chunks, partial_gradients
 from .state import PromptState, Shard
 
 
@@ -252,10 +255,7 @@ class Engine:
         allocates its gradient buffers, unless `keep_graph_bytes` > 0: then they are
         allocated first and the last chunks' graphs that fit are kept (`kept_graphs.py`)."""
         ids = prompt[:-1].to(self.adapter.device)
-        shard = None
-        if self.cp is not None:
-            block = self.config.shard_block_size or self.config.attention_block_size
-            shard = Shard(rank=self.cp.rank, world=self.cp.world, block=block, cp=self.cp)
+        shard = self._shard()
         offload = self.config.offloads_state()
         state = self.adapter.new_state(ids.shape[0], exact=exact, shard=shard, host=offload)
         if offload:  # per-token rows in host memory, staged one layer at a time (offload.py)
@@ -272,6 +272,26 @@ class Engine:
         stamp_state(state, self, prompt, exact)
         return state
 
+    def _shard(self) -> Shard | None:
+        """This rank's deal of the prompt positions under context parallelism (None without)."""
+        if self.cp is None:
+            return None
+        block = self.config.shard_block_size or self.config.attention_block_size
+        return Shard(rank=self.cp.rank, world=self.cp.world, block=block, cp=self.cp)
+
+    def divides_walk(self, state: PromptState) -> bool:
+        """Whether exact mode's reverse walk over `state` runs divided under context
+        parallelism (each prompt token recomputed and backpropagated on the rank that owns
+        it, `sequence_parallel.py`): the family supports it (dense attention), the state
+        is not offloaded, no capture graphs were kept (they are replicated), no decoder
+        layer is FSDP2-sharded (its reduce-scatter averages the ranks' gradients, which
+        suits replicated gradients only), and every rank owns a block."""
+        if self.cp is None or not (self.config.divide_walk and self.adapter.divides_walk):
+            return False
+        if state.offload is not None or state.kept or self.adapter.has_sharded_layers():
+            return False
+        return state.length > (self.cp.world - 1) * self._shard().block
+
     def divides_capture(self, positions: int, keep_graph_bytes: int = 0) -> bool:
         """Whether a capture of `positions` tokens runs divided under context parallelism
         (each prompt token on one rank, `sequence_parallel.py`): the family supports it,
@@ -282,11 +302,10 @@ class Engine:
             return False
         if self.config.offloads_state():
             return False
-        block = self.config.shard_block_size or self.config.attention_block_size
-        return keep_graph_bytes == 0 and positions > (self.cp.world - 1) * block
+        return keep_graph_bytes == 0 and positions > (self.cp.world - 1) * self._shard().block
 
     def walk_back(self, ids: torch.Tensor, start: int, states: list[PromptState], size: int, *,
-                  piece_loss=None, desc: str | None = "reverse") -> None:
+                  piece_loss=None, desc: str | None = "reverse", shard: Shard | None = None) -> None:
         """Recompute the chunks of ids [T] (positions start..) last to first, with
         autograd, and backpropagate through each before the next.
 
@@ -296,17 +315,27 @@ class Engine:
         adds parameter gradients and the gradients of the state before the chunk.
         `piece_loss(hidden [n, d], a, b)`, if given, is the loss of tokens [a, b)
         and joins the same backward. One chunk's graph is alive at a time.
+
+        `shard` (context parallelism; the prompt's walk, start 0): divided. The chunks
+        are whole cycles of the deal (`sequence_parallel.walk_chunks`), and this rank
+        recomputes and backpropagates only its own positions of each; its parameter
+        gradients are partial (the caller sums them over ranks: `partial_gradients`).
         """
-        starts = range(0, ids.shape[0], size)
-        for a in _progress(reversed(starts), enabled=self.config.progress and len(starts) > 1, desc=desc,
-                           total=len(starts)):
-            b = min(ids.shape[0], a + size)
+        n = ids.shape[0]
+        if shard is None:
+            chunks = [(a, min(n, a + size), None) for a in range(0, n, size)]
+        else:
+            assert start == 0 and len(states) == 1, "a divided walk runs over the prompt state"
+            chunks = divided_chunks(n, size, shard)
+        for a, b, divided in _progress(chunks[::-1], enabled=self.config.progress and len(chunks) > 1, desc=desc,
+                                       total=len(chunks)):
             hidden, kept = None, states[-1].kept.pop(start + a, None)
-            if kept is None:  # recompute the chunk with autograd, recording its roots
+            if kept is None:  # recompute the chunk (divided: this rank's positions of it) with autograd
                 states[-1].seeds = []
+                tokens = ids[a:b] if divided is None else ids[divided.positions(ids.device)]
                 with torch.enable_grad():
-                    hidden = self.adapter.run(ids[a:b], start + a, states, phase="recompute",
-                                              block_size=self.config.attention_block_size)
+                    hidden = self.adapter.run(tokens, start + a, states, phase="recompute",
+                                              block_size=self.config.attention_block_size, divided=divided)
                 kept, states[-1].seeds = states[-1].seeds, []
             roots = [(t, g.to(device=t.device, dtype=t.dtype)) for tensors, read in kept for t, g in zip(tensors, read())
                      if g is not None and t.requires_grad]
@@ -449,7 +478,7 @@ class Engine:
         }
         if equal and grpo.beta == 0:
             # Zero advantage and no KL term: the loss and its gradient are exactly 0.
-            metrics.update(skipped_zero_advantage=1.0, divided_capture=0.0, state_bytes=0.0, state_grad_bytes=0.0,
+            metrics.update(skipped_zero_advantage=1.0, divided_capture=0.0, divided_walk=0.0, state_bytes=0.0, state_grad_bytes=0.0,
                            time_capture_s=0.0, time_replay_s=0.0, time_reverse_s=0.0, time_total_s=0.0)
             return StepResult(loss=0.0, metrics=metrics)
 
@@ -473,7 +502,12 @@ class Engine:
 
             self.replay_branch(state, group.prompt, response, piece_loss)
         t2 = _clock(self.adapter.device)
-        if exact:
+        divided = exact and self.divides_walk(state)
+        if divided:  # each prompt token on one rank; the ranks' partial gradients summed once
+            with partial_gradients(self.model.parameters(), self.cp):
+                self.walk_back(group.prompt[:-1].to(self.adapter.device), 0, [state], self.config.chunk_size,
+                               shard=self._shard())
+        elif exact:
             self.walk_back(group.prompt[:-1].to(self.adapter.device), 0, [state], self.config.chunk_size)
         t3 = _clock(self.adapter.device)
         if state.offload is not None:  # since the capture, or since the reused state's last step
@@ -482,6 +516,7 @@ class Engine:
                            offload_slot_bytes=float(moved.slot_bytes))
             moved.reset()
         metrics.update(
+            divided_walk=float(divided),
             state_bytes=float(state.nbytes()),
             state_grad_bytes=float(state.grad_nbytes()),
             time_capture_s=t1 - t0,

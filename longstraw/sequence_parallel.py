@@ -21,20 +21,33 @@ every layer can divide its work:
 
 Between layers a rank keeps its shard of the hidden states, [N, d].
 
+Exact mode's reverse walk is divided too, for the dense families (`divided_chunks`,
+`partial_gradients`): chunk by chunk (whole cycles of the deal, last to first), each
+rank recomputes its own positions of the chunk through every layer with autograd and
+backpropagates them. Attention gathers the chunk's q/k/v rows of every rank, runs the
+chunk's attention as the replicated walk does (its causal part on every rank, the part
+over earlier chunks divided by the sharded state), and keeps this rank's output rows
+(`models/divided.py`). Each rank seeds its own K/V rows with the gradients its shard
+accumulated. Its parameter gradients are then partial, and one bucketed all-reduce per
+step sums them (`partial_gradients`).
+
 What stays replicated: replay of the branches (R-sized, against the sharded state as
-before), exact mode's reverse walk (it recomputes chunk by chunk through all layers,
-with autograd, attending over the sharded state as before), captures that keep chunk
-graphs (`keep_graph_bytes`), rollouts' decode, and the MLA/DSA families' capture. Because
-replay and the walk are replicated and capture runs without autograd, every parameter
-gradient is still complete on every rank and no parameter gradient is reduced (FSDP2's
-reduce-scatter remains the only reduction). See docs/distributed.md.
+before), the GDN hybrids' and MLA/DSA families' reverse walk, a walk over kept capture
+graphs (`keep_graph_bytes`), an offloaded state or FSDP2-sharded layers, captures that
+keep chunk graphs, rollouts' decode, and the MLA/DSA families' capture. Replay's
+gradients are complete on every rank; only the divided walk's are summed over ranks.
+See docs/distributed.md.
 """
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 
-from .models.divided import Divided
+from .errors import DistributedError
+from .models.divided import Divided, DividedChunk
+from .ops.collectives import all_gather, all_reduce_sum
 from .state import PromptState, Shard
 
 
@@ -58,3 +71,68 @@ def divided_capture(adapter, ids: torch.Tensor, state: PromptState, shard: Shard
         adapter.run(own, 0, [state], phase="divided", block_size=block_size, divided=divided)
     state.length = n
 
+
+
+# ----------------------------------------------------------------------------
+# the divided reverse walk (exact mode)
+
+
+def walk_chunks(positions: int, chunk_size: int, world: int, block: int) -> list[tuple[int, int]]:
+    """The chunks [(start, end)] of a divided reverse walk over `positions` tokens: whole
+    cycles of the deal (world * block positions, so every rank owns the same share of a
+    chunk), as many as `chunk_size` needs (at least one); a last chunk in which some rank
+    would own nothing joins the one before it."""
+    cycle = world * block
+    size = -(-chunk_size // cycle) * cycle
+    bounds = [(a, min(positions, a + size)) for a in range(0, positions, size)]
+    if len(bounds) > 1 and bounds[-1][1] - bounds[-1][0] <= (world - 1) * block:
+        bounds[-2:] = [(bounds[-2][0], positions)]
+    return bounds
+
+
+def divided_chunks(positions: int, chunk_size: int, shard: Shard) -> list[tuple[int, int, DividedChunk]]:
+    """`walk_chunks` with each chunk's `DividedChunk` for this rank: [(start, end, chunk)]."""
+    return [(a, b, DividedChunk(start=a, end=b, rank=shard.rank, world=shard.world, block=shard.block, cp=shard.cp))
+            for a, b in walk_chunks(positions, chunk_size, shard.world, shard.block)]
+
+
+@contextlib.contextmanager
+def partial_gradients(params, cp, bucket_bytes: int = 32 << 20):
+    """Within the block, backward adds a partial gradient on each rank (the divided walk:
+    each rank's own tokens); at its end every `.grad` holds the sum over ranks, added to
+    what it held before (which every rank holds alike: replay's and earlier steps'
+    gradients are replicated).
+
+    So that this sum counts the earlier gradient once, ranks other than the first zero
+    theirs on entry (the first keeps it); at the end one all-reduce, in buckets of up to
+    `bucket_bytes` of flattened gradients, sums every `.grad` over ranks. No parameter
+    gradient is reduced twice, and nothing but this all-reduce reduces them."""
+    params = [p for p in params if p.requires_grad]
+    if cp.rank != 0:
+        for p in params:
+            if p.grad is not None:
+                p.grad.zero_()
+    yield
+    grads = [p.grad for p in params if p.grad is not None]
+    sizes = all_gather(torch.tensor([float(len(grads)), float(sum(g.numel() for g in grads))],
+                                    dtype=torch.float64), cp)
+    if not all(torch.equal(x, sizes[0]) for x in sizes):
+        raise DistributedError(f"the divided reverse walk left different parameter gradients on the ranks "
+                               f"(count, elements per rank: {[x.tolist() for x in sizes]}); every rank must run "
+                               "the same model")
+    bucket: list[torch.Tensor] = []
+
+    def flush():
+        if bucket:
+            flat = all_reduce_sum(torch.cat([g.reshape(-1) for g in bucket]), cp)
+            for g, part in zip(bucket, flat.split([g.numel() for g in bucket])):
+                g.copy_(part.view_as(g))
+            bucket.clear()
+
+    for g in grads:
+        if bucket and (g.dtype != bucket[0].dtype or g.device != bucket[0].device
+                       or sum(x.numel() * x.element_size() for x in bucket) + g.numel() * g.element_size()
+                       > bucket_bytes):
+            flush()
+        bucket.append(g)
+    flush()

@@ -158,6 +158,13 @@ class AttentionKV:
         dv[:, mine] = self.v_grad[:, a:b]
         return dk, dv
 
+    def own_grads(self, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """(dk [Hkv, n, D], dv [Hkv, n, Dv]) accumulated for the n positions of [start, end)
+        this rank holds, in position order (a copy): the seeds of a chunk in a divided
+        reverse walk, which recomputes only these positions here."""
+        a, b = self._rows_before(start), self._rows_before(end)
+        return self.k_grad[:, a:b].clone(), self.v_grad[:, a:b].clone()
+
     def enable_grad_buffers(self) -> None:
         """Allocate zeroed dLoss/dk, dLoss/dv buffers for every position the state holds
         or will hold (exact mode's prompt state, also before capture when capture keeps

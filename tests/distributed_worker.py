@@ -316,3 +316,56 @@ def _assert_same_state(a, b) -> None:
                     if s is not None:
                         assert s.dtype == t.dtype
                         torch.testing.assert_close(s, t, rtol=1e-10, atol=1e-12)
+
+
+def run_divided_walk(rank: int, world: int, init_file: str) -> None:
+    """Exact mode's divided reverse walk (dense): each prompt token recomputed and
+    backpropagated on the rank that owns its block, the ranks' partial parameter
+    gradients summed once. Loss and every `.grad` on every rank equal the single process,
+    also when `.grad` already holds an earlier group's gradient, with a frozen parameter,
+    and with branches replayed in pieces; the metrics say the walk was divided (and
+    replicated with `divide_walk=False` or for a hybrid)."""
+    from longstraw.sequence_parallel import walk_chunks
+
+    _init(rank, world, init_file)
+    try:
+        # (prompt length, block, chunk): prompts not divisible by the block or the cycle,
+        # chunks of one cycle and of several, a short last chunk joined to the one before
+        cases = [(22, 3, 6, None), (23, 2, 7, 2), (20, 4, 1, None), (17, 3, 40, None)]
+        for prompt_len, block, chunk, pieces in cases:
+            bounds = walk_chunks(prompt_len - 1, chunk, world, block)
+            assert bounds[0][0] == 0 and bounds[-1][1] == prompt_len - 1
+            assert all(b - a > (world - 1) * block for a, b in bounds), bounds  # every rank owns a position
+            model = tiny_model("qwen3")
+            if prompt_len == 23:
+                model.model.embed_tokens.weight.requires_grad_(False)
+            first, second = (random_group(97, prompt_len, lens, seed=s) for lens, s in (([4, 2, 5], 5), ([3, 1], 6)))
+            kw = dict(chunk_size=chunk, attention_block_size=3, shard_block_size=block, mode="exact",
+                      branch_chunk_size=pieces)
+            model.zero_grad(set_to_none=True)
+            engine = ls.Engine(model, ls.ExecConfig(**kw))
+            want = [engine.step(first).loss, engine.step(second).loss]  # .grad accumulates over both
+            grads = grads_of(model)
+            model.zero_grad(set_to_none=True)
+            engine = ls.Engine(model, ls.ExecConfig(context_parallel=True, **kw))
+            got = [engine.step(first), engine.step(second)]
+            for r, w in zip(got, want):
+                assert r.metrics["divided_walk"] == 1.0, (prompt_len, r.metrics["divided_walk"])
+                assert abs(r.loss - w) <= 1e-9 * abs(w) + 1e-13, (prompt_len, r.loss, w)
+            assert_grads_close(grads_of(model), grads, 1e-9)
+        # switched off, and a family whose walk is not divided: replicated, same result
+        for name, switch in (("dense", False), ("hybrid", True)):
+            model = CASES[name]()
+            group = random_group(97, 22, [4, 2], seed=5)
+            kw = dict(chunk_size=6, attention_block_size=3, shard_block_size=3, mode="exact")
+            with float64_hybrid(model) if name in HYBRIDS else _null():
+                model.zero_grad(set_to_none=True)
+                want = ls.Engine(model, ls.ExecConfig(**kw)).step(group)
+                grads = grads_of(model)
+                model.zero_grad(set_to_none=True)
+                got = ls.Engine(model, ls.ExecConfig(context_parallel=True, divide_walk=switch, **kw)).step(group)
+            assert got.metrics["divided_walk"] == 0.0, name
+            assert abs(got.loss - want.loss) <= 1e-9 * abs(want.loss) + 1e-13, name
+            assert_grads_close(grads_of(model), grads, 1e-9)
+    finally:
+        dist.destroy_process_group()

@@ -91,3 +91,8 @@ def test_a_collective_error_is_not_reported_as_a_dead_peer(monkeypatch):
 @pytest.mark.parametrize("world", [2, 3])
 def test_divided_capture_at_awkward_block_and_chunk_boundaries(tmp_path, world):
     mp.spawn(worker.run_divided, args=(world, str(tmp_path / "init")), nprocs=world, join=True)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_divided_reverse_walk_equals_single_process(tmp_path, world):
+    mp.spawn(worker.run_divided_walk, args=(world, str(tmp_path / "init")), nprocs=world, join=True)

@@ -210,6 +210,28 @@ def test_divided_capture_traffic_and_fallbacks():
     assert not plan("qwen3.6-27b", gpus=4, prompt_tokens=2048, attention_block_size=1024)["divided_capture"]
 
 
+def test_divided_walk_and_its_fallbacks():
+    """Exact mode on a dense model under CP: the reverse walk's token computation is divided
+    (each prompt token on one rank; each walk chunk's self part on every rank), in whole
+    cycles of the deal; GDN hybrids, MLA/DSA families, kept graphs, an offloaded state,
+    sharded weights, `divide_walk=False` and detached mode walk replicated (or not at all)."""
+    from longstraw.plan.estimate import walk_chunk_tokens
+
+    kw = dict(prompt_tokens=1_048_576, gpus=8, mode="exact", chunk_size=4096, attention_block_size=1024)
+    divided, replicated = plan("qwen3-8b", **kw), plan("qwen3-8b", divide_walk=False, **kw)
+    assert divided["divided_walk"] and not replicated["divided_walk"]
+    assert divided["walk_chunk_tokens"] == walk_chunk_tokens(1_048_575, 4096, 8, 1024) == 8192
+    token = 2 * divided["num_active_parameters"] * 1_048_576  # the token computation of the whole prompt
+    saved = replicated["flops_exact_extra"] - divided["flops_exact_extra"]
+    assert 0.6 * 7 / 8 * token * 3 < saved < 7 / 8 * token * 3  # (1 + backward) x 7/8 of it, less the self parts
+    assert divided["recompute_working_bytes"] < replicated["recompute_working_bytes"]
+    assert divided["estimated_time_s_exact"] < replicated["estimated_time_s_exact"]
+    for other in (plan("qwen3.6-27b", **kw), plan("glm-5.2", **kw), plan("qwen3-8b", **{**kw, "gpus": 1}),
+                  plan("qwen3-8b", keep_graph_bytes=1 << 40, **kw), plan("qwen3-8b", offload_state=True, **kw),
+                  plan("qwen3-8b", shard_params=True, **kw), plan("qwen3-8b", **{**kw, "mode": "detached"})):
+        assert not other["divided_walk"]
+
+
 def test_exact_mode_keeps_every_gdn_snapshot_on_every_rank():
     """Qwen3.6-27B at 2M tokens, chunk 4096: 512 snapshots x 144 MiB on EVERY rank (the
     recurrent state is replicated, every rank walks every chunk), not 1/W of them."""

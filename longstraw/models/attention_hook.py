@@ -16,7 +16,9 @@ pieces) and what to do with the new tokens' K/V in the last of them:
                dLoss/dState into them
     recompute  reverse walk: attend to what lies before `start`, and record (new K/V
                with graph, a reader of their accumulated gradient) as seeds of the last
-               state; a capture run with autograd on records them too (a kept graph)
+               state; a capture run with autograd on records them too (a kept graph).
+               Divided (`call.divided`, a `divided.DividedChunk`): the tokens are this
+               rank's own positions of the chunk; see `divided.py`
     decode     a rollout step: G branches, one token each at position `start`; their
                K/V go into the per-branch `call.branches`, and the shared prompt state
                is only read (`ops/decode_attention.py`)
@@ -55,7 +57,8 @@ class AttentionCall:
         branches: phase "decode" only: the G branches' own state.
         positions: the tokens' absolute positions [T] when they are not start.. (phase
             "divided": this rank's own positions).
-        divided: phase "divided" only: a `divided.Divided`.
+        divided: phase "divided": a `divided.Divided`; phase "recompute" of a divided
+            reverse walk: a `divided.DividedChunk`; None otherwise.
     """
 
     states: list[PromptState]
@@ -99,6 +102,10 @@ def longstraw_attention(module, query, key, value, attention_mask, scaling=None,
 
         assert sliding_window is None or sliding_window >= call.divided.total, "divided capture: full attention only"
         return divided_attention(module, query, key, value, call, scaling)
+    if call.phase == "recompute" and call.divided is not None:
+        from .divided import divided_recompute_attention
+
+        return divided_recompute_attention(module, query, key, value, call, scaling)
     if query.shape[0] != 1:
         raise RuntimeError(f"longstraw runs one sequence at a time, got batch {query.shape[0]}")
     if dropout:

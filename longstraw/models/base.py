@@ -105,6 +105,10 @@ class Adapter:
     def check_context_parallel(self, total_positions: int) -> None:
         """Refuse what context parallelism cannot run exactly (override to add)."""
 
+    def has_sharded_layers(self) -> bool:
+        """Whether any module of the model is wrapped with FSDP2 `fully_shard`."""
+        return any(_is_fsdp_module(m) for m in self.model.modules())
+
     def check_runnable(self) -> None:
         """Refuse model states we cannot reproduce exactly; called before each step."""
         if _is_fsdp_module(self.causal_lm):
@@ -155,6 +159,11 @@ class Adapter:
     """Whether a context-parallel capture may run divided (`divided.py`): each prompt
     token computed on one rank. Families without it capture replicated."""
 
+    divides_walk: bool = False
+    """Whether exact mode's reverse walk may run divided under context parallelism
+    (`divided.DividedChunk`): each prompt token recomputed and backpropagated on one rank.
+    Families without it walk replicated."""
+
     def run(self, input_ids: torch.Tensor, start: int, states: list[PromptState], *, phase: str,
             block_size: int, branches: BranchState | None = None, divided=None) -> torch.Tensor:
         """Run tokens input_ids [T] at positions start .. start+T-1 against `states`
@@ -168,7 +177,9 @@ class Adapter:
         `start`; they read `states` and append to `branches` (the caller holds no_grad).
         phase "divided": input_ids [N] are this rank's own prompt positions (`divided`, a
         `divided.Divided`), the whole prompt at once, layer by layer (the caller holds
-        no_grad); they append to states[-1].
+        no_grad); they append to states[-1]. Phase "recompute" with `divided` (a
+        `divided.DividedChunk`): input_ids [n] are this rank's positions of the chunk
+        from `start` (a divided reverse walk).
         Returns final hidden states [T, d] ([G, d] for decode), after the final norm,
         ready for the lm_head.
         """
@@ -176,7 +187,7 @@ class Adapter:
         call = AttentionCall(states=states, start=start, phase=phase, block_size=block_size, branches=branches,
                              positions=positions, divided=divided)
         pieces = contextlib.nullcontext()
-        if divided is not None:
+        if phase == "divided":
             from .divided import chunked_mlps
 
             pieces = chunked_mlps(self.backbone.layers, divided.chunk_size)

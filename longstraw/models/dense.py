@@ -25,6 +25,7 @@ def layer_window(config, attn_module) -> int | None:
 class DenseAdapter(Adapter):
     model_types = ("llama", "mistral", "qwen2", "qwen3")
     divides_capture = True
+    divides_walk = True
 
     def check_config(self) -> None:
         for layer in self.backbone.layers:

@@ -83,6 +83,35 @@ class Divided:
         return out
 
 
+@dataclass(frozen=True)
+class DividedChunk:
+    """One chunk [start, end) of a divided reverse walk (exact mode): this rank recomputes,
+    with autograd, only the positions of the chunk it owns (block b on rank b % world).
+
+    Fields:
+        start, end: the chunk's absolute positions.
+        rank, world, block: the round-robin deal of the sharded state.
+        cp: the `distributed.ContextParallel`.
+    """
+
+    start: int
+    end: int
+    rank: int
+    world: int
+    block: int
+    cp: object
+
+    def rows(self, device=None) -> list[torch.Tensor]:
+        """Per rank, the indices [n_s] (within the chunk, increasing) of its positions."""
+        owner = torch.div(torch.arange(self.start, self.end, device=device), self.block,
+                          rounding_mode="floor") % self.world  # (T,)
+        return [torch.nonzero(owner == s)[:, 0] for s in range(self.world)]
+
+    def positions(self, device=None) -> torch.Tensor:
+        """This rank's positions of the chunk [n], increasing."""
+        return self.rows(device)[self.rank] + self.start
+
+
 def chunked_mlps(layers, size: int):
     """Within the block, each decoder layer's `mlp` runs over pieces of `size` tokens."""
     mlps = [layer.mlp for layer in layers if hasattr(layer, "mlp")]
@@ -109,6 +138,40 @@ def divided_attention(module, query, key, value, call, scaling):
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     out = divided_causal_attention(query[0], key[0], value[0], positions=d.total, rank=d.rank, world=d.world,
                                    block=d.block, scale=scale, cp=d.cp, piece_rows=d.chunk_size)  # (H, N, Dv)
+    return out.transpose(0, 1)[None], None
+
+
+def divided_recompute_attention(module, query, key, value, call, scaling):
+    """A divided reverse walk's attention (exact mode): query [1, H, n, D], key/value
+    [1, Hkv, n, D] of this rank's n positions of the chunk -> ([1, n, H, Dv], None).
+
+    The chunk's q/k/v rows of every rank are gathered (`GatherRows`), and the attention
+    of the whole chunk runs as in the replicated walk: its own causal part on every rank,
+    the part over earlier chunks divided by the sharded state (partials merged across
+    ranks). Only this rank's output rows go on; their gradient is summed over ranks
+    (`SumGradAcrossRanks`) so that the attention's backward sees the whole chunk's
+    upstream gradient, identical on every rank, and each rank keeps the q/k/v gradient
+    of its own rows. This rank's own K/V rows are the chunk's roots, seeded with the
+    gradients its shard accumulated for them (no all-reduce of seeds)."""
+    from ..ops.attention import prefix_causal_attention
+    from ..ops.collectives import GatherRows, SumGradAcrossRanks
+
+    d: DividedChunk = call.divided
+    kv = call.states[-1].layers[module.layer_idx]
+    assert len(call.states) == 1 and kv.shard is not None and kv.window is None, "divided walk: a sharded prompt"
+    q, k, v = query[0], key[0], value[0]  # (H, n, D), (Hkv, n, D), (Hkv, n, Dv)
+    h, hkv = q.shape[0], k.shape[0]
+    index = d.rows(q.device)
+    if k.shape[-1] == v.shape[-1]:  # one all-gather for the three
+        full_q, full_k, full_v = GatherRows.apply(torch.cat([q, k, v]), index, d.cp).split([h, hkv, hkv])
+    else:
+        full_q, full_k, full_v = (GatherRows.apply(x, index, d.cp) for x in (q, k, v))
+    scale = scaling if scaling is not None else q.shape[-1] ** -0.5
+    out = prefix_causal_attention(full_q, full_k, full_v, prefixes=[kv.segment(until=d.start)], q_start=d.start,
+                                  scale=scale, block_size=call.block_size)  # (H, T, Dv), the same on every rank
+    out = SumGradAcrossRanks.apply(out, d.cp)[:, index[d.rank]]  # (H, n, Dv)
+    if d.end <= kv.end:  # held: its gradient seeds the chunk
+        call.states[-1].seeds.append(((k, v), lambda: kv.own_grads(d.start, d.end)))
     return out.transpose(0, 1)[None], None
 
 

@@ -82,6 +82,33 @@ class SumGradAcrossRanks(torch.autograd.Function):
         return all_reduce_sum(grad.contiguous().clone(), ctx.cp), None
 
 
+class GatherRows(torch.autograd.Function):
+    """x [.., n_r, F] of this rank's rows of a chunk -> [.., T, F], every rank's rows in
+    chunk order (rank s's rows land at `index[s]`, LongTensor [n_s]; one all-gather, each
+    rank's rows padded to the longest).
+
+    Backward keeps this rank's rows of the gradient, without communication: the tensor it
+    returns must feed a computation that is replicated on every rank with a replicated
+    upstream gradient (the divided reverse walk's attention, whose output gradient is
+    summed over ranks first), so every rank's gradient already holds every row in full."""
+
+    @staticmethod
+    def forward(ctx, x, index, cp):
+        most = max(int(i.numel()) for i in index)
+        padded = x.new_zeros(*x.shape[:-2], most, x.shape[-1])
+        padded[..., : x.shape[-2], :] = x
+        parts = all_gather(padded, cp)
+        out = x.new_empty(*x.shape[:-2], sum(int(i.numel()) for i in index), x.shape[-1])
+        for part, rows in zip(parts, index):
+            out[..., rows, :] = part[..., : rows.numel(), :]
+        ctx.mine = index[cp.rank]
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad[..., ctx.mine, :], None, None
+
+
 class MergeAcrossRanks(torch.autograd.Function):
     """(o_r [.., M, Dv], lse_r [.., M]) partial attentions of every rank -> their
     log-sum-exp merge (o, lse), identical on every rank.

@@ -141,6 +141,13 @@ class PlanConfig:
     not with kept graphs or an offloaded state, and only when every rank owns a block). False: capture's token computation is
     replicated on every rank."""
 
+    divide_walk: bool = True
+    """Exact mode under context parallelism (W > 1): the reverse walk recomputes and
+    backpropagates each prompt token on one rank (`ExecConfig.divide_walk`; dense
+    families only, not with kept graphs, an offloaded state or sharded weights
+    (`shard_params`: FSDP2 walks replicated), and only when every rank owns a block).
+    False: the walk's token computation is replicated on every rank."""
+
     throughput_tflops: float = 400.0
     """Effective dense throughput per rank, TFLOP/s (default 400: an H100/H200-class GPU
     at ~40-50% of its bf16 peak; an H20 is ~148 peak)."""
@@ -302,6 +309,24 @@ def divided_capture_traffic(model, *, positions: int, world: int, block: int, ch
     return worst
 
 
+def walk_chunk_tokens(positions: int, chunk_size: int, world: int, block: int) -> int:
+    """Tokens of one chunk of a divided reverse walk: whole cycles of the deal (world x
+    block), as many as `chunk_size` needs (as `sequence_parallel.walk_chunks`)."""
+    cycle = world * block
+    return min(positions, -(-chunk_size // cycle) * cycle)
+
+
+def divided_walk_flops(arch: Arch, params: ParamCount, positions: int, world: int, block: int,
+                       chunk: int) -> float:
+    """Forward FLOPs of a divided reverse walk's recompute on the fullest rank (dense
+    families): as a divided capture (its own tokens; ~1/W of the attention pairs), plus the
+    part of each chunk's own causal attention that every rank runs in full (the chunk's
+    q/k/v rows are gathered and its T x T self part is replicated)."""
+    chunks = -(-positions // chunk)
+    self_part = sum(_mixer_flops(arch, layer, chunk, 0) for layer in arch.layers if layer.mixer == "attention")
+    return divided_flops(arch, params, positions, world, block) + chunks * self_part * (1 - 1 / world)
+
+
 def _divided_working(arch: Arch, mine: int, chunk: int, b: int, acc: int) -> float:
     """No-grad working set of a divided capture layer on a rank holding `mine` positions:
     the hidden shard, its residual and the layer output ([mine, d] each), plus the larger of
@@ -445,6 +470,21 @@ def estimate(model, config: PlanConfig) -> dict:
     chunk_graph = autograd_pass(arch, C, p_rank, blk, b, acc, dense_grad, gk)[0]
     kept_chunks = min(chunks, int(c.keep_graph_bytes // chunk_graph)) if exact and c.keep_graph_bytes else 0
     kept_bytes = kept_chunks * chunk_graph
+    # the engine's rule (Engine.divides_walk): dense families (no GDN, no MLA), no kept chunk
+    # graphs, no offloaded state, no sharded weights (FSDP2 walks replicated), a block for every rank
+    divided_walk = (exact and c.divide_walk and W > 1 and not arch.count(mixer="gdn") and not arch.count(mixer="mla")
+                    and not c.offload_state and kept_chunks == 0 and not c.shard_params
+                    and P - 1 > (W - 1) * c.attention_block_size)
+    walk_chunk = walk_chunk_tokens(P - 1, c.chunk_size, W, c.attention_block_size) if divided_walk else C
+    if divided_walk:  # the rank's own tokens of one walk chunk with autograd, plus the chunk's gathered
+        # q/k/v and output rows per attention layer and its replicated attention (self part, blockwise backward)
+        own = rank_positions(walk_chunk, W, c.attention_block_size)
+        gathered_rows = walk_chunk * sum((2 * arch.heads + 2 * arch.kv_heads) * arch.head_dim * b
+                                         for layer in arch.layers if layer.mixer == "attention")
+        whole, attn = autograd_pass(arch, walk_chunk, p_rank, blk, b, acc, dense_grad, gk)
+        self_part = whole - walk_chunk * graph_tok  # the dense self part's scores, when counted
+        recompute_working = (autograd_pass(arch, own, p_rank, blk, b, acc, False, gk)[0] + gathered_rows
+                             + self_part + attn)
     score_working = 0.0
     if c.score_passes:  # one whole branch without autograd; fp32 logits + log-softmax of one chunk
         score_working = nograd_working(R) + min(R, c.logits_chunk_size) * arch.vocab * (b + 2 * 4)
@@ -483,9 +523,13 @@ def estimate(model, config: PlanConfig) -> dict:
     branch_fwd = _forward_flops(arch, params, R, P, lm_head=True, world=W)
     held_fwd = _forward_flops(arch, params, held, P, lm_head=False, world=W) if held else 0.0
     flops_branch = (1 + BACKWARD_FACTOR + c.score_passes) * branch_fwd + held_fwd
-    # exact: a backward of every chunk, and a recomputed forward of those not kept
-    # (the reverse walk is replicated: every rank recomputes and backpropagates every chunk)
-    flops_exact_extra = (BACKWARD_FACTOR + (chunks - kept_chunks) / chunks) * flops_prompt
+    # exact: a backward of every chunk, and a recomputed forward of those not kept; replicated,
+    # every rank recomputes and backpropagates every chunk; divided, its own tokens of each
+    if divided_walk:
+        flops_exact_extra = (BACKWARD_FACTOR + 1) * divided_walk_flops(arch, params, P, W, c.attention_block_size,
+                                                                       walk_chunk)
+    else:
+        flops_exact_extra = (BACKWARD_FACTOR + (chunks - kept_chunks) / chunks) * flops_prompt
     t_detached = (flops_capture + G * flops_branch) / thr  # FLOPs of one rank (see _forward_flops)
     t_exact = t_detached + flops_exact_extra / thr
     t_transfer = offload["traffic_bytes"] / (c.host_bandwidth_gbs * 1e9) if offload else 0.0
@@ -512,9 +556,12 @@ def estimate(model, config: PlanConfig) -> dict:
         "graph is not kept",
         f"time = one rank's FLOPs / {c.throughput_tflops:g} TFLOP/s effective (communication not counted): "
         + ("capture divided (each prompt token on one rank; GDN transitions (Dk+Dv)/Dv of a plain pass), "
-           "replay and the exact reverse walk replicated except attention over the prompt state (divided by W)"
-           if divided else "the token computation is replicated on every rank, only attention over the prompt "
-           "state is divided by W"),
+           if divided else "capture replicated except attention over the prompt state (divided by W), ")
+        + (f"the exact reverse walk divided (each prompt token on one rank; each walk chunk's own causal attention, "
+           f"{walk_chunk:,} tokens, on every rank), " if divided_walk else
+           "the exact reverse walk replicated except attention over the prompt state (divided by W), "
+           if exact else "")
+        + "replay replicated except attention over the prompt state (divided by W)",
         f"GDN kernel: {gk} " + ("(ops/gated_delta.py, fp32 arithmetic)" if gk == "torch" else
                                 "(flash-linear-attention; working set estimated, not measured)"),
         "capture " + ("counted with the parameter gradients allocated (any group after the first of a batch)"
@@ -569,6 +616,8 @@ def estimate(model, config: PlanConfig) -> dict:
         "reserve_bytes": c.reserve,
         "fits": bool(fits),
         "divided_capture": bool(divided),
+        "divided_walk": bool(divided_walk),
+        "walk_chunk_tokens": walk_chunk if exact else 0,
         "capture_comm_bytes_per_rank": capture_comm,
         "flops_capture": flops_capture,
         "flops_replay_per_branch": flops_branch,
@@ -649,7 +698,8 @@ def format_report(r: dict) -> str:
         ("working: replay (1 branch)", hb(r["replay_working_bytes"])),
     ]
     if r["mode"] == "exact":
-        rows.append(("working: recompute (1 chunk)", hb(r["recompute_working_bytes"])))
+        rows.append(("working: recompute (1 chunk" + (", divided)" if r["divided_walk"] else ")"),
+                     hb(r["recompute_working_bytes"])))
         if r["kept_graph_chunks"]:
             rows.append((f"kept capture graphs ({r['kept_graph_chunks']} of "
                          f"{r['kept_graph_chunks'] + r['recomputed_chunks']} chunks)", hb(r["kept_graph_bytes"])))
