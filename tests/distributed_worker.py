@@ -353,6 +353,21 @@ def run_divided_walk(rank: int, world: int, init_file: str) -> None:
                 assert r.metrics["divided_walk"] == 1.0, (prompt_len, r.metrics["divided_walk"])
                 assert abs(r.loss - w) <= 1e-9 * abs(w) + 1e-13, (prompt_len, r.loss, w)
             assert_grads_close(grads_of(model), grads, 1e-9)
+        # a rollout's state, stepped in exact mode: the walk over it is divided too
+        model = tiny_model("qwen3")
+        kw = dict(chunk_size=5, attention_block_size=3, shard_block_size=2, mode="exact")
+        prompt = random_group(97, 19, [1], seed=4).prompt
+        engine = ls.Engine(model, ls.ExecConfig(context_parallel=True, **kw))
+        rollout = engine.generate(prompt, num_samples=2, max_new_tokens=4, generator=torch.Generator().manual_seed(3))
+        group = ls.Group(prompt=prompt, responses=rollout.responses, rewards=torch.tensor([1.0, 0.0]))
+        model.zero_grad(set_to_none=True)
+        want = ls.Engine(model, ls.ExecConfig(**kw)).step(group)
+        grads = grads_of(model)
+        model.zero_grad(set_to_none=True)
+        got = engine.step(group, state=rollout.state)
+        assert got.metrics["divided_walk"] == 1.0
+        assert abs(got.loss - want.loss) <= 1e-9 * abs(want.loss) + 1e-13
+        assert_grads_close(grads_of(model), grads, 1e-9)
         # switched off, and a family whose walk is not divided: replicated, same result
         for name, switch in (("dense", False), ("hybrid", True)):
             model = CASES[name]()
