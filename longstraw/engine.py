@@ -282,7 +282,7 @@ class Engine:
     def divides_walk(self, state: PromptState) -> bool:
         """Whether exact mode's reverse walk over `state` runs divided under context
         parallelism (each prompt token recomputed and backpropagated on the rank that owns
-        it, `sequence_parallel.py`): the family supports it (dense attention), the state
+        it, `sequence_parallel.py`): the family supports it (dense, GDN hybrids), the state
         is not offloaded, no capture graphs were kept (they are replicated), no decoder
         layer is FSDP2-sharded (its reduce-scatter averages the ranks' gradients, which
         suits replicated gradients only), and every rank owns a block."""
@@ -326,7 +326,7 @@ class Engine:
             chunks = [(a, min(n, a + size), None) for a in range(0, n, size)]
         else:
             assert start == 0 and len(states) == 1, "a divided walk runs over the prompt state"
-            chunks = divided_chunks(n, size, shard)
+            chunks = divided_chunks(n, size, shard, at_chunks=self.adapter.restarts_at_chunks)
         for a, b, divided in _progress(chunks[::-1], enabled=self.config.progress and len(chunks) > 1, desc=desc,
                                        total=len(chunks)):
             hidden, kept = None, states[-1].kept.pop(start + a, None)

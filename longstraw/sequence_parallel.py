@@ -77,23 +77,30 @@ def divided_capture(adapter, ids: torch.Tensor, state: PromptState, shard: Shard
 # the divided reverse walk (exact mode)
 
 
-def walk_chunks(positions: int, chunk_size: int, world: int, block: int) -> list[tuple[int, int]]:
+def walk_chunks(positions: int, chunk_size: int, world: int, block: int, *,
+                at_chunks: bool = False) -> list[tuple[int, int]]:
     """The chunks [(start, end)] of a divided reverse walk over `positions` tokens: whole
     cycles of the deal (world * block positions, so every rank owns the same share of a
-    chunk), as many as `chunk_size` needs (at least one); a last chunk in which some rank
-    would own nothing joins the one before it."""
+    chunk), as many as `chunk_size` needs (at least one). With `at_chunks` (a model with
+    GDN layers, which restart from the snapshots capture kept at multiples of
+    `chunk_size`), the fewest whole capture chunks that hold a cycle instead (the capture
+    chunks themselves when `chunk_size` >= a cycle). A chunk of at least a cycle holds a
+    block of every rank; a shorter last chunk in which some rank would own nothing joins
+    the one before it."""
     cycle = world * block
-    size = -(-chunk_size // cycle) * cycle
+    size = -(-cycle // chunk_size) * chunk_size if at_chunks else -(-chunk_size // cycle) * cycle
     bounds = [(a, min(positions, a + size)) for a in range(0, positions, size)]
-    if len(bounds) > 1 and bounds[-1][1] - bounds[-1][0] <= (world - 1) * block:
+    a, b = bounds[-1]
+    if len(bounds) > 1 and len({k % world for k in range(a // block, (b - 1) // block + 1)}) < world:
         bounds[-2:] = [(bounds[-2][0], positions)]
     return bounds
 
 
-def divided_chunks(positions: int, chunk_size: int, shard: Shard) -> list[tuple[int, int, DividedChunk]]:
+def divided_chunks(positions: int, chunk_size: int, shard: Shard, *,
+                   at_chunks: bool = False) -> list[tuple[int, int, DividedChunk]]:
     """`walk_chunks` with each chunk's `DividedChunk` for this rank: [(start, end, chunk)]."""
     return [(a, b, DividedChunk(start=a, end=b, rank=shard.rank, world=shard.world, block=shard.block, cp=shard.cp))
-            for a, b in walk_chunks(positions, chunk_size, shard.world, shard.block)]
+            for a, b in walk_chunks(positions, chunk_size, shard.world, shard.block, at_chunks=at_chunks)]
 
 
 @contextlib.contextmanager

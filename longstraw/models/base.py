@@ -164,6 +164,10 @@ class Adapter:
     (`divided.DividedChunk`): each prompt token recomputed and backpropagated on one rank.
     Families without it walk replicated."""
 
+    restarts_at_chunks: bool = False
+    """Whether the family's recompute restarts from snapshots capture kept at multiples of
+    `chunk_size` (GDN layers), so that a divided walk cuts the prompt only there."""
+
     def run(self, input_ids: torch.Tensor, start: int, states: list[PromptState], *, phase: str,
             block_size: int, branches: BranchState | None = None, divided=None) -> torch.Tensor:
         """Run tokens input_ids [T] at positions start .. start+T-1 against `states`

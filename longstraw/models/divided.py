@@ -183,6 +183,46 @@ def divided_recompute_attention(module, query, key, value, call, scaling):
 # Gated DeltaNet layers
 
 
+def divided_recompute_gdn(module, x, call, helpers, initial_snapshot):
+    """A divided reverse walk's GDN layer (exact mode): x [n, d] of this rank's n positions
+    of the chunk -> [1, n, d]. `helpers` are gated_deltanet's (project, split_heads,
+    log_decay, gated_output); `initial_snapshot` its reader of the start snapshot.
+
+    The per-token parts are divided: the input projections and the gated norm + output
+    projection run on this rank's rows. The conv and the recurrence run over the whole
+    chunk on every rank (they need every earlier position's state, and cost little next
+    to the projections): the chunk's projected rows of every rank are gathered
+    (`GatherRows`), the rule starts from the snapshot at the chunk's start as in the
+    replicated walk, and this rank keeps its output rows, whose gradient is summed over
+    ranks (`SumGradAcrossRanks`). That replicated part's backward is then identical on
+    every rank, seeds at the chunk's end and snapshot gradients included (the GDN state
+    is replicated); its parameters (conv, A_log, dt_bias) pass their gradient on the
+    first rank only (`GradOnFirstRank`), so the walk's one sum over ranks counts it once."""
+    from ..ops.collectives import GatherRows, GradOnFirstRank, SumGradAcrossRanks
+    from ..ops.gated_delta import chunk_gated_delta_rule
+
+    project, split_heads, log_decay, gated_output = helpers
+    d: DividedChunk = call.divided
+    mixed, z, b_logit, a_logit = project(module, x)  # (n, C), (n, Hv, Dv), (n, Hv), (n, Hv)
+    index = d.rows(x.device)
+    widths = [mixed.shape[1], b_logit.shape[1], a_logit.shape[1]]
+    full_mixed, full_b, full_a = GatherRows.apply(torch.cat([mixed, b_logit, a_logit], 1), index,
+                                                  d.cp).split(widths, 1)  # (T, C), (T, Hv), (T, Hv)
+    first = [None if p is None else GradOnFirstRank.apply(p, d.cp)
+             for p in (module.conv1d.weight, module.conv1d.bias, module.A_log, module.dt_bias)]
+    rec0, tail0 = initial_snapshot(call.states, module.layer_idx, d.start)
+    conv, tail1 = causal_conv1d_with_tail(full_mixed.transpose(0, 1), first[0][:, 0, :], first[1], tail0,
+                                          activation=module.activation)  # (C, T)
+    q, k, v = split_heads(module, conv.transpose(0, 1))
+    out, rec1 = chunk_gated_delta_rule(q, k, v, log_decay(module, full_a, (first[2], first[3])), full_b.sigmoid(),
+                                       rec0, use_qk_l2norm=True)  # (T, Hv, Dv), the same on every rank
+    out = SumGradAcrossRanks.apply(out, d.cp)[index[d.rank]]  # (n, Hv, Dv)
+    layer: RecurrentState = call.states[-1].layers[module.layer_idx]
+    if layer.grads is not None:  # seeded by what later readers of the snapshot added (on every rank alike)
+        call.states[-1].seeds.append(((rec1, tail1), lambda: tuple(layer.grads.get(d.end, (None, None)))))
+    return gated_output(module, out, z, (1, x.shape[0]))
+
+
 def _block_tails(mixed: torch.Tensor, d: Divided, width: int) -> torch.Tensor:
     """Every block's last `width` pre-conv rows, all ranks: [blocks, width, C] (front zero
     padded for a block shorter than `width`), via one all-gather."""

@@ -16,7 +16,8 @@ Per phase (see `attention_hook.py`):
                end state with the gradient accumulated for it, if any
     decode     one token for each of G branches: step each branch's own copy of the
                state (`BranchRecurrent`) with the recurrent form of the rule
-    divided    context parallelism's divided capture (`divided.py`)
+    divided    context parallelism's divided capture (`divided.py`); a divided reverse
+               walk's recompute also goes there (`divided_recompute_gdn`)
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from ..ops.gated_delta import chunk_gated_delta_rule, gated_delta_step
 from ..state import RecurrentState
 from .attention_hook import current_call
 from .base import forwards_replaced
-from .divided import divided_gdn
+from .divided import divided_gdn, divided_recompute_gdn
 
 
 def initial_snapshot(states, layer_idx: int, position: int):
@@ -76,9 +77,11 @@ def _split_heads(module, conv):
             v.reshape(n, -1, module.head_v_dim))
 
 
-def _log_decay(module, a):
-    """The rule's log decay g [N, Hv] (<= 0) from the `a` projection, as HF computes it."""
-    return -module.A_log.float().exp() * F.softplus(a.float() + module.dt_bias)
+def _log_decay(module, a, params=None):
+    """The rule's log decay g [N, Hv] (<= 0) from the `a` projection, as HF computes it
+    (`params`: (A_log, dt_bias) to use instead of the module's own)."""
+    a_log, dt_bias = (module.A_log, module.dt_bias) if params is None else params
+    return -a_log.float().exp() * F.softplus(a.float() + dt_bias)
 
 
 def _gated_output(module, out, z, shape):
@@ -93,8 +96,11 @@ def gdn_forward(module, hidden_states, cache_params=None, attention_mask=None, *
     call = current_call()
     if call.phase == "decode":
         return _gdn_decode(module, hidden_states, call.branches.layers[module.layer_idx])
+    helpers = (_project, _split_heads, _log_decay, _gated_output)
     if call.phase == "divided":  # context parallelism: this rank's own positions (`divided.py`)
-        return divided_gdn(module, hidden_states[0], call, (_project, _split_heads, _log_decay, _gated_output))
+        return divided_gdn(module, hidden_states[0], call, helpers)
+    if call.phase == "recompute" and call.divided is not None:  # a divided reverse walk (`divided.py`)
+        return divided_recompute_gdn(module, hidden_states[0], call, helpers, initial_snapshot)
     x = hidden_states[0]  # (T, d)
     t = x.shape[0]
     mixed, z, b, a = _project(module, x)

@@ -21,7 +21,7 @@ from .gated_deltanet import routed_gdn
 
 class HybridAdapter(DenseAdapter):
     model_types = ("qwen3_5", "qwen3_5_text", "qwen3_5_moe", "qwen3_5_moe_text", "qwen3_next")
-    divides_walk = False  # its GDN layers recompute chunk by chunk from the snapshots: a replicated walk
+    restarts_at_chunks = True  # its GDN layers recompute from the snapshots at capture-chunk starts
 
     def check_config(self) -> None:
         layers = self.backbone.layers

@@ -82,6 +82,22 @@ class SumGradAcrossRanks(torch.autograd.Function):
         return all_reduce_sum(grad.contiguous().clone(), ctx.cp), None
 
 
+class GradOnFirstRank(torch.autograd.Function):
+    """Identity forward; backward passes the gradient on the group's first rank and zeros
+    elsewhere. Put in front of a parameter used by a computation replicated on every rank
+    (with a replicated upstream gradient) whose parameter gradients are then summed over
+    ranks: the sum counts the replicated contribution once, exactly."""
+
+    @staticmethod
+    def forward(ctx, x, cp):
+        ctx.first = cp.rank == 0
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return (grad if ctx.first else torch.zeros_like(grad)), None
+
+
 class GatherRows(torch.autograd.Function):
     """x [.., n_r, F] of this rank's rows of a chunk -> [.., T, F], every rank's rows in
     chunk order (rank s's rows land at `index[s]`, LongTensor [n_s]; one all-gather, each
