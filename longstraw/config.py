@@ -70,9 +70,9 @@ class ExecConfig:
     divide_walk: bool = True
     """Context parallelism, exact mode: recompute and backpropagate each prompt token of
     the reverse walk on one rank (the owner of its block), for the families that support
-    it (dense attention); the walk's parameter gradients are then partial per rank and
-    summed once per step (one bucketed all-reduce). False replicates the walk on every
-    rank (what GDN hybrids and MLA/DSA families always do, and what an offloaded state,
+    it (dense attention and GDN hybrids); the walk's parameter gradients are then partial
+    per rank and summed once per step (one bucketed all-reduce). False replicates the walk
+    on every rank (what MLA/DSA families always do, and what an offloaded state,
     kept capture graphs or FSDP2-sharded layers get). Same result either way. See
     docs/distributed.md."""
 

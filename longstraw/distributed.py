@@ -5,7 +5,7 @@ ranks). The per-token prompt state (attention K/V, MLA latents) is sharded by bl
 of positions dealt round-robin (`state.Shard`); small state (GDN recurrent state) is
 replicated. Capture's token computation is divided for dense and GDN-hybrid families
 (each prompt token on the rank that owns its block, layer by layer:
-`sequence_parallel.py`), and so is exact mode's reverse walk for dense families (each
+`sequence_parallel.py`), and so is exact mode's reverse walk for both (each
 prompt token recomputed and backpropagated on its owner). Replay, the other families'
 reverse walk and MLA/DSA capture run their token computation (projections, MLP/MoE, norms, the branch's own causal
 attention) on every rank, and only attention over the prompt state is distributed:
@@ -29,8 +29,9 @@ the current CUDA device for NCCL, so call `torch.cuda.set_device(local_rank)` be
 building the engine; CPU for gloo); `ops/collectives.py` moves tensors there and back.
 
 What this buys: each rank holds ~1/W of the prompt state and does ~1/W of the
-attention work over it and of capture's token computation (and of a dense model's
-reverse walk); replay's token computation is not divided (docs/distributed.md).
+attention work over it and of capture's and the reverse walk's token computation
+(dense and GDN-hybrid families); replay's token computation is not divided
+(docs/distributed.md).
 """
 
 from __future__ import annotations

@@ -214,7 +214,8 @@ def test_divided_walk_and_its_fallbacks():
     """Exact mode on a dense model under CP: the reverse walk's token computation is divided
     (each prompt token on one rank; each walk chunk's self part on every rank), in whole
     cycles of the deal; GDN hybrids, MLA/DSA families, kept graphs, an offloaded state,
-    sharded weights, `divide_walk=False` and detached mode walk replicated (or not at all)."""
+    sharded weights, `divide_walk=False` and detached mode walk replicated (or not at all);
+    a GDN hybrid's walk is divided too, in whole capture chunks, its recurrence replicated."""
     from longstraw.plan.estimate import walk_chunk_tokens
 
     kw = dict(prompt_tokens=1_048_576, gpus=8, mode="exact", chunk_size=4096, attention_block_size=1024)
@@ -226,7 +227,11 @@ def test_divided_walk_and_its_fallbacks():
     assert 0.6 * 7 / 8 * token * 3 < saved < 7 / 8 * token * 3  # (1 + backward) x 7/8 of it, less the self parts
     assert divided["recompute_working_bytes"] < replicated["recompute_working_bytes"]
     assert divided["estimated_time_s_exact"] < replicated["estimated_time_s_exact"]
-    for other in (plan("qwen3.6-27b", **kw), plan("glm-5.2", **kw), plan("qwen3-8b", **{**kw, "gpus": 1}),
+    hybrid = plan("qwen3.6-27b", **{**kw, "chunk_size": 3000})
+    assert hybrid["divided_walk"] and hybrid["walk_chunk_tokens"] == 9000  # 3 capture chunks hold a cycle
+    assert hybrid["flops_exact_extra"] < plan("qwen3.6-27b", divide_walk=False,
+                                              **{**kw, "chunk_size": 3000})["flops_exact_extra"]
+    for other in (plan("glm-5.2", **kw), plan("qwen3-8b", **{**kw, "gpus": 1}),
                   plan("qwen3-8b", keep_graph_bytes=1 << 40, **kw), plan("qwen3-8b", offload_state=True, **kw),
                   plan("qwen3-8b", shard_params=True, **kw), plan("qwen3-8b", **{**kw, "mode": "detached"})):
         assert not other["divided_walk"]

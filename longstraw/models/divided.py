@@ -20,9 +20,11 @@ layer need positions held elsewhere:
 The MLP/MoE blocks run in pieces of `chunk_size` tokens (`chunked_mlps`), so a layer's
 working set is the attention projections of the shard plus one MLP piece.
 
-Exact mode's divided reverse walk (dense families) reuses the deal with autograd, one
-walk chunk at a time (`DividedChunk`): `divided_recompute_attention` gathers the chunk's
-q/k/v rows, attends as the replicated walk does, and keeps this rank's rows.
+Exact mode's divided reverse walk reuses the deal with autograd, one walk chunk at a
+time (`DividedChunk`): `divided_recompute_attention` gathers the chunk's q/k/v rows,
+attends as the replicated walk does, and keeps this rank's rows; `divided_recompute_gdn`
+projects this rank's rows, gathers the chunk's projected rows, runs the conv and the
+recurrence over the whole chunk on every rank, and keeps this rank's rows.
 """
 
 from __future__ import annotations

@@ -143,8 +143,8 @@ class PlanConfig:
 
     divide_walk: bool = True
     """Exact mode under context parallelism (W > 1): the reverse walk recomputes and
-    backpropagates each prompt token on one rank (`ExecConfig.divide_walk`; dense
-    families only, not with kept graphs, an offloaded state or sharded weights
+    backpropagates each prompt token on one rank (`ExecConfig.divide_walk`; dense and
+    GDN-hybrid families, not MLA/DSA, not with kept graphs, an offloaded state or sharded weights
     (`shard_params`: FSDP2 walks replicated), and only when every rank owns a block).
     False: the walk's token computation is replicated on every rank."""
 
@@ -309,22 +309,31 @@ def divided_capture_traffic(model, *, positions: int, world: int, block: int, ch
     return worst
 
 
-def walk_chunk_tokens(positions: int, chunk_size: int, world: int, block: int) -> int:
+def walk_chunk_tokens(positions: int, chunk_size: int, world: int, block: int, at_chunks: bool = False) -> int:
     """Tokens of one chunk of a divided reverse walk: whole cycles of the deal (world x
-    block), as many as `chunk_size` needs (as `sequence_parallel.walk_chunks`)."""
+    block), as many as `chunk_size` needs; `at_chunks` (GDN hybrids): the fewest capture
+    chunks that hold a cycle (as `sequence_parallel.walk_chunks`)."""
     cycle = world * block
-    return min(positions, -(-chunk_size // cycle) * cycle)
+    size = -(-cycle // chunk_size) * chunk_size if at_chunks else -(-chunk_size // cycle) * cycle
+    return min(positions, size)
 
 
 def divided_walk_flops(arch: Arch, params: ParamCount, positions: int, world: int, block: int,
                        chunk: int) -> float:
-    """Forward FLOPs of a divided reverse walk's recompute on the fullest rank (dense
-    families): as a divided capture (its own tokens; ~1/W of the attention pairs), plus the
-    part of each chunk's own causal attention that every rank runs in full (the chunk's
-    q/k/v rows are gathered and its T x T self part is replicated)."""
+    """Forward FLOPs of a divided reverse walk's recompute on the fullest rank: the token
+    computation of its own positions, ~1/W of the attention pairs plus the part of each
+    chunk's own causal attention that every rank runs in full (the chunk's q/k/v rows are
+    gathered and its T x T self part is replicated), and every GDN layer's recurrence over
+    every position (it runs over each whole walk chunk on every rank)."""
     chunks = -(-positions // chunk)
-    self_part = sum(_mixer_flops(arch, layer, chunk, 0) for layer in arch.layers if layer.mixer == "attention")
-    return divided_flops(arch, params, positions, world, block) + chunks * self_part * (1 - 1 / world)
+    f = 2 * params.matmul_active * rank_positions(positions, world, block)
+    for layer in arch.layers:
+        if layer.mixer == "gdn":
+            f += _mixer_flops(arch, layer, positions, 0)
+        else:
+            f += _mixer_flops(arch, layer, positions, 0) / world + chunks * _mixer_flops(arch, layer, chunk, 0) * (
+                1 - 1 / world)
+    return f
 
 
 def _divided_working(arch: Arch, mine: int, chunk: int, b: int, acc: int) -> float:
@@ -470,17 +479,19 @@ def estimate(model, config: PlanConfig) -> dict:
     chunk_graph = autograd_pass(arch, C, p_rank, blk, b, acc, dense_grad, gk)[0]
     kept_chunks = min(chunks, int(c.keep_graph_bytes // chunk_graph)) if exact and c.keep_graph_bytes else 0
     kept_bytes = kept_chunks * chunk_graph
-    # the engine's rule (Engine.divides_walk): dense families (no GDN, no MLA), no kept chunk
-    # graphs, no offloaded state, no sharded weights (FSDP2 walks replicated), a block for every rank
-    divided_walk = (exact and c.divide_walk and W > 1 and not arch.count(mixer="gdn") and not arch.count(mixer="mla")
-                    and not c.offload_state and kept_chunks == 0 and not c.shard_params
-                    and P - 1 > (W - 1) * c.attention_block_size)
-    walk_chunk = walk_chunk_tokens(P - 1, c.chunk_size, W, c.attention_block_size) if divided_walk else C
-    if divided_walk:  # the rank's own tokens of one walk chunk with autograd, plus the chunk's gathered
-        # q/k/v and output rows per attention layer and its replicated attention (self part, blockwise backward)
+    # the engine's rule (Engine.divides_walk): dense and GDN-hybrid families (no MLA), no kept
+    # chunk graphs, no offloaded state, no sharded weights (FSDP2 walks replicated), a block for every rank
+    divided_walk = (exact and c.divide_walk and W > 1 and not arch.count(mixer="mla") and not c.offload_state
+                    and kept_chunks == 0 and not c.shard_params and P - 1 > (W - 1) * c.attention_block_size)
+    walk_chunk = C
+    if divided_walk:  # the rank's own tokens of one walk chunk with autograd, plus the chunk's gathered q/k/v
+        # and output rows per attention layer and its replicated attention (self part, blockwise backward),
+        # and per GDN layer its replicated conv + recurrence (bounded by the layer's whole graph per token)
+        walk_chunk = walk_chunk_tokens(P - 1, c.chunk_size, W, c.attention_block_size, bool(arch.count(mixer="gdn")))
         own = rank_positions(walk_chunk, W, c.attention_block_size)
-        gathered_rows = walk_chunk * sum((2 * arch.heads + 2 * arch.kv_heads) * arch.head_dim * b
-                                         for layer in arch.layers if layer.mixer == "attention")
+        gathered_rows = walk_chunk * sum(
+            (2 * arch.heads + 2 * arch.kv_heads) * arch.head_dim * b if layer.mixer == "attention"
+            else graph_bytes_per_token(arch, layer, b, gk) for layer in arch.layers)
         whole, attn = autograd_pass(arch, walk_chunk, p_rank, blk, b, acc, dense_grad, gk)
         self_part = whole - walk_chunk * graph_tok  # the dense self part's scores, when counted
         recompute_working = (autograd_pass(arch, own, p_rank, blk, b, acc, False, gk)[0] + gathered_rows
@@ -558,7 +569,7 @@ def estimate(model, config: PlanConfig) -> dict:
         + ("capture divided (each prompt token on one rank; GDN transitions (Dk+Dv)/Dv of a plain pass), "
            if divided else "capture replicated except attention over the prompt state (divided by W), ")
         + (f"the exact reverse walk divided (each prompt token on one rank; each walk chunk's own causal attention, "
-           f"{walk_chunk:,} tokens, on every rank), " if divided_walk else
+           f"{walk_chunk:,} tokens, and GDN conv + recurrence on every rank), " if divided_walk else
            "the exact reverse walk replicated except attention over the prompt state (divided by W), "
            if exact else "")
         + "replay replicated except attention over the prompt state (divided by W)",
