@@ -103,7 +103,8 @@ def walk_chunks(positions: int, chunk_size: int, world: int, block: int, *,
 def divided_chunks(positions: int, chunk_size: int, shard: Shard, *,
                    at_chunks: bool = False) -> list[tuple[int, int, DividedChunk]]:
     """`walk_chunks` with each chunk's `DividedChunk` for this rank: [(start, end, chunk)]."""
-    return [(a, b, DividedChunk(start=a, end=b, rank=shard.rank, world=shard.world, block=shard.block, cp=shard.cp))
+    return [(a, b, DividedChunk(start=a, end=b, rank=shard.rank, world=shard.world, block=shard.block, cp=shard.cp,
+                                chunk_size=chunk_size))
             for a, b in walk_chunks(positions, chunk_size, shard.world, shard.block, at_chunks=at_chunks)]
 
 

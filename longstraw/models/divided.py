@@ -98,6 +98,7 @@ class DividedChunk:
         start, end: the chunk's absolute positions.
         rank, world, block: the round-robin deal of the sharded state.
         cp: the `distributed.ContextParallel`.
+        chunk_size: the capture chunk (a hybrid's walk chunk is whole capture chunks).
     """
 
     start: int
@@ -106,6 +107,7 @@ class DividedChunk:
     world: int
     block: int
     cp: object
+    chunk_size: int
 
     def rows(self, device=None) -> list[torch.Tensor]:
         """Per rank, the indices [n_s] (within the chunk, increasing) of its positions."""
@@ -199,7 +201,11 @@ def divided_recompute_gdn(module, x, call, helpers, initial_snapshot):
     ranks (`SumGradAcrossRanks`). That replicated part's backward is then identical on
     every rank, seeds at the chunk's end and snapshot gradients included (the GDN state
     is replicated); its parameters (conv, A_log, dt_bias) pass their gradient on the
-    first rank only (`GradOnFirstRank`), so the walk's one sum over ranks counts it once."""
+    first rank only (`GradOnFirstRank`), so the walk's one sum over ranks counts it once.
+
+    The decay is computed per capture chunk, as the replicated walk computes it: HF's
+    decay casts A_log to float32, so each call rounds A_log's gradient to float32 once,
+    and cutting where the replicated walk cuts keeps that rounding the same."""
     from ..ops.collectives import GatherRows, GradOnFirstRank, SumGradAcrossRanks
     from ..ops.gated_delta import chunk_gated_delta_rule
 
@@ -216,8 +222,11 @@ def divided_recompute_gdn(module, x, call, helpers, initial_snapshot):
     conv, tail1 = causal_conv1d_with_tail(full_mixed.transpose(0, 1), first[0][:, 0, :], first[1], tail0,
                                           activation=module.activation)  # (C, T)
     q, k, v = split_heads(module, conv.transpose(0, 1))
-    out, rec1 = chunk_gated_delta_rule(q, k, v, log_decay(module, full_a, (first[2], first[3])), full_b.sigmoid(),
-                                       rec0, use_qk_l2norm=True)  # (T, Hv, Dv), the same on every rank
+    assert d.start % d.chunk_size == 0, "a hybrid's walk chunk starts at a capture chunk"
+    decay = torch.cat([log_decay(module, full_a[i:i + d.chunk_size], (first[2], first[3]))
+                       for i in range(0, full_a.shape[0], d.chunk_size)])  # (T, Hv)
+    out, rec1 = chunk_gated_delta_rule(q, k, v, decay, full_b.sigmoid(), rec0,
+                                       use_qk_l2norm=True)  # (T, Hv, Dv), the same on every rank
     out = SumGradAcrossRanks.apply(out, d.cp)[index[d.rank]]  # (n, Hv, Dv)
     layer: RecurrentState = call.states[-1].layers[module.layer_idx]
     if layer.grads is not None:  # seeded by what later readers of the snapshot added (on every rank alike)
