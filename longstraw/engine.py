@@ -317,7 +317,8 @@ class Engine:
         and joins the same backward. One chunk's graph is alive at a time.
 
         `shard` (context parallelism; the prompt's walk, start 0): divided. The chunks
-        are whole cycles of the deal (`sequence_parallel.walk_chunks`), and this rank
+        are whole cycles of the deal, or whole capture chunks for a family that restarts
+        from their snapshots (`sequence_parallel.walk_chunks`), and this rank
         recomputes and backpropagates only its own positions of each; its parameter
         gradients are partial (the caller sums them over ranks: `partial_gradients`).
         """
@@ -478,8 +479,9 @@ class Engine:
         }
         if equal and grpo.beta == 0:
             # Zero advantage and no KL term: the loss and its gradient are exactly 0.
-            metrics.update(skipped_zero_advantage=1.0, divided_capture=0.0, divided_walk=0.0, state_bytes=0.0, state_grad_bytes=0.0,
-                           time_capture_s=0.0, time_replay_s=0.0, time_reverse_s=0.0, time_total_s=0.0)
+            metrics.update(skipped_zero_advantage=1.0, divided_capture=0.0, divided_walk=0.0, state_bytes=0.0,
+                           state_grad_bytes=0.0, time_capture_s=0.0, time_replay_s=0.0, time_reverse_s=0.0,
+                           time_total_s=0.0)
             return StepResult(loss=0.0, metrics=metrics)
 
         exact = self.config.mode == "exact"

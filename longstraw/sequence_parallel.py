@@ -76,7 +76,6 @@ def divided_capture(adapter, ids: torch.Tensor, state: PromptState, shard: Shard
     state.length = n
 
 
-
 # ----------------------------------------------------------------------------
 # the divided reverse walk (exact mode)
 

@@ -133,6 +133,7 @@ def run_fsdp(rank: int, world: int, init_file: str) -> None:
                     result = ls.Engine(model, ls.ExecConfig(mode=mode, context_parallel=True, divide_capture=divide,
                                                             **kw)).step(group)
                     assert result.metrics["divided_capture"] == float(divide)
+                    assert result.metrics["divided_walk"] == 0.0  # FSDP2 averages: the walk stays replicated
                     for pname, p in model.named_parameters():
                         grad, ref = p.grad, want[mode][pname]
                         if hasattr(grad, "to_local"):  # a DTensor shard: dim-0 chunks, as FSDP2 lays them out
@@ -338,8 +339,8 @@ def run_divided_walk(rank: int, world: int, init_file: str) -> None:
                  ("hybrid", 20, 4, 7, None)]
         # walk chunks that are the capture chunks
         cases += [("hybrid", 25, 3, 6, None) if world == 2 else ("hybrid", 28, 3, 9, None)]
-        if world == 2:
-            cases += [("next", 19, 3, 4, None)]
+        if world == 2:  # Qwen3-Next's grouped projection layout and Qwen3.5's MoE, once
+            cases += [("next", 19, 3, 4, None), ("hybrid_moe", 16, 3, 4, None)]
         for name, prompt_len, block, chunk, pieces in cases:
             bounds = walk_chunks(prompt_len - 1, chunk, world, block, at_chunks=name in HYBRIDS)
             assert bounds[0][0] == 0 and bounds[-1][1] == prompt_len - 1

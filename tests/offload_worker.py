@@ -34,6 +34,7 @@ def run(rank: int, world: int, init_file: str, cases: list[str]) -> None:
                 model.zero_grad(set_to_none=True)
                 got = engine.step(group)
                 assert got.metrics["divided_capture"] == 0.0, name  # an offloaded state is captured replicated
+                assert got.metrics["divided_walk"] == 0.0, name  # and walked replicated
                 assert abs(got.loss - single.loss) <= 1e-9 * abs(single.loss) + 1e-13, (name, mode)
                 assert_grads_close(grads_of(model), want_single, 1e-9)
             # rollouts and scores of the offloaded shard equal the on-device shard's
