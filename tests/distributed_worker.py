@@ -266,13 +266,17 @@ def all_gather_ints(value: int) -> list:
 def run_divided(rank: int, world: int, init_file: str) -> None:
     """Divided capture (each prompt token on one rank) at awkward geometries: a GDN
     segment cut by a chunk boundary inside a block, blocks that do not divide the prompt,
-    blocks shorter than the conv's K-1 tail, more ranks than some blocks. Loss and every
-    gradient equal the single process; the state equals a replicated capture's rows and
-    snapshots; the step's metrics say the capture was divided."""
+    blocks shorter than the conv's K-1 tail, more ranks than some blocks; MLA (dense) and
+    sparse DSA (GLM-5 with a "shared" layer, DeepSeek-V3.2) with fetched pieces that cut
+    blocks. Loss and every gradient equal the single process; the state equals a
+    replicated capture's rows, indexer keys and snapshots; the step's metrics say the
+    capture was divided. (The DeepSeek/GLM routers score in float32, where a one-token
+    MLP piece rounds differently from a longer one: no geometry here leaves a rank, or
+    the single process, a last piece of one token.)"""
     _init(rank, world, init_file)
     try:
         cases = [("hybrid", 22, 4, 6), ("hybrid", 20, 2, 5), ("dense", 22, 4, 6), ("hybrid", 12, 4, 3),
-                 ("hybrid", 9, 5, 3)]
+                 ("hybrid", 9, 5, 3), ("mla", 22, 4, 6), ("glm_sparse", 21, 3, 6), ("dsv32_sparse", 22, 4, 6)]
         if world == 2:  # Qwen3-Next's grouped projection layout and Qwen3.5's MoE, once
             cases += [("next", 22, 4, 6), ("hybrid_moe", 16, 3, 4)]
         for name, prompt_len, block, chunk in cases:
@@ -300,14 +304,19 @@ def run_divided(rank: int, world: int, init_file: str) -> None:
 
 
 def _assert_same_state(a, b) -> None:
-    from longstraw.state import AttentionKV, RecurrentState
+    from longstraw.state import AttentionKV, MLAState, RecurrentState
 
     assert a.length == b.length
     for x, y in zip(a.layers, b.layers):
-        if isinstance(x, AttentionKV):
-            assert (x.length, x.consumed) == (y.length, y.consumed)
-            for s, t in zip(x.keys(), y.keys()):
-                torch.testing.assert_close(s, t, rtol=1e-10, atol=1e-12)
+        if isinstance(x, MLAState):
+            _assert_same_rows(x.latent, y.latent)
+            assert (x.index is None) == (y.index is None)
+            if x.index is not None:
+                assert (x.index.length, x.index.consumed) == (y.index.length, y.index.consumed)
+                torch.testing.assert_close(x.index.until(x.index.end), y.index.until(y.index.end),
+                                           rtol=1e-10, atol=1e-12)
+        elif isinstance(x, AttentionKV):
+            _assert_same_rows(x, y)
         else:
             assert isinstance(x, RecurrentState) and sorted(x.snapshots) == sorted(y.snapshots)
             for p in x.snapshots:
@@ -316,3 +325,9 @@ def _assert_same_state(a, b) -> None:
                     if s is not None:
                         assert s.dtype == t.dtype
                         torch.testing.assert_close(s, t, rtol=1e-10, atol=1e-12)
+
+
+def _assert_same_rows(x, y) -> None:
+    assert (x.length, x.consumed) == (y.length, y.consumed)
+    for s, t in zip(x.keys(), y.keys()):
+        torch.testing.assert_close(s, t, rtol=1e-10, atol=1e-12)
