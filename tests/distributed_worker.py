@@ -229,32 +229,34 @@ def world_one(rank: int, world: int, init_file: str, flag_dir: str) -> None:
 
 def check_planner(world: int) -> None:
     """The planner's per-rank state bytes (and exact mode's GDN snapshot bytes) equal what
-    the context-parallel engine holds on the fullest rank (rank 0), for a hybrid model."""
+    the context-parallel engine holds on the fullest rank (rank 0), and the bytes the
+    busiest rank receives in the divided capture equal its prediction, for a hybrid model,
+    MLA (DeepSeek-V3) and sparse DSA (GLM-5, with a "shared" layer)."""
+    from longstraw.ops.collectives import Traffic
     from longstraw.plan import PlanConfig, estimate
+    from longstraw.plan.estimate import divided_capture_traffic
 
-    model = tiny_hybrid("qwen3_5")
     prompt = random_group(97, 41, [3], seed=2).prompt  # 40 positions held
-    for mode in ("detached", "exact"):
-        engine = ls.Engine(model, ls.ExecConfig(context_parallel=True, chunk_size=7, attention_block_size=3,
-                                                mode=mode))
-        held = [int(x) for x in all_gather_ints(engine.capture(prompt, exact=mode == "exact").nbytes())]
-        plan = estimate(model.config.to_dict(), PlanConfig(
-            prompt_tokens=40, group=1, response_tokens=3, gpus=world, chunk_size=7, attention_block_size=3,
-            mode=mode, dtype="float64"))
-        want = plan["state_bytes_per_rank"] + plan["exact_checkpoint_bytes_per_rank"]
-        assert max(held) == held[0] == want, (mode, held, plan["state_bytes_per_rank"],
-                                              plan["exact_checkpoint_bytes_per_rank"])
-        # the bytes the busiest rank receives in the (divided) capture: as the planner predicts
-        from longstraw.ops.collectives import Traffic
-        from longstraw.plan.estimate import divided_capture_traffic
-
-        Traffic.received = 0
-        engine.capture(prompt, exact=mode == "exact")
-        received = max(all_gather_ints(Traffic.received))
-        predicted = divided_capture_traffic(model.config.to_dict(), positions=40, world=world, block=3, chunk_size=7,
-                                            dtype="float64", exact=mode == "exact")
-        assert plan["divided_capture"] and received > 0
-        assert abs(received - predicted) <= 64, (mode, received, predicted)
+    for name in ("hybrid", "mla", "glm_sparse"):
+        model = CASES[name]()
+        for mode in ("detached", "exact"):
+            engine = ls.Engine(model, ls.ExecConfig(context_parallel=True, chunk_size=7, attention_block_size=3,
+                                                    mode=mode))
+            held = [int(x) for x in all_gather_ints(engine.capture(prompt, exact=mode == "exact").nbytes())]
+            plan = estimate(model.config.to_dict(), PlanConfig(
+                prompt_tokens=40, group=1, response_tokens=3, gpus=world, chunk_size=7, attention_block_size=3,
+                mode=mode, dtype="float64"))
+            want = plan["state_bytes_per_rank"] + plan["exact_checkpoint_bytes_per_rank"]
+            assert max(held) == held[0] == want, (name, mode, held, plan["state_bytes_per_rank"],
+                                                  plan["exact_checkpoint_bytes_per_rank"])
+            # the bytes the busiest rank receives in the (divided) capture: as the planner predicts
+            Traffic.received = 0
+            engine.capture(prompt, exact=mode == "exact")
+            received = max(all_gather_ints(Traffic.received))
+            predicted = divided_capture_traffic(model.config.to_dict(), positions=40, world=world, block=3,
+                                                chunk_size=7, dtype="float64", exact=mode == "exact")
+            assert plan["divided_capture"] and received > 0
+            assert abs(received - predicted) <= 64, (name, mode, received, predicted)
 
 
 def all_gather_ints(value: int) -> list:
