@@ -9,6 +9,10 @@ layer need positions held elsewhere:
     attention  `divided_attention`: the layer's own K/V rows go into the sharded state,
                then the queries attend over every rank's rows (fetched piece by piece,
                `ops/divided_attention.py`); the global causal order is exact.
+    MLA        `divided_mla`: the layer's own latent rows (and indexer keys) go into the
+               sharded state; its absorbed queries attend over every rank's latent rows
+               (fetched piece by piece), or, with DSA, over the rows of the global top-k
+               (selected over every rank's indexer keys, fetched piece by piece).
     GDN        `divided_gdn`: each own segment (a block, cut at the snapshot positions)
                gets its conv tail from the previous block's owner (one all-gather of
                every block's last K-1 pre-conv rows), then its affine transition

@@ -137,8 +137,8 @@ class PlanConfig:
 
     divide_capture: bool = True
     """Under context parallelism (W > 1), capture computes each prompt token on one rank
-    (`ExecConfig.divide_capture`; dense attention and GDN hybrids, not MLA/DSA families,
-    not with kept graphs or an offloaded state, and only when every rank owns a block). False: capture's token computation is
+    (`ExecConfig.divide_capture`; every family, but not with kept graphs or an offloaded
+    state, and only when every rank owns a block). False: capture's token computation is
     replicated on every rank."""
 
     throughput_tflops: float = 400.0
