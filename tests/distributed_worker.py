@@ -272,9 +272,9 @@ def run_divided(rank: int, world: int, init_file: str) -> None:
     sparse DSA (GLM-5 with a "shared" layer, DeepSeek-V3.2) with fetched pieces that cut
     blocks. Loss and every gradient equal the single process; the state equals a
     replicated capture's rows, indexer keys and snapshots; the step's metrics say the
-    capture was divided. (The DeepSeek/GLM routers score in float32, where a one-token
-    MLP piece rounds differently from a longer one: no geometry here leaves a rank, or
-    the single process, a last piece of one token.)"""
+    capture was divided. (The DeepSeek/GLM routers score in float32, where one token
+    rounds differently from several: no MLA geometry here leaves a rank only one position,
+    or the single process a last chunk of one token.)"""
     _init(rank, world, init_file)
     try:
         cases = [("hybrid", 22, 4, 6), ("hybrid", 20, 2, 5), ("dense", 22, 4, 6), ("hybrid", 12, 4, 3),

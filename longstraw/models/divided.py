@@ -88,14 +88,21 @@ class Divided:
 
 
 def chunked_mlps(layers, size: int):
-    """Within the block, each decoder layer's `mlp` runs over pieces of `size` tokens."""
+    """Within the block, each decoder layer's `mlp` runs over pieces of `size` tokens; a
+    last piece of one token joins the one before it. (DeepSeek's and GLM-5's MoE routers
+    compute their logits in float32, and one token takes BLAS's matrix-vector path,
+    which rounds differently from the matrix products of a chunked capture.)"""
     mlps = [layer.mlp for layer in layers if hasattr(layer, "mlp")]
 
     def chunked(forward):
         def run(x):  # x [1, N, d]
-            if x.shape[1] <= size:
+            n = x.shape[1]
+            if n <= size + 1:
                 return forward(x)
-            outs = [forward(x[:, a:a + size]) for a in range(0, x.shape[1], size)]
+            starts = list(range(0, n, size))
+            if n - starts[-1] == 1:
+                starts.pop()
+            outs = [forward(x[:, a:b]) for a, b in zip(starts, starts[1:] + [n])]
             return torch.cat([o[0] if isinstance(o, tuple) else o for o in outs], dim=1)
         return run
     return forwards_replaced(mlps, [chunked(m.forward) for m in mlps])
