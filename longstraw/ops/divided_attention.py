@@ -145,7 +145,7 @@ def divided_causal_attention(q, k, v, *, positions: int, rank: int, world: int, 
 
 @torch.no_grad()
 def divided_indexer_topk(q_idx, weights, keys, topk: int, *, scale: float, positions: int, rank: int, world: int,
-                         block: int, cp, piece_rows: int, query_block: int = 128):
+                         block: int, cp, piece_rows: int, query_block: int = 1024, key_block: int = 128):
     """DSA's selection for this rank's own queries over every rank's indexer keys: exactly
     `dsa.indexer_topk`'s of one process (best score first, ties to the lower position),
     since that order is total and the top-k of a union is the top-k of its parts' top-ks.
@@ -154,6 +154,9 @@ def divided_indexer_topk(q_idx, weights, keys, topk: int, *, scale: float, posit
         q_idx: [N, Hi, Di] indexer queries of this rank's positions (float32: HF scores in it).
         weights: [N, Hi] head weights (HF's n_heads**-0.5 included). keys: [N, Di] own keys.
         positions, rank, world, block, cp, piece_rows: as `divided_causal_attention`.
+        query_block, key_block: queries scored at once, keys per matmul (memory: the block's
+            scores and running top-k [query_block, topk + piece_rows], and a
+            [query_block, Hi, key_block] temporary).
     Returns:
         LongTensor [N, topk] of absolute positions, -1 padded. Every rank must call it.
     """
@@ -171,7 +174,8 @@ def divided_indexer_topk(q_idx, weights, keys, topk: int, *, scale: float, posit
             if row_position(b1 - 1, rank, world, block) < first_key:
                 continue  # the whole query block comes before the piece
             visible = k_pos[None, :] <= q_pos[b0:b1, None]  # (B, n_piece)
-            sc = indexer_scores(q_idx[b0:b1], weights[b0:b1], pk, scale=scale).masked_fill_(~visible, float("-inf"))
+            sc = indexer_scores(q_idx[b0:b1], weights[b0:b1], pk, scale=scale, key_block=key_block)
+            sc.masked_fill_(~visible, float("-inf"))
             cand_pos = torch.cat([best[b0:b1], torch.where(visible, k_pos[None, :], -1)], dim=1)
             best[b0:b1], best_sc[b0:b1] = select_candidates(torch.cat([best_sc[b0:b1], sc], dim=1), cand_pos, topk,
                                                             with_scores=True)
@@ -186,9 +190,10 @@ def divided_sparse_attention(q, k, indices, *, value_dim: int, positions: int, r
 
     Each rank's shard of latent rows is fetched piece by piece (as `divided_causal_attention`
     fetches it); the queries that selected rows of the piece attend over those rows
-    (`dsa.sparse_latent_attention`, rows addressed within the piece, each query's entries
-    packed to the left so the gather is as wide as the most any query takes from the piece),
-    and the partials are merged by log-sum-exp.
+    (`dsa.sparse_latent_attention`, rows addressed within the piece; each query's entries
+    are sorted once by where they live, so a piece's entries are one run per query, and the
+    gather is as wide as the most any query takes from the piece), and the partials are
+    merged by log-sum-exp.
 
     Args:
         q: [H, N, D] absorbed queries of this rank's positions. k: [N, D] their latent rows
@@ -202,19 +207,24 @@ def divided_sparse_attention(q, k, indices, *, value_dim: int, positions: int, r
     acc = accumulation_dtype(q.dtype)
     out = q.new_zeros(h, n, value_dim, dtype=acc)
     lse = q.new_full((h, n), float("-inf"), dtype=acc)
+    # each entry's place in the shards laid end to end (rank 0's rows, then rank 1's, ..),
+    # sorted per query: a piece's entries are then one run of each row, found by bisection
+    stride = rows_before(positions, 0, world, block)  # rank 0 holds the most rows
     safe = indices.clamp(min=0)
-    owner = torch.where(indices >= 0, torch.div(safe, block, rounding_mode="floor") % world, -1)  # (N, K)
-    row = torch.div(safe, world * block, rounding_mode="floor") * block + safe % block  # row in its owner's shard
+    place = (torch.div(safe, block, rounding_mode="floor") % world * stride
+             + torch.div(safe, world * block, rounding_mode="floor") * block + safe % block)
+    place = torch.where(indices >= 0, place, world * stride).sort(dim=1).values  # (N, K); -1 entries last
     for src, r0, r1, (pk,) in shard_pieces([k], positions=positions, rank=rank, world=world, block=block, cp=cp,
                                            piece_rows=piece_rows):
-        hit = (owner == src) & (row >= r0) & (row < r1)  # (N, K)
-        count = hit.sum(dim=1)
+        bounds = torch.tensor([src * stride + r0, src * stride + r1], device=q.device).expand(n, 2).contiguous()
+        lo, hi = torch.searchsorted(place, bounds).unbind(1)  # (N,) each: the run of this piece's entries
+        count = hi - lo
         touched = count.nonzero().squeeze(1)
         if touched.numel() == 0:
             continue
-        hit = hit[touched]
-        left = torch.sort(hit.to(torch.int8), dim=1, descending=True, stable=True).indices[:, :int(count.max())]
-        local = torch.where(hit, row[touched] - r0, -1).gather(1, left)  # (n_touched, width)
+        j = torch.arange(int(count.max()), device=q.device)
+        local = place[touched].gather(1, (lo[touched, None] + j).clamp(max=place.shape[1] - 1)) - bounds[0, 0]
+        local = torch.where(j < count[touched, None], local, -1)  # (n_touched, widest run): rows of the piece
         none = pk.new_zeros(touched.numel(), d)  # no new-token rows: every entry lies in the piece
         o_p, lse_p = sparse_latent_attention(q[:, touched], none, none[:, :value_dim], local,
                                              prefixes=[KVSegment(pk[None], pk[None, :, :value_dim], 0)],
