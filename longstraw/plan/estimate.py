@@ -328,9 +328,9 @@ def _divided_working(arch: Arch, mine: int, chunk: int, b: int, acc: int) -> flo
         mla = (h * (arch.nope_dim + r) + (arch.q_lora_rank or 0) + h * (kl + r) + 3 * (kl + r)
                + h * arch.v_head_dim) * b + h * (kl + 1) * acc
         if arch.count(indexer=True):  # indexer queries (and their fp32 copy), keys, weights; the
-            # running top-k (positions and scores) and the sparse attention's index tensors
+            # running top-k (positions int64, scores fp32) and the sparse attention's sorted places (int64)
             mla += arch.index_heads * arch.index_dim * (b + 4) + arch.index_dim * b + arch.index_heads * 4
-            mla += arch.index_topk * (8 + 4 + 3 * 8)
+            mla += arch.index_topk * (8 + 4 + 8)
         layers.append(mine * mla)
     if arch.count(mixer="gdn"):
         layers.append(mine * (2 * arch.conv_dim * b + arch.gdn_v_heads * arch.gdn_v_dim * 2 * b
