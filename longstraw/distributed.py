@@ -3,9 +3,9 @@
 Every rank runs the same group (`Engine.step` is called with the same `Group` on all
 ranks). The per-token prompt state (attention K/V, MLA latents) is sharded by blocks
 of positions dealt round-robin (`state.Shard`); small state (GDN recurrent state) is
-replicated. Capture's token computation is divided for dense and GDN-hybrid families
-(each prompt token on the rank that owns its block, layer by layer:
-`sequence_parallel.py`). Replay, exact mode's reverse walk and MLA/DSA capture run
+replicated. Capture's token computation is divided for dense, GDN-hybrid and MLA/DSA
+families (each prompt token on the rank that owns its block, layer by layer:
+`sequence_parallel.py`). Replay and exact mode's reverse walk run
 their token computation (projections, MLP/MoE, norms, the branch's own causal
 attention) on every rank, and only attention over the prompt state is distributed:
 

@@ -13,6 +13,13 @@ every layer can divide its work:
     attention                     own K/V into the shard; queries attend over every
                                   rank's rows, fetched piece by piece (broadcast):
                                   (W-1)/W * P * Hkv * (D + Dv) values received per layer
+    MLA                           own latent rows into the shard; queries attend over
+                                  every rank's latent rows, fetched piece by piece:
+                                  (W-1)/W * P * (R + Dr) values per layer
+    DSA indexer                   own indexer keys into the shard; the global top-k of
+                                  own queries over every rank's keys, fetched piece by
+                                  piece ((W-1)/W * P * Di values); the sparse attention
+                                  over the selected rows merges each piece's partial
     Gated DeltaNet                per own segment an affine transition of the state,
                                   a relay carries the state across ranks, then each
                                   rank finishes its outputs; the conv's K-1 tail comes
@@ -24,7 +31,7 @@ Between layers a rank keeps its shard of the hidden states, [N, d].
 What stays replicated: replay of the branches (R-sized, against the sharded state as
 before), exact mode's reverse walk (it recomputes chunk by chunk through all layers,
 with autograd, attending over the sharded state as before), captures that keep chunk
-graphs (`keep_graph_bytes`), rollouts' decode, and the MLA/DSA families' capture. Because
+graphs (`keep_graph_bytes`), captures of an offloaded state, and rollouts' decode. Because
 replay and the walk are replicated and capture runs without autograd, every parameter
 gradient is still complete on every rank and no parameter gradient is reduced (FSDP2's
 reduce-scatter remains the only reduction). See docs/distributed.md.
