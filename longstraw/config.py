@@ -61,10 +61,9 @@ class ExecConfig:
 
     divide_capture: bool = True
     """Context parallelism: compute each prompt token of capture on one rank (the owner
-    of its block), layer by layer, for the families that support it (dense attention
-    and Gated DeltaNet hybrids); False replicates capture's token computation on every
-    rank (what the MLA/DSA families always do, and what an offloaded state
-    (`state_device="cpu"`) or kept capture graphs get). Same result either way. See
+    of its block), layer by layer (dense attention, Gated DeltaNet hybrids and the
+    MLA/DSA families); False replicates capture's token computation on every rank (what
+    an offloaded state (`state_device="cpu"`) or kept capture graphs always get). Same result either way. See
     docs/distributed.md."""
 
     divide_walk: bool = True

@@ -3,12 +3,12 @@
 Every rank runs the same group (`Engine.step` is called with the same `Group` on all
 ranks). The per-token prompt state (attention K/V, MLA latents) is sharded by blocks
 of positions dealt round-robin (`state.Shard`); small state (GDN recurrent state) is
-replicated. Capture's token computation is divided for dense and GDN-hybrid families
-(each prompt token on the rank that owns its block, layer by layer:
-`sequence_parallel.py`), and so is exact mode's reverse walk for both (each
-prompt token recomputed and backpropagated on its owner). Replay, the other families'
-reverse walk and MLA/DSA capture run their token computation (projections, MLP/MoE, norms, the branch's own causal
-attention) on every rank, and only attention over the prompt state is distributed:
+replicated. Capture's token computation is divided for dense, GDN-hybrid and MLA/DSA
+families (each prompt token on the rank that owns its block, layer by layer:
+`sequence_parallel.py`), and so is exact mode's reverse walk for dense and GDN-hybrid
+families (each prompt token recomputed and backpropagated on its owner). Replay and the
+MLA/DSA families' reverse walk run their token computation (projections, MLP/MoE,
+norms, the branch's own causal attention) on every rank, and only attention over the prompt state is distributed:
 
     forward    each rank attends over its own shard -> partial (o_r, lse_r);
                all-gather and merge by log-sum-exp -> the same (o, lse) everywhere

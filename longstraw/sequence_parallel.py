@@ -13,6 +13,13 @@ every layer can divide its work:
     attention                     own K/V into the shard; queries attend over every
                                   rank's rows, fetched piece by piece (broadcast):
                                   (W-1)/W * P * Hkv * (D + Dv) values received per layer
+    MLA                           own latent rows into the shard; queries attend over
+                                  every rank's latent rows, fetched piece by piece:
+                                  (W-1)/W * P * (R + Dr) values per layer
+    DSA indexer                   own indexer keys into the shard; the global top-k of
+                                  own queries over every rank's keys, fetched piece by
+                                  piece ((W-1)/W * P * Di values); the sparse attention
+                                  over the selected rows merges each piece's partial
     Gated DeltaNet                per own segment an affine transition of the state,
                                   a relay carries the state across ranks, then each
                                   rank finishes its outputs; the conv's K-1 tail comes
@@ -36,11 +43,11 @@ every rank alike). Its parameter gradients are then partial, and one bucketed
 all-reduce per step sums them (`partial_gradients`).
 
 What stays replicated: replay of the branches (R-sized, against the sharded state as
-before), the MLA/DSA families' reverse walk, a walk over kept capture
-graphs (`keep_graph_bytes`), an offloaded state or FSDP2-sharded layers, captures that
-keep chunk graphs, rollouts' decode, and the MLA/DSA families' capture. Replay's
-gradients are complete on every rank; only the divided walk's are summed over ranks.
-See docs/distributed.md.
+before), the MLA/DSA families' reverse walk, a walk over kept capture graphs
+(`keep_graph_bytes`), an offloaded state or FSDP2-sharded layers, captures that keep
+chunk graphs, captures of an offloaded state, and rollouts' decode. Replay's gradients
+are complete on every rank; only the divided walk's are summed over ranks. See
+docs/distributed.md.
 """
 
 from __future__ import annotations

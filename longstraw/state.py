@@ -398,11 +398,22 @@ class IndexKeys:
         t = keys.shape[0]
         if self.shard is not None:
             keys = keys[self.shard.owned(self.end, self.end + t).to(keys.device)]
+        self._write(keys)
+        self.consumed += t
+
+    @torch.no_grad()
+    def append_own(self, keys: torch.Tensor, consumed: int) -> None:
+        """Context parallelism's divided capture: write this rank's rows (keys [n, Di]) of
+        the next `consumed` positions, computed here."""
+        assert self.shard is not None and self.length == 0, "a sharded state, filled once"
+        self._write(keys)
+        self.consumed += consumed
+
+    def _write(self, keys: torch.Tensor) -> None:
         n = keys.shape[0]
         assert self.length + n <= self.keys.shape[0], "IndexKeys overflow"
         self.keys[self.length : self.length + n] = keys
         self.length += n
-        self.consumed += t
 
     def nbytes(self) -> int:
         return self.keys.numel() * self.keys.element_size()

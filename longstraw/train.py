@@ -72,7 +72,9 @@ MODEL_PRESETS = {
     "hybrid": ("qwen3_5", dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4,
                                layer_types=["linear_attention"] * 3 + ["full_attention"], num_attention_heads=2,
                                num_key_value_heads=1, head_dim=16, linear_num_key_heads=2,
-                               linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16)),
+                               linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
+                               rope_parameters={"rope_type": "default", "rope_theta": ROPE_THETA,
+                                                "partial_rotary_factor": 0.25})),
 }
 
 

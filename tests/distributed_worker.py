@@ -230,32 +230,34 @@ def world_one(rank: int, world: int, init_file: str, flag_dir: str) -> None:
 
 def check_planner(world: int) -> None:
     """The planner's per-rank state bytes (and exact mode's GDN snapshot bytes) equal what
-    the context-parallel engine holds on the fullest rank (rank 0), for a hybrid model."""
+    the context-parallel engine holds on the fullest rank (rank 0), and the bytes the
+    busiest rank receives in the divided capture equal its prediction, for a hybrid model,
+    MLA (DeepSeek-V3) and sparse DSA (GLM-5, with a "shared" layer)."""
+    from longstraw.ops.collectives import Traffic
     from longstraw.plan import PlanConfig, estimate
+    from longstraw.plan.estimate import divided_capture_traffic
 
-    model = tiny_hybrid("qwen3_5")
     prompt = random_group(97, 41, [3], seed=2).prompt  # 40 positions held
-    for mode in ("detached", "exact"):
-        engine = ls.Engine(model, ls.ExecConfig(context_parallel=True, chunk_size=7, attention_block_size=3,
-                                                mode=mode))
-        held = [int(x) for x in all_gather_ints(engine.capture(prompt, exact=mode == "exact").nbytes())]
-        plan = estimate(model.config.to_dict(), PlanConfig(
-            prompt_tokens=40, group=1, response_tokens=3, gpus=world, chunk_size=7, attention_block_size=3,
-            mode=mode, dtype="float64"))
-        want = plan["state_bytes_per_rank"] + plan["exact_checkpoint_bytes_per_rank"]
-        assert max(held) == held[0] == want, (mode, held, plan["state_bytes_per_rank"],
-                                              plan["exact_checkpoint_bytes_per_rank"])
-        # the bytes the busiest rank receives in the (divided) capture: as the planner predicts
-        from longstraw.ops.collectives import Traffic
-        from longstraw.plan.estimate import divided_capture_traffic
-
-        Traffic.received = 0
-        engine.capture(prompt, exact=mode == "exact")
-        received = max(all_gather_ints(Traffic.received))
-        predicted = divided_capture_traffic(model.config.to_dict(), positions=40, world=world, block=3, chunk_size=7,
-                                            dtype="float64", exact=mode == "exact")
-        assert plan["divided_capture"] and received > 0
-        assert abs(received - predicted) <= 64, (mode, received, predicted)
+    for name in ("hybrid", "mla", "glm_sparse"):
+        model = CASES[name]()
+        for mode in ("detached", "exact"):
+            engine = ls.Engine(model, ls.ExecConfig(context_parallel=True, chunk_size=7, attention_block_size=3,
+                                                    mode=mode))
+            held = [int(x) for x in all_gather_ints(engine.capture(prompt, exact=mode == "exact").nbytes())]
+            plan = estimate(model.config.to_dict(), PlanConfig(
+                prompt_tokens=40, group=1, response_tokens=3, gpus=world, chunk_size=7, attention_block_size=3,
+                mode=mode, dtype="float64"))
+            want = plan["state_bytes_per_rank"] + plan["exact_checkpoint_bytes_per_rank"]
+            assert max(held) == held[0] == want, (name, mode, held, plan["state_bytes_per_rank"],
+                                                  plan["exact_checkpoint_bytes_per_rank"])
+            # the bytes the busiest rank receives in the (divided) capture: as the planner predicts
+            Traffic.received = 0
+            engine.capture(prompt, exact=mode == "exact")
+            received = max(all_gather_ints(Traffic.received))
+            predicted = divided_capture_traffic(model.config.to_dict(), positions=40, world=world, block=3,
+                                                chunk_size=7, dtype="float64", exact=mode == "exact")
+            assert plan["divided_capture"] and received > 0
+            assert abs(received - predicted) <= 64, (name, mode, received, predicted)
 
 
 def all_gather_ints(value: int) -> list:
@@ -267,13 +269,17 @@ def all_gather_ints(value: int) -> list:
 def run_divided(rank: int, world: int, init_file: str) -> None:
     """Divided capture (each prompt token on one rank) at awkward geometries: a GDN
     segment cut by a chunk boundary inside a block, blocks that do not divide the prompt,
-    blocks shorter than the conv's K-1 tail, more ranks than some blocks. Loss and every
-    gradient equal the single process; the state equals a replicated capture's rows and
-    snapshots; the step's metrics say the capture was divided."""
+    blocks shorter than the conv's K-1 tail, more ranks than some blocks; MLA (dense) and
+    sparse DSA (GLM-5 with a "shared" layer, DeepSeek-V3.2) with fetched pieces that cut
+    blocks. Loss and every gradient equal the single process; the state equals a
+    replicated capture's rows, indexer keys and snapshots; the step's metrics say the
+    capture was divided. (The DeepSeek/GLM routers score in float32, where one token
+    rounds differently from several: no MLA geometry here leaves a rank only one position,
+    or the single process a last chunk of one token.)"""
     _init(rank, world, init_file)
     try:
         cases = [("hybrid", 22, 4, 6), ("hybrid", 20, 2, 5), ("dense", 22, 4, 6), ("hybrid", 12, 4, 3),
-                 ("hybrid", 9, 5, 3)]
+                 ("hybrid", 9, 5, 3), ("mla", 22, 4, 6), ("glm_sparse", 21, 3, 6), ("dsv32_sparse", 22, 4, 6)]
         if world == 2:  # Qwen3-Next's grouped projection layout and Qwen3.5's MoE, once
             cases += [("next", 22, 4, 6), ("hybrid_moe", 16, 3, 4)]
         for name, prompt_len, block, chunk in cases:
@@ -301,14 +307,19 @@ def run_divided(rank: int, world: int, init_file: str) -> None:
 
 
 def _assert_same_state(a, b) -> None:
-    from longstraw.state import AttentionKV, RecurrentState
+    from longstraw.state import AttentionKV, MLAState, RecurrentState
 
     assert a.length == b.length
     for x, y in zip(a.layers, b.layers):
-        if isinstance(x, AttentionKV):
-            assert (x.length, x.consumed) == (y.length, y.consumed)
-            for s, t in zip(x.keys(), y.keys()):
-                torch.testing.assert_close(s, t, rtol=1e-10, atol=1e-12)
+        if isinstance(x, MLAState):
+            _assert_same_rows(x.latent, y.latent)
+            assert (x.index is None) == (y.index is None)
+            if x.index is not None:
+                assert (x.index.length, x.index.consumed) == (y.index.length, y.index.consumed)
+                torch.testing.assert_close(x.index.until(x.index.end), y.index.until(y.index.end),
+                                           rtol=1e-10, atol=1e-12)
+        elif isinstance(x, AttentionKV):
+            _assert_same_rows(x, y)
         else:
             assert isinstance(x, RecurrentState) and sorted(x.snapshots) == sorted(y.snapshots)
             for p in x.snapshots:
@@ -397,3 +408,8 @@ def run_divided_walk(rank: int, world: int, init_file: str) -> None:
     finally:
         dist.destroy_process_group()
 
+
+def _assert_same_rows(x, y) -> None:
+    assert (x.length, x.consumed) == (y.length, y.consumed)
+    for s, t in zip(x.keys(), y.keys()):
+        torch.testing.assert_close(s, t, rtol=1e-10, atol=1e-12)

@@ -193,7 +193,8 @@ def test_peak_per_rank_decreases_with_gpus():
 def test_divided_capture_traffic_and_fallbacks():
     """Bytes received in a divided capture: per attention layer the other ranks' K/V rows,
     per GDN layer one relayed state per block (rank 0 skips block 0), the conv tails and the
-    snapshots; MLA/DSA families and prompts with fewer blocks than ranks are not divided."""
+    snapshots; per MLA layer the other ranks' latent rows, and per DSA indexer layer their
+    indexer keys; prompts with fewer blocks than ranks are not divided."""
     from longstraw.plan.arch import architecture, load_model_config
     from longstraw.plan.estimate import divided_capture_traffic
 
@@ -206,7 +207,13 @@ def test_divided_capture_traffic_and_fallbacks():
     assert r["divided_capture"] and r["capture_comm_bytes_per_rank"] > 0
     assert r["capture_comm_bytes_per_rank"] < plan("qwen3.6-27b", gpus=4, mode="exact",
                                                    chunk_size=512)["capture_comm_bytes_per_rank"]  # snapshots
-    assert not plan("glm-5.2", gpus=4)["divided_capture"]
+    glm = architecture(load_model_config("glm-5.2")[1])
+    rows = glm.count(mixer="mla") * (glm.kv_lora_rank + glm.rope_dim) + glm.count(indexer=True) * glm.index_dim
+    assert 0 < glm.count(indexer=True) < glm.count(mixer="mla")  # GLM-5's "shared" layers fetch no indexer keys
+    got = divided_capture_traffic("glm-5.2", positions=400_000, world=4, block=1000, chunk_size=4096,
+                                  dtype="bfloat16")
+    assert got == 300_000 * rows * 2  # every rank gets the other 3/4 of the rows
+    assert plan("glm-5.2", gpus=4)["divided_capture"] and plan("glm-5.2", gpus=4)["capture_comm_bytes_per_rank"] > 0
     assert not plan("qwen3.6-27b", gpus=4, prompt_tokens=2048, attention_block_size=1024)["divided_capture"]
 
 

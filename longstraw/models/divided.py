@@ -9,6 +9,10 @@ layer need positions held elsewhere:
     attention  `divided_attention`: the layer's own K/V rows go into the sharded state,
                then the queries attend over every rank's rows (fetched piece by piece,
                `ops/divided_attention.py`); the global causal order is exact.
+    MLA        `divided_mla`: the layer's own latent rows (and indexer keys) go into the
+               sharded state; its absorbed queries attend over every rank's latent rows
+               (fetched piece by piece), or, with DSA, over the rows of the global top-k
+               (selected over every rank's indexer keys, fetched piece by piece).
     GDN        `divided_gdn`: each own segment (a block, cut at the snapshot positions)
                gets its conv tail from the previous block's owner (one all-gather of
                every block's last K-1 pre-conv rows), then its affine transition
@@ -34,7 +38,8 @@ from dataclasses import dataclass
 import torch
 
 from ..ops.causal_conv import causal_conv1d_with_tail
-from ..ops.divided_attention import divided_causal_attention
+from ..ops.divided_attention import (divided_causal_attention, divided_indexer_topk, divided_sparse_attention,
+                                     own_positions)
 from ..ops.gated_delta_scan import chain_states, finish_outputs, gated_delta_transition
 from ..state import RecurrentState
 from .base import forwards_replaced
@@ -73,8 +78,7 @@ class Divided:
 
     def positions(self, device=None) -> torch.Tensor:
         """This rank's positions [N], increasing."""
-        parts = [torch.arange(a, b, device=device) for a, b, _ in self.blocks()]
-        return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long, device=device)
+        return own_positions(self.total, self.rank, self.world, self.block, device)
 
     def local_row(self, position: int) -> int:
         """Row of an own position in this rank's [N, ..] tensors."""
@@ -121,14 +125,21 @@ class DividedChunk:
 
 
 def chunked_mlps(layers, size: int):
-    """Within the block, each decoder layer's `mlp` runs over pieces of `size` tokens."""
+    """Within the block, each decoder layer's `mlp` runs over pieces of `size` tokens; a
+    last piece of one token joins the one before it. (DeepSeek's and GLM-5's MoE routers
+    compute their logits in float32, and one token takes BLAS's matrix-vector path,
+    which rounds differently from the matrix products of a chunked capture.)"""
     mlps = [layer.mlp for layer in layers if hasattr(layer, "mlp")]
 
     def chunked(forward):
         def run(x):  # x [1, N, d]
-            if x.shape[1] <= size:
+            n = x.shape[1]
+            if n <= size + 1:
                 return forward(x)
-            outs = [forward(x[:, a:a + size]) for a in range(0, x.shape[1], size)]
+            starts = list(range(0, n, size))
+            if n - starts[-1] == 1:
+                starts.pop()
+            outs = [forward(x[:, a:b]) for a, b in zip(starts, starts[1:] + [n])]
             return torch.cat([o[0] if isinstance(o, tuple) else o for o in outs], dim=1)
         return run
     return forwards_replaced(mlps, [chunked(m.forward) for m in mlps])
@@ -181,6 +192,35 @@ def divided_recompute_attention(module, query, key, value, call, scaling):
     if d.end <= kv.end:  # held: its gradient seeds the chunk
         call.states[-1].seeds.append(((k, v), lambda: kv.own_grads(d.start, d.end)))
     return out.transpose(0, 1)[None], None
+
+
+# ----------------------------------------------------------------------------
+# MLA (+ DSA) layers
+
+
+def divided_mla(module, q_full, k_new, rank: int, topk, call, prev_indices, index_inputs):
+    """Absorbed MLA of this rank's positions: q_full [H, N, R + Dr], k_new [N, R + Dr] (latent
+    | rope key; the value is its first R = `rank` columns). The rows (and, with
+    index_inputs = (queries [N, Hi, Di], keys [N, Di], weights [N, Hi]), the indexer keys) go
+    into the sharded state. Where some query sees more than `topk` positions the selection
+    is DSA's global one (the layer's own indexer, or a GLM-5 "shared" layer's
+    `prev_indices`). Returns (o_lat [H, N, R] in q_full's dtype, indices [N, K] or None)."""
+    d: Divided = call.divided
+    layer = call.states[-1].layers[module.layer_idx]
+    layer.latent.append_own(k_new[None], k_new[None, :, :rank], d.total)
+    if index_inputs is not None:
+        layer.index.append_own(index_inputs[1], d.total)
+    deal = dict(positions=d.total, rank=d.rank, world=d.world, block=d.block, cp=d.cp, piece_rows=d.chunk_size)
+    if topk is None or topk >= d.total:  # every query selects all it sees: dense
+        return divided_causal_attention(q_full, k_new[None], None, scale=module.scaling, value_dim=rank, **deal), None
+    if index_inputs is not None:
+        index_q, keys, weights = index_inputs
+        indices = divided_indexer_topk(index_q.float(), weights, keys, topk, scale=module.indexer.softmax_scale,
+                                       **deal)
+    else:
+        indices = prev_indices
+        assert indices is not None, "a shared DSA layer needs the previous layer's selection"
+    return divided_sparse_attention(q_full, k_new, indices, value_dim=rank, scale=module.scaling, **deal), indices
 
 
 # ----------------------------------------------------------------------------

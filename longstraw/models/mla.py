@@ -39,6 +39,7 @@ from ..branch_state import BranchLatent, BranchState
 from ..state import HOST, IndexKeys, LatentKV, MLAState, PromptState
 from .attention_hook import current_call, seed_reader
 from .base import Adapter, forwards_replaced
+from .divided import divided_mla
 from .mla_decode import mla_decode, prompt_candidates
 
 
@@ -219,11 +220,13 @@ def mla_forward(module, spec, hidden_states, position_embeddings=None, attention
                                     prev_indices=prev_topk_indices)  # (G, H, R)
         out = module.o_proj(torch.einsum("ghr,hvr->ghv", o_lat, w_uv).reshape(t, 1, h * vdim))
         return (out, None, indices) if spec["returns_topk"] else (out, None)
-    segments = [layer.latent.segment(until=call.start) for layer in layers]
     indices, new_index_keys = None, None
     if indexer is not None:
         index_q, new_index_keys, index_w = _indexer_inputs(indexer, x, q_resid, cos, sin, spec["index_rope"])
-    if topk is not None and topk < call.start + t:  # some query sees more than top-k positions
+    if call.phase == "divided":  # context parallelism: this rank's own positions (`divided.py`)
+        o_lat, indices = divided_mla(module, q_full, k_new, rank, topk, call, prev_topk_indices,
+                                     None if indexer is None else (index_q, new_index_keys, index_w))
+    elif topk is not None and topk < call.start + t:  # some query sees more than top-k positions
         if indexer is not None:
             indices = _select(indexer, layers, index_q, new_index_keys, index_w, call)
         else:
@@ -232,6 +235,7 @@ def mla_forward(module, spec, hidden_states, position_embeddings=None, attention
         o_lat = _sparse_attention(q_full, k_new, latent, indices, [layer.latent for layer in layers], call,
                                   module.scaling)
     else:  # every query selects all it sees: dense (the indexer keys are still kept)
+        segments = [layer.latent.segment(until=call.start) for layer in layers]
         o_lat = prefix_causal_attention(q_full, k_new[None], latent[None], prefixes=segments, q_start=call.start,
                                         scale=module.scaling, block_size=call.block_size)  # (H, T, R)
     o_lat = restage_on_backward(o_lat, call.states, module.layer_idx, call.start)
@@ -258,6 +262,7 @@ def routed_mla(modules, specs):
 
 class MLAAdapter(Adapter):
     model_types = ("glm_moe_dsa", "deepseek_v32", "deepseek_v3")
+    divides_capture = True
 
     def check_config(self) -> None:
         model_type = self.config.model_type

@@ -26,9 +26,10 @@ from __future__ import annotations
 
 import torch
 
-from ..tensors import accumulation_dtype
+from ..tensors import KVSegment, accumulation_dtype
 from .attention import PrefixAttention
 from .collectives import broadcast_from
+from .dsa import indexer_scores, select_candidates, sparse_latent_attention
 from .flash import fused_kernel, fused_takes, merge_partials
 
 
@@ -58,14 +59,52 @@ def _partial(q, k, v, scale: float, causal: bool):
     return PrefixAttention.apply(rows, k, v, q_pos, 0, scale, None, max(1, k.shape[1]), None, causal)
 
 
+def own_positions(positions: int, rank: int, world: int, block: int, device=None) -> torch.Tensor:
+    """This rank's positions [N], increasing (its blocks, in order)."""
+    starts = range(rank * block, positions, world * block)
+    parts = [torch.arange(a, min(positions, a + block), device=device) for a in starts]
+    return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long, device=device)
+
+
+def shard_pieces(rows: list, *, positions: int, rank: int, world: int, block: int, cp, piece_rows: int):
+    """Every rank's shard of `rows` (tensors with the row axis at dim -2; this rank passes its
+    own N rows), piece by piece in rank order: yields (src, r0, r1, pieces), the rows r0 .. r1
+    - 1 of rank src's shard of each tensor. The source broadcasts them, the others receive
+    them; every rank must iterate to the end (memory: one piece)."""
+    for src in range(world):
+        n = rows_before(positions, src, world, block)
+        for r0 in range(0, n, piece_rows):
+            r1 = min(n, r0 + piece_rows)
+            if src == rank:  # our own rows: send them to the others
+                pieces = [t[..., r0:r1, :] for t in rows]
+                if world > 1:
+                    for piece in pieces:
+                        broadcast_from(piece, src, cp)
+            else:
+                pieces = [broadcast_from(t.new_empty(*t.shape[:-2], r1 - r0, t.shape[-1]), src, cp) for t in rows]
+            yield src, r0, r1, pieces
+
+
+def row_position(row, src: int, world: int, block: int):
+    """Absolute position of row `row` (an int or a LongTensor) of rank src's shard."""
+    return row // block * (world * block) + src * block + row % block
+
+
+def shard_row_positions(src: int, r0: int, r1: int, world: int, block: int, device=None) -> torch.Tensor:
+    """Absolute positions [r1 - r0] of rows r0 .. r1 - 1 of rank src's shard."""
+    return row_position(torch.arange(r0, r1, device=device), src, world, block)
+
+
 @torch.no_grad()
 def divided_causal_attention(q, k, v, *, positions: int, rank: int, world: int, block: int, scale: float, cp,
-                             piece_rows: int):
+                             piece_rows: int, value_dim: int | None = None):
     """Attention of this rank's own positions over all earlier positions of all ranks.
 
     Args:
         q: [H, N, D] queries of this rank's positions (its blocks, in order).
-        k, v: [Hkv, N, D] / [Hkv, N, Dv] keys and values of the same positions.
+        k, v: [Hkv, N, D] / [Hkv, N, Dv] keys and values of the same positions; v None
+            with `value_dim`: the value is k's first value_dim columns (absorbed MLA's
+            latent rows, which are fetched once, not twice).
         positions: the sequence length (positions 0 .. positions - 1 are dealt).
         rank, world, block: the round-robin deal (block b on rank b % world).
         scale: softmax scale. cp: the `distributed.ContextParallel` (None with one rank).
@@ -75,29 +114,122 @@ def divided_causal_attention(q, k, v, *, positions: int, rank: int, world: int, 
         [H, N, Dv] in q's dtype. Every rank must call it (the shards are broadcast).
     """
     h, n, d = q.shape
-    hkv = k.shape[0]
+    assert v is not None or value_dim is not None, "pass v, or value_dim for latent rows"
+    fetched = [k] if v is None else [k, v]
+
+    def values(keys, vals):  # the value rows that go with `keys`
+        return keys[..., :value_dim] if v is None else vals
+
     starts = [b * block for b in range(rank, -(-positions // block), world)]  # own blocks' first positions
     spans = [(i * block, min(n, (i + 1) * block)) for i in range(len(starts))]  # their local rows
     # the diagonal: each own block over itself, causal
-    parts = [_partial(q[:, a:b], k[:, a:b], v[:, a:b], scale, True) for a, b in spans]
-    for src in range(world):
-        rows = rows_before(positions, src, world, block)
-        for r0 in range(0, rows, piece_rows):
-            r1 = min(rows, r0 + piece_rows)
-            if src == rank:  # our own rows: send them to the others
-                pk, pv = k[:, r0:r1], v[:, r0:r1]
-                if world > 1:
-                    broadcast_from(pk, src, cp)
-                    broadcast_from(pv, src, cp)
-            else:
-                pk = broadcast_from(k.new_empty(hkv, r1 - r0, d), src, cp)
-                pv = broadcast_from(v.new_empty(hkv, r1 - r0, v.shape[-1]), src, cp)
-            for i, ((a, b), first) in enumerate(zip(spans, starts)):
-                seen = min(rows_before(first, src, world, block), r1) - r0  # rows of the piece this block sees
-                if seen <= 0:
-                    continue
-                o_p, lse_p = _partial(q[:, a:b], pk[:, :seen], pv[:, :seen], scale, False)
-                o, lse = parts[i]
-                parts[i] = (merge_partials(o_p, lse_p, o, lse), torch.logaddexp(lse_p, lse))
+    own_v = values(k, v)
+    parts = [_partial(q[:, a:b], k[:, a:b], own_v[:, a:b], scale, True) for a, b in spans]
+    for src, r0, r1, pieces in shard_pieces(fetched, positions=positions, rank=rank, world=world, block=block,
+                                            cp=cp, piece_rows=piece_rows):
+        pk, pv = pieces[0], values(pieces[0], pieces[-1])
+        for i, ((a, b), first) in enumerate(zip(spans, starts)):
+            seen = min(rows_before(first, src, world, block), r1) - r0  # rows of the piece this block sees
+            if seen <= 0:
+                continue
+            o_p, lse_p = _partial(q[:, a:b], pk[:, :seen], pv[:, :seen], scale, False)
+            o, lse = parts[i]
+            parts[i] = (merge_partials(o_p, lse_p, o, lse), torch.logaddexp(lse_p, lse))
     out = [o.reshape(h, b - a, -1) for (o, _), (a, b) in zip(parts, spans)]
-    return torch.cat(out, dim=1).to(q.dtype) if out else q.new_zeros(h, 0, v.shape[-1])
+    return torch.cat(out, dim=1).to(q.dtype) if out else q.new_zeros(h, 0, own_v.shape[-1])
+
+
+# ----------------------------------------------------------------------------
+# DSA: the indexer's top-k and the sparse attention it restricts
+
+
+@torch.no_grad()
+def divided_indexer_topk(q_idx, weights, keys, topk: int, *, scale: float, positions: int, rank: int, world: int,
+                         block: int, cp, piece_rows: int, query_block: int = 1024, key_block: int = 128):
+    """DSA's selection for this rank's own queries over every rank's indexer keys: exactly
+    `dsa.indexer_topk`'s of one process (best score first, ties to the lower position),
+    since that order is total and the top-k of a union is the top-k of its parts' top-ks.
+
+    Args:
+        q_idx: [N, Hi, Di] indexer queries of this rank's positions (float32: HF scores in it).
+        weights: [N, Hi] head weights (HF's n_heads**-0.5 included). keys: [N, Di] own keys.
+        positions, rank, world, block, cp, piece_rows: as `divided_causal_attention`.
+        query_block, key_block: queries scored at once, keys per matmul (memory: the block's
+            scores and running top-k [query_block, topk + piece_rows], and a
+            [query_block, Hi, key_block] temporary).
+    Returns:
+        LongTensor [N, topk] of absolute positions, -1 padded. Every rank must call it.
+    """
+    n = q_idx.shape[0]
+    device = q_idx.device
+    q_pos = own_positions(positions, rank, world, block, device)
+    best = torch.full((n, topk), -1, dtype=torch.long, device=device)
+    best_sc = torch.full((n, topk), float("-inf"), dtype=accumulation_dtype(q_idx.dtype), device=device)
+    for src, r0, r1, (pk,) in shard_pieces([keys], positions=positions, rank=rank, world=world, block=block,
+                                           cp=cp, piece_rows=piece_rows):
+        k_pos = shard_row_positions(src, r0, r1, world, block, device)  # (n_piece,)
+        first_key = row_position(r0, src, world, block)
+        for b0 in range(0, n, query_block):
+            b1 = min(n, b0 + query_block)
+            if row_position(b1 - 1, rank, world, block) < first_key:
+                continue  # the whole query block comes before the piece
+            visible = k_pos[None, :] <= q_pos[b0:b1, None]  # (B, n_piece)
+            sc = indexer_scores(q_idx[b0:b1], weights[b0:b1], pk, scale=scale, key_block=key_block)
+            sc.masked_fill_(~visible, float("-inf"))
+            cand_pos = torch.cat([best[b0:b1], torch.where(visible, k_pos[None, :], -1)], dim=1)
+            best[b0:b1], best_sc[b0:b1] = select_candidates(torch.cat([best_sc[b0:b1], sc], dim=1), cand_pos, topk,
+                                                            with_scores=True)
+    return best
+
+
+@torch.no_grad()
+def divided_sparse_attention(q, k, indices, *, value_dim: int, positions: int, rank: int, world: int, block: int,
+                             scale: float, cp, piece_rows: int):
+    """Absorbed-MLA attention of this rank's own queries restricted to their DSA selection,
+    whose latent rows lie on every rank.
+
+    Each rank's shard of latent rows is fetched piece by piece (as `divided_causal_attention`
+    fetches it); the queries that selected rows of the piece attend over those rows
+    (`dsa.sparse_latent_attention`, rows addressed within the piece; each query's entries
+    are sorted once by where they live, so a piece's entries are one run per query, and the
+    gather is as wide as the most any query takes from the piece), and the partials are
+    merged by log-sum-exp.
+
+    Args:
+        q: [H, N, D] absorbed queries of this rank's positions. k: [N, D] their latent rows
+            (latent | rope key); the value is the first value_dim columns.
+        indices: [N, K] absolute positions selected (-1: none), e.g. `divided_indexer_topk`'s.
+        positions, rank, world, block, scale, cp, piece_rows: as `divided_causal_attention`.
+    Returns:
+        [H, N, value_dim] in q's dtype. Every rank must call it.
+    """
+    h, n, d = q.shape
+    acc = accumulation_dtype(q.dtype)
+    out = q.new_zeros(h, n, value_dim, dtype=acc)
+    lse = q.new_full((h, n), float("-inf"), dtype=acc)
+    # each entry's place in the shards laid end to end (rank 0's rows, then rank 1's, ..),
+    # sorted per query: a piece's entries are then one run of each row, found by bisection
+    stride = rows_before(positions, 0, world, block)  # rank 0 holds the most rows
+    safe = indices.clamp(min=0)
+    place = (torch.div(safe, block, rounding_mode="floor") % world * stride
+             + torch.div(safe, world * block, rounding_mode="floor") * block + safe % block)
+    place = torch.where(indices >= 0, place, world * stride).sort(dim=1).values  # (N, K); -1 entries last
+    for src, r0, r1, (pk,) in shard_pieces([k], positions=positions, rank=rank, world=world, block=block, cp=cp,
+                                           piece_rows=piece_rows):
+        bounds = torch.tensor([src * stride + r0, src * stride + r1], device=q.device).expand(n, 2).contiguous()
+        lo, hi = torch.searchsorted(place, bounds).unbind(1)  # (N,) each: the run of this piece's entries
+        count = hi - lo
+        touched = count.nonzero().squeeze(1)
+        if touched.numel() == 0:
+            continue
+        j = torch.arange(int(count.max()), device=q.device)
+        local = place[touched].gather(1, (lo[touched, None] + j).clamp(max=place.shape[1] - 1)) - bounds[0, 0]
+        local = torch.where(j < count[touched, None], local, -1)  # (n_touched, widest run): rows of the piece
+        none = pk.new_zeros(touched.numel(), d)  # no new-token rows: every entry lies in the piece
+        o_p, lse_p = sparse_latent_attention(q[:, touched], none, none[:, :value_dim], local,
+                                             prefixes=[KVSegment(pk[None], pk[None, :, :value_dim], 0)],
+                                             q_start=r1 - r0, scale=scale, return_lse=True)
+        o, l = out[:, touched], lse[:, touched]
+        out[:, touched] = merge_partials(o_p, lse_p, o, l)
+        lse[:, touched] = torch.logaddexp(lse_p, l)
+    return out.to(q.dtype)

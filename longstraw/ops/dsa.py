@@ -93,20 +93,23 @@ def indexer_scores(q_idx, weights, keys, *, scale, key_block=1024, out=None):
     return out
 
 
-def select_candidates(scores: torch.Tensor, positions: torch.Tensor, topk: int) -> torch.Tensor:
+def select_candidates(scores: torch.Tensor, positions: torch.Tensor, topk: int, *, with_scores: bool = False):
     """Per row, the top-k of candidate (score, position) pairs [T, n] (-1 positions are
     empty slots): best score first, ties to the lower position. Returns [T, topk]
-    positions, -1-padded. Used to merge per-shard candidates into the global selection."""
+    positions, -1-padded (with `with_scores`, also their scores [T, topk], -inf padded).
+    Used to merge per-shard candidates into the global selection."""
     scores = torch.where(positions < 0, torch.full_like(scores, float("-inf")), scores)
     key = torch.where(positions < 0, torch.full_like(positions, torch.iinfo(torch.long).max), positions)
     by_pos = torch.sort(key, dim=-1, stable=True).indices
     scores, positions = scores.gather(-1, by_pos), positions.gather(-1, by_pos)
     order = torch.sort(scores, dim=-1, descending=True, stable=True).indices[:, :topk]
     out = positions.gather(-1, order)
-    out = torch.where(torch.isinf(scores.gather(-1, order)), torch.full_like(out, -1), out)
+    kept = scores.gather(-1, order)
+    out = torch.where(torch.isinf(kept), torch.full_like(out, -1), out)
     if out.shape[1] < topk:
         out = torch.cat([out, out.new_full((out.shape[0], topk - out.shape[1]), -1)], dim=1)
-    return out
+        kept = torch.cat([kept, kept.new_full((kept.shape[0], topk - kept.shape[1]), float("-inf"))], dim=1)
+    return (out, kept) if with_scores else out
 
 
 @torch.no_grad()

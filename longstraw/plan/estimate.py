@@ -137,8 +137,8 @@ class PlanConfig:
 
     divide_capture: bool = True
     """Under context parallelism (W > 1), capture computes each prompt token on one rank
-    (`ExecConfig.divide_capture`; dense attention and GDN hybrids, not MLA/DSA families,
-    not with kept graphs or an offloaded state, and only when every rank owns a block). False: capture's token computation is
+    (`ExecConfig.divide_capture`; every family, but not with kept graphs or an offloaded
+    state, and only when every rank owns a block). False: capture's token computation is
     replicated on every rank."""
 
     divide_walk: bool = True
@@ -276,6 +276,10 @@ def divided_capture_traffic(model, *, positions: int, world: int, block: int, ch
     model `ops.collectives.Traffic` counts by):
 
         attention layer   every other rank's K/V rows, broadcast piece by piece
+        MLA layer         every other rank's latent rows (latent | rope key, one row per
+                          position: the value is a view of it); a layer running its own
+                          DSA indexer where some query sees more than top-k positions
+                          also every other rank's indexer keys (for the global top-k)
         GDN layer         the relay: one recurrent state per own block after the first;
                           the all-gather of every block's last K-1 pre-conv rows; and the
                           all-reduce (2 (W-1)/W) of the snapshots every rank keeps (the end;
@@ -300,6 +304,10 @@ def divided_capture_traffic(model, *, positions: int, world: int, block: int, ch
         for layer in arch.layers:
             if layer.mixer == "attention":
                 total += (positions - mine) * arch.kv_heads * 2 * arch.head_dim * b
+            elif layer.mixer == "mla":
+                total += (positions - mine) * (arch.kv_lora_rank + arch.rope_dim) * b
+                if layer.indexer and arch.index_topk < positions:
+                    total += (positions - mine) * arch.index_dim * b
             elif layer.mixer == "gdn":
                 state = arch.gdn_v_heads * arch.gdn_k_dim * arch.gdn_v_dim * rb
                 tail = arch.conv_dim * (arch.gdn_kernel - 1) * b
@@ -339,8 +347,9 @@ def divided_walk_flops(arch: Arch, params: ParamCount, positions: int, world: in
 def _divided_working(arch: Arch, mine: int, chunk: int, b: int, acc: int) -> float:
     """No-grad working set of a divided capture layer on a rank holding `mine` positions:
     the hidden shard, its residual and the layer output ([mine, d] each), plus the larger of
-    an attention layer's q/k/v/output rows (and the fp32 running output of its queries) and a
-    GDN layer's projections (conv input, z, gates) with the per-token read of the start
+    an attention layer's q/k/v/output rows (and the fp32 running output of its queries), an
+    MLA layer's (its queries before and after absorption, latent rows, running output, and
+    DSA's indexer inputs and running top-k), and a GDN layer's projections (conv input, z, gates) with the per-token read of the start
     state and zero-start output (accumulation dtype); the MLP runs in pieces of `chunk`
     (counted by the chunked no-grad working set)."""
     hidden = 3 * mine * arch.hidden * b
@@ -348,6 +357,15 @@ def _divided_working(arch: Arch, mine: int, chunk: int, b: int, acc: int) -> flo
     if arch.count(mixer="attention"):
         layers.append(mine * ((2 * arch.heads + 2 * arch.kv_heads) * arch.head_dim * b
                               + arch.heads * arch.head_dim * acc))
+    if arch.count(mixer="mla"):  # q, absorbed q and the latent rows; fp32 running output; DSA's indices
+        h, kl, r = arch.heads, arch.kv_lora_rank, arch.rope_dim
+        mla = (h * (arch.nope_dim + r) + (arch.q_lora_rank or 0) + h * (kl + r) + 3 * (kl + r)
+               + h * arch.v_head_dim) * b + h * (kl + 1) * acc
+        if arch.count(indexer=True):  # indexer queries (and their fp32 copy), keys, weights; the
+            # running top-k (positions int64, scores fp32) and the sparse attention's sorted places (int64)
+            mla += arch.index_heads * arch.index_dim * (b + 4) + arch.index_dim * b + arch.index_heads * 4
+            mla += arch.index_topk * (8 + 4 + 8)
+        layers.append(mine * mla)
     if arch.count(mixer="gdn"):
         layers.append(mine * (2 * arch.conv_dim * b + arch.gdn_v_heads * arch.gdn_v_dim * 2 * b
                               + arch.gdn_v_heads * (arch.gdn_k_dim + arch.gdn_v_dim) * acc))
@@ -462,9 +480,9 @@ def estimate(model, config: PlanConfig) -> dict:
         return max(nograd_layer_bytes(arch, l, tokens, p_rank, blk, acc, b, gk, fused=fused_nograd)
                    for l in arch.layers)
 
-    # the engine's rule (Engine.divides_capture): not for MLA/DSA families, kept chunk
-    # graphs or an offloaded state, and only when every rank owns a block
-    divided = (c.divide_capture and W > 1 and not arch.count(mixer="mla") and not c.offload_state
+    # the engine's rule (Engine.divides_capture): not with kept chunk graphs or an
+    # offloaded state, and only when every rank owns a block
+    divided = (c.divide_capture and W > 1 and not c.offload_state
                and not (c.mode == "exact" and c.keep_graph_bytes > 0)
                and P - 1 > (W - 1) * c.attention_block_size)
     capture_working = nograd_working(C)
