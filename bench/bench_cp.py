@@ -26,6 +26,9 @@ Methods: `divided` (the default: each token on one rank) and `replicated`
 Usage:
     .venv/bin/python bench/bench_cp.py --families qwen3_5 qwen3 --prompt-tokens 32768 --worlds 1 2 3 \\
         --out bench/results/cp_cpu.csv
+    # exact mode too: one exact step per W (its reverse walk divided for `divided`, replicated for `replicated`)
+    .venv/bin/python bench/bench_cp.py --families qwen3_5 qwen3 --worlds 1 2 3 --methods divided replicated \
+        --exact --out bench/results/cp_cpu_exact.csv
 Prints a table, the ratios to W = 1, and ends with one JSON line.
 """
 
@@ -47,7 +50,7 @@ from proc import code_info, cpu_model  # noqa: E402  (torch-free)
 
 FIELDS = ["family", "world", "method", "prompt_tokens", "group", "response_tokens", "chunk_size", "block",
           "capture_s", "step_s", "capture_bytes_received_max", "capture_bytes_predicted", "step_bytes_received_max",
-          "oversubscribed", "cores", "cpu", "revision", "dirty"]
+          "exact_step_s", "exact_reverse_s", "exact_divided_walk", "oversubscribed", "cores", "cpu", "revision", "dirty"]
 
 
 # ============================================================================
@@ -73,9 +76,14 @@ def _rank(rank: int, world: int, init: str, args, out: str) -> None:
     kw = dict(chunk_size=args.chunk_size, attention_block_size=args.block, context_parallel=cp,
               divide_capture=args.method != "replicated")
     engine = ls.Engine(model, ls.ExecConfig(**kw))
+    exact = ls.Engine(model, ls.ExecConfig(mode="exact", divide_walk=args.method != "replicated", **kw)) \
+        if args.exact else None
     group = random_group(4096, args.prompt_tokens, args.group, args.response_tokens, seed=0)
     warm = random_group(4096, min(args.prompt_tokens, 4 * args.block * max(world, 1) + 1), 1, 8, seed=1)
     engine.step(warm)  # imports, allocator, first-call costs
+    if exact is not None:
+        exact.step(warm)
+        model.zero_grad(set_to_none=True)
 
     def timed(fn):
         if cp:
@@ -89,10 +97,17 @@ def _rank(rank: int, world: int, init: str, args, out: str) -> None:
 
     t_capture, b_capture = timed(lambda: engine.capture(group.prompt))
     t_step, b_step = timed(lambda: engine.step(group))
+    t_exact, t_reverse, walk_divided = float("nan"), float("nan"), float("nan")
+    if exact is not None:
+        model.zero_grad(set_to_none=True)
+        got = {}
+        t_exact, _ = timed(lambda: got.update(exact.step(group).metrics))
+        t_reverse, walk_divided = got["time_reverse_s"], got.get("divided_walk", 0.0)
     predicted = divided_capture_traffic(model.config.to_dict(), positions=args.prompt_tokens - 1, world=world,
                                         block=args.block, chunk_size=args.chunk_size, dtype="float32") \
         if args.method == "divided" else float("nan")
-    row = torch.tensor([t_capture, t_step, float(b_capture), float(b_step)], dtype=torch.float64)
+    row = torch.tensor([t_capture, t_step, float(b_capture), float(b_step), t_exact, t_reverse, walk_divided],
+                       dtype=torch.float64)
     if cp:
         rows = [torch.zeros_like(row) for _ in range(world)]
         dist.all_gather(rows, row)
@@ -103,7 +118,8 @@ def _rank(rank: int, world: int, init: str, args, out: str) -> None:
         worst = torch.stack(rows).max(0).values.tolist()
         with open(out, "w") as f:
             json.dump({"capture_s": worst[0], "step_s": worst[1], "capture_bytes_received_max": worst[2],
-                       "step_bytes_received_max": worst[3], "capture_bytes_predicted": predicted}, f)
+                       "step_bytes_received_max": worst[3], "capture_bytes_predicted": predicted,
+                       "exact_step_s": worst[4], "exact_reverse_s": worst[5], "exact_divided_walk": worst[6]}, f)
 
 
 def worker(args) -> None:
@@ -132,6 +148,8 @@ def main() -> None:
     ap.add_argument("--chunk-size", type=int, default=4096)
     ap.add_argument("--block", type=int, default=1024, help="attention_block_size (= the shard block)")
     ap.add_argument("--out", default=os.path.join(REPO, "bench", "results", "cp_cpu.csv"))
+    ap.add_argument("--exact", action="store_true", help="also time one exact-mode step (its reverse walk divided "
+                    "for method divided, replicated for method replicated)")
     ap.add_argument("--worker", action="store_true")
     ap.add_argument("--family"), ap.add_argument("--world", type=int), ap.add_argument("--method")
     ap.add_argument("--result")
@@ -150,7 +168,7 @@ def main() -> None:
                 cmd = [sys.executable, os.path.abspath(__file__), "--worker", "--family", family, "--world",
                        str(world), "--method", method, "--result", result, "--prompt-tokens", str(args.prompt_tokens),
                        "--group", str(args.group), "--response-tokens", str(args.response_tokens), "--chunk-size",
-                       str(args.chunk_size), "--block", str(args.block)]
+                       str(args.chunk_size), "--block", str(args.block)] + (["--exact"] if args.exact else [])
                 subprocess.run(cmd, check=True)
                 with open(result) as f:
                     got = json.load(f)
@@ -162,11 +180,17 @@ def main() -> None:
                 print(f"{family:8s} W={world} {method:10s} capture {got['capture_s']:8.2f} s  step "
                       f"{got['step_s']:8.2f} s  received {got['capture_bytes_received_max'] / 2**20:9.2f} MiB "
                       f"(predicted {got['capture_bytes_predicted'] / 2**20:9.2f})"
+                      + (f"  exact step {got['exact_step_s']:8.2f} s (walk {got['exact_reverse_s']:.2f} s)"
+                         if args.exact else "")
                       + ("  [oversubscribed]" if world > cores else ""), flush=True)
     os.makedirs(os.path.dirname(args.out), exist_ok=True)
     new = not os.path.exists(args.out)
+    fields = FIELDS
+    if not new:  # append under the file's own header (files written before a column was added)
+        with open(args.out) as f:
+            fields = next(csv.reader(f))
     with open(args.out, "a", newline="") as f:
-        w = csv.DictWriter(f, fieldnames=FIELDS, extrasaction="ignore")
+        w = csv.DictWriter(f, fieldnames=fields, extrasaction="ignore")
         if new:
             w.writeheader()
         w.writerows(rows)
@@ -176,9 +200,11 @@ def main() -> None:
         if base is not None and r["world"] > 1:
             ratios[f"{r['family']}_W{r['world']}_{r['method']}"] = {
                 "capture": r["capture_s"] / base["capture_s"], "step": r["step_s"] / base["step_s"],
+                "exact_step": r["exact_step_s"] / base["exact_step_s"] if args.exact else None,
                 "oversubscribed": r["oversubscribed"]}
     for k, v in ratios.items():
-        print(f"{k:28s} capture {v['capture']:.2f}x  step {v['step']:.2f}x" + ("  [oversubscribed]" if v[
+        print(f"{k:28s} capture {v['capture']:.2f}x  step {v['step']:.2f}x"
+              + (f"  exact step {v['exact_step']:.2f}x" if args.exact else "") + ("  [oversubscribed]" if v[
             "oversubscribed"] else ""))
     print(json.dumps({"bench": "bench_cp", "prompt_tokens": args.prompt_tokens, "ratios_to_W1": ratios}))
 
