@@ -5,7 +5,8 @@
 Writes, per model: learning_<model>_reward.png (training reward against step, a moving
 average of 5 steps; the band is the min..max over seeds when there are several) and
 learning_<model>_heldout.png (held-out accuracy, greedy, at the training P, against step;
-step 0 is the warm start). Also learning_<model>_exact_vs_full.png when both exact and
+step 0 is the warm start). Lines are the mean over seeds on the steps every seed ran; a
+seed that ran longer continues as its own dashed line. Also learning_<model>_exact_vs_full.png when both exact and
 full ran: their per-step training reward, and the relative gap of their gradient norms.
 Prints a table of before/after accuracy and ends with one JSON line.
 """
@@ -85,6 +86,13 @@ def main() -> None:
             if len(evals) > 1:
                 ax_h.fill_between(ex, [min(e[i][1] for e in evals) for i in range(m)],
                                   [max(e[i][1] for e in evals) for i in range(m)], color=COLORS[arm], alpha=0.15)
+            # a seed that ran longer than the others: its own continuation, dashed (not averaged)
+            for c in curves:
+                if len(c[0]) > n:
+                    ax_r.plot(c[0][n - 1:], c[1][n - 1:], "--", color=COLORS[arm], alpha=0.7)
+            for e in evals:
+                if len(e) > m:
+                    ax_h.plot([x for x, _ in e[m - 1:]], [y for _, y in e[m - 1:]], "o--", color=COLORS[arm], alpha=0.7)
         P = next(iter(runs[(model, arms[0])].values()))[-1].get("prompt_tokens")
         ax_r.set(xlabel="GRPO step", ylabel="training reward (moving average, 5 steps)", ylim=(0, 1.02),
                  title=f"tiny {model} model, P = {P:,}: training reward")
