@@ -413,3 +413,48 @@ def _assert_same_rows(x, y) -> None:
     assert (x.length, x.consumed) == (y.length, y.consumed)
     for s, t in zip(x.keys(), y.keys()):
         torch.testing.assert_close(s, t, rtol=1e-10, atol=1e-12)
+
+
+def run_shard_attention(rank: int, world: int, init_file: str) -> None:
+    """prefix_causal_attention over this rank's shard of a prefix (cp set) equals it over the
+    whole prefix in one process: output, dq/dk/dv and the prefix's gradient sinks, both on
+    the fused path (`FlashAttention`) and the blockwise one, also with a rank whose shard is
+    empty (every rank joins the merge and the dq all-reduce)."""
+    from longstraw.distributed import ContextParallel
+    from longstraw.ops.attention import prefix_causal_attention
+    from longstraw.tensors import KVSegment
+
+    _init(rank, world, init_file)
+    try:
+        cp = ContextParallel.from_default_group()
+        g = torch.Generator().manual_seed(0)
+        h, hkv, d, t, s, block = 4, 2, 16, 11, 21, 4
+
+        def rand(*shape):
+            return torch.randn(*shape, generator=g, dtype=torch.float64)
+
+        q, k, v, pk, pv, dout = rand(h, t, d), rand(hkv, t, d), rand(hkv, t, d), rand(hkv, s, d), rand(hkv, s, d), \
+            rand(h, t, d)
+        blocks = [range(a, min(s, a + block)) for a in range(0, s, block)]
+        for owners in ([i % world for i in range(len(blocks))], [0] * len(blocks)):  # dealt; all on rank 0
+            mine = torch.tensor([p for b, o in zip(blocks, owners) if o == rank for p in b], dtype=torch.long)
+            for fused in (True, False):
+                got = []
+                for sharded in (False, True):
+                    x = [a.clone().requires_grad_() for a in (q, k, v)]
+                    rows = mine if sharded else torch.arange(s)
+                    sink = (pk.new_zeros(hkv, len(rows), d), pv.new_zeros(hkv, len(rows), d))
+                    seg = KVSegment(pk[:, rows].contiguous(), pv[:, rows].contiguous(), 0, sink,
+                                    cp=cp if sharded else None)
+                    out = prefix_causal_attention(*x, prefixes=[seg], q_start=s + 2, scale=d ** -0.5, block_size=3,
+                                                  allow_fused=fused)
+                    out.backward(dout)
+                    full = [pk.new_zeros(hkv, s, d).index_copy_(1, rows, part) for part in sink]
+                    if sharded:
+                        for part in full:
+                            dist.all_reduce(part)
+                    got.append([out.detach()] + [a.grad for a in x] + full)
+                for a, b in zip(*got):
+                    torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+    finally:
+        dist.destroy_process_group()

@@ -96,3 +96,8 @@ def test_divided_capture_at_awkward_block_and_chunk_boundaries(tmp_path, world):
 @pytest.mark.parametrize("world", [2, 3])
 def test_divided_reverse_walk_equals_single_process(tmp_path, world):
     mp.spawn(worker.run_divided_walk, args=(world, str(tmp_path / "init")), nprocs=world, join=True)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_attention_over_a_shard_equals_the_whole_prefix(tmp_path, world):
+    mp.spawn(worker.run_shard_attention, args=(world, str(tmp_path / "init")), nprocs=world, join=True)

@@ -196,7 +196,9 @@ def prefix_causal_attention(q, k, v, *, prefixes: list[KVSegment], q_start: int,
         assert seg.start + seg.k.shape[1] <= q_start, "a prefix segment must end before the queries"
     g = h // hkv
     if allow_fused and torch.is_grad_enabled() and can_use_flash_autograd(q, k, v, prefixes, window):
-        out = FlashAttention.apply(q, k, v, [s for s in prefixes if s.k.shape[1] > 0], scale, flash.BACKWARD_BLOCK)
+        # a shard joins whenever any rank may hold rows before the queries (even if this one holds none)
+        used = [s for s in prefixes if (s.k.shape[1] > 0 if s.cp is None else q_start > s.start)]
+        out = FlashAttention.apply(q, k, v, used, scale, flash.BACKWARD_BLOCK)
         return out.to(q.dtype).reshape(h, t, -1)
     fused = allow_fused and can_use_fused(q, k, v, prefixes, window)
     rows = q.reshape(hkv, g * t, d)  # (Hkv, M, D): head j*g+i -> kv head j

@@ -142,17 +142,7 @@ class MergeAcrossRanks(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, out, lse, cp):
-        merged, lse_all = None, None
-        for src in range(cp.world):
-            o_r, l_r = _broadcast_pair(out, lse, src, cp)
-            if merged is None:
-                merged, lse_all = o_r.clone(), l_r.clone()
-                continue
-            new = torch.logaddexp(lse_all, l_r)
-            safe = torch.where(torch.isinf(new), torch.zeros_like(new), new)
-            merged = torch.exp(lse_all - safe)[..., None] * merged + torch.exp(l_r - safe)[..., None] * o_r
-            lse_all = new
-            del o_r, l_r
+        merged, lse_all = merge_across_ranks(out, lse, cp)
         safe = torch.where(torch.isinf(lse_all), torch.zeros_like(lse_all), lse_all)
         ctx.save_for_backward(out, lse, merged, safe)
         return merged, lse_all
@@ -166,6 +156,25 @@ class MergeAcrossRanks(torch.autograd.Function):
         if grad_lse is not None:
             dot = dot + grad_lse
         return w[..., None] * grad_out, w * dot, None
+
+
+def merge_across_ranks(out: torch.Tensor, lse: torch.Tensor, cp):
+    """The log-sum-exp merge (o, lse) of every rank's partial attention (o_r [.., M, Dv],
+    lse_r [.., M]), identical on every rank: merged one rank at a time as they arrive, in
+    rank order (O(1) partials alive, the same bits everywhere). No autograd
+    (`MergeAcrossRanks` is its differentiable form)."""
+    merged, lse_all = None, None
+    for src in range(cp.world):
+        o_r, l_r = _broadcast_pair(out, lse, src, cp)
+        if merged is None:
+            merged, lse_all = o_r.clone(), l_r.clone()
+            continue
+        new = torch.logaddexp(lse_all, l_r)
+        safe = torch.where(torch.isinf(new), torch.zeros_like(new), new)
+        merged = torch.exp(lse_all - safe)[..., None] * merged + torch.exp(l_r - safe)[..., None] * o_r
+        lse_all = new
+        del o_r, l_r
+    return merged, lse_all
 
 
 def _broadcast_pair(out: torch.Tensor, lse: torch.Tensor, src: int, cp):

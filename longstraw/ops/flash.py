@@ -28,6 +28,7 @@ from __future__ import annotations
 import torch
 
 from ..tensors import accumulation_dtype
+from .collectives import all_reduce_sum, merge_across_ranks
 
 FUSED_ENABLED = True
 """Allow the fused kernels (set False to force the blockwise path everywhere)."""
@@ -92,11 +93,12 @@ def empty_partial(like: torch.Tensor, heads: int, rows: int, value_dim: int):
 
 def can_use_flash_autograd(q, k, v, prefixes, window) -> bool:
     """FlashAttention applies: a fused forward (`fused_takes`) and a fused backward for this
-    device and dtype, no context-parallel shard, and no prefix that itself requires grad
-    (the prefix is captured state: constant to autograd, its gradient goes to sinks)."""
+    device and dtype, and no prefix that itself requires grad (the prefix is captured
+    state: constant to autograd, its gradient goes to sinks). Context-parallel shards are
+    taken (merged across ranks in forward, their dq summed over ranks in backward)."""
     if not fused_takes(q, v.shape[-1], window) or fused_backward_kernel(q.device.type, q.dtype) is None:
         return False
-    return not any(seg.cp is not None or seg.k.requires_grad or seg.v.requires_grad for seg in prefixes)
+    return not any(seg.k.requires_grad or seg.v.requires_grad for seg in prefixes)
 
 
 class FlashAttention(torch.autograd.Function):
@@ -106,6 +108,14 @@ class FlashAttention(torch.autograd.Function):
     k, v [Hkv, S_j, D], optional grad sinks), scale, backward_block) -> out [Hkv, M, D]
     in the accumulation dtype, row layout (head j*g + i of token t is row i*T + t of kv
     head j). Gradients go to q, k, v and into the segments' sinks.
+
+    A segment with `cp` set is this rank's shard of a position-sharded state (context
+    parallelism; every rank calls with the same queries and the same upstream gradient,
+    the computation after the attention being replicated, or its output gradient summed
+    over ranks first): its partial is merged across ranks in forward (in rank order, the
+    same bits on every rank), and in backward this rank's part of dq over its rows is
+    summed over ranks (one all-reduce), while dk, dv of its rows go into its sinks. Such a
+    segment is passed even when this rank's shard is empty (every rank must join).
     """
 
     @staticmethod
@@ -121,9 +131,15 @@ class FlashAttention(torch.autograd.Function):
         rows = q.reshape(1, hkv, g * t, d)  # no mask: the g query heads of a kv head are rows
         for seg in prefixes:
             if seg.k.shape[1] == 0:
+                out_p, lse_p = empty_partial(q, hkv, g * t, v.shape[-1])
+            else:
+                out_p, lse_p = flash(rows, seg.k[None], seg.v[None], False, scale)
+                out_p, lse_p = out_p[0].to(acc), lse_p[0]
+            if seg.cp is not None:
+                out_p, lse_p = merge_across_ranks(out_p, lse_p, seg.cp)
+            elif seg.k.shape[1] == 0:
                 continue
-            out_p, lse_p = flash(rows, seg.k[None], seg.v[None], False, scale)
-            out, lse = merge_partials(out_p[0].to(acc), lse_p[0], out, lse), torch.logaddexp(lse_p[0], lse)
+            out, lse = merge_partials(out_p, lse_p, out, lse), torch.logaddexp(lse_p, lse)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.prefixes, ctx.scale, ctx.backward_block = prefixes, scale, backward_block
         return out
@@ -149,12 +165,15 @@ class FlashAttention(torch.autograd.Function):
         dv = dv[0].reshape(hkv, g, t, d).sum(1)
         rows = q.reshape(1, hkv, g * t, d)
         for seg in ctx.prefixes:
+            part = dq if seg.cp is None else torch.zeros_like(dq)  # a shard's part: summed over ranks
             for b0 in range(0, seg.k.shape[1], ctx.backward_block):
                 b1 = min(seg.k.shape[1], b0 + ctx.backward_block)
                 kb, vb = seg.k[:, b0:b1].contiguous(), seg.v[:, b0:b1].contiguous()
                 dq_b, dk_b, dv_b = backward(do_rows, rows, kb[None], vb[None], out_rows, lse_rows, False, scale)
-                dq += dq_b[0].reshape(h, t, d)
+                part += dq_b[0].reshape(h, t, d)
                 if seg.grad is not None:
                     seg.grad[0][:, b0:b1] += dk_b[0].to(seg.grad[0].dtype)
                     seg.grad[1][:, b0:b1] += dv_b[0].to(seg.grad[1].dtype)
+            if seg.cp is not None:
+                dq += all_reduce_sum(part, seg.cp)
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
