@@ -290,7 +290,12 @@ class Engine:
             return False
         if state.offload is not None or state.kept or self.adapter.has_sharded_layers():
             return False
-        return state.length > (self.cp.world - 1) * self._shard().block
+        return self._every_rank_owns_a_block(state.length)
+
+    def _every_rank_owns_a_block(self, positions: int) -> bool:
+        """Whether `positions` prompt tokens deal at least one block to every rank (what a
+        divided capture or walk needs; a shorter prompt runs replicated)."""
+        return positions > (self.cp.world - 1) * self._shard().block
 
     def divides_capture(self, positions: int, keep_graph_bytes: int = 0) -> bool:
         """Whether a capture of `positions` tokens runs divided under context parallelism
@@ -302,7 +307,7 @@ class Engine:
             return False
         if self.config.offloads_state():
             return False
-        return keep_graph_bytes == 0 and positions > (self.cp.world - 1) * self._shard().block
+        return keep_graph_bytes == 0 and self._every_rank_owns_a_block(positions)
 
     def walk_back(self, ids: torch.Tensor, start: int, states: list[PromptState], size: int, *,
                   piece_loss=None, desc: str | None = "reverse", shard: Shard | None = None) -> None:
