@@ -320,7 +320,7 @@ def divided_capture_traffic(model, *, positions: int, world: int, block: int, ch
 def walk_chunk_tokens(positions: int, chunk_size: int, world: int, block: int, at_chunks: bool = False) -> int:
     """Tokens of one chunk of a divided reverse walk: whole cycles of the deal (world x
     block), as many as `chunk_size` needs; `at_chunks` (GDN hybrids): the fewest capture
-    chunks that hold a cycle (as `sequence_parallel.walk_chunks`)."""
+    chunks that hold a cycle. `sequence_parallel.walk_chunks` cuts the walk with it."""
     cycle = world * block
     size = -(-cycle // chunk_size) * chunk_size if at_chunks else -(-chunk_size // cycle) * cycle
     return min(positions, size)
