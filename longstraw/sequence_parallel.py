@@ -139,6 +139,7 @@ def partial_gradients(params, cp, bucket_bytes: int = 32 << 20):
                                f"(count, elements per rank: {[x.tolist() for x in sizes]}); every rank must run "
                                "the same model")
     bucket: list[torch.Tensor] = []
+    held = 0  # bytes in `bucket`
 
     def flush():
         if bucket:
@@ -148,9 +149,10 @@ def partial_gradients(params, cp, bucket_bytes: int = 32 << 20):
             bucket.clear()
 
     for g in grads:
-        if bucket and (g.dtype != bucket[0].dtype or g.device != bucket[0].device
-                       or sum(x.numel() * x.element_size() for x in bucket) + g.numel() * g.element_size()
-                       > bucket_bytes):
+        size = g.numel() * g.element_size()
+        if bucket and (g.dtype != bucket[0].dtype or g.device != bucket[0].device or held + size > bucket_bytes):
             flush()
+            held = 0
         bucket.append(g)
+        held += size
     flush()
