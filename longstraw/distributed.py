@@ -5,10 +5,10 @@ ranks). The per-token prompt state (attention K/V, MLA latents) is sharded by bl
 of positions dealt round-robin (`state.Shard`); small state (GDN recurrent state) is
 replicated. Capture's token computation is divided for dense, GDN-hybrid and MLA/DSA
 families (each prompt token on the rank that owns its block, layer by layer:
-`sequence_parallel.py`), and so is exact mode's reverse walk for dense and GDN-hybrid
-families (each prompt token recomputed and backpropagated on its owner). Replay and the
-MLA/DSA families' reverse walk run their token computation (projections, MLP/MoE,
-norms, the branch's own causal attention) on every rank, and only attention over the prompt state is distributed:
+`sequence_parallel.py`), and so is exact mode's reverse walk (each prompt token
+recomputed and backpropagated on its owner). Replay runs its token computation
+(projections, MLP/MoE, norms, the branch's own causal attention) on every rank, and only
+attention over the prompt state is distributed:
 
     forward    each rank attends over its own shard -> partial (o_r, lse_r);
                all-gather and merge by log-sum-exp -> the same (o, lse) everywhere
@@ -29,8 +29,8 @@ the current CUDA device for NCCL, so call `torch.cuda.set_device(local_rank)` be
 building the engine; CPU for gloo); `ops/collectives.py` moves tensors there and back.
 
 What this buys: each rank holds ~1/W of the prompt state and does ~1/W of the
-attention work over it and of capture's and the reverse walk's token computation
-(dense and GDN-hybrid families); replay's token computation is not divided
+attention work over it and of capture's and the reverse walk's token computation;
+replay's token computation is not divided
 (docs/distributed.md).
 """
 

@@ -282,7 +282,7 @@ class Engine:
     def divides_walk(self, state: PromptState) -> bool:
         """Whether exact mode's reverse walk over `state` runs divided under context
         parallelism (each prompt token recomputed and backpropagated on the rank that owns
-        it, `sequence_parallel.py`): the family supports it (dense, GDN hybrids), the state
+        it, `sequence_parallel.py`): the family supports it (every family LongStraw runs), the state
         is not offloaded, no capture graphs were kept (they are replicated), no decoder
         layer is FSDP2-sharded (its reduce-scatter averages the ranks' gradients, which
         suits replicated gradients only), and every rank owns a block."""

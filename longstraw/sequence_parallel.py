@@ -28,23 +28,24 @@ every layer can divide its work:
 
 Between layers a rank keeps its shard of the hidden states, [N, d].
 
-Exact mode's reverse walk is divided too, for dense and GDN-hybrid families
-(`divided_chunks`, `partial_gradients`): chunk by chunk (last to first; whole cycles of
-the deal, or for hybrids the fewest capture chunks that hold a cycle, since GDN layers
+Exact mode's reverse walk is divided too (`divided_chunks`, `partial_gradients`):
+chunk by chunk (last to first; whole cycles of the deal, or for hybrids the fewest
+capture chunks that hold a cycle, since GDN layers
 restart from the snapshots at capture-chunk starts), each rank recomputes its own
 positions of the chunk through every layer with autograd and backpropagates them.
 Attention gathers the chunk's q/k/v rows of every rank, runs the chunk's attention as
 the replicated walk does (its causal part on every rank, the part over earlier chunks
 divided by the sharded state), and keeps this rank's output rows; a GDN layer projects
 its own rows, gathers the chunk's projected rows and runs the conv and the recurrence
-over the whole chunk on every rank (`models/divided.py`). Each rank seeds its own K/V
-rows with the gradients its shard accumulated (the replicated GDN snapshots are seeded on
+over the whole chunk on every rank; an MLA layer gathers the chunk's absorbed queries
+and latent rows (and the indexer's inputs, for the same global DSA top-k) and keeps
+this rank's output rows, as attention does (`models/divided.py`). Each rank seeds its
+own K/V (latent) rows with the gradients its shard accumulated (the replicated GDN snapshots are seeded on
 every rank alike). Its parameter gradients are then partial, and one bucketed
 all-reduce per step sums them (`partial_gradients`).
 
 What stays replicated: replay of the branches (R-sized, against the sharded state as
-before), the MLA/DSA families' reverse walk, a walk over kept capture graphs
-(`keep_graph_bytes`), an offloaded state or FSDP2-sharded layers, captures that keep
+before), a walk over kept capture graphs (`keep_graph_bytes`), an offloaded state or FSDP2-sharded layers, captures that keep
 chunk graphs, captures of an offloaded state, and rollouts' decode. Replay's gradients
 are complete on every rank; only the divided walk's are summed over ranks. See
 docs/distributed.md.

@@ -28,7 +28,9 @@ def run(rank: int, world: int, init_file: str, cases: list[str]) -> None:
                 model.zero_grad(set_to_none=True)
                 single = ls.Engine(model, ls.ExecConfig(**kw)).step(group)
                 want_single = grads_of(model)
-                engine = assert_same_step(model, group, dict(context_parallel=True, **kw))
+                # against the on-device shard walked replicated, as an offloaded state is (a
+                # divided walk routes MoE rows apart: float32 routers round differently)
+                engine = assert_same_step(model, group, dict(context_parallel=True, divide_walk=False, **kw))
                 state = engine.capture(group.prompt)
                 assert state.offload is not None and state.layers[state.offload.order[0]] is not None
                 model.zero_grad(set_to_none=True)

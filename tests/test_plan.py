@@ -220,9 +220,9 @@ def test_divided_capture_traffic_and_fallbacks():
 def test_divided_walk_and_its_fallbacks():
     """Exact mode on a dense model under CP: the reverse walk's token computation is divided
     (each prompt token on one rank; each walk chunk's self part on every rank), in whole
-    cycles of the deal; GDN hybrids, MLA/DSA families, kept graphs, an offloaded state,
-    sharded weights, `divide_walk=False` and detached mode walk replicated (or not at all);
-    a GDN hybrid's walk is divided too, in whole capture chunks, its recurrence replicated."""
+    cycles of the deal; kept graphs, an offloaded state, sharded weights, `divide_walk=False`
+    and detached mode walk replicated (or not at all); a GDN hybrid's walk is divided too, in
+    whole capture chunks, its recurrence replicated; so is GLM-5's (MLA + DSA)."""
     from longstraw.plan.estimate import walk_chunk_tokens
 
     kw = dict(prompt_tokens=1_048_576, gpus=8, mode="exact", chunk_size=4096, attention_block_size=1024)
@@ -238,7 +238,14 @@ def test_divided_walk_and_its_fallbacks():
     assert hybrid["divided_walk"] and hybrid["walk_chunk_tokens"] == 9000  # 3 capture chunks hold a cycle
     assert hybrid["flops_exact_extra"] < plan("qwen3.6-27b", divide_walk=False,
                                               **{**kw, "chunk_size": 3000})["flops_exact_extra"]
-    for other in (plan("glm-5.2", **kw), plan("qwen3-8b", **{**kw, "gpus": 1}),
+    glm = plan("glm-5.2", **kw)
+    glm_replicated = plan("glm-5.2", divide_walk=False, **kw)
+    assert glm["divided_walk"] and glm["walk_chunk_tokens"] == 8192
+    token = 2 * glm["num_active_parameters"] * 1_048_576
+    saved = glm_replicated["flops_exact_extra"] - glm["flops_exact_extra"]
+    assert 0.6 * 7 / 8 * token * 3 < saved < 7 / 8 * token * 3
+    assert glm["recompute_working_bytes"] < glm_replicated["recompute_working_bytes"]
+    for other in (plan("qwen3-8b", **{**kw, "gpus": 1}),
                   plan("qwen3-8b", keep_graph_bytes=1 << 40, **kw), plan("qwen3-8b", offload_state=True, **kw),
                   plan("qwen3-8b", shard_params=True, **kw), plan("qwen3-8b", **{**kw, "mode": "detached"})):
         assert not other["divided_walk"]

@@ -28,7 +28,10 @@ Exact mode's divided reverse walk reuses the deal with autograd, one walk chunk 
 time (`DividedChunk`): `divided_recompute_attention` gathers the chunk's q/k/v rows,
 attends as the replicated walk does, and keeps this rank's rows; `divided_recompute_gdn`
 projects this rank's rows, gathers the chunk's projected rows, runs the conv and the
-recurrence over the whole chunk on every rank, and keeps this rank's rows.
+recurrence over the whole chunk on every rank, and keeps this rank's rows; an MLA
+layer gathers the chunk's absorbed queries and latent rows (`gather_mla_chunk`, and the
+indexer's inputs, no grad), attends as the replicated walk does (`mla.mla_forward`), and
+keeps this rank's rows (`own_chunk_rows`).
 """
 
 from __future__ import annotations
@@ -173,7 +176,7 @@ def divided_recompute_attention(module, query, key, value, call, scaling):
     of its own rows. This rank's own K/V rows are the chunk's roots, seeded with the
     gradients its shard accumulated for them (no all-reduce of seeds)."""
     from ..ops.attention import prefix_causal_attention
-    from ..ops.collectives import GatherRows, SumGradAcrossRanks
+    from ..ops.collectives import GatherRows
 
     d: DividedChunk = call.divided
     kv = call.states[-1].layers[module.layer_idx]
@@ -188,7 +191,7 @@ def divided_recompute_attention(module, query, key, value, call, scaling):
     scale = scaling if scaling is not None else q.shape[-1] ** -0.5
     out = prefix_causal_attention(full_q, full_k, full_v, prefixes=[kv.segment(until=d.start)], q_start=d.start,
                                   scale=scale, block_size=call.block_size)  # (H, T, Dv), the same on every rank
-    out = SumGradAcrossRanks.apply(out, d.cp)[:, index[d.rank]]  # (H, n, Dv)
+    out = own_chunk_rows(out, call)  # (H, n, Dv)
     if d.end <= kv.end:  # held: its gradient seeds the chunk
         call.states[-1].seeds.append(((k, v), lambda: kv.own_grads(d.start, d.end)))
     return out.transpose(0, 1)[None], None
@@ -221,6 +224,45 @@ def divided_mla(module, q_full, k_new, rank: int, topk, call, prev_indices, inde
         indices = prev_indices
         assert indices is not None, "a shared DSA layer needs the previous layer's selection"
     return divided_sparse_attention(q_full, k_new, indices, value_dim=rank, scale=module.scaling, **deal), indices
+
+
+def gather_mla_chunk(q_full, k_new, index_inputs, call):
+    """A divided reverse walk's MLA layer (exact mode): this rank's n rows of the chunk ->
+    the whole chunk's T rows, in chunk order. q_full [H, n, R + Dr], k_new [n, R + Dr]
+    (gathered with autograd, `GatherRows`: one all-gather for the two) and the indexer's
+    inputs (queries [n, Hi, Di], keys [n, Di], weights [n, Hi], or None; gathered without
+    grad, as the indexer runs) -> (q_full [H, T, R + Dr], k_new [T, R + Dr], index_inputs
+    of T rows).
+
+    The chunk's attention then runs as in the replicated walk (`mla.mla_forward`): its
+    own causal part and the DSA selection on every rank, the part over earlier chunks
+    divided by the sharded state. `own_chunk_rows` keeps this rank's rows of its output;
+    the projections around it, the MoE and o_proj run on this rank's rows only."""
+    from ..ops.collectives import GatherRows
+
+    d: DividedChunk = call.divided
+    index = d.rows(q_full.device)
+    h = q_full.shape[0]
+    both = GatherRows.apply(torch.cat([q_full, k_new[None]]), index, d.cp)  # (H + 1, T, R + Dr)
+    if index_inputs is not None:
+        queries, keys, weights = index_inputs
+        n, hi, di = queries.shape
+        with torch.no_grad():
+            qk = GatherRows.apply(torch.cat([queries.reshape(n, hi * di), keys], 1), index, d.cp)  # (T, Hi Di + Di)
+            index_inputs = (qk[:, : hi * di].reshape(-1, hi, di), qk[:, hi * di:],
+                            GatherRows.apply(weights, index, d.cp))
+    return both[:h], both[h], index_inputs
+
+
+def own_chunk_rows(out: torch.Tensor, call) -> torch.Tensor:
+    """A divided reverse walk: out [.., T, F], the same on every rank (the whole chunk's
+    attention) -> this rank's rows [.., n, F]. Their gradient is summed over ranks
+    (`SumGradAcrossRanks`), so the attention's backward sees the whole chunk's upstream
+    gradient, identical on every rank."""
+    from ..ops.collectives import SumGradAcrossRanks
+
+    d: DividedChunk = call.divided
+    return SumGradAcrossRanks.apply(out, d.cp)[..., d.rows(out.device)[d.rank], :]
 
 
 # ----------------------------------------------------------------------------

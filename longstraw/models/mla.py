@@ -39,7 +39,7 @@ from ..branch_state import BranchLatent, BranchState
 from ..state import HOST, IndexKeys, LatentKV, MLAState, PromptState
 from .attention_hook import current_call, seed_reader
 from .base import Adapter, forwards_replaced
-from .divided import divided_mla
+from .divided import divided_mla, gather_mla_chunk, own_chunk_rows
 from .mla_decode import mla_decode, prompt_candidates
 
 
@@ -220,13 +220,18 @@ def mla_forward(module, spec, hidden_states, position_embeddings=None, attention
                                     prev_indices=prev_topk_indices)  # (G, H, R)
         out = module.o_proj(torch.einsum("ghr,hvr->ghv", o_lat, w_uv).reshape(t, 1, h * vdim))
         return (out, None, indices) if spec["returns_topk"] else (out, None)
-    indices, new_index_keys = None, None
+    indices, new_index_keys, index_inputs, own_k = None, None, None, k_new
     if indexer is not None:
-        index_q, new_index_keys, index_w = _indexer_inputs(indexer, x, q_resid, cos, sin, spec["index_rope"])
+        index_inputs = _indexer_inputs(indexer, x, q_resid, cos, sin, spec["index_rope"])
+    walk_divided = call.phase == "recompute" and call.divided is not None
+    if walk_divided:  # a divided reverse walk: the whole chunk's rows from every rank (`divided.py`)
+        q_full, k_new, index_inputs = gather_mla_chunk(q_full, k_new, index_inputs, call)
+        latent = k_new[:, :rank]
+    if index_inputs is not None:
+        index_q, new_index_keys, index_w = index_inputs
     if call.phase == "divided":  # context parallelism: this rank's own positions (`divided.py`)
-        o_lat, indices = divided_mla(module, q_full, k_new, rank, topk, call, prev_topk_indices,
-                                     None if indexer is None else (index_q, new_index_keys, index_w))
-    elif topk is not None and topk < call.start + t:  # some query sees more than top-k positions
+        o_lat, indices = divided_mla(module, q_full, k_new, rank, topk, call, prev_topk_indices, index_inputs)
+    elif topk is not None and topk < call.start + k_new.shape[0]:  # some query sees more than top-k positions
         if indexer is not None:
             indices = _select(indexer, layers, index_q, new_index_keys, index_w, call)
         else:
@@ -238,6 +243,8 @@ def mla_forward(module, spec, hidden_states, position_embeddings=None, attention
         segments = [layer.latent.segment(until=call.start) for layer in layers]
         o_lat = prefix_causal_attention(q_full, k_new[None], latent[None], prefixes=segments, q_start=call.start,
                                         scale=module.scaling, block_size=call.block_size)  # (H, T, R)
+    if walk_divided:
+        o_lat = own_chunk_rows(o_lat, call)  # (H, t, R)
     o_lat = restage_on_backward(o_lat, call.states, module.layer_idx, call.start)
     out = torch.einsum("htr,hvr->thv", o_lat, w_uv).reshape(1, t, h * vdim)
     out = module.o_proj(out)
@@ -248,7 +255,10 @@ def mla_forward(module, spec, hidden_states, position_embeddings=None, attention
         if layers[-1].index is not None:
             layers[-1].index.append(new_index_keys)
         write_back(call.states, module.layer_idx)
-    if call.records_roots() and call.start + t <= own.latent.end:
+    if walk_divided and call.divided.end <= own.latent.end:  # this rank's rows, seeded by what its shard holds
+        a, b = call.start, call.divided.end
+        call.states[-1].seeds.append(((own_k,), lambda: (own.latent.own_grads(a, b)[0][0],)))
+    elif call.records_roots() and call.start + t <= own.latent.end:
         read = seed_reader(own.latent, call.start, call.start + t, parts=1, device=k_new.device,
                            stager=stager_of(call.states[-1], module.layer_idx))
         call.states[-1].seeds.append(((k_new,), lambda: (read()[0][0],)))  # dk [1, T, R + Dr] holds dv too
@@ -263,6 +273,7 @@ def routed_mla(modules, specs):
 class MLAAdapter(Adapter):
     model_types = ("glm_moe_dsa", "deepseek_v32", "deepseek_v3")
     divides_capture = True
+    divides_walk = True
 
     def check_config(self) -> None:
         model_type = self.config.model_type

@@ -344,6 +344,20 @@ def divided_walk_flops(arch: Arch, params: ParamCount, positions: int, world: in
     return f
 
 
+def _gathered_walk_row_bytes(arch: Arch, layer: LayerSpec, b: int, gk: bool) -> float:
+    """Bytes per chunk token a divided reverse walk's layer keeps for the whole chunk (its
+    rows of every rank, gathered, and the chunk's output that every rank computes):
+    attention q/k/v and output; MLA the absorbed queries and latent rows, and the latent
+    output (the indexer's gathered inputs take no grad and are freed with the layer); GDN
+    its whole replicated conv + recurrence graph."""
+    if layer.mixer == "attention":
+        return (2 * arch.heads + 2 * arch.kv_heads) * arch.head_dim * b
+    if layer.mixer == "mla":
+        kl, r = arch.kv_lora_rank, arch.rope_dim
+        return ((arch.heads + 1) * (kl + r) + arch.heads * kl) * b
+    return graph_bytes_per_token(arch, layer, b, gk)
+
+
 def _divided_working(arch: Arch, mine: int, chunk: int, b: int, acc: int) -> float:
     """No-grad working set of a divided capture layer on a rank holding `mine` positions:
     the hidden shard, its residual and the layer output ([mine, d] each), plus the larger of
@@ -497,9 +511,9 @@ def estimate(model, config: PlanConfig) -> dict:
     chunk_graph = autograd_pass(arch, C, p_rank, blk, b, acc, dense_grad, gk)[0]
     kept_chunks = min(chunks, int(c.keep_graph_bytes // chunk_graph)) if exact and c.keep_graph_bytes else 0
     kept_bytes = kept_chunks * chunk_graph
-    # the engine's rule (Engine.divides_walk): dense and GDN-hybrid families (no MLA), no kept
-    # chunk graphs, no offloaded state, no sharded weights (FSDP2 walks replicated), a block for every rank
-    divided_walk = (exact and c.divide_walk and W > 1 and not arch.count(mixer="mla") and not c.offload_state
+    # the engine's rule (Engine.divides_walk): no kept chunk graphs, no offloaded state, no
+    # sharded weights (FSDP2 walks replicated), a block for every rank
+    divided_walk = (exact and c.divide_walk and W > 1 and not c.offload_state
                     and kept_chunks == 0 and not c.shard_params and P - 1 > (W - 1) * c.attention_block_size)
     walk_chunk = C
     if divided_walk:  # the rank's own tokens of one walk chunk with autograd, plus the chunk's gathered q/k/v
@@ -507,9 +521,7 @@ def estimate(model, config: PlanConfig) -> dict:
         # and per GDN layer its replicated conv + recurrence (bounded by the layer's whole graph per token)
         walk_chunk = walk_chunk_tokens(P - 1, c.chunk_size, W, c.attention_block_size, bool(arch.count(mixer="gdn")))
         own = rank_positions(walk_chunk, W, c.attention_block_size)
-        gathered_rows = walk_chunk * sum(
-            (2 * arch.heads + 2 * arch.kv_heads) * arch.head_dim * b if layer.mixer == "attention"
-            else graph_bytes_per_token(arch, layer, b, gk) for layer in arch.layers)
+        gathered_rows = walk_chunk * sum(_gathered_walk_row_bytes(arch, layer, b, gk) for layer in arch.layers)
         whole, attn = autograd_pass(arch, walk_chunk, p_rank, blk, b, acc, dense_grad, gk)
         self_part = whole - walk_chunk * graph_tok  # the dense self part's scores, when counted
         recompute_working = (autograd_pass(arch, own, p_rank, blk, b, acc, False, gk)[0] + gathered_rows
