@@ -68,12 +68,12 @@ class ExecConfig:
 
     divide_walk: bool = True
     """Context parallelism, exact mode: recompute and backpropagate each prompt token of
-    the reverse walk on one rank (the owner of its block), for the families that support
-    it (dense attention and GDN hybrids); the walk's parameter gradients are then partial
-    per rank and summed once per step (one bucketed all-reduce). False replicates the walk
-    on every rank (what MLA/DSA families always do, and what an offloaded state,
-    kept capture graphs or FSDP2-sharded layers get). Same result either way. See
-    docs/distributed.md."""
+    the reverse walk on one rank (the owner of its block), every family; the walk's
+    parameter gradients are then partial per rank and summed once per step (one bucketed
+    all-reduce; FSDP2-sharded layers: their own reduce-scatter, set to sum). False
+    replicates the walk on every rank (what an offloaded state, kept capture graphs, or
+    FSDP2 on a 2-D mesh get). Same result either way (HF's float32 MoE routers round
+    differently, as with another chunk_size). See docs/distributed.md."""
 
     allow_position_overflow: bool = False
     """Allow P + R beyond the model's `max_position_embeddings` (RoPE then

@@ -51,7 +51,7 @@ from .logprobs import token_logprobs
 from .models import adapter_for
 from .offload import Stager, settle
 from .rollout import Rollout, SamplingConfig, check_state, generate, stamp_state
-from .sequence_parallel import divided_capture, divided_chunks, partial_gradients
+from .sequence_parallel import divided_capture, divided_chunks, fsdp_sum_factor, summed_walk_gradients
 from .state import PromptState, Shard
 
 
@@ -283,12 +283,16 @@ class Engine:
         """Whether exact mode's reverse walk over `state` runs divided under context
         parallelism (each prompt token recomputed and backpropagated on the rank that owns
         it, `sequence_parallel.py`): the family supports it (every family LongStraw runs), the state
-        is not offloaded, no capture graphs were kept (they are replicated), no decoder
-        layer is FSDP2-sharded (its reduce-scatter averages the ranks' gradients, which
-        suits replicated gradients only), and every rank owns a block."""
+        is not offloaded, no capture graphs were kept (they are replicated), FSDP2-sharded
+        layers (if any) shard over a 1-D mesh holding every context-parallel rank (their
+        reduce-scatter is then set to sum the partial gradients: `fsdp_sum_factor`), and
+        every rank owns a block."""
         if self.cp is None or not (self.config.divide_walk and self.adapter.divides_walk):
             return False
-        if state.offload is not None or state.kept or self.adapter.has_sharded_layers():
+        if state.offload is not None or state.kept:
+            return False
+        sharded = self.adapter.sharded_modules()
+        if sharded and fsdp_sum_factor(sharded, self.cp) is None:
             return False
         return self._every_rank_owns_a_block(state.length)
 
@@ -511,7 +515,9 @@ class Engine:
         t2 = _clock(self.adapter.device)
         divided = exact and self.divides_walk(state)
         if divided:  # each prompt token on one rank; the ranks' partial gradients summed once
-            with partial_gradients(self.model.parameters(), self.cp):
+            sharded = self.adapter.sharded_modules()
+            with summed_walk_gradients(self.model, self.cp, sharded,
+                                       fsdp_sum_factor(sharded, self.cp) if sharded else None):
                 self.walk_back(group.prompt[:-1].to(self.adapter.device), 0, [state], self.config.chunk_size,
                                shard=self._shard())
         elif exact:

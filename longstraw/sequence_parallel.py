@@ -42,10 +42,12 @@ and latent rows (and the indexer's inputs, for the same global DSA top-k) and ke
 this rank's output rows, as attention does (`models/divided.py`). Each rank seeds its
 own K/V (latent) rows with the gradients its shard accumulated (the replicated GDN snapshots are seeded on
 every rank alike). Its parameter gradients are then partial, and one bucketed
-all-reduce per step sums them (`partial_gradients`).
+all-reduce per step sums them (`partial_gradients`), or, for FSDP2-sharded layers,
+FSDP2's own reduce-scatter, set to sum for the walk (`fsdp_sums_partials`).
 
 What stays replicated: replay of the branches (R-sized, against the sharded state as
-before), a walk over kept capture graphs (`keep_graph_bytes`), an offloaded state or FSDP2-sharded layers, captures that keep
+before), a walk over kept capture graphs (`keep_graph_bytes`), an offloaded state, or
+FSDP2 on a 2-D mesh (`fsdp_sum_factor`), captures that keep
 chunk graphs, captures of an offloaded state, and rollouts' decode. Replay's gradients
 are complete on every rank; only the divided walk's are summed over ranks. See
 docs/distributed.md.
@@ -157,3 +159,82 @@ def partial_gradients(params, cp, bucket_bytes: int = 32 << 20):
         bucket.append(g)
         held += size
     flush()
+
+
+# ----------------------------------------------------------------------------
+# FSDP2-sharded layers in a divided walk
+
+
+def _fsdp_groups(module):
+    """An FSDP2 module's parameter groups (torch's private `FSDPParamGroup`s), or None
+    when this torch lays them out differently."""
+    state = getattr(module, "_get_fsdp_state", lambda: None)()
+    groups = getattr(state, "_fsdp_param_groups", None)
+    knobs = ("gradient_divide_factor", "force_sum_reduction_for_comms", "reduce_scatter_unused_params", "mesh_info")
+    if groups is None or not all(hasattr(g, k) for g in groups for k in knobs):
+        return None
+    return groups
+
+
+def fsdp_sum_factor(modules, cp) -> float | None:
+    """The divide factor with which FSDP2's reduce-scatter turns a divided walk's partial
+    gradients into the right shard: its group's size / W (1: a plain sum when FSDP2 shards
+    over the context-parallel ranks themselves; with more ranks, their data-parallel
+    average of the per-group sums). None when the walk cannot run divided under these
+    modules: a 2-D (HSDP) mesh, groups of different sizes, a context-parallel rank outside
+    the FSDP2 group, or a torch whose FSDP2 internals are laid out differently."""
+    import torch.distributed as dist
+
+    cp_ranks = set(dist.get_process_group_ranks(cp.group if cp.group is not None else dist.group.WORLD))
+    sizes = set()
+    for module in modules:
+        groups = _fsdp_groups(module)
+        if groups is None:
+            return None
+        for g in groups:
+            mesh = g.mesh_info
+            if getattr(mesh, "replicate_process_group", None) is not None or not hasattr(mesh, "shard_process_group"):
+                return None
+            ranks = set(dist.get_process_group_ranks(mesh.shard_process_group))
+            if not cp_ranks <= ranks:
+                return None
+            sizes.add(len(ranks))
+    if len(sizes) != 1:
+        return None
+    return sizes.pop() / cp.world
+
+
+@contextlib.contextmanager
+def fsdp_sums_partials(modules, factor: float):
+    """Within the block (a divided walk), FSDP2's reduce-scatter of each module's
+    gradients sums the ranks' partial gradients instead of averaging replicated ones:
+    divide factor `factor` (`fsdp_sum_factor`), the sum reduction forced (gloo has no
+    pre-multiplied sum), and unused parameters reduce-scattered as zeros (a safeguard: a
+    parameter that none of this rank's tokens of a chunk reached, say a per-expert module
+    of an MoE, would have no gradient here but one on another rank, and every rank must
+    send the same layout; HF's fused experts are one parameter, always reached). Each
+    module's previous settings are restored on exit."""
+    saved = [(g, g.gradient_divide_factor, g.force_sum_reduction_for_comms, g.reduce_scatter_unused_params)
+             for m in modules for g in _fsdp_groups(m)]
+    for g, *_ in saved:
+        g.gradient_divide_factor, g.force_sum_reduction_for_comms, g.reduce_scatter_unused_params = factor, True, True
+    try:
+        yield
+    finally:
+        for g, factor0, force0, unused0 in saved:
+            g.gradient_divide_factor, g.force_sum_reduction_for_comms, g.reduce_scatter_unused_params = (
+                factor0, force0, unused0)
+
+
+@contextlib.contextmanager
+def summed_walk_gradients(model, cp, fsdp_modules, factor: float | None):
+    """A divided walk's parameter gradients, each summed over ranks once: FSDP2-sharded
+    parameters by FSDP2's own reduce-scatter (`fsdp_sums_partials`, as each chunk's
+    backward ends), every other (replicated) parameter by `partial_gradients`' one
+    bucketed all-reduce after the walk."""
+    from torch.distributed.tensor import DTensor
+
+    replicated = [p for p in model.parameters() if not isinstance(p, DTensor)]
+    with (fsdp_sums_partials(fsdp_modules, factor) if fsdp_modules else contextlib.nullcontext()), \
+            partial_gradients(replicated, cp):
+        yield

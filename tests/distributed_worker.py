@@ -117,18 +117,19 @@ def crash_one_rank(rank: int, world: int, init_file: str, flag_dir: str) -> None
 def run_fsdp(rank: int, world: int, init_file: str) -> None:
     """Decoder layers wrapped with FSDP2 `fully_shard`: each rank's gradient shard equals
     the matching slice of the single-process gradient (and the full tensor equals it), with
-    the capture divided (each prompt token on one rank) and replicated: no gradient is
-    reduced twice or missed."""
+    the capture divided (each prompt token on one rank) and replicated, and exact mode's
+    walk divided (FSDP2's reduce-scatter then sums the ranks' partial gradients; dense,
+    hybrid and MoE hybrid) and replicated: no gradient is reduced twice or missed."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     _init(rank, world, init_file)
     try:
-        for name in ("dense", "hybrid"):
+        for name in ("dense", "hybrid", "hybrid_moe"):
             model = CASES[name]()
             group = random_group(97, 23, [5, 3], seed=3)
             kw = dict(chunk_size=6, attention_block_size=4, shard_block_size=3)
-            with float64_hybrid(model) if name == "hybrid" else _null():
+            with float64_hybrid(model) if name in HYBRIDS else _null():
                 want = {}
                 for mode in ("detached", "exact"):
                     model.zero_grad(set_to_none=True)
@@ -138,12 +139,12 @@ def run_fsdp(rank: int, world: int, init_file: str) -> None:
                 for layer in model.model.layers:
                     fully_shard(layer, mesh=mesh)
                 sharded = 0
-                for mode, divide in (("detached", True), ("exact", True), ("detached", False)):
+                for mode, divide in (("detached", True), ("exact", True), ("detached", False), ("exact", False)):
                     model.zero_grad(set_to_none=True)
                     result = ls.Engine(model, ls.ExecConfig(mode=mode, context_parallel=True, divide_capture=divide,
-                                                            **kw)).step(group)
+                                                            divide_walk=divide, **kw)).step(group)
                     assert result.metrics["divided_capture"] == float(divide)
-                    assert result.metrics["divided_walk"] == 0.0  # FSDP2 averages: the walk stays replicated
+                    assert result.metrics["divided_walk"] == float(divide and mode == "exact")
                     for pname, p in model.named_parameters():
                         grad, ref = p.grad, want[mode][pname]
                         if hasattr(grad, "to_local"):  # a DTensor shard: dim-0 chunks, as FSDP2 lays them out
@@ -151,10 +152,25 @@ def run_fsdp(rank: int, world: int, init_file: str) -> None:
                             local = grad.to_local()
                             chunks = ref.chunk(world, dim=0)
                             expected = chunks[rank] if rank < len(chunks) else ref[:0]
-                            assert (local - expected).abs().max() <= 1e-9 * ref.abs().max(), (name, mode, pname)
+                            assert local.shape == expected.shape, (name, mode, pname)
+                            if local.numel():  # (a parameter with fewer rows than ranks has an empty shard)
+                                assert (local - expected).abs().max() <= 1e-9 * ref.abs().max(), (name, mode, pname)
                             grad = grad.full_tensor()
                         assert (grad - ref).abs().max() <= 1e-9 * ref.abs().max() + 1e-300, (name, mode, pname)
                 assert sharded > 0
+            if name == "dense":  # a 2-D (HSDP) mesh: FSDP2 would not sum the partials right, so walk replicated
+                from longstraw.sequence_parallel import fsdp_sum_factor
+
+                layers = list(model.model.layers)
+                engine = ls.Engine(model, ls.ExecConfig(mode="exact", context_parallel=True, **kw))
+                state = engine.capture(group.prompt, exact=True)
+                assert fsdp_sum_factor(layers, engine.cp) == 1.0 and engine.divides_walk(state)
+                info = layers[0]._get_fsdp_state()._fsdp_param_groups[0].mesh_info
+                info.replicate_process_group = info.shard_process_group
+                try:
+                    assert fsdp_sum_factor(layers, engine.cp) is None and not engine.divides_walk(state)
+                finally:
+                    del info.replicate_process_group
             del model
         dist.barrier()  # FSDP2's gloo reduce-scatters are finished on every rank before teardown
     finally:

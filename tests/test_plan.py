@@ -220,9 +220,10 @@ def test_divided_capture_traffic_and_fallbacks():
 def test_divided_walk_and_its_fallbacks():
     """Exact mode on a dense model under CP: the reverse walk's token computation is divided
     (each prompt token on one rank; each walk chunk's self part on every rank), in whole
-    cycles of the deal; kept graphs, an offloaded state, sharded weights, `divide_walk=False`
-    and detached mode walk replicated (or not at all); a GDN hybrid's walk is divided too, in
-    whole capture chunks, its recurrence replicated; so is GLM-5's (MLA + DSA)."""
+    cycles of the deal, also with sharded weights (FSDP2); kept graphs, an offloaded state,
+    `divide_walk=False` and detached mode walk replicated (or not at all); a GDN hybrid's
+    walk is divided too, in whole capture chunks, its recurrence replicated; so is GLM-5's
+    (MLA + DSA)."""
     from longstraw.plan.estimate import walk_chunk_tokens
 
     kw = dict(prompt_tokens=1_048_576, gpus=8, mode="exact", chunk_size=4096, attention_block_size=1024)
@@ -247,8 +248,9 @@ def test_divided_walk_and_its_fallbacks():
     assert glm["recompute_working_bytes"] < glm_replicated["recompute_working_bytes"]
     for other in (plan("qwen3-8b", **{**kw, "gpus": 1}),
                   plan("qwen3-8b", keep_graph_bytes=1 << 40, **kw), plan("qwen3-8b", offload_state=True, **kw),
-                  plan("qwen3-8b", shard_params=True, **kw), plan("qwen3-8b", **{**kw, "mode": "detached"})):
+                  plan("qwen3-8b", **{**kw, "mode": "detached"})):
         assert not other["divided_walk"]
+    assert plan("qwen3-8b", shard_params=True, **kw)["divided_walk"]
 
 
 def test_exact_mode_keeps_every_gdn_snapshot_on_every_rank():

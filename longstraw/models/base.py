@@ -105,9 +105,9 @@ class Adapter:
     def check_context_parallel(self, total_positions: int) -> None:
         """Refuse what context parallelism cannot run exactly (override to add)."""
 
-    def has_sharded_layers(self) -> bool:
-        """Whether any module of the model is wrapped with FSDP2 `fully_shard`."""
-        return any(_is_fsdp_module(m) for m in self.model.modules())
+    def sharded_modules(self) -> list[nn.Module]:
+        """The model's modules wrapped with FSDP2 `fully_shard` (empty without FSDP2)."""
+        return [m for m in self.model.modules() if _is_fsdp_module(m)]
 
     def check_runnable(self) -> None:
         """Refuse model states we cannot reproduce exactly; called before each step."""

@@ -143,9 +143,9 @@ class PlanConfig:
 
     divide_walk: bool = True
     """Exact mode under context parallelism (W > 1): the reverse walk recomputes and
-    backpropagates each prompt token on one rank (`ExecConfig.divide_walk`; dense and
-    GDN-hybrid families, not MLA/DSA, not with kept graphs, an offloaded state or sharded weights
-    (`shard_params`: FSDP2 walks replicated), and only when every rank owns a block).
+    backpropagates each prompt token on one rank (`ExecConfig.divide_walk`; every family,
+    also with `shard_params`; not with kept graphs or an offloaded state, and only when
+    every rank owns a block).
     False: the walk's token computation is replicated on every rank."""
 
     throughput_tflops: float = 400.0
@@ -511,10 +511,10 @@ def estimate(model, config: PlanConfig) -> dict:
     chunk_graph = autograd_pass(arch, C, p_rank, blk, b, acc, dense_grad, gk)[0]
     kept_chunks = min(chunks, int(c.keep_graph_bytes // chunk_graph)) if exact and c.keep_graph_bytes else 0
     kept_bytes = kept_chunks * chunk_graph
-    # the engine's rule (Engine.divides_walk): no kept chunk graphs, no offloaded state, no
-    # sharded weights (FSDP2 walks replicated), a block for every rank
+    # the engine's rule (Engine.divides_walk): no kept chunk graphs, no offloaded state, a block
+    # for every rank (sharded weights: FSDP2 over the W ranks, whose reduce-scatter then sums)
     divided_walk = (exact and c.divide_walk and W > 1 and not c.offload_state
-                    and kept_chunks == 0 and not c.shard_params and P - 1 > (W - 1) * c.attention_block_size)
+                    and kept_chunks == 0 and P - 1 > (W - 1) * c.attention_block_size)
     walk_chunk = C
     if divided_walk:  # the rank's own tokens of one walk chunk with autograd, plus the chunk's gathered q/k/v
         # and output rows per attention layer and its replicated attention (self part, blockwise backward),
