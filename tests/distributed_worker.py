@@ -464,7 +464,9 @@ def run_shard_attention(rank: int, world: int, init_file: str) -> None:
     """prefix_causal_attention over this rank's shard of a prefix (cp set) equals it over the
     whole prefix in one process: output, dq/dk/dv and the prefix's gradient sinks, both on
     the fused path (`FlashAttention`) and the blockwise one, also with a rank whose shard is
-    empty (every rank joins the merge and the dq all-reduce)."""
+    empty (every rank joins the merge and the dq all-reduce); and with the self part divided
+    (`own_rows`: each rank's query rows in runs of 2 dealt round-robin, or all on rank 0):
+    the same output, k/v gradients and sinks, and dq on each rank's own rows."""
     from longstraw.distributed import ContextParallel
     from longstraw.ops.attention import prefix_causal_attention
     from longstraw.tensors import KVSegment
@@ -501,5 +503,23 @@ def run_shard_attention(rank: int, world: int, init_file: str) -> None:
                     got.append([out.detach()] + [a.grad for a in x] + full)
                 for a, b in zip(*got):
                     torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
+                # the self part divided by query rows: runs of 2 dealt round-robin, or all on rank 0
+                for deal in ([(i // 2) % world for i in range(t)], [0] * t):
+                    index = [torch.tensor([i for i in range(t) if deal[i] == r], dtype=torch.long)
+                             for r in range(world)]
+                    x = [a.clone().requires_grad_() for a in (q, k, v)]
+                    sink = (pk.new_zeros(hkv, len(mine), d), pv.new_zeros(hkv, len(mine), d))
+                    seg = KVSegment(pk[:, mine].contiguous(), pv[:, mine].contiguous(), 0, sink, cp=cp)
+                    out = prefix_causal_attention(*x, prefixes=[seg], q_start=s + 2, scale=d ** -0.5, block_size=3,
+                                                  allow_fused=fused, own_rows=(index, cp))
+                    out.backward(dout)
+                    full = [pk.new_zeros(hkv, s, d).index_copy_(1, mine, part) for part in sink]
+                    for part in full:
+                        dist.all_reduce(part)
+                    want = got[0]
+                    own = index[rank]
+                    for a, b in zip([out.detach(), x[0].grad[:, own]] + [a.grad for a in x[1:]] + full,
+                                    [want[0], want[1][:, own]] + want[2:]):
+                        torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
     finally:
         dist.destroy_process_group()

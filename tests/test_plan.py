@@ -253,6 +253,18 @@ def test_divided_walk_and_its_fallbacks():
     assert plan("qwen3-8b", shard_params=True, **kw)["divided_walk"]
 
 
+def test_own_self_pairs_is_the_fullest_ranks_share_of_a_chunks_causal_pairs():
+    """A divided walk attends each chunk's self part for a rank's own query rows only: with
+    one cycle per chunk the last rank is fullest (its block sees the 7 before it); with
+    more cycles the deal evens out toward 1/W."""
+    from longstraw.plan.estimate import own_self_pairs
+
+    assert own_self_pairs(8192, 8, 1024) == 7 * 1024 * 1024 + 1024 * 1025 / 2
+    assert own_self_pairs(10, 1, 4) == 10 * 11 / 2  # one rank: the whole causal square
+    whole = 65536 * 65537 / 2
+    assert 1 / 8 < own_self_pairs(65536, 8, 1024) / whole < 1.15 / 8  # 8 cycles: 1.11 / 8
+
+
 def test_exact_mode_keeps_every_gdn_snapshot_on_every_rank():
     """Qwen3.6-27B at 2M tokens, chunk 4096: 512 snapshots x 144 MiB on EVERY rank (the
     recurrent state is replicated, every rank walks every chunk), not 1/W of them."""

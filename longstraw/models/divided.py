@@ -168,8 +168,9 @@ def divided_recompute_attention(module, query, key, value, call, scaling):
     [1, Hkv, n, D] of this rank's n positions of the chunk -> ([1, n, H, Dv], None).
 
     The chunk's q/k/v rows of every rank are gathered (`GatherRows`), and the attention
-    of the whole chunk runs as in the replicated walk: its own causal part on every rank,
-    the part over earlier chunks divided by the sharded state (partials merged across
+    of the whole chunk runs as in the replicated walk, except that its own causal part
+    runs for this rank's query rows only, the ranks' partials gathered (`own_rows`), and
+    the part over earlier chunks is divided by the sharded state (partials merged across
     ranks). Only this rank's output rows go on; their gradient is summed over ranks
     (`SumGradAcrossRanks`) so that the attention's backward sees the whole chunk's
     upstream gradient, identical on every rank, and each rank keeps the q/k/v gradient
@@ -190,7 +191,8 @@ def divided_recompute_attention(module, query, key, value, call, scaling):
         full_q, full_k, full_v = (GatherRows.apply(x, index, d.cp) for x in (q, k, v))
     scale = scaling if scaling is not None else q.shape[-1] ** -0.5
     out = prefix_causal_attention(full_q, full_k, full_v, prefixes=[kv.segment(until=d.start)], q_start=d.start,
-                                  scale=scale, block_size=call.block_size)  # (H, T, Dv), the same on every rank
+                                  scale=scale, block_size=call.block_size,
+                                  own_rows=(index, d.cp))  # (H, T, Dv), the same on every rank
     out = own_chunk_rows(out, call)  # (H, n, Dv)
     if d.end <= kv.end:  # held: its gradient seeds the chunk
         call.states[-1].seeds.append(((k, v), lambda: kv.own_grads(d.start, d.end)))
@@ -234,9 +236,10 @@ def gather_mla_chunk(q_full, k_new, index_inputs, call):
     grad, as the indexer runs) -> (q_full [H, T, R + Dr], k_new [T, R + Dr], index_inputs
     of T rows).
 
-    The chunk's attention then runs as in the replicated walk (`mla.mla_forward`): its
-    own causal part and the DSA selection on every rank, the part over earlier chunks
-    divided by the sharded state. `own_chunk_rows` keeps this rank's rows of its output;
+    The chunk's attention then runs as in the replicated walk (`mla.mla_forward`): the
+    DSA selection and sparse attention's own causal part on every rank (a dense layer's
+    causal part divided by query rows, `own_rows`), the part over earlier chunks divided
+    by the sharded state. `own_chunk_rows` keeps this rank's rows of its output;
     the projections around it, the MoE and o_proj run on this rank's rows only."""
     from ..ops.collectives import GatherRows
 

@@ -241,8 +241,9 @@ def mla_forward(module, spec, hidden_states, position_embeddings=None, attention
                                   module.scaling)
     else:  # every query selects all it sees: dense (the indexer keys are still kept)
         segments = [layer.latent.segment(until=call.start) for layer in layers]
+        own = (call.divided.rows(q_full.device), call.divided.cp) if walk_divided else None  # self part divided
         o_lat = prefix_causal_attention(q_full, k_new[None], latent[None], prefixes=segments, q_start=call.start,
-                                        scale=module.scaling, block_size=call.block_size)  # (H, T, R)
+                                        scale=module.scaling, block_size=call.block_size, own_rows=own)  # (H, T, R)
     if walk_divided:
         o_lat = own_chunk_rows(o_lat, call)  # (H, t, R)
     o_lat = restage_on_backward(o_lat, call.states, module.layer_idx, call.start)

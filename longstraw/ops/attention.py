@@ -27,7 +27,7 @@ import torch
 
 from ..tensors import KVSegment, accumulation_dtype
 from . import flash
-from .collectives import MergeAcrossRanks, SumGradAcrossRanks
+from .collectives import GatherRows, MergeAcrossRanks, SumGradAcrossRanks
 from .flash import FlashAttention, can_use_flash_autograd, empty_partial, fused_kernel, fused_takes, merge_partials
 
 
@@ -168,8 +168,29 @@ def _flash_partial(q, k, v, scale: float, causal: bool):
     return out[0].reshape(hkv, g * t, -1).to(lse.dtype), lse[0].reshape(hkv, g * t)
 
 
+def _own_self_part(rows, k, v, q_start: int, own_rows, attend):
+    """The divided walk's self part (blockwise path; `flash._own_self_part` is the fused
+    one): rows [Hkv, g*T, D] -> (o [Hkv, g*T, Dv], lse [Hkv, g*T]), this rank's query rows
+    attended causally (by position) over the T keys, every rank's gathered (`GatherRows`,
+    whose backward keeps this rank's rows of the replicated gradient). The keys and values
+    pass `SumGradAcrossRanks`, so their gradient, partial per rank, is summed."""
+    index, cp = own_rows
+    hkv, m, d = rows.shape
+    t = k.shape[1]
+    g = m // t
+    mine = index[cp.rank]
+    sel = (torch.arange(g, device=rows.device)[:, None] * t + mine[None, :]).reshape(-1)  # (g*n,)
+    k_sum, v_sum = SumGradAcrossRanks.apply(k, cp), SumGradAcrossRanks.apply(v, cp)
+    o, lse = attend(rows[:, sel], k_sum, v_sum, q_start, None, True, q_pos=(mine + q_start).repeat(g))
+    width = o.shape[-1] + 1
+    both = torch.cat([o, lse[..., None].to(o.dtype)], -1).reshape(hkv, g, mine.numel(), width)
+    full = GatherRows.apply(both, index, cp).reshape(hkv, m, width)  # (Hkv, g*T, Dv + 1)
+    return full[..., :-1], full[..., -1]
+
+
 def prefix_causal_attention(q, k, v, *, prefixes: list[KVSegment], q_start: int, scale: float,
-                            window: int | None = None, block_size: int = 1024, allow_fused: bool = True):
+                            window: int | None = None, block_size: int = 1024, allow_fused: bool = True,
+                            own_rows=None):
     """Attention of T new tokens over earlier state segments plus themselves.
 
     Args:
@@ -184,6 +205,12 @@ def prefix_causal_attention(q, k, v, *, prefixes: list[KVSegment], q_start: int,
         allow_fused: without autograd, use torch's fused flash kernel where one fits
             (`fused_kernel`: CPU, or CUDA in half precision); False forces the
             blockwise torch path.
+        own_rows: context parallelism's divided walk, (index, cp) with index[s] the rows
+            (LongTensor, increasing) of the T queries that rank s owns: this rank runs the
+            causal self part for its own rows only and the ranks' partials are gathered,
+            so the output is still every row's, the same on every rank; the self part's
+            k, v gradients are summed over ranks and its q gradient is this rank's rows'
+            only. Every rank must call with the same q, k, v and upstream gradient.
 
     Returns:
         [H, T, Dv] attention output, in q's dtype.
@@ -198,14 +225,14 @@ def prefix_causal_attention(q, k, v, *, prefixes: list[KVSegment], q_start: int,
     if allow_fused and torch.is_grad_enabled() and can_use_flash_autograd(q, k, v, prefixes, window):
         # a shard joins whenever any rank may hold rows before the queries (even if this one holds none)
         used = [s for s in prefixes if (s.k.shape[1] > 0 if s.cp is None else q_start > s.start)]
-        out = FlashAttention.apply(q, k, v, used, scale, flash.BACKWARD_BLOCK)
+        out = FlashAttention.apply(q, k, v, used, scale, flash.BACKWARD_BLOCK, own_rows)
         return out.to(q.dtype).reshape(h, t, -1)
-    fused = allow_fused and can_use_fused(q, k, v, prefixes, window)
+    fused = allow_fused and own_rows is None and can_use_fused(q, k, v, prefixes, window)
     rows = q.reshape(hkv, g * t, d)  # (Hkv, M, D): head j*g+i -> kv head j
     k_pos = torch.arange(q_start, q_start + t, device=q.device)
     q_pos = k_pos.repeat(g)  # (M,)
 
-    def attend(rows_in, seg_k, seg_v, seg_start, grad, causal):
+    def attend(rows_in, seg_k, seg_v, seg_start, grad, causal, q_pos=q_pos):
         if fused and seg_k.shape[1] == 0:  # an empty shard on this rank: contributes nothing
             return empty_partial(q, hkv, g * t, seg_v.shape[-1])
         if fused:
@@ -218,7 +245,10 @@ def prefix_causal_attention(q, k, v, *, prefixes: list[KVSegment], q_start: int,
 
     # self part: causal over the new tokens. The blockwise kernel holds O(M x block)
     # and returns dk, dv of the new tokens, never keeping an O(M x T) score matrix.
-    out, lse = attend(rows, k, v, q_start, None, True)
+    if own_rows is None:
+        out, lse = attend(rows, k, v, q_start, None, True)
+    else:
+        out, lse = _own_self_part(rows, k, v, q_start, own_rows, attend)
     for seg in prefixes:
         if seg.cp is not None:  # this rank's shard: merge the partial across ranks
             if q_start <= seg.start:

@@ -98,6 +98,20 @@ class GradOnFirstRank(torch.autograd.Function):
         return (grad if ctx.first else torch.zeros_like(grad)), None
 
 
+def gather_rows(x: torch.Tensor, index: list[torch.Tensor], cp) -> torch.Tensor:
+    """x [.., n_r, F] of this rank's rows of a chunk -> [.., T, F], every rank's rows in
+    chunk order (rank s's rows land at `index[s]`, LongTensor [n_s]): one all-gather, each
+    rank's rows padded to the longest. No autograd (`GatherRows` is its differentiable form)."""
+    most = max(int(i.numel()) for i in index)
+    padded = x.new_zeros(*x.shape[:-2], most, x.shape[-1])
+    padded[..., : x.shape[-2], :] = x
+    parts = all_gather(padded, cp)
+    out = x.new_empty(*x.shape[:-2], sum(int(i.numel()) for i in index), x.shape[-1])
+    for part, rows in zip(parts, index):
+        out[..., rows, :] = part[..., : rows.numel(), :]
+    return out
+
+
 class GatherRows(torch.autograd.Function):
     """x [.., n_r, F] of this rank's rows of a chunk -> [.., T, F], every rank's rows in
     chunk order (rank s's rows land at `index[s]`, LongTensor [n_s]; one all-gather, each
@@ -110,15 +124,8 @@ class GatherRows(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, index, cp):
-        most = max(int(i.numel()) for i in index)
-        padded = x.new_zeros(*x.shape[:-2], most, x.shape[-1])
-        padded[..., : x.shape[-2], :] = x
-        parts = all_gather(padded, cp)
-        out = x.new_empty(*x.shape[:-2], sum(int(i.numel()) for i in index), x.shape[-1])
-        for part, rows in zip(parts, index):
-            out[..., rows, :] = part[..., : rows.numel(), :]
         ctx.mine = index[cp.rank]
-        return out
+        return gather_rows(x, index, cp)
 
     @staticmethod
     def backward(ctx, grad):

@@ -28,7 +28,7 @@ from __future__ import annotations
 import torch
 
 from ..tensors import accumulation_dtype
-from .collectives import all_reduce_sum, merge_across_ranks
+from .collectives import all_reduce_sum, gather_rows, merge_across_ranks
 
 FUSED_ENABLED = True
 """Allow the fused kernels (set False to force the blockwise path everywhere)."""
@@ -101,6 +101,69 @@ def can_use_flash_autograd(q, k, v, prefixes, window) -> bool:
     return not any(seg.k.requires_grad or seg.v.requires_grad for seg in prefixes)
 
 
+def own_runs(mine: torch.Tensor) -> list[tuple[int, int]]:
+    """The consecutive runs [(a, b)] of increasing chunk rows `mine` (a rank's blocks)."""
+    runs: list[list[int]] = []
+    for r in mine.tolist():
+        if runs and runs[-1][1] == r:
+            runs[-1][1] = r + 1
+        else:
+            runs.append([r, r + 1])
+    return [(a, b) for a, b in runs]
+
+
+def _own_self_part(flash, q, kx, vx, scale: float, own, acc):
+    """Context parallelism's divided walk: the causal self part of this rank's query rows
+    only, gathered from every rank. q [H, T, D]; kx, vx [1, H, T, D] (expanded over the GQA
+    group); own = (index, cp), index[s] the rows of rank s -> (o [H, T, D], lse [H, T]) in
+    `acc`, the same on every rank. Per own run [a, b): the causal square over [a, b) and,
+    unmasked, the rows before a."""
+    index, cp = own
+    h, t, d = q.shape
+    part = q.new_zeros(h, int(index[cp.rank].numel()), d + 1, dtype=acc)  # (H, n, D | lse)
+    col = 0
+    for a, b in own_runs(index[cp.rank]):
+        qb = q[None, :, a:b].contiguous()
+        o, lse = flash(qb, kx[:, :, a:b].contiguous(), vx[:, :, a:b].contiguous(), True, scale)
+        o, lse = o[0].to(acc), lse[0].to(acc)
+        if a > 0:
+            o_p, lse_p = flash(qb, kx[:, :, :a].contiguous(), vx[:, :, :a].contiguous(), False, scale)
+            o_p, lse_p = o_p[0].to(acc), lse_p[0].to(acc)
+            o, lse = merge_partials(o_p, lse_p, o, lse), torch.logaddexp(lse_p, lse)
+        part[:, col:col + b - a, :d], part[:, col:col + b - a, d] = o, lse
+        col += b - a
+    full = gather_rows(part, index, cp)  # (H, T, D + 1)
+    return full[..., :d], full[..., d]
+
+
+def _own_self_backward(backward, do, q, kx, vx, out, lse, scale: float, own):
+    """The backward of `_own_self_part` on this rank's query rows, with the merged
+    (do, out, lse) [1, H, T, ..] of the whole attention: dq [H, T, D] of its own rows
+    (zeros elsewhere: their owners compute them) and dk, dv [H, T, D] (expanded layout) of
+    every row its queries saw, summed over ranks (one all-reduce), so they are the whole
+    self part's on every rank."""
+    index, cp = own
+    acc = accumulation_dtype(q.dtype)
+    h, t, d = q.shape
+    dq = torch.zeros(h, t, d, dtype=acc, device=q.device)
+    dkv = torch.zeros(2, h, t, d, dtype=acc, device=q.device)
+    for a, b in own_runs(index[cp.rank]):
+        rows = (do[:, :, a:b].contiguous(), q[None, :, a:b].contiguous())
+        tail = (out[:, :, a:b].contiguous(), lse[:, :, a:b].contiguous())
+        dq_b, dk_b, dv_b = backward(*rows, kx[:, :, a:b].contiguous(), vx[:, :, a:b].contiguous(), *tail, True, scale)
+        dq[:, a:b] += dq_b[0]
+        dkv[0, :, a:b] += dk_b[0]
+        dkv[1, :, a:b] += dv_b[0]
+        if a > 0:
+            dq_b, dk_b, dv_b = backward(*rows, kx[:, :, :a].contiguous(), vx[:, :, :a].contiguous(), *tail, False,
+                                        scale)
+            dq[:, a:b] += dq_b[0]
+            dkv[0, :, :a] += dk_b[0]
+            dkv[1, :, :a] += dv_b[0]
+    all_reduce_sum(dkv, cp)
+    return dq, dkv[0], dkv[1]
+
+
 class FlashAttention(torch.autograd.Function):
     """Causal attention of T new tokens over prefix segments plus themselves, fused.
 
@@ -116,18 +179,29 @@ class FlashAttention(torch.autograd.Function):
     same bits on every rank), and in backward this rank's part of dq over its rows is
     summed over ranks (one all-reduce), while dk, dv of its rows go into its sinks. Such a
     segment is passed even when this rank's shard is empty (every rank must join).
+
+    `own` = (index, cp) (context parallelism's divided walk; index[s] the query rows of rank
+    s): this rank computes the causal self part of its own rows only, and the ranks' self
+    partials are gathered (`_own_self_part`); in backward its queries' dk, dv are summed
+    over ranks, and dq of the self part is its own rows' only. The output is still every
+    row's, the same on every rank.
     """
 
     @staticmethod
-    def forward(ctx, q, k, v, prefixes, scale, backward_block):
+    def forward(ctx, q, k, v, prefixes, scale, backward_block, own=None):
         h, t, d = q.shape
         hkv = k.shape[0]
         g = h // hkv
         flash = fused_kernel(q.device.type, q.dtype)
         acc = accumulation_dtype(q.dtype)
         # self part: causal over the new tokens; their K/V expanded over the GQA group (T-sized)
-        out, lse = flash(q[None], k.repeat_interleave(g, 0)[None], v.repeat_interleave(g, 0)[None], True, scale)
-        out, lse = out[0].reshape(hkv, g * t, d).to(acc), lse[0].reshape(hkv, g * t)
+        kx, vx = k.repeat_interleave(g, 0)[None], v.repeat_interleave(g, 0)[None]
+        if own is None:
+            out, lse = flash(q[None], kx, vx, True, scale)
+            out, lse = out[0].to(acc), lse[0]
+        else:
+            out, lse = _own_self_part(flash, q, kx, vx, scale, own, acc)
+        out, lse = out.reshape(hkv, g * t, d), lse.reshape(hkv, g * t)
         rows = q.reshape(1, hkv, g * t, d)  # no mask: the g query heads of a kv head are rows
         for seg in prefixes:
             if seg.k.shape[1] == 0:
@@ -141,7 +215,7 @@ class FlashAttention(torch.autograd.Function):
                 continue
             out, lse = merge_partials(out_p, lse_p, out, lse), torch.logaddexp(lse_p, lse)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.prefixes, ctx.scale, ctx.backward_block = prefixes, scale, backward_block
+        ctx.prefixes, ctx.scale, ctx.backward_block, ctx.own = prefixes, scale, backward_block, own
         return out
 
     @staticmethod
@@ -157,12 +231,15 @@ class FlashAttention(torch.autograd.Function):
         out_rows = out.to(q.dtype).reshape(1, hkv, g * t, d)
         lse_rows = lse.reshape(1, hkv, g * t)
         # self part, head layout; GQA: the expanded dk, dv summed back over the group
-        dq, dk, dv = backward(do_rows.reshape(1, h, t, d), q[None], k.repeat_interleave(g, 0)[None],
-                              v.repeat_interleave(g, 0)[None], out_rows.reshape(1, h, t, d), lse_rows.reshape(1, h, t),
-                              True, scale)
-        dq = dq[0].to(accumulation_dtype(q.dtype))  # (H, T, D)
-        dk = dk[0].reshape(hkv, g, t, d).sum(1)
-        dv = dv[0].reshape(hkv, g, t, d).sum(1)
+        head = (do_rows.reshape(1, h, t, d), q, k.repeat_interleave(g, 0)[None], v.repeat_interleave(g, 0)[None],
+                out_rows.reshape(1, h, t, d), lse_rows.reshape(1, h, t))
+        if ctx.own is None:
+            dq, dk, dv = backward(head[0], q[None], *head[2:], True, scale)
+            dq, dk, dv = dq[0].to(accumulation_dtype(q.dtype)), dk[0], dv[0]  # (H, T, D)
+        else:
+            dq, dk, dv = _own_self_backward(backward, *head, scale, ctx.own)
+        dk = dk.reshape(hkv, g, t, d).sum(1)
+        dv = dv.reshape(hkv, g, t, d).sum(1)
         rows = q.reshape(1, hkv, g * t, d)
         for seg in ctx.prefixes:
             part = dq if seg.cp is None else torch.zeros_like(dq)  # a shard's part: summed over ranks
@@ -176,4 +253,4 @@ class FlashAttention(torch.autograd.Function):
                     seg.grad[1][:, b0:b1] += dv_b[0].to(seg.grad[1].dtype)
             if seg.cp is not None:
                 dq += all_reduce_sum(part, seg.cp)
-        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None
+        return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None

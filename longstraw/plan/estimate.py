@@ -326,21 +326,33 @@ def walk_chunk_tokens(positions: int, chunk_size: int, world: int, block: int, a
     return min(positions, size)
 
 
+def own_self_pairs(chunk: int, world: int, block: int) -> float:
+    """Causal (query, key) pairs of one walk chunk's self part on the fullest rank, when
+    each rank attends for its own query rows only (blocks dealt round-robin from the
+    chunk's start): a block at chunk offset a sees a * B + B (B + 1) / 2 pairs."""
+    blocks = [(a, min(chunk, a + block)) for a in range(0, chunk, block)]
+    return max(sum(a * (b - a) + (b - a) * (b - a + 1) / 2 for i, (a, b) in enumerate(blocks) if i % world == r)
+               for r in range(world))
+
+
 def divided_walk_flops(arch: Arch, params: ParamCount, positions: int, world: int, block: int,
                        chunk: int) -> float:
     """Forward FLOPs of a divided reverse walk's recompute on the fullest rank: the token
-    computation of its own positions, ~1/W of the attention pairs plus the part of each
-    chunk's own causal attention that every rank runs in full (the chunk's q/k/v rows are
-    gathered and its T x T self part is replicated), and every GDN layer's recurrence over
-    every position (it runs over each whole walk chunk on every rank)."""
+    computation of its own positions, ~1/W of the attention pairs over earlier chunks, each
+    chunk's own causal part for its own query rows (`own_self_pairs`; DSA layers: every
+    rank runs the chunk's sparse self part and top-k in full), and every GDN layer's
+    recurrence over every position (it runs over each whole walk chunk on every rank)."""
     chunks = -(-positions // chunk)
     f = 2 * params.matmul_active * rank_positions(positions, world, block)
     for layer in arch.layers:
+        whole, self_part = _mixer_flops(arch, layer, positions, 0), _mixer_flops(arch, layer, chunk, 0)
         if layer.mixer == "gdn":
-            f += _mixer_flops(arch, layer, positions, 0)
-        else:
-            f += _mixer_flops(arch, layer, positions, 0) / world + chunks * _mixer_flops(arch, layer, chunk, 0) * (
-                1 - 1 / world)
+            f += whole
+        elif layer.sparse:
+            f += whole / world + chunks * self_part * (1 - 1 / world)
+        else:  # the self part's share of the rank's own query rows
+            own = self_part * own_self_pairs(chunk, world, block) / _pairs(chunk, 0, None)
+            f += (whole - chunks * self_part) / world + chunks * own
     return f
 
 
