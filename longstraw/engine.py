@@ -50,6 +50,7 @@ from .kept_graphs import SavedBytes, chunks_to_keep
 from .logprobs import token_logprobs
 from .models import adapter_for
 from .offload import Stager, settle
+from .ops.collectives import Traffic
 from .rollout import Rollout, SamplingConfig, check_state, generate, stamp_state
 from .sequence_parallel import divided_capture, divided_chunks, fsdp_sum_factor, summed_walk_gradients
 from .state import PromptState, Shard
@@ -468,7 +469,7 @@ class Engine:
         rewards = self._validate(group, needs_ref=grpo.beta > 0, totals=totals, state=state)
         totals = BatchTotals.of([group]) if totals is None else totals
 
-        t0 = _clock(self.adapter.device)
+        t0, c0 = _clock(self.adapter.device), Traffic.received
         equal = bool(rewards.max() == rewards.min())
         adv = torch.zeros_like(rewards) if equal else G.advantages(rewards, grpo)
         metrics = {
@@ -490,12 +491,12 @@ class Engine:
             # Zero advantage and no KL term: the loss and its gradient are exactly 0.
             metrics.update(skipped_zero_advantage=1.0, divided_capture=0.0, divided_walk=0.0, state_bytes=0.0,
                            state_grad_bytes=0.0, time_capture_s=0.0, time_replay_s=0.0, time_reverse_s=0.0,
-                           time_total_s=0.0)
+                           time_total_s=0.0, comm_bytes_capture=0.0, comm_bytes_replay=0.0, comm_bytes_reverse=0.0)
             return StepResult(loss=0.0, metrics=metrics)
 
         exact = self.config.mode == "exact"
         state = self._reuse_or_capture(group, state, exact)
-        t1 = _clock(self.adapter.device)
+        t1, c1 = _clock(self.adapter.device), Traffic.received
         stats = _BranchStats()
         branches = list(enumerate(group.responses))
         for i, response in _progress(branches, enabled=self.config.progress, desc="replay", total=len(branches)):
@@ -512,7 +513,7 @@ class Engine:
                 return loss
 
             self.replay_branch(state, group.prompt, response, piece_loss)
-        t2 = _clock(self.adapter.device)
+        t2, c2 = _clock(self.adapter.device), Traffic.received
         divided = exact and self.divides_walk(state)
         if divided:  # each prompt token on one rank; the ranks' partial gradients summed once
             sharded = self.adapter.sharded_modules()
@@ -522,7 +523,7 @@ class Engine:
                                shard=self._shard())
         elif exact:
             self.walk_back(group.prompt[:-1].to(self.adapter.device), 0, [state], self.config.chunk_size)
-        t3 = _clock(self.adapter.device)
+        t3, c3 = _clock(self.adapter.device), Traffic.received
         if state.offload is not None:  # since the capture, or since the reused state's last step
             moved = state.offload.stats
             metrics.update(offload_h2d_bytes=float(moved.h2d_bytes), offload_d2h_bytes=float(moved.d2h_bytes),
@@ -536,6 +537,11 @@ class Engine:
             time_replay_s=t2 - t1,
             time_reverse_s=t3 - t2,
             time_total_s=t3 - t0,
+            # bytes this rank received through the context-parallel collectives, by phase
+            # (`ops.collectives.Traffic`'s model; 0 in one process)
+            comm_bytes_capture=float(c1 - c0),
+            comm_bytes_replay=float(c2 - c1),
+            comm_bytes_reverse=float(c3 - c2),
             **stats.summary(with_kl=grpo.beta > 0),
         )
         return StepResult(loss=float(stats.loss), metrics=metrics)

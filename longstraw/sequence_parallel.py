@@ -62,7 +62,7 @@ import torch
 from .errors import DistributedError
 from .models.divided import Divided, DividedChunk
 from .ops.collectives import all_gather, all_reduce_sum
-from .plan.estimate import walk_chunk_tokens
+from .plan.estimate import walk_chunk_bounds
 from .state import PromptState, Shard
 
 
@@ -101,12 +101,7 @@ def walk_chunks(positions: int, chunk_size: int, world: int, block: int, *,
     chunks themselves when `chunk_size` >= a cycle). A chunk of at least a cycle holds a
     block of every rank; a shorter last chunk in which some rank would own nothing joins
     the one before it."""
-    size = walk_chunk_tokens(positions, chunk_size, world, block, at_chunks)  # the planner's own count
-    bounds = [(a, min(positions, a + size)) for a in range(0, positions, size)]
-    a, b = bounds[-1]
-    if len(bounds) > 1 and len({k % world for k in range(a // block, (b - 1) // block + 1)}) < world:
-        bounds[-2:] = [(bounds[-2][0], positions)]
-    return bounds
+    return walk_chunk_bounds(positions, chunk_size, world, block, at_chunks)  # the planner's own cut
 
 
 def divided_chunks(positions: int, chunk_size: int, shard: Shard, *,

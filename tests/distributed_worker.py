@@ -257,11 +257,12 @@ def world_one(rank: int, world: int, init_file: str, flag_dir: str) -> None:
 def check_planner(world: int) -> None:
     """The planner's per-rank state bytes (and exact mode's GDN snapshot bytes) equal what
     the context-parallel engine holds on the fullest rank (rank 0), and the bytes the
-    busiest rank receives in the divided capture equal its prediction, for a hybrid model,
-    MLA (DeepSeek-V3) and sparse DSA (GLM-5, with a "shared" layer)."""
+    busiest rank receives in the divided capture, and in exact mode's divided reverse walk,
+    equal its predictions, for a hybrid model, MLA (DeepSeek-V3) and sparse DSA (GLM-5,
+    with a "shared" layer); the walk also for a dense model."""
     from longstraw.ops.collectives import Traffic
     from longstraw.plan import PlanConfig, estimate
-    from longstraw.plan.estimate import divided_capture_traffic
+    from longstraw.plan.estimate import divided_capture_traffic, divided_walk_traffic
 
     prompt = random_group(97, 41, [3], seed=2).prompt  # 40 positions held
     for name in ("hybrid", "mla", "glm_sparse"):
@@ -284,6 +285,21 @@ def check_planner(world: int) -> None:
                                                 chunk_size=7, dtype="float64", exact=mode == "exact")
             assert plan["divided_capture"] and received > 0
             assert abs(received - predicted) <= 64, (name, mode, received, predicted)
+    # the divided reverse walk's traffic (`comm_bytes_reverse`): as the planner predicts
+    group = random_group(97, 41, [3, 2], seed=2)
+    for name in ("dense", "hybrid", "mla", "glm_sparse"):
+        model = CASES[name]()
+        with float64_hybrid(model) if name in HYBRIDS else _null():
+            model.zero_grad(set_to_none=True)
+            result = ls.Engine(model, ls.ExecConfig(context_parallel=True, chunk_size=7, attention_block_size=3,
+                                                    mode="exact")).step(group)
+        assert result.metrics["divided_walk"] == 1.0
+        received = max(all_gather_ints(result.metrics["comm_bytes_reverse"]))
+        # (the planner counts the parameters that get a gradient: all but the DSA indexers')
+        assert sum(p.grad.numel() * 8 for p in model.parameters() if p.grad is not None) > 0
+        predicted = divided_walk_traffic(model.config.to_dict(), positions=40, world=world, block=3, chunk_size=7,
+                                         dtype="float64")
+        assert abs(received - predicted) <= 64, (name, received, predicted)
 
 
 def all_gather_ints(value: int) -> list:
@@ -474,6 +490,15 @@ def run_shard_attention(rank: int, world: int, init_file: str) -> None:
     _init(rank, world, init_file)
     try:
         cp = ContextParallel.from_default_group()
+        # all-reduces pair elements by index, also when one rank's tensor is strided otherwise
+        # (a transposed view on rank 0, contiguous elsewhere)
+        from longstraw.ops.collectives import all_reduce_max, all_reduce_sum
+
+        base = torch.arange(12, dtype=torch.float64).reshape(3, 4) * (rank + 1)
+        for reduce, want in ((all_reduce_sum, torch.arange(12.).reshape(3, 4) * world * (world + 1) / 2),
+                             (all_reduce_max, torch.arange(12.).reshape(3, 4) * world)):
+            x = base.t().contiguous().t() if rank == 0 else base.clone()
+            assert torch.equal(reduce(x, cp), want.to(torch.float64)) and torch.equal(x, want.to(torch.float64))
         g = torch.Generator().manual_seed(0)
         h, hkv, d, t, s, block = 4, 2, 16, 11, 21, 4
 

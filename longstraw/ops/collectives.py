@@ -46,16 +46,28 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
-def all_reduce_sum(tensor: torch.Tensor, cp) -> torch.Tensor:
-    """Sum over ranks, in place (through the backend's device when it differs); returns the tensor."""
+def _all_reduce(tensor: torch.Tensor, cp, op) -> torch.Tensor:
+    """All-reduce in place with `op`, through a contiguous buffer on the backend's device
+    when the tensor is not one already (a backend reduces the storage in order: ranks
+    whose tensors have different strides would pair different elements); returns it."""
     Traffic.add(2 * (cp.world - 1) / cp.world * _nbytes(tensor))
     device = getattr(cp, "device", None)
-    if device is None or tensor.device == device:
-        _collective(dist.all_reduce, cp, tensor, op=dist.ReduceOp.SUM)
+    if tensor.is_contiguous() and (device is None or tensor.device == device):
+        _collective(dist.all_reduce, cp, tensor, op=op)
         return tensor
-    moved = tensor.to(device)
-    _collective(dist.all_reduce, cp, moved, op=dist.ReduceOp.SUM)
+    moved = (tensor if device is None else tensor.to(device)).contiguous()
+    _collective(dist.all_reduce, cp, moved, op=op)
     return tensor.copy_(moved)
+
+
+def all_reduce_sum(tensor: torch.Tensor, cp) -> torch.Tensor:
+    """Sum over ranks, in place (through the backend's device when it differs); returns the tensor."""
+    return _all_reduce(tensor, cp, dist.ReduceOp.SUM)
+
+
+def all_reduce_max(tensor: torch.Tensor, cp) -> torch.Tensor:
+    """Elementwise max over ranks, in place (through the backend's device when it differs)."""
+    return _all_reduce(tensor, cp, dist.ReduceOp.MAX)
 
 
 def all_gather(tensor: torch.Tensor, cp) -> list[torch.Tensor]:
@@ -136,10 +148,9 @@ class MergeAcrossRanks(torch.autograd.Function):
     """(o_r [.., M, Dv], lse_r [.., M]) partial attentions of every rank -> their
     log-sum-exp merge (o, lse), identical on every rank.
 
-    Memory: the partials are merged one rank at a time as they arrive (an online
-    log-sum-exp), so besides (o, lse) at most one other rank's partial is alive:
-    O(1) partials, not O(W). Every rank merges in rank order, so every rank gets the
-    same bits.
+    Two all-reduces (`merge_across_ranks`): each rank receives ~2 (W-1)/W of one partial,
+    not W - 1 partials, and besides (o, lse) one buffer is alive; the all-reduce hands
+    every rank the same bits.
 
     Backward needs no communication: with w_r = exp(lse_r - lse),
         d o_r   = w_r do
@@ -167,35 +178,22 @@ class MergeAcrossRanks(torch.autograd.Function):
 
 def merge_across_ranks(out: torch.Tensor, lse: torch.Tensor, cp):
     """The log-sum-exp merge (o, lse) of every rank's partial attention (o_r [.., M, Dv],
-    lse_r [.., M]), identical on every rank: merged one rank at a time as they arrive, in
-    rank order (O(1) partials alive, the same bits everywhere). No autograd
-    (`MergeAcrossRanks` is its differentiable form)."""
-    merged, lse_all = None, None
-    for src in range(cp.world):
-        o_r, l_r = _broadcast_pair(out, lse, src, cp)
-        if merged is None:
-            merged, lse_all = o_r.clone(), l_r.clone()
-            continue
-        new = torch.logaddexp(lse_all, l_r)
-        safe = torch.where(torch.isinf(new), torch.zeros_like(new), new)
-        merged = torch.exp(lse_all - safe)[..., None] * merged + torch.exp(l_r - safe)[..., None] * o_r
-        lse_all = new
-        del o_r, l_r
-    return merged, lse_all
+    lse_r [.., M]), identical on every rank, in the promoted dtype of the two. No
+    autograd (`MergeAcrossRanks` is its differentiable form).
 
-
-def _broadcast_pair(out: torch.Tensor, lse: torch.Tensor, src: int, cp):
-    """Rank `src`'s (out, lse), on every rank (this rank's own tensors when src is us)."""
-    if src == cp.rank:
-        o_r, l_r = out, lse
-    else:
-        o_r, l_r = torch.empty_like(out), torch.empty_like(lse)
-    device = getattr(cp, "device", None)
-    pair = [(t if device is None else t.to(device)).contiguous() for t in (o_r, l_r)]
-    for t in pair:  # received in place: these are the tensors we return
-        Traffic.add(0 if src == cp.rank else _nbytes(t))
-        _collective(dist.broadcast, cp, t, src=_global_rank(cp, src))
-    return tuple(p.to(out.device) for p in pair)
+    With m = max_r lse_r (an all-reduce of max) and w_r = exp(lse_r - m), one all-reduce
+    sums (w_r o_r, w_r) over ranks: o = sum w_r o_r / sum w_r, lse = m + log(sum w_r).
+    Each rank receives 2 (W-1)/W of [.., M, Dv + 2] values (ring all-reduce), where
+    broadcasting every rank's partial would take W - 1 of them: at W = 32, 16x less. A
+    row that no rank saw (lse = -inf everywhere) gets o = 0, lse = -inf."""
+    dtype = torch.promote_types(out.dtype, lse.dtype)
+    top = all_reduce_max(lse.to(dtype).clone(), cp)
+    safe = torch.where(torch.isinf(top), torch.zeros_like(top), top)
+    w = torch.exp(lse.to(dtype) - safe)  # (.., M); 0 where this rank saw nothing
+    both = all_reduce_sum(torch.cat([out.to(dtype) * w[..., None], w[..., None]], dim=-1), cp)
+    total = both[..., -1]
+    merged = both[..., :-1] / torch.where(total == 0, torch.ones_like(total), total)[..., None]
+    return merged, safe + torch.log(total)
 
 
 def _global_rank(cp, group_rank: int) -> int:

@@ -95,20 +95,41 @@ def indexer_scores(q_idx, weights, keys, *, scale, key_block=1024, out=None):
 
 def select_candidates(scores: torch.Tensor, positions: torch.Tensor, topk: int, *, with_scores: bool = False):
     """Per row, the top-k of candidate (score, position) pairs [T, n] (-1 positions are
-    empty slots): best score first, ties to the lower position. Returns [T, topk]
-    positions, -1-padded (with `with_scores`, also their scores [T, topk], -inf padded).
-    Used to merge per-shard candidates into the global selection."""
+    empty slots; a row's positions are distinct): best score first, ties to the lower
+    position. Returns [T, topk] positions, -1-padded (with `with_scores`, also their scores
+    [T, topk], -inf padded). Used to merge per-shard candidates into the global selection.
+
+    O(T n) plus sorts of topk columns (`naive.naive_select_candidates`, its twin, sorts all
+    n twice): the k-th largest score is the threshold; every candidate above it is in, and
+    of those equal to it the lowest positions fill the rest; the chosen are then ordered."""
     scores = torch.where(positions < 0, torch.full_like(scores, float("-inf")), scores)
-    key = torch.where(positions < 0, torch.full_like(positions, torch.iinfo(torch.long).max), positions)
-    by_pos = torch.sort(key, dim=-1, stable=True).indices
-    scores, positions = scores.gather(-1, by_pos), positions.gather(-1, by_pos)
-    order = torch.sort(scores, dim=-1, descending=True, stable=True).indices[:, :topk]
-    out = positions.gather(-1, order)
-    kept = scores.gather(-1, order)
-    out = torch.where(torch.isinf(kept), torch.full_like(out, -1), out)
+    t, n = scores.shape
+    kt = min(topk, n)
+    if kt == 0:
+        out = positions.new_full((t, topk), -1)
+        return (out, scores.new_full((t, topk), float("-inf"))) if with_scores else out
+    kept, cols = scores.topk(kt, dim=-1, sorted=False)  # a top-k; which of the tied at its cut is arbitrary
+    thr = kept.amin(dim=-1, keepdim=True)  # the k-th largest, [T, 1]
+    tied = (scores == thr) & torch.isfinite(thr)  # thr = -inf: fewer than kt visible; all finite are in
+    if not torch.equal(tied.sum(dim=-1), (kept == thr).sum(dim=-1) * torch.isfinite(thr[:, 0])):
+        # some row leaves a candidate tied at the cut out: take the lowest tied positions
+        chosen = scores > thr
+        need = kt - chosen.sum(dim=-1, keepdim=True)  # (T, 1): how many of the tied go in
+        tied_pos = torch.where(tied, positions, torch.full_like(positions, torch.iinfo(torch.long).max))
+        lowest = tied_pos.topk(int(need.max()), dim=-1, largest=False).values  # (T, max need), ascending
+        cut = lowest.gather(-1, (need - 1).clamp(min=0))  # the need-th lowest tied position
+        chosen |= tied & (positions <= cut) & (need > 0)
+        kept, cols = torch.where(chosen, scores, torch.full_like(scores, float("-inf"))).topk(kt, dim=-1)
+    out = torch.where(torch.isinf(kept), torch.full_like(cols, -1), positions.gather(-1, cols))
+    # order: score descending, equal scores by lower position (-1 / -inf slots last)
+    by_pos = torch.sort(torch.where(out < 0, torch.full_like(out, torch.iinfo(torch.long).max), out), dim=-1,
+                        stable=True).indices
+    out, kept = out.gather(-1, by_pos), kept.gather(-1, by_pos)
+    order = torch.sort(kept, dim=-1, descending=True, stable=True).indices
+    out, kept = out.gather(-1, order), kept.gather(-1, order)
     if out.shape[1] < topk:
-        out = torch.cat([out, out.new_full((out.shape[0], topk - out.shape[1]), -1)], dim=1)
-        kept = torch.cat([kept, kept.new_full((kept.shape[0], topk - kept.shape[1]), float("-inf"))], dim=1)
+        out = torch.cat([out, out.new_full((t, topk - out.shape[1]), -1)], dim=1)
+        kept = torch.cat([kept, kept.new_full((t, topk - kept.shape[1]), float("-inf"))], dim=1)
     return (out, kept) if with_scores else out
 
 

@@ -136,12 +136,12 @@ def _own_self_part(flash, q, kx, vx, scale: float, own, acc):
     return full[..., :d], full[..., d]
 
 
-def _own_self_backward(backward, do, q, kx, vx, out, lse, scale: float, own):
+def _own_self_backward(backward, do, q, kx, vx, out, lse, scale: float, own, hkv: int):
     """The backward of `_own_self_part` on this rank's query rows, with the merged
     (do, out, lse) [1, H, T, ..] of the whole attention: dq [H, T, D] of its own rows
-    (zeros elsewhere: their owners compute them) and dk, dv [H, T, D] (expanded layout) of
-    every row its queries saw, summed over ranks (one all-reduce), so they are the whole
-    self part's on every rank."""
+    (zeros elsewhere: their owners compute them) and dk, dv [Hkv, T, D] of every row its
+    queries saw, summed over the GQA group and then over ranks (one all-reduce of
+    2 Hkv T D values), so they are the whole self part's on every rank."""
     index, cp = own
     acc = accumulation_dtype(q.dtype)
     h, t, d = q.shape
@@ -160,7 +160,7 @@ def _own_self_backward(backward, do, q, kx, vx, out, lse, scale: float, own):
             dq[:, a:b] += dq_b[0]
             dkv[0, :, :a] += dk_b[0]
             dkv[1, :, :a] += dv_b[0]
-    all_reduce_sum(dkv, cp)
+    dkv = all_reduce_sum(dkv.reshape(2, hkv, h // hkv, t, d).sum(2), cp)  # (2, Hkv, T, D)
     return dq, dkv[0], dkv[1]
 
 
@@ -175,8 +175,8 @@ class FlashAttention(torch.autograd.Function):
     A segment with `cp` set is this rank's shard of a position-sharded state (context
     parallelism; every rank calls with the same queries and the same upstream gradient,
     the computation after the attention being replicated, or its output gradient summed
-    over ranks first): its partial is merged across ranks in forward (in rank order, the
-    same bits on every rank), and in backward this rank's part of dq over its rows is
+    over ranks first): its partial is merged across ranks in forward (`merge_across_ranks`:
+    all-reduces, the same bits on every rank), and in backward this rank's part of dq over its rows is
     summed over ranks (one all-reduce), while dk, dv of its rows go into its sinks. Such a
     segment is passed even when this rank's shard is empty (every rank must join).
 
@@ -235,11 +235,11 @@ class FlashAttention(torch.autograd.Function):
                 out_rows.reshape(1, h, t, d), lse_rows.reshape(1, h, t))
         if ctx.own is None:
             dq, dk, dv = backward(head[0], q[None], *head[2:], True, scale)
-            dq, dk, dv = dq[0].to(accumulation_dtype(q.dtype)), dk[0], dv[0]  # (H, T, D)
+            dq = dq[0].to(accumulation_dtype(q.dtype))  # (H, T, D)
+            dk = dk[0].reshape(hkv, g, t, d).sum(1)
+            dv = dv[0].reshape(hkv, g, t, d).sum(1)
         else:
-            dq, dk, dv = _own_self_backward(backward, *head, scale, ctx.own)
-        dk = dk.reshape(hkv, g, t, d).sum(1)
-        dv = dv.reshape(hkv, g, t, d).sum(1)
+            dq, dk, dv = _own_self_backward(backward, *head, scale, ctx.own, hkv)
         rows = q.reshape(1, hkv, g * t, d)
         for seg in ctx.prefixes:
             part = dq if seg.cp is None else torch.zeros_like(dq)  # a shard's part: summed over ranks

@@ -148,3 +148,21 @@ def naive_gated_delta_transition(q, k, v, g, beta, use_qk_l2norm=True):
     read = torch.stack(reads) if reads else empty[0]
     out0 = torch.stack(outs) if outs else empty[1]
     return read, out0, a, c
+
+
+def naive_select_candidates(scores, positions, topk: int):
+    """`dsa.select_candidates` by sorting every candidate: [T, n] scores and positions (-1:
+    empty) -> (positions [T, topk] -1 padded, scores [T, topk] -inf padded), best score
+    first, ties to the lower position."""
+    scores = torch.where(positions < 0, torch.full_like(scores, float("-inf")), scores)
+    key = torch.where(positions < 0, torch.full_like(positions, torch.iinfo(torch.long).max), positions)
+    by_pos = torch.sort(key, dim=-1, stable=True).indices
+    scores, positions = scores.gather(-1, by_pos), positions.gather(-1, by_pos)
+    order = torch.sort(scores, dim=-1, descending=True, stable=True).indices[:, :topk]
+    out, kept = positions.gather(-1, order), scores.gather(-1, order)
+    out = torch.where(torch.isinf(kept), torch.full_like(out, -1), out)
+    pad = topk - out.shape[1]
+    if pad > 0:
+        out = torch.cat([out, out.new_full((out.shape[0], pad), -1)], dim=1)
+        kept = torch.cat([kept, kept.new_full((kept.shape[0], pad), float("-inf"))], dim=1)
+    return out, kept

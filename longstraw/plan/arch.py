@@ -356,6 +356,13 @@ def _other_params(arch: Arch, layer: LayerSpec) -> int:
     return n
 
 
+def indexer_parameters(arch: Arch) -> int:
+    """Parameters of the DSA indexers (wq_b, wk, weights_proj, k_norm). The indexer runs
+    without grad, so they never get a gradient."""
+    return sum(sum(a * b for a, b in _linears(arch, layer)["indexer"]) + 2 * arch.index_dim
+               for layer in arch.layers if layer.indexer)
+
+
 @dataclass
 class ParamCount:
     """Parameter counts (elements) by role."""

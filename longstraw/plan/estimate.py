@@ -21,6 +21,7 @@ from .arch import (
     architecture,
     canonical_dtype,
     count_parameters,
+    indexer_parameters,
     human_bytes,
     load_model_config,
     parse_bytes,
@@ -326,6 +327,89 @@ def walk_chunk_tokens(positions: int, chunk_size: int, world: int, block: int, a
     return min(positions, size)
 
 
+def walk_chunk_bounds(positions: int, chunk_size: int, world: int, block: int,
+                      at_chunks: bool = False) -> list[tuple[int, int]]:
+    """The chunks [(start, end)] of a divided reverse walk (`walk_chunk_tokens` each); a
+    shorter last chunk in which some rank would own no block joins the one before it.
+    `sequence_parallel.walk_chunks` walks exactly these."""
+    size = walk_chunk_tokens(positions, chunk_size, world, block, at_chunks)
+    bounds = [(a, min(positions, a + size)) for a in range(0, positions, size)]
+    a, b = bounds[-1]
+    if len(bounds) > 1 and len({k % world for k in range(a // block, (b - 1) // block + 1)}) < world:
+        bounds[-2:] = [(bounds[-2][0], positions)]
+    return bounds
+
+
+def divided_walk_traffic(model, *, positions: int, world: int, block: int, chunk_size: int,
+                         dtype: str | None = None, grad_bytes: float | None = None) -> float:
+    """Bytes each rank receives in exact mode's divided reverse walk over `positions`
+    tokens (the model `ops.collectives.Traffic` counts by; every rank receives alike). Per
+    walk chunk of T tokens, `most` the most any rank owns of it, per layer:
+
+        attention   the chunk's q/k/v rows (all-gather); the self part's partials (o, lse)
+                    of every rank's own query rows (all-gather); past the first chunk the
+                    shard's partials over earlier chunks, merged (all-reduces of the max
+                    lse and of the weighted [H, T, D + 1]) and, in backward, their dq
+                    (all-reduce); the self part's dk, dv and the output gradient
+                    (all-reduce)
+        GDN         the chunk's projected rows (conv input, b, a; all-gather); the output
+                    gradient (all-reduce)
+        MLA         the absorbed queries and latent rows (all-gather); an own indexer's
+                    inputs (all-gather, no grad); where top-k covers the chunk, as attention
+                    (its value the latent's first R columns, its k and v gradients summed
+                    apart); else (sparse DSA) every rank's top-k candidates per query (an
+                    own indexer), the shard's sparse partials (merged) and dq
+                    (all-reduce); the output gradient (all-reduce)
+
+    (the backward's all-reduces for every layer but the last, whose output reaches no
+    root of a walk chunk), plus, once per step, the all-reduce of the replicated parameters' gradients
+    (`grad_bytes`, default: every parameter in `dtype`). Partials and log-sum-exps are in
+    the accumulation dtype (fp32 for half types); the gradients summed over ranks in
+    `dtype` (the blockwise kernel's, as on GPU; the CPU fused kernel sums the attention's
+    dq, dk, dv in its accumulation dtype, the same bytes in fp32 and fp64)."""
+    _, cfg, _ = load_model_config(model)
+    arch = architecture(cfg)
+    dtype = dtype or arch.dtype or "bfloat16"
+    b = DTYPE_BYTES[dtype]
+    acc = max(4, b)
+    if world == 1:
+        return 0.0
+    gathered, summed = world - 1, 2 * (world - 1) / world  # all-gather and ring all-reduce, per byte
+    h, hkv, d = arch.heads, arch.kv_heads, arch.head_dim
+    kl, r = arch.kv_lora_rank, arch.rope_dim
+    total = 0.0
+    for a, e in walk_chunk_bounds(positions, chunk_size, world, block, bool(arch.count(mixer="gdn"))):
+        t = e - a
+        most = max(rank_positions_of(e, world, block, s) - rank_positions_of(a, world, block, s) for s in range(world))
+        for i, layer in enumerate(arch.layers):
+            # the last layer's output reaches no root of a walk chunk (only its state rows are
+            # seeded), so its backward exchanges nothing
+            back = i < len(arch.layers) - 1
+            if layer.mixer == "attention":
+                total += gathered * most * ((h + 2 * hkv) * d * b + h * (d + 1) * acc)
+                total += back * summed * t * (2 * hkv * d + h * d) * b  # the self part's dk, dv; the output's
+                if a > 0:  # the shard's partials merged (max, then sum: [H, T, D + 2]) and their dq
+                    total += summed * h * t * (d + 2) * acc + back * summed * h * t * d * b
+            elif layer.mixer == "gdn":
+                total += gathered * most * (arch.conv_dim + 2 * arch.gdn_v_heads) * b
+                total += back * summed * t * arch.gdn_v_heads * arch.gdn_v_dim * b
+            else:
+                total += gathered * most * (h + 1) * (kl + r) * b + back * summed * h * t * kl * b
+                if layer.indexer:
+                    total += gathered * most * ((arch.index_heads + 1) * arch.index_dim * b + arch.index_heads * 4)
+                if not layer.sparse or arch.index_topk >= e:
+                    total += gathered * most * h * (kl + 1) * acc + back * summed * t * (2 * kl + r) * b
+                    if a > 0:
+                        total += summed * h * t * (kl + 2) * acc + back * summed * h * t * (kl + r) * b
+                else:
+                    if layer.indexer:
+                        total += gathered * t * arch.index_topk * (8 + 4)
+                    total += summed * h * t * (kl + 2) * acc + back * summed * h * t * (kl + r) * b
+    if grad_bytes is None:
+        grad_bytes = (count_parameters(arch).total - indexer_parameters(arch)) * b
+    return total + gathered * 16 + summed * grad_bytes
+
+
 def own_self_pairs(chunk: int, world: int, block: int) -> float:
     """Causal (query, key) pairs of one walk chunk's self part on the fullest rank, when
     each rank attends for its own query rows only (blocks dealt round-robin from the
@@ -527,7 +611,7 @@ def estimate(model, config: PlanConfig) -> dict:
     # for every rank (sharded weights: FSDP2 over the W ranks, whose reduce-scatter then sums)
     divided_walk = (exact and c.divide_walk and W > 1 and not c.offload_state
                     and kept_chunks == 0 and P - 1 > (W - 1) * c.attention_block_size)
-    walk_chunk = C
+    walk_chunk, walk_comm = C, 0.0
     if divided_walk:  # the rank's own tokens of one walk chunk with autograd, plus the chunk's gathered q/k/v
         # and output rows per attention layer and its replicated attention (self part, blockwise backward),
         # and per GDN layer its replicated conv + recurrence (bounded by the layer's whole graph per token)
@@ -538,6 +622,12 @@ def estimate(model, config: PlanConfig) -> dict:
         self_part = whole - walk_chunk * graph_tok  # the dense self part's scores, when counted
         recompute_working = (autograd_pass(arch, own, p_rank, blk, b, acc, False, gk)[0] + gathered_rows
                              + self_part + attn)
+        # the replicated parameters' gradients summed after the walk: LoRA's, or (FSDP2 reduce-scatters
+        # the sharded layers itself) the embeddings and lm_head, or every parameter
+        grad_elems = (params.lora if c.lora_rank else params.embedding + params.lm_head if c.shard_params
+                      else params.total - indexer_parameters(arch))
+        walk_comm = divided_walk_traffic(cfg, positions=P - 1, world=W, block=c.attention_block_size,
+                                         chunk_size=c.chunk_size, dtype=dtype, grad_bytes=grad_elems * b)
     score_working = 0.0
     if c.score_passes:  # one whole branch without autograd; fp32 logits + log-softmax of one chunk
         score_working = nograd_working(R) + min(R, c.logits_chunk_size) * arch.vocab * (b + 2 * 4)
@@ -672,6 +762,7 @@ def estimate(model, config: PlanConfig) -> dict:
         "divided_walk": bool(divided_walk),
         "walk_chunk_tokens": walk_chunk if exact else 0,
         "capture_comm_bytes_per_rank": capture_comm,
+        "walk_comm_bytes_per_rank": walk_comm,
         "flops_capture": flops_capture,
         "flops_replay_per_branch": flops_branch,
         "flops_exact_extra": flops_exact_extra,
@@ -765,6 +856,7 @@ def format_report(r: dict) -> str:
                  f"{hb(r['gpu_memory_bytes'])})"),
         None,
         ("capture traffic per rank", hb(r["capture_comm_bytes_per_rank"])),
+        ("exact walk traffic per rank", hb(r["walk_comm_bytes_per_rank"])),
         ("time, detached", f"{r['estimated_time_s_detached']:,.1f} s"),
         ("time, exact", f"{r['estimated_time_s_exact']:,.1f} s"),
         ("  at", f"{i['throughput_tflops']:g} TFLOP/s effective per rank x {i['gpus']} rank(s)"),

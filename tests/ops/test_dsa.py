@@ -381,3 +381,29 @@ def test_sparse_attention_syncs_with_the_device_once_per_call_not_per_query_bloc
     # no op whose output size or result the host must wait for, per block
     assert not {"nonzero", "equal", "_local_scalar_dense", "item"} & mode.ops, mode.ops
     torch.testing.assert_close(out, c["ref"], rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("topk,n", [(5, 40), (8, 8), (12, 7), (1, 30)])
+def test_select_candidates_equals_sorting_every_candidate(topk, n):
+    """The threshold selection (topk + the lowest tied positions, then sorting topk columns)
+    equals sorting all n candidates: scores drawn from a few values (many ties, zeros, and
+    ties at the cut), empty slots (-1), rows with fewer finite candidates than topk, and
+    distinct positions per row in random order."""
+    from longstraw.ops.dsa import select_candidates
+    from longstraw.ops.naive import naive_select_candidates
+
+    g = torch.Generator().manual_seed(topk * 100 + n)
+    rows = 64
+    scores = torch.randint(0, 4, (rows, n), generator=g).to(torch.float64) * 0.5
+    scores[rows // 2:] += torch.rand(rows - rows // 2, n, generator=g, dtype=torch.float64) * 1e-3 * (
+        torch.rand(rows - rows // 2, n, generator=g) < 0.5)
+    positions = torch.stack([torch.randperm(1000, generator=g)[:n] for _ in range(rows)])
+    empty = torch.rand(rows, n, generator=g) < 0.3
+    empty[:4] = torch.rand(4, n, generator=g) < 0.9  # rows with fewer candidates than topk
+    positions = torch.where(empty, torch.full_like(positions, -1), positions)
+    scores[5, :] = float("-inf")  # a row with nothing visible
+    got_pos, got_sc = select_candidates(scores, positions, topk, with_scores=True)
+    want_pos, want_sc = naive_select_candidates(scores, positions, topk)
+    assert torch.equal(got_pos, want_pos)
+    assert torch.equal(got_sc, want_sc)
+    assert torch.equal(select_candidates(scores, positions, topk), want_pos)
