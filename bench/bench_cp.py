@@ -175,7 +175,7 @@ def main() -> None:
                 row = dict(family=family, world=world, method=method, prompt_tokens=args.prompt_tokens,
                            group=args.group, response_tokens=args.response_tokens, chunk_size=args.chunk_size,
                            block=args.block, oversubscribed=world > cores, cores=cores, cpu=cpu_model(),
-                           revision=info.get("revision"), dirty=info.get("dirty"), **got)
+                           revision=info["git_rev"], dirty=info["longstraw_dirty"], **got)
                 rows.append(row)
                 print(f"{family:8s} W={world} {method:10s} capture {got['capture_s']:8.2f} s  step "
                       f"{got['step_s']:8.2f} s  received {got['capture_bytes_received_max'] / 2**20:9.2f} MiB "
