@@ -173,10 +173,12 @@ def divided_indexer_topk(q_idx, weights, keys, topk: int, *, scale: float, posit
             b1 = min(n, b0 + query_block)
             if row_position(b1 - 1, rank, world, block) < first_key:
                 continue  # the whole query block comes before the piece
-            visible = k_pos[None, :] <= q_pos[b0:b1, None]  # (B, n_piece)
-            sc = indexer_scores(q_idx[b0:b1], weights[b0:b1], pk, scale=scale, key_block=key_block)
+            # the piece's rows are in increasing position: the block's last query sees a prefix of them
+            seen = int(torch.searchsorted(k_pos, q_pos[b1 - 1:b1], right=True))
+            visible = k_pos[None, :seen] <= q_pos[b0:b1, None]  # (B, seen)
+            sc = indexer_scores(q_idx[b0:b1], weights[b0:b1], pk[:seen], scale=scale, key_block=key_block)
             sc.masked_fill_(~visible, float("-inf"))
-            cand_pos = torch.cat([best[b0:b1], torch.where(visible, k_pos[None, :], -1)], dim=1)
+            cand_pos = torch.cat([best[b0:b1], torch.where(visible, k_pos[None, :seen], -1)], dim=1)
             best[b0:b1], best_sc[b0:b1] = select_candidates(torch.cat([best_sc[b0:b1], sc], dim=1), cand_pos, topk,
                                                             with_scores=True)
     return best
