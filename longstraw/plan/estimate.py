@@ -271,6 +271,15 @@ def divided_flops(arch: Arch, params: ParamCount, positions: int, world: int, bl
     return f
 
 
+def _arch_and_bytes(model, dtype: str | None) -> tuple[Arch, int, int]:
+    """The model's `Arch`, the bytes of `dtype` (default: the config's, else bf16), and of
+    its accumulation dtype (fp32 for half types)."""
+    _, cfg, _ = load_model_config(model)
+    arch = architecture(cfg)
+    b = DTYPE_BYTES[dtype or arch.dtype or "bfloat16"]
+    return arch, b, max(4, b)
+
+
 def divided_capture_traffic(model, *, positions: int, world: int, block: int, chunk_size: int,
                             dtype: str | None = None, exact: bool = False) -> float:
     """Bytes the busiest rank receives in a divided capture of `positions` tokens (the
@@ -286,11 +295,7 @@ def divided_capture_traffic(model, *, positions: int, world: int, block: int, ch
                           all-reduce (2 (W-1)/W) of the snapshots every rank keeps (the end;
                           exact mode: every chunk start)
     """
-    _, cfg, _ = load_model_config(model)
-    arch = architecture(cfg)
-    dtype = dtype or arch.dtype or "bfloat16"
-    b = DTYPE_BYTES[dtype]
-    rb = max(4, b)
+    arch, b, rb = _arch_and_bytes(model, dtype)
     if world == 1:
         return 0.0
     blocks = -(-positions // block)
@@ -363,15 +368,11 @@ def divided_walk_traffic(model, *, positions: int, world: int, block: int, chunk
 
     (the backward's all-reduces for every layer but the last, whose output reaches no
     root of a walk chunk), plus, once per step, the all-reduce of the replicated parameters' gradients
-    (`grad_bytes`, default: every parameter in `dtype`). Partials and log-sum-exps are in
+    (`grad_bytes`, default: every parameter but the DSA indexers', in `dtype`). Partials and log-sum-exps are in
     the accumulation dtype (fp32 for half types); the gradients summed over ranks in
     `dtype` (the blockwise kernel's, as on GPU; the CPU fused kernel sums the attention's
     dq, dk, dv in its accumulation dtype, the same bytes in fp32 and fp64)."""
-    _, cfg, _ = load_model_config(model)
-    arch = architecture(cfg)
-    dtype = dtype or arch.dtype or "bfloat16"
-    b = DTYPE_BYTES[dtype]
-    acc = max(4, b)
+    arch, b, acc = _arch_and_bytes(model, dtype)
     if world == 1:
         return 0.0
     gathered, summed = world - 1, 2 * (world - 1) / world  # all-gather and ring all-reduce, per byte
