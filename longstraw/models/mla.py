@@ -95,15 +95,16 @@ def _indexer_inputs(indexer, x, q_resid, cos, sin, index_rope):
     return q, keys, weights
 
 
-def _select(indexer, layers, q, keys, weights, call):
+def _select(indexer, layers, q, keys, weights, call, own=None):
     """Top-k absolute positions [T, K] (-1: none) over the whole prompt and the new
     tokens (causal), scored in float32 as HF does, ties to the lower position.
-    `layers`: the stacked states' `MLAState`s of this layer (staged, when offloaded)."""
+    `layers`: the stacked states' `MLAState`s of this layer (staged, when offloaded).
+    `own` (a divided walk's (index, cp)): see `_select_across_ranks`."""
     from ..ops.dsa import indexer_topk
 
     held = [layer.index for layer in layers if layer.index is not None]
     if any(ix.shard is not None for ix in held):
-        return _select_across_ranks(indexer, q, keys, weights, call, held)
+        return _select_across_ranks(indexer, q, keys, weights, call, held, own=own)
     segments = [(ix.until(call.start), ix.start) for ix in held]  # scored in fp32 block by block, never copied whole
     with torch.no_grad():
         return indexer_topk(q.float(), weights, segments, keys, call.start, indexer.index_topk,
@@ -111,13 +112,19 @@ def _select(indexer, layers, q, keys, weights, call):
 
 
 @torch.no_grad()
-def _select_across_ranks(indexer, q, keys, weights, call, held, query_block: int = 128):
+def _select_across_ranks(indexer, q, keys, weights, call, held, query_block: int = 128, own=None):
     """Context parallelism: the same global selection as one process. Each rank takes the
     top-k of its own shard of the prompt's indexer keys; an all-gather collects every
     rank's candidates (positions and scores); the replicated keys (a branch's earlier
     pieces, the new tokens) add theirs; the top-k of that union, by the same order
     (score, then lower position), is the global top-k, since every member of the global
-    top-k is in its own shard's top-k."""
+    top-k is in its own shard's top-k.
+
+    `own` = (index, cp) (a divided walk; index[s] the query rows rank s owns): the shard
+    candidates are still taken for every query (each rank's shard serves all of them),
+    but each rank scores the replicated keys and merges only for its own rows, and the
+    rows' selections are then gathered (one all-gather of [n, K] positions)."""
+    from ..ops.collectives import gather_rows
     from ..ops.dsa import indexer_scores, select_candidates
 
     topk, scale, t = indexer.index_topk, indexer.softmax_scale, q.shape[0]
@@ -126,17 +133,26 @@ def _select_across_ranks(indexer, q, keys, weights, call, held, query_block: int
     rep_keys = torch.cat([ix.until(call.start) for ix in others] + [keys])
     rep_pos = torch.cat([ix.positions(call.start) for ix in others]
                         + [torch.arange(call.start, call.start + t, device=q.device)])
-    out = torch.empty(t, topk, dtype=torch.long, device=q.device)
+    mine = torch.ones(t, dtype=torch.bool, device=q.device)
+    if own is not None:
+        mine = torch.zeros_like(mine).index_fill_(0, own[0][own[1].rank], True)
+    out = torch.full((t, topk), -1, dtype=torch.long, device=q.device)
     for b0 in range(0, t, query_block):
         b1 = min(t, b0 + query_block)
         qb, wb = q[b0:b1].float(), weights[b0:b1]
         shard_pos, shard_sc = prompt_candidates(qb, wb, shard_ix, call.start, topk, scale)  # every rank's, gathered
-        rep_sc = indexer_scores(qb, wb, rep_keys, scale=scale)  # (B, n_rep)
-        query_pos = torch.arange(call.start + b0, call.start + b1, device=q.device)
-        visible = rep_pos[None, :] <= query_pos[:, None]
-        cand_pos = torch.cat([shard_pos, torch.where(visible, rep_pos[None, :], -1)], dim=1)
-        cand_sc = torch.cat([shard_sc, rep_sc], dim=1)
-        out[b0:b1] = select_candidates(cand_sc, cand_pos, topk)
+        rows = torch.nonzero(mine[b0:b1])[:, 0]  # the block's rows this rank selects for
+        if rows.numel() == 0:
+            continue
+        seen = rep_keys.shape[0] - t + b1  # rep_pos increases: the block's last query sees this many
+        rep_sc = indexer_scores(qb[rows], wb[rows], rep_keys[:seen], scale=scale)  # (b, seen)
+        query_pos = call.start + b0 + rows
+        visible = rep_pos[None, :seen] <= query_pos[:, None]
+        cand_pos = torch.cat([shard_pos[rows], torch.where(visible, rep_pos[None, :seen], -1)], dim=1)
+        cand_sc = torch.cat([shard_sc[rows], rep_sc], dim=1)
+        out[b0 + rows] = select_candidates(cand_sc, cand_pos, topk)
+    if own is not None:
+        out = gather_rows(out[own[0][own[1].rank]], own[0], own[1])
     return out
 
 
@@ -232,8 +248,9 @@ def mla_forward(module, spec, hidden_states, position_embeddings=None, attention
     if call.phase == "divided":  # context parallelism: this rank's own positions (`divided.py`)
         o_lat, indices = divided_mla(module, q_full, k_new, rank, topk, call, prev_topk_indices, index_inputs)
     elif topk is not None and topk < call.start + k_new.shape[0]:  # some query sees more than top-k positions
-        if indexer is not None:
-            indices = _select(indexer, layers, index_q, new_index_keys, index_w, call)
+        if indexer is not None:  # a divided walk selects for its own rows (`_select_across_ranks`)
+            own_rows = (call.divided.rows(x.device), call.divided.cp) if walk_divided else None
+            indices = _select(indexer, layers, index_q, new_index_keys, index_w, call, own=own_rows)
         else:
             indices = prev_topk_indices
             assert indices is not None, "a shared DSA layer needs the previous layer's selection"
@@ -241,9 +258,9 @@ def mla_forward(module, spec, hidden_states, position_embeddings=None, attention
                                   module.scaling)
     else:  # every query selects all it sees: dense (the indexer keys are still kept)
         segments = [layer.latent.segment(until=call.start) for layer in layers]
-        own = (call.divided.rows(q_full.device), call.divided.cp) if walk_divided else None  # self part divided
+        own_rows = (call.divided.rows(q_full.device), call.divided.cp) if walk_divided else None  # self part divided
         o_lat = prefix_causal_attention(q_full, k_new[None], latent[None], prefixes=segments, q_start=call.start,
-                                        scale=module.scaling, block_size=call.block_size, own_rows=own)  # (H, T, R)
+                                        scale=module.scaling, block_size=call.block_size, own_rows=own_rows)
     if walk_divided:
         o_lat = own_chunk_rows(o_lat, call)  # (H, t, R)
     o_lat = restage_on_backward(o_lat, call.states, module.layer_idx, call.start)

@@ -362,8 +362,9 @@ def divided_walk_traffic(model, *, positions: int, world: int, block: int, chunk
         MLA         the absorbed queries and latent rows (all-gather); an own indexer's
                     inputs (all-gather, no grad); where top-k covers the chunk, as attention
                     (its value the latent's first R columns, its k and v gradients summed
-                    apart); else (sparse DSA) every rank's top-k candidates per query (an
-                    own indexer), the shard's sparse partials (merged) and dq
+                    apart); else (sparse DSA) every rank's top-k candidates per query and
+                    each rank's own rows' selection (an own indexer; all-gathers), the
+                    shard's sparse partials (merged) and dq
                     (all-reduce); the output gradient (all-reduce)
 
     (the backward's all-reduces for every layer but the last, whose output reaches no
@@ -403,8 +404,8 @@ def divided_walk_traffic(model, *, positions: int, world: int, block: int, chunk
                     if a > 0:
                         total += summed * h * t * (kl + 2) * acc + back * summed * h * t * (kl + r) * b
                 else:
-                    if layer.indexer:
-                        total += gathered * t * arch.index_topk * (8 + 4)
+                    if layer.indexer:  # every rank's candidates for the chunk; each rank's rows' selection
+                        total += gathered * t * arch.index_topk * (8 + 4) + gathered * most * arch.index_topk * 8
                     total += summed * h * t * (kl + 2) * acc + back * summed * h * t * (kl + r) * b
     if grad_bytes is None:
         grad_bytes = (count_parameters(arch).total - indexer_parameters(arch)) * b
