@@ -858,7 +858,8 @@ def format_report(r: dict) -> str:
                  f"{hb(r['gpu_memory_bytes'])})"),
         None,
         ("capture traffic per rank", hb(r["capture_comm_bytes_per_rank"])),
-        ("exact walk traffic per rank", hb(r["walk_comm_bytes_per_rank"])),
+        ("exact walk traffic per rank", hb(r["walk_comm_bytes_per_rank"]) if r["divided_walk"] else
+         "not modelled (no divided walk)"),
         ("time, detached", f"{r['estimated_time_s_detached']:,.1f} s"),
         ("time, exact", f"{r['estimated_time_s_exact']:,.1f} s"),
         ("  at", f"{i['throughput_tflops']:g} TFLOP/s effective per rank x {i['gpus']} rank(s)"),
