@@ -13,8 +13,17 @@ step (barrier + synchronize around each; the slowest rank reported), the bytes r
 which must equal W = 1's within bf16 rounding (`--check`, reported). Devices with fewer than
 W GPUs skip that W (NCCL needs one device per rank) and say so.
 
+`--exact` also times one exact-mode step per W (its reverse walk divided: the blockwise
+autograd attention with `own_rows`, the all-reduce merges, the bucketed gradient sum, all
+over NCCL), with the walk's bytes received (`comm_bytes_reverse`) against
+`plan.estimate.divided_walk_traffic`, and the gradient norm, which must equal W = 1's
+within bf16 rounding.
+
+Without CUDA the same script runs on CPU (gloo, float32): a smoke test of its own logic,
+not a GPU measurement (`device` in the rows says which).
+
 Usage (one machine, any number of GPUs):
-    python bench/gpu_cp.py --family qwen3_5 --prompt-tokens 262144 --worlds 1 2 --out bench/results/cp_gpu.csv
+    python bench/gpu_cp.py --family qwen3_5 --prompt-tokens 262144 --worlds 1 2 --exact --out bench/results/cp_gpu.csv
 Ends with one JSON line.
 """
 
@@ -42,15 +51,25 @@ def rank_main(args) -> None:
 
     import longstraw as ls
     from longstraw.ops.collectives import Traffic
-    from longstraw.plan.estimate import divided_capture_traffic
+    from longstraw.measure import peak_rss_bytes
+    from longstraw.plan.estimate import divided_capture_traffic, divided_walk_traffic
     from longstraw.tiny import random_group, tiny_model
 
     local = int(os.environ.get("LOCAL_RANK", "0"))
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    torch.cuda.set_device(local)
+    gpu = torch.cuda.is_available()
+    if gpu:
+        torch.cuda.set_device(local)
+    else:  # the CPU smoke test: one thread per rank
+        torch.set_num_threads(1)
     cp = world > 1
     if cp:
-        dist.init_process_group("nccl", timeout=datetime.timedelta(minutes=10))
+        dist.init_process_group("nccl" if gpu else "gloo", timeout=datetime.timedelta(minutes=10))
+    dtype, dtype_name = (torch.bfloat16, "bfloat16") if gpu else (torch.float32, "float32")
+
+    def sync():
+        if gpu:
+            torch.cuda.synchronize()
     overrides = {}
     if args.hidden:
         overrides.update(hidden_size=args.hidden, intermediate_size=3 * args.hidden)
@@ -58,20 +77,20 @@ def rank_main(args) -> None:
         overrides["num_hidden_layers"] = args.layers
         if args.family == "qwen3_5":
             overrides["layer_types"] = (["linear_attention"] * 3 + ["full_attention"]) * (args.layers // 4)
-    model = tiny_model(args.family, dtype=torch.bfloat16, **overrides).cuda()
-    engine = ls.Engine(model, ls.ExecConfig(chunk_size=args.chunk_size, attention_block_size=args.block,
-                                            context_parallel=cp))
+    model = tiny_model(args.family, dtype=dtype, **overrides).to("cuda" if gpu else "cpu")
+    kw = dict(chunk_size=args.chunk_size, attention_block_size=args.block, context_parallel=cp)
+    engine = ls.Engine(model, ls.ExecConfig(**kw))
     group = random_group(4096, args.prompt_tokens, args.group, args.response_tokens, seed=0)
     engine.step(random_group(4096, 4 * args.block * world + 1, 1, 8, seed=1))  # warm-up
 
     def timed(fn):
         if cp:
             dist.barrier()
-        torch.cuda.synchronize()
+        sync()
         Traffic.received = 0
         t0 = time.perf_counter()
         out = fn()
-        torch.cuda.synchronize()
+        sync()
         if cp:
             dist.barrier()
         return time.perf_counter() - t0, Traffic.received, out
@@ -80,9 +99,19 @@ def rank_main(args) -> None:
     model.zero_grad(set_to_none=True)
     t_step, b_step, result = timed(lambda: engine.step(group))
     predicted = divided_capture_traffic(model.config.to_dict(), positions=args.prompt_tokens - 1, world=world,
-                                        block=args.block, chunk_size=args.chunk_size, dtype="bfloat16")
-    row = torch.tensor([t_cap, t_step, float(b_cap), float(b_step), result.loss,
-                        torch.cuda.max_memory_allocated() / 2**30], dtype=torch.float64, device="cuda")
+                                        block=args.block, chunk_size=args.chunk_size, dtype=dtype_name)
+    exact = [float("nan")] * 6
+    if args.exact:  # one exact step: its reverse walk divided
+        model.zero_grad(set_to_none=True)
+        t_ex, _, got = timed(lambda: ls.Engine(model, ls.ExecConfig(mode="exact", **kw)).step(group))
+        norm = torch.sqrt(sum((p.grad.float() ** 2).sum() for p in model.parameters() if p.grad is not None))
+        walk_predicted = divided_walk_traffic(model.config.to_dict(), positions=args.prompt_tokens - 1, world=world,
+                                              block=args.block, chunk_size=args.chunk_size, dtype=dtype_name)
+        exact = [t_ex, got.metrics["time_reverse_s"], got.metrics["comm_bytes_reverse"], walk_predicted,
+                 float(norm), got.metrics["divided_walk"]]
+    peak = torch.cuda.max_memory_allocated() if gpu else peak_rss_bytes()
+    row = torch.tensor([t_cap, t_step, float(b_cap), float(b_step), result.loss, peak / 2**30] + exact,
+                       dtype=torch.float64, device="cuda" if gpu else "cpu")
     if cp:
         rows = [torch.zeros_like(row) for _ in range(world)]
         dist.all_gather(rows, row)
@@ -95,7 +124,10 @@ def rank_main(args) -> None:
             json.dump({"world": world, "capture_s": worst[0], "step_s": worst[1], "capture_bytes_received": worst[2],
                        "step_bytes_received": worst[3], "loss": float(rows[0][4]), "peak_gib": worst[5],
                        "capture_bytes_predicted": predicted,
-                       "divided_capture": result.metrics.get("divided_capture")}, f)
+                       "divided_capture": result.metrics.get("divided_capture"),
+                       "exact_step_s": worst[6], "exact_walk_s": worst[7], "walk_bytes_received": worst[8],
+                       "walk_bytes_predicted": float(rows[0][9]), "exact_grad_norm": float(rows[0][10]),
+                       "divided_walk": float(rows[0][11])}, f)
 
 
 def main() -> None:
@@ -109,6 +141,7 @@ def main() -> None:
     ap.add_argument("--block", type=int, default=2048)
     ap.add_argument("--hidden", type=int, default=0)
     ap.add_argument("--layers", type=int, default=0)
+    ap.add_argument("--exact", action="store_true", help="also time one exact-mode step (divided walk)")
     ap.add_argument("--out", default=os.path.join(REPO, "bench", "results", "cp_gpu.csv"))
     ap.add_argument("--rank", action="store_true")
     ap.add_argument("--result")
@@ -118,7 +151,7 @@ def main() -> None:
         return
     import torch
 
-    devices = torch.cuda.device_count()
+    devices = torch.cuda.device_count() or max(args.worlds)  # no CUDA: the CPU smoke test, any W
     rows, notes = [], []
     for world in args.worlds:
         if world > devices:
@@ -129,16 +162,21 @@ def main() -> None:
         cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
                os.path.abspath(__file__), "--rank", "--result", result] + [
             a for k in ("family", "prompt_tokens", "group", "response_tokens", "chunk_size", "block", "hidden",
-                        "layers") for a in (f"--{k.replace('_', '-')}", str(getattr(args, k)))]
+                        "layers") for a in (f"--{k.replace('_', '-')}", str(getattr(args, k)))] + (
+            ["--exact"] if args.exact else [])
         subprocess.run(cmd, check=True)
         with open(result) as f:
             got = json.load(f)
         got.update(family=args.family, prompt_tokens=args.prompt_tokens, group=args.group,
-                   response_tokens=args.response_tokens, device=torch.cuda.get_device_name(0))
+                   response_tokens=args.response_tokens,
+                   device=torch.cuda.get_device_name(0) if torch.cuda.is_available() else "cpu (smoke test)")
         rows.append(got)
         print(f"W={world} capture {got['capture_s']:.3f} s  step {got['step_s']:.3f} s  loss {got['loss']:.6f}  "
               f"received {got['capture_bytes_received'] / 2**20:.1f} MiB (predicted "
-              f"{got['capture_bytes_predicted'] / 2**20:.1f})  peak {got['peak_gib']:.2f} GiB", flush=True)
+              f"{got['capture_bytes_predicted'] / 2**20:.1f})  peak {got['peak_gib']:.2f} GiB"
+              + (f"  exact step {got['exact_step_s']:.3f} s (walk {got['exact_walk_s']:.3f} s, received "
+                 f"{got['walk_bytes_received'] / 2**20:.1f} MiB, predicted {got['walk_bytes_predicted'] / 2**20:.1f};"
+                 f" grad norm {got['exact_grad_norm']:.6g})" if args.exact else ""), flush=True)
     if rows:
         os.makedirs(os.path.dirname(args.out), exist_ok=True)
         new = not os.path.exists(args.out)
@@ -149,7 +187,10 @@ def main() -> None:
             w.writerows(rows)
     base = next((r for r in rows if r["world"] == 1), None)
     ratios = {f"W{r['world']}": {"capture": r["capture_s"] / base["capture_s"], "step": r["step_s"] / base["step_s"],
-                                 "loss_rel_diff": abs(r["loss"] - base["loss"]) / max(abs(base["loss"]), 1e-12)}
+                                 "loss_rel_diff": abs(r["loss"] - base["loss"]) / max(abs(base["loss"]), 1e-12),
+                                 "exact_step": r["exact_step_s"] / base["exact_step_s"],
+                                 "grad_norm_rel_diff": abs(r["exact_grad_norm"] - base["exact_grad_norm"])
+                                 / max(abs(base["exact_grad_norm"]), 1e-12)}
               for r in rows if base is not None and r["world"] > 1}
     print(json.dumps({"bench": "gpu_cp", "family": args.family, "prompt_tokens": args.prompt_tokens,
                       "ratios_to_W1": ratios, "notes": notes}))
