@@ -119,13 +119,13 @@ def run_fsdp(rank: int, world: int, init_file: str) -> None:
     the matching slice of the single-process gradient (and the full tensor equals it), with
     the capture divided (each prompt token on one rank) and replicated, and exact mode's
     walk divided (FSDP2's reduce-scatter then sums the ranks' partial gradients; dense,
-    hybrid and MoE hybrid) and replicated: no gradient is reduced twice or missed."""
+    hybrid, MoE hybrid and MLA) and replicated: no gradient is reduced twice or missed."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
     _init(rank, world, init_file)
     try:
-        for name in ("dense", "hybrid", "hybrid_moe"):
+        for name in ("dense", "hybrid", "hybrid_moe", "mla_mlp"):
             model = CASES[name]()
             group = random_group(97, 23, [5, 3], seed=3)
             kw = dict(chunk_size=6, attention_block_size=4, shard_block_size=3)
