@@ -151,8 +151,8 @@ def _select_across_ranks(indexer, q, keys, weights, call, held, query_block: int
         cand_pos = torch.cat([shard_pos[rows], torch.where(visible, rep_pos[None, :seen], -1)], dim=1)
         cand_sc = torch.cat([shard_sc[rows], rep_sc], dim=1)
         out[b0 + rows] = select_candidates(cand_sc, cand_pos, topk)
-    if own is not None:
-        out = gather_rows(out[own[0][own[1].rank]], own[0], own[1])
+    if own is not None:  # (positions as int32 on the wire)
+        out = gather_rows(out[own[0][own[1].rank]].to(torch.int32), own[0], own[1]).long()
     return out
 
 

@@ -42,11 +42,12 @@ def prompt_candidates(index_q, weights, prompt_index, until: int, topk: int, sca
         cand_sc = torch.where(cand < 0, float("-inf"), scores.gather(-1, cols))
     else:
         cand_sc = torch.full(cand.shape, float("-inf"), device=cand.device)
-    if prompt_index.shard is not None:
+    if prompt_index.shard is not None:  # positions travel as int32 (a prompt of < 2^31 positions)
         from ..distributed import all_gather
 
         cp = prompt_index.shard.cp
-        cand, cand_sc = torch.cat(all_gather(cand, cp), dim=1), torch.cat(all_gather(cand_sc, cp), dim=1)
+        cand = torch.cat(all_gather(cand.to(torch.int32), cp), dim=1).long()
+        cand_sc = torch.cat(all_gather(cand_sc, cp), dim=1)
     return cand, cand_sc
 
 

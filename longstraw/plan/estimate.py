@@ -405,7 +405,7 @@ def divided_walk_traffic(model, *, positions: int, world: int, block: int, chunk
                         total += summed * h * t * (kl + 2) * acc + back * summed * h * t * (kl + r) * b
                 else:
                     if layer.indexer:  # every rank's candidates for the chunk; each rank's rows' selection
-                        total += gathered * t * arch.index_topk * (8 + 4) + gathered * most * arch.index_topk * 8
+                        total += gathered * t * arch.index_topk * (4 + 4) + gathered * most * arch.index_topk * 4
                     total += summed * h * t * (kl + 2) * acc + back * summed * h * t * (kl + r) * b
     if grad_bytes is None:
         grad_bytes = (count_parameters(arch).total - indexer_parameters(arch)) * b
