@@ -330,7 +330,7 @@ class Engine:
         are whole cycles of the deal, or whole capture chunks for a family that restarts
         from their snapshots (`sequence_parallel.walk_chunks`), and this rank
         recomputes and backpropagates only its own positions of each; its parameter
-        gradients are partial (the caller sums them over ranks: `partial_gradients`).
+        gradients are partial (the caller sums them over ranks: `summed_walk_gradients`).
         """
         n = ids.shape[0]
         if shard is None:
@@ -516,9 +516,7 @@ class Engine:
         t2, c2 = _clock(self.adapter.device), Traffic.received
         divided = exact and self.divides_walk(state)
         if divided:  # each prompt token on one rank; the ranks' partial gradients summed once
-            sharded = self.adapter.sharded_modules()
-            with summed_walk_gradients(self.model, self.cp, sharded,
-                                       fsdp_sum_factor(sharded, self.cp) if sharded else None):
+            with summed_walk_gradients(self.model, self.cp, self.adapter.sharded_modules()):
                 self.walk_back(group.prompt[:-1].to(self.adapter.device), 0, [state], self.config.chunk_size,
                                shard=self._shard())
         elif exact:

@@ -34,8 +34,9 @@ capture chunks that hold a cycle, since GDN layers
 restart from the snapshots at capture-chunk starts), each rank recomputes its own
 positions of the chunk through every layer with autograd and backpropagates them.
 Attention gathers the chunk's q/k/v rows of every rank, runs the chunk's attention as
-the replicated walk does (its causal part on every rank, the part over earlier chunks
-divided by the sharded state), and keeps this rank's output rows; a GDN layer projects
+the replicated walk does (the part over earlier chunks divided by the sharded state),
+except that its own causal part runs for this rank's query rows only (`own_rows`), and
+keeps this rank's output rows; a GDN layer projects
 its own rows, gathers the chunk's projected rows and runs the conv and the recurrence
 over the whole chunk on every rank; an MLA layer gathers the chunk's absorbed queries
 and latent rows (and the indexer's inputs, for the same global DSA top-k) and keeps
@@ -222,14 +223,14 @@ def fsdp_sums_partials(modules, factor: float):
 
 
 @contextlib.contextmanager
-def summed_walk_gradients(model, cp, fsdp_modules, factor: float | None):
+def summed_walk_gradients(model, cp, fsdp_modules):
     """A divided walk's parameter gradients, each summed over ranks once: FSDP2-sharded
-    parameters by FSDP2's own reduce-scatter (`fsdp_sums_partials`, as each chunk's
-    backward ends), every other (replicated) parameter by `partial_gradients`' one
-    bucketed all-reduce after the walk."""
+    parameters (`fsdp_modules`, which `fsdp_sum_factor` must accept) by FSDP2's own
+    reduce-scatter (`fsdp_sums_partials`, as each chunk's backward ends), every other
+    (replicated) parameter by `partial_gradients`' one bucketed all-reduce after the walk."""
     from torch.distributed.tensor import DTensor
 
     replicated = [p for p in model.parameters() if not isinstance(p, DTensor)]
-    with (fsdp_sums_partials(fsdp_modules, factor) if fsdp_modules else contextlib.nullcontext()), \
-            partial_gradients(replicated, cp):
+    fsdp = fsdp_sums_partials(fsdp_modules, fsdp_sum_factor(fsdp_modules, cp)) if fsdp_modules else None
+    with fsdp or contextlib.nullcontext(), partial_gradients(replicated, cp):
         yield

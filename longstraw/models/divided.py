@@ -26,7 +26,8 @@ working set is the attention projections of the shard plus one MLP piece.
 
 Exact mode's divided reverse walk reuses the deal with autograd, one walk chunk at a
 time (`DividedChunk`): `divided_recompute_attention` gathers the chunk's q/k/v rows,
-attends as the replicated walk does, and keeps this rank's rows; `divided_recompute_gdn`
+attends as the replicated walk does (the chunk's own causal part for this rank's query
+rows only), and keeps this rank's rows; `divided_recompute_gdn`
 projects this rank's rows, gathers the chunk's projected rows, runs the conv and the
 recurrence over the whole chunk on every rank, and keeps this rank's rows; an MLA
 layer gathers the chunk's absorbed queries and latent rows (`gather_mla_chunk`, and the
