@@ -112,7 +112,7 @@ def markdown(out: list[dict]) -> str:
 
 
 def compare_gpu() -> str:
-    """The H200 run of bench/gpu_qwen36_stack.py (bf16, one group from zero gradients, no
+    """The H200 run of bench/gpu/stack.py (bf16, one group from zero gradients, no
     optimizer) against today's planner for the same step, as a Markdown table."""
     import json
 

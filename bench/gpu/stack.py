@@ -14,8 +14,8 @@ until the next size would exceed the time budget; peak memory is
 Machine: one NVIDIA H200 (lent by the session's device tool). Writes $OUT/gpu.json and
 prints a table, then one JSON line.
 
-    python3 bench/gpu_qwen36_stack.py --layers 4 --budget-s 420
-    python3 bench/gpu_qwen36_stack.py --dry     # CPU smoke test with a tiny stack
+    python3 bench/gpu/stack.py --layers 4 --budget-s 420
+    python3 bench/gpu/stack.py --dry     # CPU smoke test with a tiny stack
 """
 
 from __future__ import annotations
@@ -28,7 +28,9 @@ import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+if REPO not in sys.path:
+    sys.path.insert(0, REPO)
 
 import longstraw as ls  # noqa: E402
 from longstraw.tiny import random_group  # noqa: E402

@@ -1,8 +1,8 @@
 """GPU check of the paths CPU CI cannot reach: context parallelism over NCCL, bf16 exact
 mode, and the autocast refusal. Prints a table and ends with one JSON line.
 
-    python bench/gpu_check.py          # one GPU: NCCL process group of world_size 1
-    python bench/gpu_check.py --cpu    # the same code paths on CPU over gloo (float32 for
+    python bench/gpu/checks.py          # one GPU: NCCL process group of world_size 1
+    python bench/gpu/checks.py --cpu    # the same code paths on CPU over gloo (float32 for
                                        # the CP check, a tiny bf16 model for exact mode)
 
 Checks (each a row):
@@ -32,7 +32,9 @@ import time
 import torch
 import torch.distributed as dist
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+if REPO not in sys.path:
+    sys.path.insert(0, REPO)
 import longstraw as ls  # noqa: E402
 from tests.reference import grads_of, random_group, tiny_model  # noqa: E402
 

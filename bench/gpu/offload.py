@@ -2,7 +2,7 @@
 number of attention layers, step time against the on-device state, and the overlap of
 the host<->device copies with compute.
 
-The physics: a Qwen3.6-27B-shaped stack (bench/gpu_qwen36_stack.py: hidden 5120, 24
+The physics: a Qwen3.6-27B-shaped stack (bench/gpu/stack.py: hidden 5120, 24
 query / 4 KV heads of dim 256, GDN 16 QK / 48 V heads, 3 GDN : 1 attention) holds 4 KiB of
 K/V per prompt token per attention layer, so at P tokens each attention layer holds
 P x 4 KiB (1 GiB at 256K). On the device that grows with the number of layers; offloaded,
@@ -22,8 +22,8 @@ Detached GRPO steps, G responses of R tokens, bf16, random weights. Peak =
 torch.cuda.max_memory_allocated over the step minus the bytes allocated before it
 (the model). Writes $OUT/gpu_offload.json, prints a table, then one JSON line.
 
-    python3 bench/gpu_offload.py                       # H200: ~10 minutes
-    python3 bench/gpu_offload.py --cpu                 # CPU smoke test on tiny shapes
+    python3 bench/gpu/offload.py                       # H200: ~10 minutes
+    python3 bench/gpu/offload.py --cpu                 # CPU smoke test on tiny shapes
 
 Not run on a GPU yet (no GPU machine was lent to the session that wrote it): the README
 and docs/offload.md quote the planner's figures, planned, not measured.
@@ -39,10 +39,12 @@ import time
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+if REPO not in sys.path:
+    sys.path.insert(0, REPO)
 
 import longstraw as ls  # noqa: E402
-from bench.gpu_qwen36_stack import build  # noqa: E402
+from bench.gpu.stack import build  # noqa: E402
 from longstraw.tiny import random_group  # noqa: E402
 
 GiB = 2 ** 30

@@ -1,0 +1,42 @@
+"""bench/gpu_suite.py: its --cpu smoke run passes every check, and a failing check is
+reported without stopping the suite."""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, REPO)
+from bench import gpu_suite  # noqa: E402
+
+
+def test_a_failing_check_is_reported_and_the_suite_goes_on(tmp_path, monkeypatch):
+    (tmp_path / "fake_check.py").write_text('print("a table")\nprint(\'{"all_ok": true}\')\n')
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path))
+    monkeypatch.setitem(gpu_suite.CHECKS, "boom", ("bench.gpu.no_such_module", [], [], 30))
+    monkeypatch.setitem(gpu_suite.CHECKS, "checks", ("fake_check", [], [], 30))
+    out = tmp_path / "suite.json"
+    monkeypatch.setattr(sys, "argv", ["gpu_suite", "--cpu", "--only", "boom", "checks", "--out", str(out)])
+    assert gpu_suite.main() == 1
+    rows = {r["name"]: r for r in json.loads(out.read_text())["checks"]}
+    assert not rows["boom"]["ok"] and rows["boom"]["rc"] != 0 and "no_such_module" in rows["boom"]["error"]
+    assert rows["checks"]["ok"], rows["checks"]  # ran after the failure
+
+
+def test_a_check_past_its_limit_is_stopped(tmp_path, monkeypatch):
+    monkeypatch.setitem(gpu_suite.CHECKS, "slow", ("bench.gpu.checks", ["--cpu"], ["--cpu"], 0.5))
+    row = gpu_suite.run_check("slow", cpu=True, tmp=str(tmp_path), scale=1.0)
+    assert row["rc"] == 124 and not row["ok"] and "timed out" in row["error"]
+
+
+def test_cpu_smoke_run_passes_every_check(tmp_path):
+    out = tmp_path / "suite.json"
+    proc = subprocess.run([sys.executable, os.path.join(REPO, "bench", "gpu_suite.py"), "--cpu", "--out", str(out)],
+                          capture_output=True, text=True, timeout=900)
+    summary = json.loads(out.read_text())
+    assert [r["name"] for r in summary["checks"]] == list(gpu_suite.CHECKS)
+    assert summary["all_ok"], proc.stdout[-3000:]
+    assert proc.returncode == 0
