@@ -47,7 +47,8 @@ def host_buffer(nbytes: int, *, pin: bool) -> torch.Tensor:
 
 def _unregister(ptr: int) -> None:
     """Unpin a buffer about to be freed, after every queued copy (one may still read it)."""
-    torch.cuda.synchronize()
+    for device in range(torch.cuda.device_count()):
+        torch.cuda.synchronize(device)
     torch.cuda.cudart().cudaHostUnregister(ptr)
 
 

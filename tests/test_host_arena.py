@@ -146,6 +146,7 @@ def test_pinned_arena_registers_exactly_its_bytes_once_and_releases_them(monkeyp
     fake = _FakeCudart()
     monkeypatch.setattr(torch.cuda, "cudart", lambda: fake)
     monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: None)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     arena = HostArena(SPECS, pin=True, zero=True)
     total = arena.nbytes
     assert [(size, flags) for _, size, flags in fake.registered] == [(total, 1)]  # exact size, not a power of two
