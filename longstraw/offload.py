@@ -3,7 +3,7 @@ compute device one layer at a time (the paper's GLM-5.2 setup).
 
 With `ExecConfig(state_device="cpu")`, capture allocates every per-token row of the
 prompt state in host memory, as views of one host arena per state (`host_arena.py`;
-exact mode's gradient rows in a second one), page-locked at its exact size on CUDA:
+exact mode's gradient rows in a second one), page-locked at its exact size when CUDA is available:
 
     attention K/V        `AttentionKV.k/.v`      [Hkv, S, D] / [Hkv, S, Dv]
     MLA latent rows      `LatentKV.k`            [1, S, R + Dr]
@@ -157,7 +157,7 @@ class Stager:
         self.ready: list = [None, None]  # per slot: CUDA event, recorded after its last fill
         self.pending_d2h = False  # copies to host queued since the host last waited for them
         self.stats = StageStats()
-        self.pin = self.cuda  # page-locked host rows, so the side stream's copies are asynchronous
+        self.pin = torch.cuda.is_available()  # page-locked host rows (as before), so CUDA copies are asynchronous
         self.row_arena_bytes = self._place_rows(state)
         self.grad_arena_bytes = 0  # until `enable_grad_buffers`
 

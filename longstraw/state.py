@@ -21,7 +21,7 @@ HOST = "host"
 """The `device` for per-token rows in host memory (state offload, `offload.py`): they
 are allocated as placeholders on the meta device (no memory), which the state's
 `offload.Stager` then replaces with views of one host arena (`host_arena.py`), pinned
-when the model is on CUDA (so copies can overlap)."""
+when CUDA is available (so copies can overlap)."""
 
 
 def empty_rows(*shape: int, dtype: torch.dtype, device) -> torch.Tensor:
