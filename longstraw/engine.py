@@ -49,6 +49,7 @@ from .group import BatchTotals, Group, StepResult, validate_group
 from .kept_graphs import SavedBytes, chunks_to_keep
 from .logprobs import token_logprobs
 from .models import adapter_for
+from .models.placement import check_placement
 from .offload import Stager, settle
 from .ops.collectives import Traffic
 from .rollout import Rollout, SamplingConfig, check_state, generate, stamp_state
@@ -125,6 +126,7 @@ class Engine:
         self.model = model
         self.config = config
         self.adapter = adapter_for(model)
+        check_placement(model)  # one device, no accelerate hooks (models/placement.py)
         want, have = (torch.device(config.state_device) if config.state_device else None), self.adapter.device
         if want is not None and not config.offloads_state() \
                 and (want.type != have.type or (want.index is not None and want.index != have.index)):

@@ -2,7 +2,8 @@
 compute device one layer at a time (the paper's GLM-5.2 setup).
 
 With `ExecConfig(state_device="cpu")`, capture allocates every per-token row of the
-prompt state in host memory, pinned when CUDA is available:
+prompt state in host memory, as views of one host arena per state (`host_arena.py`;
+exact mode's gradient rows in a second one), page-locked at its exact size when CUDA is available:
 
     attention K/V        `AttentionKV.k/.v`      [Hkv, S, D] / [Hkv, S, Dv]
     MLA latent rows      `LatentKV.k`            [1, S, R + Dr]
@@ -55,7 +56,9 @@ from dataclasses import dataclass
 
 import torch
 
+from .host_arena import HostArena
 from .state import AttentionKV, IndexKeys, LatentKV, MLAState, PromptState
+from .tensors import accumulation_dtype
 
 # ----------------------------------------------------------------------------
 # which parts of a layer are per-token rows
@@ -129,8 +132,13 @@ class StageStats:
 class Stager:
     """Stages one offloaded `PromptState`'s per-token rows to `device`, a layer at a time.
 
+    Host memory: the per-token rows of every staged layer are views of one host arena
+    (`host_arena.py`), and exact mode's gradient rows of a second one, pinned at their
+    exact size on CUDA: `host_bytes` is what the planner's host bytes count.
+
     Args:
-        state: the prompt state, its per-token rows in host memory.
+        state: the prompt state, fresh from `Adapter.new_state(host=True)`: its per-token
+            rows are meta placeholders, which the stager replaces with arena views.
         device: the compute device (the model's).
     """
 
@@ -147,11 +155,64 @@ class Stager:
         self.stream = torch.cuda.Stream(self.device) if self.cuda else None
         self.compute_stream = torch.cuda.current_stream(self.device) if self.cuda else None
         self.ready: list = [None, None]  # per slot: CUDA event, recorded after its last fill
+        self.pending_d2h = False  # copies to host queued since the host last waited for them
         self.stats = StageStats()
+        self.pin = torch.cuda.is_available()  # page-locked host rows (as before), so CUDA copies are asynchronous
+        self.row_arena_bytes = self._place_rows(state)
+        self.grad_arena_bytes = 0  # until `enable_grad_buffers`
 
     @property
     def state(self) -> PromptState:
         return self._state()
+
+    @property
+    def host_bytes(self) -> int:
+        """Host bytes allocated for the state's rows and gradient rows (both arenas)."""
+        return self.row_arena_bytes + self.grad_arena_bytes
+
+    # --- host memory: one arena for the rows, one for the gradient rows ----------
+
+    def _host_holders(self, state: PromptState) -> list:
+        return [h for idx in self.order for h in _holders(state.layers[idx])]
+
+    def _place_rows(self, state: PromptState) -> int:
+        """Replace every staged layer's row placeholders by views of one host arena
+        (a latent's value: a view of its key's first R columns). Returns its bytes."""
+        holders = self._host_holders(state)
+        fields = [(h, f) for h in holders for f in _row_fields(h)]
+        assert all(getattr(h, f).is_meta for h, f in fields), "offloaded rows must be new_state(host=True) placeholders"
+        arena = HostArena([(getattr(h, f).shape, getattr(h, f).dtype) for h, f in fields], pin=self.pin)
+        for (h, f), view in zip(fields, arena.views):
+            setattr(h, f, view)
+        for h in holders:
+            if isinstance(h, LatentKV):
+                h.v = h.k[..., :h.v.shape[-1]]
+        return arena.nbytes
+
+    def enable_grad_buffers(self) -> None:
+        """Exact mode: zeroed dLoss/dState for the state (`PromptState.enable_grad_buffers`).
+        Staged layers' gradient rows (fp32; fp64 for fp64 rows) are views of one host
+        arena, zeroed in place when the state is stepped again; other layers allocate
+        their own on the device."""
+        state = self.state
+        for i, layer in enumerate(state.layers):
+            if layer is not None and i not in self.rank:
+                layer.enable_grad_buffers()
+        holders = [h for h in self._host_holders(state) if not isinstance(h, IndexKeys)]
+        fields = [(h, f) for h in holders for f in (("k",) if isinstance(h, LatentKV) else ("k", "v"))]
+        if all(getattr(h, f + "_grad") is not None for h, f in fields):  # stepped again: reuse the arena
+            self._sync_host()  # a copy back into these rows may still be queued
+            for h, f in fields:
+                getattr(h, f + "_grad").zero_()
+            return
+        arena = HostArena([(getattr(h, f).shape, accumulation_dtype(h.k.dtype)) for h, f in fields],
+                          pin=self.pin, zero=True)
+        for (h, f), view in zip(fields, arena.views):
+            setattr(h, f + "_grad", view)
+        for h in holders:
+            if isinstance(h, LatentKV):
+                h.v_grad = h.k_grad[..., :h.v.shape[-1]]
+        self.grad_arena_bytes = arena.nbytes
 
     # --- slots ------------------------------------------------------------------
 
@@ -201,6 +262,7 @@ class Stager:
                     host = _rows(getattr(h, f), 0, n)
                     host.copy_(_rows(self.buffers[slot][(i, f)], 0, n), non_blocking=True)
                     self.stats.d2h_bytes += _nbytes(host)
+                    self.pending_d2h = True
 
     def _fill(self, slot: int, idx: int, until: int, *, grads: bool) -> None:
         """Stage layer `idx`'s rows before position `until` into `slot` (unless it holds
@@ -288,6 +350,7 @@ class Stager:
                     dst = _rows(getattr(h, f), a, b)
                     dst.copy_(_rows(getattr(v, f), a, b), non_blocking=True)
                     self.stats.d2h_bytes += _nbytes(dst)
+                    self.pending_d2h = True
                 h.length, h.consumed = v.length, v.consumed
 
     def restage(self, idx: int, until: int) -> None:
@@ -302,16 +365,27 @@ class Stager:
             self._fill(1 - slot, prev, until, grads=self._grads(prev))
 
     def settle(self) -> None:
-        """After a run or a backward: copy pending gradient sinks back to host and wait
-        for every queued copy (host rows are then valid for the CPU to read). The slots
-        are then forgotten, so every pass (a forward, a backward) stages each layer it
-        visits exactly once, whatever the previous pass left: the traffic the planner
-        counts (`plan/offload.py`)."""
+        """After a run or a backward: copy pending gradient sinks back to host, and if
+        anything was copied to host since the host last waited (capture's write-back, a
+        backward's sinks), wait for it: the host rows are then valid for the CPU to read
+        (the walk's seeds). A read-only pass (replay, score, every decoded token) queues
+        no copy to host and so never blocks the host: its H2D copies and the next pass's
+        are ordered on the side stream, and compute waits on events. The slots are then
+        forgotten, so every pass (a forward, a backward) stages each layer it visits
+        exactly once, whatever the previous pass left: the traffic the planner counts
+        (`plan/offload.py`)."""
         for slot in (0, 1):
             self._flush(slot)
+        if self.pending_d2h:
+            self._sync_host()
+        self.holds = [None, None]
+
+    def _sync_host(self) -> None:
+        """Block the host until every copy queued on the side stream is done (the one host
+        sync; a no-op on CPU, where copies are synchronous)."""
         if self.cuda:
             self.stream.synchronize()
-        self.holds = [None, None]
+        self.pending_d2h = False
 
 
 class _Restage(torch.autograd.Function):

@@ -18,20 +18,21 @@ import torch
 from .tensors import KVSegment, accumulation_dtype
 
 HOST = "host"
-"""The `device` that allocates per-token rows in host memory (state offload,
-`offload.py`): CPU tensors, pinned when CUDA is available (so copies can overlap)."""
+"""The `device` for per-token rows in host memory (state offload, `offload.py`): they
+are allocated as placeholders on the meta device (no memory), which the state's
+`offload.Stager` then replaces with views of one host arena (`host_arena.py`), pinned
+when CUDA is available (so copies can overlap)."""
 
 
 def empty_rows(*shape: int, dtype: torch.dtype, device) -> torch.Tensor:
-    """An uninitialised tensor of `shape` on `device`, or in (pinned) host memory for `HOST`."""
-    if device == HOST:
-        return torch.empty(*shape, dtype=dtype, pin_memory=torch.cuda.is_available())
-    return torch.empty(*shape, dtype=dtype, device=device)
+    """An uninitialised tensor of `shape` on `device`, or a meta placeholder for `HOST`."""
+    return torch.empty(*shape, dtype=dtype, device="meta" if device == HOST else device)
 
 
 def zeros_like_rows(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Zeros shaped like `t` in `dtype`, on its device; pinned when `t` is (host rows)."""
-    return torch.zeros(t.shape, dtype=dtype, device=t.device, pin_memory=t.device.type == "cpu" and t.is_pinned())
+    """Zeros shaped like `t` in `dtype`, on its device (an offloaded state's host gradient
+    rows come from its stager's arena instead: `PromptState.enable_grad_buffers`)."""
+    return torch.zeros(t.shape, dtype=dtype, device=t.device)
 
 
 @dataclass(frozen=True)
@@ -257,6 +258,11 @@ class PromptState:
         return sum(s.grad_nbytes() for s in self.layers if s is not None)
 
     def enable_grad_buffers(self) -> None:
+        """Zeroed dLoss/dState buffers for every layer (an offloaded state's host rows:
+        one arena, `offload.Stager.enable_grad_buffers`)."""
+        if self.offload is not None:
+            self.offload.enable_grad_buffers()
+            return
         for s in self.layers:
             if s is not None:
                 s.enable_grad_buffers()

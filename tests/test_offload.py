@@ -277,3 +277,26 @@ def test_a_dropped_state_frees_its_slots_without_the_garbage_collector():
         assert slot() is None and host() is None
     finally:
         gc.enable()
+
+
+# ----------------------------------------------------------------------------
+# host syncs
+
+
+def test_decoding_never_blocks_the_host(monkeypatch):
+    """`settle` blocks the host (the side stream's one sync path) only after copies to
+    host were queued (capture's write-back, a backward's gradient sinks), never after a
+    read-only pass: a rollout's host syncs do not grow with the tokens decoded."""
+    calls = []
+    sync = Stager._sync_host
+    monkeypatch.setattr(Stager, "_sync_host", lambda self: (calls.append(1), sync(self))[1])
+    engine = ls.Engine(MODELS["qwen3"](), ls.ExecConfig(state_device="cpu", **EXEC))
+    prompt = random_group(97, 21, [1], seed=3).prompt
+    counts = []
+    for tokens in (1, 7):
+        calls.clear()
+        rollout = engine.generate(prompt, num_samples=2, max_new_tokens=tokens,
+                                  generator=torch.Generator().manual_seed(1))
+        assert all(r.numel() == tokens for r in rollout.responses)
+        counts.append(len(calls))
+    assert counts[0] == counts[1] > 0, counts  # capture's chunks wrote rows back; decoding wrote nothing

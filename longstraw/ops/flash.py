@@ -4,7 +4,9 @@ attention of new tokens over a captured prefix plus themselves.
 The blockwise kernel (`attention.PrefixAttention`) is the naive-twin-tested reference;
 this module is its fast path wherever torch has a fused kernel with a backward that
 takes the log-sum-exp (CPU: the flash-attention-for-CPU forward/backward aten ops, in
-float32, float64 and bfloat16).
+float32, float64 and bfloat16). Where the fused kernel runs at all is one pure
+function of the device's facts, `select_kernel` (CUDA: sm80+, fp16/bf16, D % 8 == 0,
+D <= 256, torch's flash switch on); everywhere else the blockwise kernel runs.
 
 Forward: one fused call for the causal self part and one per prefix segment (the
 kernel tiles internally: O(rows) memory for any S), merged by log-sum-exp.
@@ -75,13 +77,58 @@ def merge_partials(out_a, lse_a, out_b, lse_b):
     return torch.exp(lse_a - lse)[..., None] * out_a + torch.exp(lse_b - lse)[..., None] * out_b
 
 
+FLASH_MIN_CAPABILITY = (8, 0)
+"""CUDA compute capability FlashAttention-2 (torch's fused CUDA kernel) needs (Ampere)."""
+
+FLASH_MAX_HEAD_DIM = 256
+"""Largest head dim FlashAttention-2 takes on CUDA."""
+
+
+def select_kernel(device_type: str, capability: tuple[int, int] | None, head_dim: int, value_dim: int,
+                  dtype: torch.dtype, *, fused_enabled: bool, flash_sdp_enabled: bool) -> str:
+    """The attention kernel for these facts, a pure function: "flash" (torch's fused
+    kernel) or "blockwise" (`attention.PrefixAttention`, which runs anywhere).
+
+    Args:
+        device_type: "cpu", "cuda", ...
+        capability: the CUDA device's compute capability (major, minor); None off CUDA.
+        head_dim / value_dim: D and Dv of the queries/keys and the values.
+        dtype: the queries' dtype.
+        fused_enabled: `FUSED_ENABLED`.
+        flash_sdp_enabled: `torch.backends.cuda.flash_sdp_enabled()`, the user's switch
+            for torch's flash kernels (honoured on CPU too, as torch's own SDPA does).
+
+    CPU: float32/float64/bfloat16, any D. CUDA: capability >= sm80, fp16/bf16, D a
+    multiple of 8 and <= 256. Both need Dv = D (absorbed MLA has Dv < D). Anything else,
+    and any other device type: blockwise.
+    """
+    if not (fused_enabled and flash_sdp_enabled) or value_dim != head_dim:
+        return "blockwise"
+    if device_type == "cpu":
+        return "flash" if dtype in (torch.float32, torch.float64, torch.bfloat16) else "blockwise"
+    if device_type == "cuda":
+        ok = (capability is not None and tuple(capability) >= FLASH_MIN_CAPABILITY
+              and dtype in (torch.float16, torch.bfloat16) and head_dim % 8 == 0 and head_dim <= FLASH_MAX_HEAD_DIM)
+        return "flash" if ok else "blockwise"
+    return "blockwise"
+
+
+def kernel_for(device: torch.device, head_dim: int, value_dim: int, dtype: torch.dtype,
+               window: int | None = None) -> str:
+    """`select_kernel` with the facts read from torch for `device` (its CUDA capability,
+    the flash switch), "blockwise" for a sliding window or when torch lacks the op."""
+    if window is not None or fused_kernel(device.type, dtype) is None:
+        return "blockwise"
+    capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
+    return select_kernel(device.type, capability, head_dim, value_dim, dtype, fused_enabled=FUSED_ENABLED,
+                         flash_sdp_enabled=torch.backends.cuda.flash_sdp_enabled())
+
+
 def fused_takes(q: torch.Tensor, value_dim: int, window: int | None) -> bool:
-    """torch's fused forward kernel takes queries like `q` ([.., D]) with this value dim:
-    no sliding window, Dv = D (absorbed MLA has Dv < D), a device and dtype it supports,
-    and D <= 256 on CUDA (FlashAttention-2's limit)."""
-    d = q.shape[-1]
-    return (window is None and value_dim == d and fused_kernel(q.device.type, q.dtype) is not None
-            and not (q.is_cuda and d > 256))
+    """torch's fused forward kernel takes queries like `q` ([.., D]) with this value dim
+    on q's device (`kernel_for`): no sliding window, Dv = D, and a device, dtype and D
+    it supports; otherwise the caller runs the blockwise kernel."""
+    return kernel_for(q.device, q.shape[-1], value_dim, q.dtype, window) == "flash"
 
 
 def empty_partial(like: torch.Tensor, heads: int, rows: int, value_dim: int):

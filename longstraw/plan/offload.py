@@ -20,27 +20,70 @@ per rank:
 S is the rank's rows of the prompt (the fullest rank under context parallelism). The
 time is the traffic over a stated host bandwidth; the copies overlap compute, so a step
 takes at least the larger of the two. Planned, not measured.
+
+Host memory is one arena per state (`host_arena.py`): one buffer for the rows, and in
+exact mode one for the gradient rows, each tensor starting at a multiple of
+`ARENA_ALIGN` bytes. `host_bytes` is the arenas' size, padding included: what offload
+allocates (page-locked at exactly that size on CUDA), not torch's power-of-two pinned
+blocks.
 """
 
 from __future__ import annotations
 
 import math
 
+ARENA_ALIGN = 64
+"""Bytes: every tensor in a host arena starts at a multiple of this (a cache line; a
+multiple of every element size)."""
 
-def staged_layers(arch, b: int, acc: int, exact: bool) -> list[tuple[int, int, int]]:
-    """(layer index, row bytes per position, gradient bytes per position) of every layer
-    whose per-token rows offload keeps in host memory (a detached sliding window, trimmed
-    to W - 1 rows, and GDN layers stay on the device)."""
+
+def aligned(nbytes: int) -> int:
+    """`nbytes` rounded up to a multiple of `ARENA_ALIGN`."""
+    return -(-nbytes // ARENA_ALIGN) * ARENA_ALIGN
+
+
+def arena_offsets(sizes: list[int]) -> tuple[list[int], int]:
+    """Byte offsets of tensors of `sizes` bytes laid out in one arena, in order, each
+    aligned to `ARENA_ALIGN`, and the arena's total bytes (sum of the aligned sizes)."""
+    offsets, total = [], 0
+    for n in sizes:
+        offsets.append(total)
+        total += aligned(n)
+    return offsets, total
+
+
+def layer_tensors(arch, b: int, acc: int, exact: bool) -> list[tuple[int, list[int], list[int]]]:
+    """(layer index, bytes per position of each host row tensor, of each gradient row
+    tensor) of every layer whose per-token rows offload keeps in host memory, in the
+    arenas' order (`host_arena.py`): K and V [Hkv, S, D] and dK, dV per attention layer;
+    the latent [1, S, R + Dr], indexer keys [S, Di] and the latent's gradient per MLA
+    layer. A detached sliding window (trimmed to W - 1 rows) and GDN layers stay on the
+    device; exact mode keeps a window's every row, so it is staged then."""
     out = []
     for i, layer in enumerate(arch.layers):
         if layer.mixer == "attention" and (layer.window is None or exact):
-            kv = arch.kv_heads * 2 * arch.head_dim * b
-            out.append((i, kv, kv * acc // b))
+            kv = arch.kv_heads * arch.head_dim
+            out.append((i, [kv * b, kv * b], [kv * acc, kv * acc]))
         elif layer.mixer == "mla":
-            latent = (arch.kv_lora_rank + arch.rope_dim) * b
-            index = arch.index_dim * b if layer.indexer else 0
-            out.append((i, latent + index, latent * acc // b))
+            latent = arch.kv_lora_rank + arch.rope_dim
+            out.append((i, [latent * b] + ([arch.index_dim * b] if layer.indexer else []), [latent * acc]))
     return out
+
+
+def staged_layers(arch, b: int, acc: int, exact: bool) -> list[tuple[int, int, int]]:
+    """(layer index, row bytes per position, gradient bytes per position) of every layer
+    whose per-token rows offload keeps in host memory (`layer_tensors`, summed per layer)."""
+    return [(i, sum(rows), sum(grads)) for i, rows, grads in layer_tensors(arch, b, acc, exact)]
+
+
+def host_bytes(arch, *, b: int, acc: int, exact: bool, rows: int) -> int:
+    """Bytes of the host arenas of a state holding `rows` positions per tensor: the rows'
+    arena, and in exact mode the gradient rows' arena, alignment padding included."""
+    tensors = layer_tensors(arch, b, acc, exact)
+    total = arena_offsets([r * rows for _, rs, _ in tensors for r in rs])[1]
+    if exact:
+        total += arena_offsets([g * rows for _, _, gs in tensors for g in gs])[1]
+    return total
 
 
 def rows_before(position: int, world: int, block: int) -> int:
@@ -88,7 +131,7 @@ def offload_plan(arch, *, b: int, acc: int, exact: bool, prompt: int, chunk: int
     slot_bytes = 2 * (max(rows, default=0) + max(grads, default=0)) * S
     return {
         "staged_layers": len(layers),
-        "host_bytes": (r_all + g_all) * S,
+        "host_bytes": host_bytes(arch, b=b, acc=acc, exact=exact, rows=S),
         "slot_bytes": slot_bytes,
         "h2d_bytes": h2d,
         "d2h_bytes": d2h,
