@@ -17,6 +17,12 @@ Checks (each a row):
 5. generate_bf16_cp: bf16 sampled rollout under context parallelism (the decode attention's
    fused kernel on CUDA, the NCCL broadcast of the sampled tokens): the rollout's
    log-probs against `score(group, state=rollout.state)` (max abs diff, limit 0.05).
+6. kernel_selection: on this device the fused kernel is chosen where it applies (bf16,
+   D = 128) and the blockwise one where it does not (D = 12): both run, and agree with
+   float32 (max abs diff, limit 0.05).
+7. offload_exact: exact mode with the state offloaded to host memory (one pinned arena per
+   state, `cudaHostRegister` on CUDA) against the on-device state, float32 (gradient
+   relative error, limit 1e-5).
 Phase times come from `metrics` (CUDA-synchronized).
 """
 
@@ -120,6 +126,43 @@ def check_generate_bf16_cp(device: torch.device) -> dict:
     return {"check": "generate_bf16_cp", "rel_err": diff, "limit": 0.05, "time_s": time.perf_counter() - t0}
 
 
+def check_kernel_selection(device: torch.device) -> dict:
+    from longstraw.ops import attention as A
+    from longstraw.ops.flash import kernel_for
+
+    dtype = torch.bfloat16
+    t0 = time.perf_counter()
+    worst, chosen = 0.0, {}
+    for d in (128, 12):
+        chosen[d] = kernel_for(device, d, d, dtype)
+        g = torch.Generator(device=device).manual_seed(d)
+        q, k, v = (torch.randn(h, 64, d, device=device, dtype=dtype, generator=g) for h in (4, 2, 2))
+        pk, pv = (torch.randn(2, 200, d, device=device, dtype=dtype, generator=g) for _ in range(2))
+        with torch.no_grad():
+            got = A.prefix_causal_attention(q, k, v, prefixes=[A.KVSegment(pk, pv, 0)], q_start=200,
+                                            scale=d ** -0.5, block_size=64).float()
+            ref = A.prefix_causal_attention(q.float(), k.float(), v.float(), allow_fused=False,
+                                            prefixes=[A.KVSegment(pk.float(), pv.float(), 0)], q_start=200,
+                                            scale=d ** -0.5, block_size=64)
+        worst = max(worst, float((got - ref).abs().max()))
+    want = {128: "flash", 12: "blockwise" if device.type == "cuda" else "flash"}
+    return {"check": "kernel_selection", "rel_err": worst if chosen == want else float("inf"), "limit": 0.05,
+            "time_s": time.perf_counter() - t0, "chosen": {str(d): c for d, c in chosen.items()}}
+
+
+def check_offload_exact(device: torch.device) -> dict:
+    model = tiny_model("qwen3", dtype=torch.float32).to(device)
+    group = random_group(97, 200, [17, 9], seed=4)
+    kw = dict(chunk_size=64, attention_block_size=32, mode="exact")
+    model.zero_grad(set_to_none=True)
+    ls.Engine(model, ls.ExecConfig(**kw)).step(group)
+    want = grads_of(model)
+    model.zero_grad(set_to_none=True)
+    result = ls.Engine(model, ls.ExecConfig(state_device="cpu", **kw)).step(group)
+    return {"check": "offload_exact", "rel_err": _rel(grads_of(model), want), "limit": 1e-5,
+            "time_s": result.metrics["time_total_s"]}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--cpu", action="store_true", help="run on CPU over gloo (no GPU needed)")
@@ -132,7 +175,8 @@ def main() -> int:
     dist.init_process_group("nccl" if use_cuda else "gloo", init_method=f"file://{init}", rank=0, world_size=1)
     rows = []
     try:
-        for check in (check_cp, check_bf16_exact, check_autocast, check_generate_greedy, check_generate_bf16_cp):
+        for check in (check_cp, check_bf16_exact, check_autocast, check_generate_greedy, check_generate_bf16_cp,
+                      check_kernel_selection, check_offload_exact):
             try:
                 row = check(device)
                 row["ok"] = row["rel_err"] <= row["limit"]
