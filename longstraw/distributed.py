@@ -19,7 +19,11 @@ attention over the prompt state is distributed:
 Because everything outside that attention is replicated with replicated gradients,
 every rank's `.grad` equals the single-process `.grad` with no parameter-gradient
 reduction, LoRA and K/V projections included; a divided reverse walk's gradients are
-partial, and one bucketed all-reduce per step sums them (`partial_gradients`). Exact
+partial, and one bucketed all-reduce per step sums them (`partial_gradients`). Replicated
+is bitwise only where backward is deterministic (on CUDA `index_add_` with repeated
+indices is not), so every step ends with the first rank's replicated gradients on every
+rank (the divided walk's sum, or one bucketed broadcast: `replicate_gradients`), and
+`check_replicas` compares the ranks' weights exactly. Exact
 mode's state gradients live with the shard that owns the rows; in a replicated walk a
 chunk's seeds are summed over ranks (all-reduce) before the recomputation pushes them
 through; in a divided walk each rank seeds its own rows.
@@ -103,6 +107,84 @@ def check_same_group(fingerprint: torch.Tensor, cp: ContextParallel, *, problem:
                                 "Engine.step with the same Group")
 
 
+# ----------------------------------------------------------------------------
+# replicas: the ranks' weights, compared
+
+
+_BITS = {8: torch.int32, 4: torch.int32, 2: torch.int16, 1: torch.int8}  # 8-byte elements: two int32 words
+
+
+def fingerprint(tensor: torch.Tensor) -> torch.Tensor:
+    """A tensor's fingerprint, int64 [2], on its device: the exact integer sum of its bit
+    patterns (as int32/int16/int8 words, accumulated in int64: no overflow below 2^32
+    elements, and any change of one element changes it) and the bits of its float64 sum
+    of values. Equal tensors give equal fingerprints; no host sync."""
+    flat = tensor.detach().reshape(-1)
+    words = flat.view(_BITS[flat.element_size()])  # (n,) or (2n,)
+    values = flat.sum(dtype=torch.float64) if flat.is_floating_point() else flat.sum(dtype=torch.int64).double()
+    return torch.stack([words.sum(dtype=torch.int64), values.view(torch.int64)])
+
+
+def check_replicas(model, group=None, *, trainable_only: bool = True) -> int:
+    """Check that every rank of `group` holds bitwise the same weights; raise on every rank
+    together if not.
+
+    Each rank fingerprints its parameters (`fingerprint`: two int64 per parameter,
+    computed on the parameters' device), one all-gather brings every rank's fingerprints to
+    every rank, and they are compared exactly. Cost: one read of the weights and
+    16 bytes per parameter per rank of traffic; run it every N optimizer steps
+    (`TrainConfig.replica_check_every`, the trainer's `longstraw_replica_check_every`).
+
+    Args:
+        model: the module whose parameters are compared (FSDP2's DTensor shards are skipped:
+            they differ by design).
+        group: a torch.distributed process group, or an engine's `ContextParallel`
+            (`engine.cp`); None: the default group, or nothing to compare when
+            torch.distributed is not initialized (one process holds one replica).
+        trainable_only: compare only parameters with `requires_grad` (the ones an optimizer
+            moves); False compares every parameter.
+
+    Returns:
+        The number of parameters compared (0 in one process).
+
+    Raises:
+        DistributedError: the ranks hold different parameter counts, or some parameter
+            differs; the message names the first such parameter, the ranks that differ from
+            the first rank and how many parameters differ.
+    """
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(group, ContextParallel):
+        cp = group
+    elif group is None and not (dist.is_available() and dist.is_initialized()):
+        return 0
+    else:
+        cp = ContextParallel.from_default_group(group)
+    if cp.world == 1:
+        return 0
+    named = [(n, p) for n, p in model.named_parameters()
+             if not isinstance(p, DTensor) and (p.requires_grad or not trainable_only)]
+    counts = all_gather(torch.tensor([float(len(named))], dtype=torch.float64), cp)
+    if not all(torch.equal(c, counts[0]) for c in counts):
+        raise DistributedError(f"check_replicas: the ranks hold different numbers of parameters "
+                               f"({[int(c) for c in counts]}); every rank must check the same model")
+    if not named:
+        return 0
+    mine = torch.stack([fingerprint(p) for _, p in named])  # (n, 2)
+    every = torch.stack(all_gather(mine, cp)).cpu()  # (W, n, 2): the one host read
+    differs = (every != every[0]).any(-1)  # (W, n)
+    if differs.any():
+        bad = differs.any(0).nonzero()[:, 0]
+        first = int(bad[0])
+        ranks = differs[:, first].nonzero()[:, 0].tolist()
+        raise DistributedError(
+            f"replicas diverged: parameter {named[first][0]!r} differs on rank(s) {ranks} from rank 0 "
+            f"({bad.numel()} of {len(named)} parameters differ). The ranks' weights must stay bitwise equal: make "
+            "every rank apply the same update from the same gradients (the engine's replicated gradients are the "
+            "first rank's), and resume every rank from the same checkpoint")
+    return len(named)
+
+
 __all__ = ["ContextParallel", "DistributedError", "MergeAcrossRanks", "SumGradAcrossRanks", "all_gather",
            "all_reduce_sum", "backend_device", "broadcast_from_first",
-           "check_same_group"]
+           "check_replicas", "check_same_group", "fingerprint"]

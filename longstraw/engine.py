@@ -53,7 +53,8 @@ from .models.placement import check_placement
 from .offload import Stager, settle
 from .ops.collectives import Traffic
 from .rollout import Rollout, SamplingConfig, check_state, generate, stamp_state
-from .sequence_parallel import divided_capture, divided_chunks, fsdp_sum_factor, summed_walk_gradients
+from .sequence_parallel import (divided_capture, divided_chunks, fsdp_sum_factor, replicate_gradients,
+                                replicated_parameters, summed_walk_gradients)
 from .state import PromptState, Shard
 
 
@@ -493,7 +494,8 @@ class Engine:
             # Zero advantage and no KL term: the loss and its gradient are exactly 0.
             metrics.update(skipped_zero_advantage=1.0, divided_capture=0.0, divided_walk=0.0, state_bytes=0.0,
                            state_grad_bytes=0.0, time_capture_s=0.0, time_replay_s=0.0, time_reverse_s=0.0,
-                           time_total_s=0.0, comm_bytes_capture=0.0, comm_bytes_replay=0.0, comm_bytes_reverse=0.0)
+                           time_total_s=0.0, comm_bytes_capture=0.0, comm_bytes_replay=0.0, comm_bytes_reverse=0.0,
+                           comm_bytes_gradients=0.0)
             return StepResult(loss=0.0, metrics=metrics)
 
         exact = self.config.mode == "exact"
@@ -524,6 +526,11 @@ class Engine:
         elif exact:
             self.walk_back(group.prompt[:-1].to(self.adapter.device), 0, [state], self.config.chunk_size)
         t3, c3 = _clock(self.adapter.device), Traffic.received
+        if self.cp is not None and self.cp.world > 1 and not divided:
+            # replay's (and a replicated walk's) gradients, which backward may sum in a different
+            # order on each rank: the first rank's on every rank (a divided walk's sum does this)
+            replicate_gradients(replicated_parameters(self.model), self.cp)
+        t4, c4 = _clock(self.adapter.device), Traffic.received
         if state.offload is not None:  # since the capture, or since the reused state's last step
             moved = state.offload.stats
             metrics.update(offload_h2d_bytes=float(moved.h2d_bytes), offload_d2h_bytes=float(moved.d2h_bytes),
@@ -536,12 +543,13 @@ class Engine:
             time_capture_s=t1 - t0,
             time_replay_s=t2 - t1,
             time_reverse_s=t3 - t2,
-            time_total_s=t3 - t0,
+            time_total_s=t4 - t0,
             # bytes this rank received through the context-parallel collectives, by phase
             # (`ops.collectives.Traffic`'s model; 0 in one process)
             comm_bytes_capture=float(c1 - c0),
             comm_bytes_replay=float(c2 - c1),
             comm_bytes_reverse=float(c3 - c2),
+            comm_bytes_gradients=float(c4 - c3),  # replicated gradients made the first rank's
             **stats.summary(with_kl=grpo.beta > 0),
         )
         return StepResult(loss=float(stats.loss), metrics=metrics)

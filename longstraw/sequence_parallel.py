@@ -50,7 +50,9 @@ What stays replicated: replay of the branches (R-sized, against the sharded stat
 before), a walk over kept capture graphs (`keep_graph_bytes`), an offloaded state, or
 FSDP2 on a 2-D mesh (`fsdp_sum_factor`), captures that keep
 chunk graphs, captures of an offloaded state, and rollouts' decode. Replay's gradients
-are complete on every rank; only the divided walk's are summed over ranks. See
+are complete on every rank; only the divided walk's are summed over ranks. Without a
+divided walk, the step ends with one broadcast of the first rank's replicated gradients
+(`replicate_gradients`), so ranks whose backward summed in a different order agree. See
 docs/distributed.md.
 """
 
@@ -62,7 +64,7 @@ import torch
 
 from .errors import DistributedError
 from .models.divided import Divided, DividedChunk
-from .ops.collectives import all_gather, all_reduce_sum
+from .ops.collectives import all_gather, all_reduce_sum, broadcast_from, in_buckets
 from .plan.estimate import walk_chunk_bounds
 from .state import PromptState, Shard
 
@@ -113,48 +115,75 @@ def divided_chunks(positions: int, chunk_size: int, shard: Shard, *,
             for a, b in walk_chunks(positions, chunk_size, shard.world, shard.block, at_chunks=at_chunks)]
 
 
+def same_gradient_layout(grads: list[torch.Tensor], cp, what: str) -> None:
+    """Raise `DistributedError` on every rank, together, unless every rank holds the same
+    number of gradients with the same number of elements (what a bucketed collective
+    pairs); `what` names the phase in the message."""
+    sizes = all_gather(torch.tensor([float(len(grads)), float(sum(g.numel() for g in grads))],
+                                    dtype=torch.float64), cp)
+    if not all(torch.equal(x, sizes[0]) for x in sizes):
+        raise DistributedError(f"{what} left different parameter gradients on the ranks (count, elements per rank: "
+                               f"{[x.tolist() for x in sizes]}); every rank must run the same model")
+
+
 @contextlib.contextmanager
 def partial_gradients(params, cp, bucket_bytes: int = 32 << 20):
     """Within the block, backward adds a partial gradient on each rank (the divided walk:
     each rank's own tokens); at its end every `.grad` holds the sum over ranks, added to
-    what it held before (which every rank holds alike: replay's and earlier steps'
-    gradients are replicated).
+    what the first rank held before.
 
-    So that this sum counts the earlier gradient once, ranks other than the first zero
-    theirs on entry (the first keeps it); at the end one all-reduce, in buckets of up to
-    `bucket_bytes` of flattened gradients, sums every `.grad` over ranks. No parameter
-    gradient is reduced twice, and nothing but this all-reduce reduces them."""
+    On entry every rank sets its `.grad`s aside, so backward writes the partials into
+    fresh buffers (one more gradient's worth of memory during the walk). At the end the
+    first rank adds what it held before, and one all-reduce, in buckets of up to
+    `bucket_bytes` of flattened gradients, sums every `.grad` over ranks; the other
+    ranks' earlier gradients are dropped. The earlier gradient (replay's and earlier
+    steps') is thus counted once and is the first rank's on every rank: the ranks' `.grad`
+    agree by construction even where replay's backward summed in a different order on
+    each (`index_add_` with repeated indices on CUDA). No parameter gradient is reduced
+    twice, and nothing but this all-reduce reduces them.
+
+    If the block or the sum raises, every rank's `.grad` is put back as it was on entry
+    (the same tensors, unchanged), and the error propagates."""
     params = [p for p in params if p.requires_grad]
-    if cp.rank != 0:
-        for p in params:
-            if p.grad is not None:
-                p.grad.zero_()
-    yield
-    grads = [p.grad for p in params if p.grad is not None]
-    sizes = all_gather(torch.tensor([float(len(grads)), float(sum(g.numel() for g in grads))],
-                                    dtype=torch.float64), cp)
-    if not all(torch.equal(x, sizes[0]) for x in sizes):
-        raise DistributedError(f"the divided reverse walk left different parameter gradients on the ranks "
-                               f"(count, elements per rank: {[x.tolist() for x in sizes]}); every rank must run "
-                               "the same model")
-    bucket: list[torch.Tensor] = []
-    held = 0  # bytes in `bucket`
+    before = [p.grad for p in params]
+    for p in params:
+        p.grad = None
+    try:
+        yield
+        for p, held in zip(params, before):
+            if held is None:
+                continue
+            if p.grad is None:  # the walk did not reach it on this rank: a zero partial, same layout everywhere
+                p.grad = held.clone() if cp.rank == 0 else torch.zeros_like(held)
+            elif cp.rank == 0:
+                p.grad.add_(held)
+        grads = [p.grad for p in params if p.grad is not None]
+        same_gradient_layout(grads, cp, "the divided reverse walk")
+        in_buckets(grads, lambda flat: all_reduce_sum(flat, cp), bucket_bytes)
+    except BaseException:
+        for p, held in zip(params, before):
+            p.grad = held
+        raise
 
-    def flush():
-        if bucket:
-            flat = all_reduce_sum(torch.cat([g.reshape(-1) for g in bucket]), cp)
-            for g, part in zip(bucket, flat.split([g.numel() for g in bucket])):
-                g.copy_(part.view_as(g))
-            bucket.clear()
 
-    for g in grads:
-        size = g.numel() * g.element_size()
-        if bucket and (g.dtype != bucket[0].dtype or g.device != bucket[0].device or held + size > bucket_bytes):
-            flush()
-            held = 0
-        bucket.append(g)
-        held += size
-    flush()
+def replicated_parameters(model) -> list:
+    """The parameters every rank holds whole (all but FSDP2's DTensor shards)."""
+    from torch.distributed.tensor import DTensor
+
+    return [p for p in model.parameters() if not isinstance(p, DTensor)]
+
+
+def replicate_gradients(params, cp, bucket_bytes: int = 32 << 20) -> None:
+    """Every `.grad` of `params` becomes the first rank's, on every rank: one broadcast, in
+    buckets of up to `bucket_bytes` of flattened gradients.
+
+    For gradients that every rank computes alike (replay, a replicated walk) and that
+    should be bitwise equal, but are not where backward sums in a nondeterministic order
+    (`index_add_` with repeated indices on CUDA: DSA's backward, HF's eager MoE). Each
+    rank receives one gradient's worth of bytes; a bitwise-equal gradient is unchanged."""
+    grads = [p.grad for p in params if p.requires_grad and p.grad is not None]
+    same_gradient_layout(grads, cp, "replay")
+    in_buckets(grads, lambda flat: broadcast_from(flat, 0, cp), bucket_bytes)
 
 
 # ----------------------------------------------------------------------------
@@ -228,9 +257,7 @@ def summed_walk_gradients(model, cp, fsdp_modules):
     parameters (`fsdp_modules`, which `fsdp_sum_factor` must accept) by FSDP2's own
     reduce-scatter (`fsdp_sums_partials`, as each chunk's backward ends), every other
     (replicated) parameter by `partial_gradients`' one bucketed all-reduce after the walk."""
-    from torch.distributed.tensor import DTensor
-
-    replicated = [p for p in model.parameters() if not isinstance(p, DTensor)]
+    replicated = replicated_parameters(model)
     fsdp = fsdp_sums_partials(fsdp_modules, fsdp_sum_factor(fsdp_modules, cp)) if fsdp_modules else None
     with fsdp or contextlib.nullcontext(), partial_gradients(replicated, cp):
         yield

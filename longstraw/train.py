@@ -48,6 +48,7 @@ import torch
 
 from . import grpo as G
 from .config import ExecConfig, GRPOConfig
+from .distributed import check_replicas
 from .engine import Engine
 from .group import BatchTotals, Group
 from .measure import peak_rss_bytes
@@ -155,6 +156,9 @@ class TrainConfig:
     checkpoint_every: int = 10
     resume: bool = True
     """Continue from <out_dir>/checkpoint.pt when it exists."""
+    replica_check_every: int = 0
+    """Under torch.distributed, check every N optimizer steps that every rank holds bitwise
+    the same weights (`distributed.check_replicas`; 0: off; one process: nothing to compare)."""
     threads: int = 0
     """torch.set_num_threads (0: leave as is)."""
     progress: bool = True
@@ -166,6 +170,8 @@ class TrainConfig:
             raise ValueError(f"model must be one of {sorted(MODEL_PRESETS)}, got {self.model!r}")
         if self.dtype not in ("float32", "float64"):
             raise ValueError(f"dtype must be float32 or float64, got {self.dtype!r}")
+        if self.replica_check_every < 0:
+            raise ValueError(f"replica_check_every must be >= 0 (0: off), got {self.replica_check_every}")
         if self.kl_prompts < 0:
             raise ValueError(f"kl_prompts must be >= 0, got {self.kl_prompts}")
         for name in ("prompt_tokens", "steps", "group_size", "prompts_per_step", "eval_prompts", "eval_every",
@@ -435,6 +441,8 @@ def _train(cfg: TrainConfig) -> dict:
                 metrics.append({"loss": res.loss, **res.metrics})
         grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip if cfg.grad_clip > 0 else float("inf"))
         optimizer.step()
+        if cfg.replica_check_every and (step + 1) % cfg.replica_check_every == 0:
+            check_replicas(model, engine.cp)  # DistributedError if the ranks' weights drifted apart
         t_upd = time.perf_counter()
         # 4. held-out evaluation
         ev = {}

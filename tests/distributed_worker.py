@@ -548,3 +548,97 @@ def run_shard_attention(rank: int, world: int, init_file: str) -> None:
                         torch.testing.assert_close(a, b, rtol=1e-12, atol=1e-12)
     finally:
         dist.destroy_process_group()
+
+
+def walk_raises_on_one_rank(rank: int, world: int, init_file: str) -> None:
+    """`partial_gradients` around a walk that raises on one rank (first rank 1, then rank
+    0): the failing rank raises its own error, its peer a DistributedError (the sum's
+    collective times out on a short-timeout group), and on every rank every `.grad` is
+    afterwards the tensor it held before the call, unchanged; one that had none has none."""
+    from longstraw.distributed import ContextParallel, DistributedError
+    from longstraw.sequence_parallel import partial_gradients
+
+    _init(rank, world, init_file)
+    try:
+        torch.manual_seed(0)
+        layer = torch.nn.Linear(4, 3, dtype=torch.float64)
+        extra = torch.nn.Parameter(torch.ones(2, dtype=torch.float64))  # no gradient before the call
+        x = torch.randn(5, 4, dtype=torch.float64)
+        layer(x).pow(2).sum().backward()  # the replicated earlier gradient, alike on every rank
+        params = [layer.weight, layer.bias, extra]
+        for failing in (1, 0):
+            cp = ContextParallel.from_default_group(dist.new_group(backend="gloo",
+                                                                   timeout=datetime.timedelta(seconds=3)))
+            before = [(p.grad, None if p.grad is None else p.grad.clone()) for p in params]
+            try:
+                with partial_gradients(params, cp):
+                    ((layer(x) * (rank + 2)).sum() + extra.sum()).backward()  # partial gradients
+                    if rank == failing:
+                        raise RuntimeError(f"the walk fails on rank {failing}")
+            except RuntimeError as exc:
+                assert (rank == failing) != isinstance(exc, DistributedError), (rank, failing, exc)
+            else:
+                raise AssertionError("partial_gradients swallowed the error")
+            for p, (held, value) in zip(params, before):
+                assert p.grad is held, (rank, failing)
+                assert held is None or torch.equal(held, value), (rank, failing)
+    finally:
+        dist.destroy_process_group()
+
+
+def replicas_agree(rank: int, world: int, init_file: str) -> None:
+    """Replicated gradients agree by construction: rank 1's replay backward is perturbed
+    (every gradient it computes scaled by 1 + 1e-7, as a nondeterministic `index_add_`
+    order would move it), and after two accumulated steps every rank's `.grad` is bitwise
+    rank 0's, in detached mode and exact mode's replicated walk (a broadcast) and divided
+    walk (its one sum), and rank 0's is the single process's. Then `check_replicas` passes
+    on equal weights and raises on every rank, naming the parameter and rank 1, when rank
+    1's copy of one weight moves by one ulp."""
+    from longstraw.distributed import DistributedError, check_replicas
+
+    _init(rank, world, init_file)
+    try:
+        model = tiny_model("qwen3")
+        groups = [random_group(97, 23, [5, 3], seed=3), random_group(97, 23, [2, 4], seed=4)]
+        kw = dict(chunk_size=6, attention_block_size=4, shard_block_size=3)
+        runs = (("detached", True), ("exact", False), ("exact", True))
+        want = {}
+        for mode, divide in runs:
+            model.zero_grad(set_to_none=True)
+            engine = ls.Engine(model, ls.ExecConfig(mode=mode, **kw))
+            for group in groups:
+                engine.step(group)
+            want[mode] = grads_of(model)
+        if rank == 1:  # a different summation order on this rank only
+            for p in model.parameters():
+                p.register_hook(lambda g: g * (1 + 1e-7))
+        for mode, divide in runs:
+            model.zero_grad(set_to_none=True)
+            engine = ls.Engine(model, ls.ExecConfig(mode=mode, context_parallel=True, divide_walk=divide, **kw))
+            for group in groups:
+                result = engine.step(group)
+            assert result.metrics["divided_walk"] == float(mode == "exact" and divide)
+            got = grads_of(model)
+            flat = torch.cat([g.reshape(-1) for g in got.values()])
+            assert all(torch.equal(x, flat) for x in all_gather_tensors(flat)), (rank, mode, divide)
+            # rank 0's gradient (rank 1's walk partials are perturbed in a divided walk: 1e-7)
+            assert_grads_close(got, want[mode], 1e-6 if mode == "exact" and divide else 1e-9)
+        assert check_replicas(model) == sum(1 for p in model.parameters() if p.requires_grad)
+        name, weight = "model.layers.1.mlp.down_proj.weight", model.model.layers[1].mlp.down_proj.weight
+        if rank == 1:
+            with torch.no_grad():
+                weight.view(-1)[5] = torch.nextafter(weight.view(-1)[5], torch.tensor(float("inf"), dtype=weight.dtype))
+        try:
+            check_replicas(model)
+        except DistributedError as exc:
+            assert name in str(exc) and "rank(s) [1]" in str(exc) and "1 of" in str(exc), str(exc)
+        else:
+            raise AssertionError(f"rank {rank}: check_replicas missed a one-ulp divergence")
+    finally:
+        dist.destroy_process_group()
+
+
+def all_gather_tensors(x: torch.Tensor) -> list:
+    out = [torch.empty_like(x) for _ in range(dist.get_world_size())]
+    dist.all_gather(out, x)
+    return out

@@ -103,3 +103,11 @@ def test_divided_reverse_walk_equals_single_process(tmp_path, world):
 @pytest.mark.parametrize("world", [2, 3])
 def test_attention_over_a_shard_equals_the_whole_prefix(tmp_path, world):
     mp.spawn(worker.run_shard_attention, args=(world, str(tmp_path / "init")), nprocs=world, join=True)
+
+
+def test_a_walk_that_raises_on_one_rank_restores_every_ranks_grad(tmp_path):
+    mp.spawn(worker.walk_raises_on_one_rank, args=(2, str(tmp_path / "init")), nprocs=2, join=True)
+
+
+def test_replicated_gradients_agree_and_diverged_weights_are_caught(tmp_path):
+    mp.spawn(worker.replicas_agree, args=(2, str(tmp_path / "init")), nprocs=2, join=True)

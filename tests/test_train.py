@@ -111,3 +111,18 @@ def test_kl_on_fewer_prompts_leaves_training_unchanged(tmp_path):
     assert logs[0][-1]["kl_ref"] != logs[1][-1]["kl_ref"]  # after one update, fewer samples: another estimate
     with pytest.raises(ValueError, match="kl_prompts"):
         TrainConfig(**base, kl_prompts=-1)
+
+
+def test_replicas_are_checked_every_n_steps(tmp_path, monkeypatch):
+    """replica_check_every=2 over 5 steps: check_replicas after steps 2 and 4, with the
+    engine's process group (None in one process, where it compares nothing)."""
+    import longstraw.train as loop
+
+    calls = []
+    real = loop.check_replicas
+    monkeypatch.setattr(loop, "check_replicas", lambda model, group: calls.append(group) or real(model, group))
+    train(TrainConfig(**dict(EASY, group_size=2, prompts_per_step=1), arm="detached", steps=5, eval_every=5,
+                      replica_check_every=2, out_dir=str(tmp_path / "run")))
+    assert calls == [None, None]
+    with pytest.raises(ValueError, match="replica_check_every"):
+        TrainConfig(**EASY, replica_check_every=-1)

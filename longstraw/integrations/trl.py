@@ -52,6 +52,7 @@ from dataclasses import dataclass
 import torch
 
 from ..config import ExecConfig, GRPOConfig
+from ..distributed import check_replicas
 from ..engine import Engine
 from ..errors import ConfigError, ModelStateError, StaleStateError
 from ..group import BatchTotals, Group
@@ -60,7 +61,7 @@ from ..rollout import check_state
 
 try:
     import trl
-    from transformers import PreTrainedTokenizerFast, ProcessorMixin
+    from transformers import PreTrainedTokenizerFast, ProcessorMixin, TrainerCallback
 except ImportError as exc:  # pragma: no cover - depends on the environment
     raise ImportError("longstraw.integrations.trl needs TRL: pip install 'longstraw[trl]'") from exc
 
@@ -156,6 +157,18 @@ class _Pending:
     group: Group | None = None
 
 
+class _ReplicaCheck(TrainerCallback):
+    """After every `every`-th optimizer step, `check_replicas(model)` over the default group."""
+
+    def __init__(self, model, every: int):
+        self.model, self.every = model, every
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step % self.every == 0:
+            check_replicas(self.model)
+        return control
+
+
 @dataclass
 class _MicroBatch:
     """What one gradient-accumulation micro-step steps: whole groups, batch-wide divisors."""
@@ -177,13 +190,20 @@ class LongStrawGRPOTrainer(trl.GRPOTrainer):
             `ExecConfig()` (detached); `mode="exact"` gives the full-sequence gradient.
         longstraw_keep_states: keep each prompt's state from generation to its update
             (default); False drops it after generation and captures again at the update.
+        longstraw_replica_check_every: every N optimizer steps, check that every process
+            holds bitwise the same weights (`distributed.check_replicas` over the default
+            group; a `DistributedError` stops training if they drifted apart). 0: off; one
+            process: nothing to compare.
     """
 
     def __init__(self, model, reward_funcs=None, args=None, train_dataset=None, eval_dataset=None,
                  processing_class=None, reward_processing_classes=None, callbacks=None, optimizers=(None, None),
                  peft_config=None, *, longstraw_config: ExecConfig | None = None, longstraw_keep_states: bool = True,
-                 **kwargs):
+                 longstraw_replica_check_every: int = 0, **kwargs):
         longstraw_config = ExecConfig() if longstraw_config is None else longstraw_config
+        if not isinstance(longstraw_replica_check_every, int) or longstraw_replica_check_every < 0:
+            raise ConfigError(f"longstraw_replica_check_every must be an int >= 0 (0: off), got "
+                              f"{longstraw_replica_check_every!r}")
         if not isinstance(longstraw_config, ExecConfig):
             raise ConfigError(f"longstraw_config must be a longstraw.ExecConfig, got {type(longstraw_config).__name__}")
         if args is None:
@@ -223,6 +243,8 @@ class LongStrawGRPOTrainer(trl.GRPOTrainer):
         finally:
             policy.train(was_training)
         self.longstraw_keep_states = longstraw_keep_states
+        if longstraw_replica_check_every:
+            self.add_callback(_ReplicaCheck(policy, longstraw_replica_check_every))
         self.longstraw_grpo = GRPOConfig(loss_type=args.loss_type, epsilon_low=self.epsilon_low,
                                          epsilon_high=self.epsilon_high, beta=self.beta, scale_rewards="none",
                                          temperature=self.temperature, max_completion_length=self.max_completion_length)

@@ -37,7 +37,7 @@ keeps this rank's rows (`own_chunk_rows`).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -97,6 +97,32 @@ class Divided:
         return out
 
 
+def rows_per_rank(start: int, end: int, world: int, block: int) -> list[int]:
+    """How many positions of [start, end) each rank owns (block b on rank b % world),
+    from the geometry alone: no tensor, no device."""
+    counts = [0] * world
+    first, last = start // block, (end - 1) // block
+    if end <= start:
+        return counts
+    cycles, rest = divmod(last - first + 1, world)  # whole cycles of `world` blocks, then `rest` blocks
+    for s in range(world):
+        counts[s] = cycles * block
+    for b in range(first + cycles * world, last + 1):
+        counts[b % world] += block
+    counts[first % world] -= start - first * block  # the first block starts inside
+    counts[last % world] -= (last + 1) * block - end  # the last block ends inside
+    return counts
+
+
+def chunk_rows(start: int, end: int, world: int, block: int, device=None) -> list[torch.Tensor]:
+    """Per rank, the indices [n_s] (within the chunk [start, end), increasing) of its
+    positions. One stable argsort of the owners on `device`, split by the counts the
+    geometry gives (`rows_per_rank`): no `nonzero`, so no host sync."""
+    owner = torch.div(torch.arange(start, end, device=device), block, rounding_mode="floor") % world  # (T,)
+    order = torch.argsort(owner, stable=True)  # (T,): rank 0's rows, then rank 1's, ...
+    return list(order.split(rows_per_rank(start, end, world, block)))
+
+
 @dataclass(frozen=True)
 class DividedChunk:
     """One chunk [start, end) of a divided reverse walk (exact mode): this rank recomputes,
@@ -116,12 +142,16 @@ class DividedChunk:
     block: int
     cp: object
     chunk_size: int
+    _rows: dict = field(default_factory=dict, init=False, repr=False, compare=False)  # device -> rows()
 
     def rows(self, device=None) -> list[torch.Tensor]:
-        """Per rank, the indices [n_s] (within the chunk, increasing) of its positions."""
-        owner = torch.div(torch.arange(self.start, self.end, device=device), self.block,
-                          rounding_mode="floor") % self.world  # (T,)
-        return [torch.nonzero(owner == s)[:, 0] for s in range(self.world)]
+        """Per rank, the indices [n_s] (within the chunk, increasing) of its positions:
+        computed once per device (`chunk_rows`), then the same tensors on every call (every
+        layer of the chunk's recomputation asks, forward and backward)."""
+        key = torch.device("cpu") if device is None else torch.device(device)
+        if key not in self._rows:
+            self._rows[key] = chunk_rows(self.start, self.end, self.world, self.block, key)
+        return self._rows[key]
 
     def positions(self, device=None) -> torch.Tensor:
         """This rank's positions of the chunk [n], increasing."""

@@ -80,6 +80,31 @@ def all_gather(tensor: torch.Tensor, cp) -> list[torch.Tensor]:
     return [t.to(tensor.device) for t in out]
 
 
+def in_buckets(tensors: list[torch.Tensor], collective, bucket_bytes: int = 32 << 20) -> None:
+    """Run `collective(flat) -> flat` (an in-place all-reduce or broadcast) over `tensors`
+    flattened into buckets of up to `bucket_bytes` (one dtype and device per bucket, in
+    order), and copy each result back into its tensors. Every rank must pass tensors of
+    the same shapes in the same order."""
+    bucket: list[torch.Tensor] = []
+    held = 0  # bytes in `bucket`
+
+    def flush():
+        if bucket:
+            flat = collective(torch.cat([t.reshape(-1) for t in bucket]))
+            for t, part in zip(bucket, flat.split([t.numel() for t in bucket])):
+                t.copy_(part.view_as(t))
+            bucket.clear()
+
+    for t in tensors:
+        size = _nbytes(t)
+        if bucket and (t.dtype != bucket[0].dtype or t.device != bucket[0].device or held + size > bucket_bytes):
+            flush()
+            held = 0
+        bucket.append(t)
+        held += size
+    flush()
+
+
 class SumGradAcrossRanks(torch.autograd.Function):
     """Identity forward; backward sums the gradient over ranks. Put in front of a
     replicated tensor that feeds a rank-local (sharded) computation."""

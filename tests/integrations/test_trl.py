@@ -241,7 +241,7 @@ def _reward_even(completion_ids, **kwargs):
     return [sum(t % 2 == 0 for t in c) / len(c) for c in completion_ids]
 
 
-def _e2e_trainer(tmp_path, keep_states=True, **overrides):
+def _e2e_trainer(tmp_path, keep_states=True, replica_check_every=0, **overrides):
     model = tiny_model("qwen3", dtype=torch.float32)
     args = dict(output_dir=str(tmp_path / "e2e"), per_device_train_batch_size=4, num_generations=4,
                 max_completion_length=4, max_steps=3, save_strategy="steps", save_steps=2, logging_steps=1,
@@ -249,7 +249,8 @@ def _e2e_trainer(tmp_path, keep_states=True, **overrides):
     return LongStrawGRPOTrainer(model=model, reward_funcs=_reward_even, args=trl.GRPOConfig(**{**args, **overrides}),
                                 train_dataset=datasets.Dataset.from_dict({"prompt": _prompts(6)}),
                                 processing_class=token_id_tokenizer(VOCAB, eos_token_id=EOS),
-                                longstraw_config=ls.ExecConfig(chunk_size=4), longstraw_keep_states=keep_states)
+                                longstraw_config=ls.ExecConfig(chunk_size=4), longstraw_keep_states=keep_states,
+                                longstraw_replica_check_every=replica_check_every)
 
 
 def test_train_logs_checkpoints_and_resumes(tmp_path):
@@ -300,3 +301,19 @@ def test_dropped_states_are_captured_again(tmp_path):
 def test_gradient_checkpointing_is_turned_off(tmp_path):
     trainer = _e2e_trainer(tmp_path, gradient_checkpointing=True)
     assert not trainer.args.gradient_checkpointing
+
+
+def test_replicas_are_checked_every_n_optimizer_steps(tmp_path, monkeypatch):
+    """longstraw_replica_check_every=2 over 5 optimizer steps: check_replicas after steps 2
+    and 4, on the policy (in one process it compares nothing and returns 0)."""
+    from longstraw.integrations import trl as integration
+
+    calls = []
+    real = integration.check_replicas
+    monkeypatch.setattr(integration, "check_replicas", lambda model: calls.append(model) or real(model))
+    trainer = _e2e_trainer(tmp_path, replica_check_every=2, max_steps=5, save_strategy="no",
+                           gradient_accumulation_steps=1)
+    trainer.train()
+    assert len(calls) == 2 and all(m is trainer.longstraw_engine.model for m in calls)
+    with pytest.raises(ls.ConfigError, match="longstraw_replica_check_every"):
+        _e2e_trainer(tmp_path, replica_check_every=-1)
