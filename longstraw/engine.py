@@ -522,6 +522,8 @@ class Engine:
         elif exact:
             self.walk_back(group.prompt[:-1].to(self.adapter.device), 0, [state], self.config.chunk_size)
         t3, c3 = _clock(self.adapter.device), Traffic.received
+        grad_bytes = state.grad_nbytes()
+        state.release_grad_buffers()  # the walk spent dLoss/dState: a held state keeps only its rows
         if state.offload is not None:  # since the capture, or since the reused state's last step
             moved = state.offload.stats
             metrics.update(offload_h2d_bytes=float(moved.h2d_bytes), offload_d2h_bytes=float(moved.d2h_bytes),
@@ -530,7 +532,7 @@ class Engine:
         metrics.update(
             divided_walk=float(divided),
             state_bytes=float(state.nbytes()),
-            state_grad_bytes=float(state.grad_nbytes()),
+            state_grad_bytes=float(grad_bytes),  # what the step held (released on return)
             time_capture_s=t1 - t0,
             time_replay_s=t2 - t1,
             time_reverse_s=t3 - t2,
