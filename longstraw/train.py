@@ -424,7 +424,7 @@ def _train(cfg: TrainConfig) -> dict:
         start = ckpt["step"]
         nonfinite.update(ckpt.get("nonfinite", {}))
         del ckpt
-    _truncate_log(log_path, start)
+    _truncate_log(log_path, start if start > 0 else -1)  # from scratch: the warm-start line is written again
 
     mode = "exact" if cfg.arm == "exact" else "detached"
     engine = Engine(model, ExecConfig(chunk_size=cfg.chunk_size, mode=mode))
