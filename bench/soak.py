@@ -122,7 +122,7 @@ def main() -> None:
         "rss_growth": growth, "rss_max_after_early_bytes": max(rss), "rss_min_after_early_bytes": min(rss),
         "updates_applied": sum(1 for r in rows if not r["skipped_zero_advantage"] and not r["nonfinite_grad"]),
         "median_step_s": sorted(r["time_step_s"] for r in rows)[len(rows) // 2],
-        "pass": abs(growth) <= 0.05, "cpu": cpu_model(), **code_info(ROOT, short=True), "rows": out,
+        "pass": abs(growth) <= 0.05, "cpu": cpu_model(), **code_info(ROOT, short=True), "rows": os.path.relpath(out, ROOT),
     }
     print(f"RSS step {args.early} -> {last['step']}: {early['rss_bytes'] / 2**20:.1f} -> "
           f"{last['rss_bytes'] / 2**20:.1f} MiB ({growth:+.2%}; bar: within 5%) "

@@ -240,3 +240,20 @@ def test_a_write_that_dies_leaves_the_previous_file(tmp_path, monkeypatch, targe
     with pytest.raises(OSError, match="disk gone"):
         train(TrainConfig(**base, steps=3))
     assert (tmp_path / target).read_bytes() == before
+
+
+def test_a_restart_before_the_first_checkpoint_starts_the_log_afresh(tmp_path, monkeypatch):
+    import longstraw.train as train_mod
+
+    base = dict(TINY, arm="detached", steps=2, eval_every=100, checkpoint_every=2, out_dir=str(tmp_path))
+
+    def killed(*args, **kwargs):
+        raise KeyboardInterrupt("killed before the first checkpoint")
+
+    with monkeypatch.context() as m:
+        m.setattr(train_mod, "_save", killed)
+        with pytest.raises(KeyboardInterrupt):
+            train(TrainConfig(**base))
+    assert [r["step"] for r in _log(tmp_path)] == [0, 1, 2] and not (tmp_path / "checkpoint.pt").exists()
+    train(TrainConfig(**base))
+    assert [r["step"] for r in _log(tmp_path)] == [0, 1, 2]
