@@ -531,6 +531,8 @@ class Engine:
             # order on each rank: the first rank's on every rank (a divided walk's sum does this)
             replicate_gradients(replicated_parameters(self.model), self.cp)
         t4, c4 = _clock(self.adapter.device), Traffic.received
+        grad_bytes = state.grad_nbytes()
+        state.release_grad_buffers()  # the walk spent dLoss/dState: a held state keeps only its rows
         if state.offload is not None:  # since the capture, or since the reused state's last step
             moved = state.offload.stats
             metrics.update(offload_h2d_bytes=float(moved.h2d_bytes), offload_d2h_bytes=float(moved.d2h_bytes),
@@ -539,7 +541,7 @@ class Engine:
         metrics.update(
             divided_walk=float(divided),
             state_bytes=float(state.nbytes()),
-            state_grad_bytes=float(state.grad_nbytes()),
+            state_grad_bytes=float(grad_bytes),  # what the step held (released on return)
             time_capture_s=t1 - t0,
             time_replay_s=t2 - t1,
             time_reverse_s=t3 - t2,

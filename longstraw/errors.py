@@ -43,3 +43,14 @@ class StaleStateError(StateMismatchError):
 
 class DistributedError(LongStrawError, RuntimeError):
     """A context-parallel collective failed (a rank died or hit an error, or the ranks disagree)."""
+
+
+class CheckpointError(LongStrawError, ValueError):
+    """A training checkpoint cannot be loaded: unreadable, or it holds objects other than
+    tensors and plain containers (checkpoints load with `torch.load(weights_only=True)`)."""
+
+
+class NonFiniteError(LongStrawError, RuntimeError):
+    """Training produced non-finite numbers: the gradient norm stayed NaN/inf for too many
+    steps in a row (each such update is skipped), or the weights are not finite (the
+    checkpoint is then not overwritten)."""

@@ -174,6 +174,10 @@ class AttentionKV:
         self.k_grad = zeros_like_rows(self.k, acc)
         self.v_grad = zeros_like_rows(self.v, acc)
 
+    def release_grad_buffers(self) -> None:
+        """Drop the dLoss/dk, dLoss/dv buffers (a step's walk has spent them)."""
+        self.k_grad = self.v_grad = None
+
     @torch.no_grad()
     def append(self, k_new: torch.Tensor, v_new: torch.Tensor) -> None:
         """Write the next positions. k_new: [Hkv, T, D], v_new: [Hkv, T, Dv]."""
@@ -267,6 +271,14 @@ class PromptState:
             if s is not None:
                 s.enable_grad_buffers()
 
+    def release_grad_buffers(self) -> None:
+        """Drop every layer's state-gradient buffers: `Engine.step` calls it once its
+        reverse walk has spent them (exact mode), so a held state keeps only its rows
+        (`grad_nbytes() == 0`); stepping it again allocates them afresh."""
+        for s in self.layers:
+            if s is not None:
+                s.release_grad_buffers()
+
 
 @dataclass
 class RecurrentState:
@@ -309,6 +321,9 @@ class RecurrentState:
 
     def enable_grad_buffers(self) -> None:
         self.grads = {}
+
+    def release_grad_buffers(self) -> None:
+        self.grads = None
 
     @staticmethod
     def _bytes(pair) -> int:
@@ -430,6 +445,9 @@ class IndexKeys:
     def enable_grad_buffers(self) -> None:
         """Indexer keys take no gradient."""
 
+    def release_grad_buffers(self) -> None:
+        """Indexer keys take no gradient."""
+
 
 @dataclass
 class MLAState:
@@ -446,3 +464,6 @@ class MLAState:
 
     def enable_grad_buffers(self) -> None:
         self.latent.enable_grad_buffers()
+
+    def release_grad_buffers(self) -> None:
+        self.latent.release_grad_buffers()

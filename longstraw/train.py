@@ -50,6 +50,7 @@ from . import grpo as G
 from .config import ExecConfig, GRPOConfig
 from .distributed import check_replicas
 from .engine import Engine
+from .errors import CheckpointError, NonFiniteError
 from .group import BatchTotals, Group
 from .measure import peak_rss_bytes
 from .tasks import KVRecall, Vocab, exact_match
@@ -130,6 +131,9 @@ class TrainConfig:
     weight_decay: float = 0.0
     grad_clip: float = 1.0
     """Clip the global grad norm to this (0: off)."""
+    max_nonfinite_steps: int = 3
+    """A step whose gradient norm is NaN/inf skips its optimizer update (logged as
+    nonfinite_grad); this many such steps in a row stop the run with NonFiniteError."""
     temperature: float = 1.0
     """Sampling temperature (also the loss's temperature)."""
     loss_type: str = "dapo"
@@ -175,7 +179,7 @@ class TrainConfig:
         if self.kl_prompts < 0:
             raise ValueError(f"kl_prompts must be >= 0, got {self.kl_prompts}")
         for name in ("prompt_tokens", "steps", "group_size", "prompts_per_step", "eval_prompts", "eval_every",
-                     "checkpoint_every", "chunk_size"):
+                     "checkpoint_every", "chunk_size", "max_nonfinite_steps"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
 
@@ -251,8 +255,8 @@ def warm_model(cfg: TrainConfig):
     info = warm_start(model, cfg) if cfg.warm_steps > 0 else {}
     if path:
         os.makedirs(cfg.warm_cache, exist_ok=True)
-        torch.save(model.state_dict(), path + ".tmp")
-        os.replace(path + ".tmp", path)
+        state = model.state_dict()
+        write_atomic(path, lambda f: torch.save(state, f))
     return model, info
 
 
@@ -325,20 +329,66 @@ def evaluate(engine: Engine, task: KVRecall, n: int, *, split: str = "heldout") 
 # checkpoints
 
 
-def _save(path: str, model, optimizer, step: int, cfg: TrainConfig) -> None:
-    torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step,
-                "torch_rng": torch.get_rng_state(), "config": dataclasses.asdict(cfg)}, path + ".tmp")
-    os.replace(path + ".tmp", path)
+def write_atomic(path: str, write) -> None:
+    """Write `path` by write-then-rename: `write(f)` fills `path + ".tmp"` (same directory,
+    binary), which is fsynced and renamed over `path` (`os.replace` is atomic), then the
+    directory is fsynced. A run killed at any moment leaves the old file or the new one,
+    never a part of one (a stale .tmp at most, overwritten by the next write)."""
+    tmp = path + ".tmp"
+    with open(tmp, "wb") as f:
+        write(f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fd = os.open(os.path.dirname(os.path.abspath(path)), os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _save(path: str, model, optimizer, step: int, cfg: TrainConfig, nonfinite: dict) -> None:
+    """Write the checkpoint (atomically); refuse to replace the last good one by weights
+    that are not finite."""
+    bad = [n for n, p in model.named_parameters() if not bool(torch.isfinite(p).all())]
+    if bad:
+        raise NonFiniteError(f"after step {step} the weights are not finite ({len(bad)} tensors, e.g. {bad[0]!r}); "
+                             f"{path} keeps the last good checkpoint: lower lr or grad_clip and resume from it")
+    ckpt = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step,
+            "torch_rng": torch.get_rng_state(), "config": dataclasses.asdict(cfg), "nonfinite": dict(nonfinite)}
+    write_atomic(path, lambda f: torch.save(ckpt, f))
+
+
+def load_checkpoint(path: str) -> dict:
+    """A checkpoint written by the loop, loaded with `torch.load(weights_only=True)`:
+    tensors and plain containers only, never arbitrary pickled objects."""
+    try:
+        return torch.load(path, weights_only=True)
+    except Exception as exc:  # UnpicklingError for a forbidden object; others for a broken file
+        raise CheckpointError(f"cannot load the checkpoint {path} with weights_only=True ({type(exc).__name__}: "
+                              f"{str(exc).splitlines()[0] if str(exc) else ''}); the loop only loads its own "
+                              "checkpoints: tensors and plain containers. Delete it or pass --no-resume") from exc
+
+
+def _read_log(path: str) -> bytes:
+    if not os.path.exists(path):
+        return b""
+    with open(path, "rb") as f:
+        return f.read()
 
 
 def _truncate_log(path: str, step: int) -> None:
     """Keep the log lines of the `step` steps done (a resumed run writes the rest)."""
     if not os.path.exists(path):
         return
-    with open(path) as f:
-        keep = [line for line in f if json.loads(line).get("step", -1) <= step]
-    with open(path, "w") as f:
-        f.writelines(keep)
+    keep = [line for line in _read_log(path).splitlines(keepends=True) if json.loads(line).get("step", -1) <= step]
+    write_atomic(path, lambda f: f.writelines(keep))
+
+
+def _append_log(path: str, record: dict) -> None:
+    """Append one JSON line to the log, by rewriting it whole (atomically: `write_atomic`)."""
+    data = _read_log(path) + (json.dumps(record) + "\n").encode()
+    write_atomic(path, lambda f: f.write(data))
 
 
 def _step_generator(cfg: TrainConfig, step: int) -> torch.Generator:
@@ -364,21 +414,23 @@ def train(cfg: TrainConfig) -> dict:
 def _train(cfg: TrainConfig) -> dict:
     os.makedirs(cfg.out_dir, exist_ok=True)
     log_path, ckpt_path = os.path.join(cfg.out_dir, "log.jsonl"), os.path.join(cfg.out_dir, "checkpoint.pt")
-    with open(os.path.join(cfg.out_dir, "config.json"), "w") as f:
-        json.dump(dataclasses.asdict(cfg), f, indent=1)
+    config_json = json.dumps(dataclasses.asdict(cfg), indent=1).encode()
+    write_atomic(os.path.join(cfg.out_dir, "config.json"), lambda f: f.write(config_json))
 
     task = cfg.task()
     model, warm_info = warm_model(cfg)
     reference = copy.deepcopy(model).requires_grad_(False) if (cfg.log_kl or cfg.beta > 0) else None
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
-    start = 0
+    start, nonfinite = 0, {"in_row": 0, "total": 0}  # steps whose gradient norm was NaN/inf
     if cfg.resume and os.path.exists(ckpt_path):
-        ckpt = torch.load(ckpt_path, weights_only=False)
+        ckpt = load_checkpoint(ckpt_path)
         model.load_state_dict(ckpt["model"])
         optimizer.load_state_dict(ckpt["optimizer"])
         torch.set_rng_state(ckpt["torch_rng"])
         start = ckpt["step"]
-    _truncate_log(log_path, start)
+        nonfinite.update(ckpt.get("nonfinite", {}))
+        del ckpt
+    _truncate_log(log_path, start if start > 0 else -1)  # from scratch: the warm-start line is written again
 
     mode = "exact" if cfg.arm == "exact" else "detached"
     engine = Engine(model, ExecConfig(chunk_size=cfg.chunk_size, mode=mode))
@@ -388,8 +440,7 @@ def _train(cfg: TrainConfig) -> dict:
     params = [p for p in model.parameters() if p.requires_grad]
 
     def log(record: dict) -> None:
-        with open(log_path, "a") as f:
-            f.write(json.dumps(record) + "\n")
+        _append_log(log_path, record)
 
     if start == 0:
         t0 = time.perf_counter()
@@ -439,8 +490,16 @@ def _train(cfg: TrainConfig) -> dict:
             else:
                 res = engine.step(grp, grpo, totals=totals, state=ro.state)  # no second capture
                 metrics.append({"loss": res.loss, **res.metrics})
+        del rollouts, ro  # their prompt states: nothing after the update reads them (not the next capture)
         grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip if cfg.grad_clip > 0 else float("inf"))
-        optimizer.step()
+        finite = bool(torch.isfinite(grad_norm))
+        if finite:
+            optimizer.step()
+            nonfinite["in_row"] = 0
+        else:  # skip the update: NaN/inf would reach the weights (and the next checkpoint)
+            optimizer.zero_grad(set_to_none=True)
+            nonfinite["in_row"] += 1
+            nonfinite["total"] += 1
         if cfg.replica_check_every and (step + 1) % cfg.replica_check_every == 0:
             check_replicas(model, engine.cp)  # DistributedError if the ranks' weights drifted apart
         t_upd = time.perf_counter()
@@ -460,6 +519,8 @@ def _train(cfg: TrainConfig) -> dict:
             "clip_fraction": sum(m.get("clip_fraction", 0.0) for m in metrics) / len(metrics),
             "skipped_zero_advantage": sum(m.get("skipped_zero_advantage", 0.0) for m in metrics),
             "kl_ref": kl, "grad_norm": float(grad_norm), "response_tokens": resp_tokens,
+            "nonfinite_grad": float(not finite), "nonfinite_in_row": nonfinite["in_row"],
+            "nonfinite_steps": nonfinite["total"],
             "tokens_per_s": (cfg.prompts_per_step * cfg.prompt_tokens + resp_tokens) / work,
             "peak_rss_bytes": peak_rss_bytes(),
             "time_generate_s": t_gen - t_start, "time_ref_s": t_ref - t_gen, "time_update_s": t_upd - t_ref,
@@ -470,8 +531,15 @@ def _train(cfg: TrainConfig) -> dict:
         log(record)
         if cfg.progress:
             bar.set_postfix(reward=f"{record['reward_mean']:.2f}", **({"acc": f"{next(iter(ev.values())):.2f}"} if ev else {}))
+        if nonfinite["in_row"] >= cfg.max_nonfinite_steps:
+            raise NonFiniteError(
+                f"the gradient norm was not finite ({float(grad_norm)}) for {nonfinite['in_row']} steps in a row "
+                f"(steps {step + 2 - nonfinite['in_row']}..{step + 1}); their updates were skipped and {ckpt_path} "
+                "holds the last good weights. Lower lr, check the rewards and the model dtype, or raise "
+                "max_nonfinite_steps"
+            )
         if (step + 1) % cfg.checkpoint_every == 0 or step + 1 == cfg.steps:
-            _save(ckpt_path, model, optimizer, step + 1, cfg)
+            _save(ckpt_path, model, optimizer, step + 1, cfg, nonfinite)
     return record
 
 
@@ -489,5 +557,6 @@ def config_from_args(values: dict, config_file: str | None = None) -> TrainConfi
     return TrainConfig(**base)
 
 
-__all__ = ["TrainConfig", "train", "warm_model", "warm_start", "build_model", "evaluate", "full_sequence_step",
+__all__ = ["TrainConfig", "train", "warm_model", "load_checkpoint", "write_atomic", "warm_start", "build_model",
+           "evaluate", "full_sequence_step",
            "full_sequence_logprobs", "config_from_args", "MODEL_PRESETS", "ARMS"]

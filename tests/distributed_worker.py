@@ -47,9 +47,14 @@ HYBRIDS = ("hybrid", "next", "hybrid_moe")
 FLOAT32_ROUTERS = ("mla", "glm", "glm_sparse", "dsv32_sparse")
 
 
+PG_TIMEOUT_S = 300
+"""The process groups' timeout: generous, so that a rank slow to start on a loaded machine
+never aborts a test (the failure tests check which error each rank raised, not its time)."""
+
+
 def _init(rank: int, world: int, init_file: str) -> None:
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
-                           timeout=datetime.timedelta(seconds=60))
+                           timeout=datetime.timedelta(seconds=PG_TIMEOUT_S))
     torch.set_num_threads(1)
 
 
@@ -208,9 +213,7 @@ def run_generate(rank: int, world: int, init_file: str, cases: list[str]) -> Non
         dist.destroy_process_group()
 def bad_group_on_one_rank(rank: int, world: int, init_file: str, flag_dir: str) -> None:
     """Rank 1's group has an out-of-vocabulary token, so its validation fails; every rank
-    must raise a LongStrawError together, without waiting out the 60 s timeout."""
-    import time
-
+    must raise a LongStrawError together, without waiting out the process-group timeout."""
     _init(rank, world, init_file)
     try:
         model = tiny_model("llama")
@@ -219,12 +222,10 @@ def bad_group_on_one_rank(rank: int, world: int, init_file: str, flag_dir: str) 
             group = ls.Group(prompt=group.prompt, responses=[group.responses[0], torch.tensor([1, 500])],
                              rewards=group.rewards)
         engine = ls.Engine(model, ls.ExecConfig(context_parallel=True, chunk_size=8))
-        start = time.monotonic()
         try:
             engine.step(group)
         except ls.LongStrawError as exc:
-            open(os.path.join(flag_dir, f"rank{rank}.err"), "w").write(
-                f"{time.monotonic() - start:.1f} {type(exc).__name__}: {exc}")
+            open(os.path.join(flag_dir, f"rank{rank}.err"), "w").write(f"{type(exc).__name__}: {exc}")
     finally:
         dist.destroy_process_group()
 

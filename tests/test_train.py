@@ -126,3 +126,149 @@ def test_replicas_are_checked_every_n_steps(tmp_path, monkeypatch):
     assert calls == [None, None]
     with pytest.raises(ValueError, match="replica_check_every"):
         TrainConfig(**EASY, replica_check_every=-1)
+
+
+# ----------------------------------------------------------------------------
+# hardening: state lifetime, safe checkpoint loads, the non-finite guard, atomic writes
+
+TINY = dict(LOOKUP, prompts_per_step=1, group_size=4, log_kl=False)
+
+
+def test_at_most_one_prompt_state_is_alive_at_each_capture(tmp_path, monkeypatch):
+    """Weak references to every captured state: when the loop (rollouts, the update,
+    evaluation) captures, no earlier state is still alive."""
+    import weakref
+
+    from longstraw.engine import Engine
+
+    states, alive_at_capture = [], []
+    capture = Engine.capture
+
+    def spy(self, *args, **kwargs):
+        alive_at_capture.append(sum(r() is not None for r in states))
+        state = capture(self, *args, **kwargs)
+        states.append(weakref.ref(state))
+        return state
+
+    monkeypatch.setattr(Engine, "capture", spy)
+    train(TrainConfig(**dict(TINY, arm="exact", steps=4, eval_every=2, eval_prompts=2, out_dir=str(tmp_path))))
+    assert len(alive_at_capture) > 4 + 2  # the rollouts' captures and the evaluations'
+    assert alive_at_capture == [0] * len(alive_at_capture), alive_at_capture
+
+
+class _Payload:
+    """An arbitrary object: unpickling it would run code (here: create a file)."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        return (open, (self.marker, "w"))
+
+
+def test_checkpoints_load_weights_only(tmp_path, monkeypatch):
+    """The resume path loads with weights_only=True, and a checkpoint holding an arbitrary
+    pickled object is refused with CheckpointError, without running its code."""
+    base = dict(TINY, arm="detached", eval_every=100, out_dir=str(tmp_path))
+    train(TrainConfig(**base, steps=1))
+    loads = []
+    load = torch.load
+    monkeypatch.setattr(torch, "load", lambda *a, **k: loads.append(k.get("weights_only")) or load(*a, **k))
+    train(TrainConfig(**base, steps=2))  # resumes from step 1
+    assert loads == [True]
+    assert torch.load(tmp_path / "checkpoint.pt", weights_only=True)["step"] == 2
+
+    ckpt = torch.load(tmp_path / "checkpoint.pt", weights_only=True)
+    marker = tmp_path / "code_ran"
+    torch.save({**ckpt, "extra": _Payload(str(marker))}, tmp_path / "checkpoint.pt")
+    with pytest.raises(ls.errors.CheckpointError, match="weights_only=True"):
+        train(TrainConfig(**base, steps=3))
+    assert not marker.exists()
+
+
+def _poison(monkeypatch, bad_calls, snapshots):
+    """Make the gradient of the Engine.step calls numbered in `bad_calls` NaN; record the
+    weights each call saw (the weights after the previous update)."""
+    from longstraw.engine import Engine
+
+    step, calls = Engine.step, []
+
+    def poisoned(self, *args, **kwargs):
+        snapshots.append({n: p.detach().clone() for n, p in self.model.named_parameters()})
+        result = step(self, *args, **kwargs)
+        if len(calls) in bad_calls:
+            p = next(self.model.parameters())
+            p.grad = torch.full_like(p, float("nan"))
+        calls.append(1)
+        return result
+
+    monkeypatch.setattr(Engine, "step", poisoned)
+
+
+def test_a_nonfinite_gradient_skips_the_update(tmp_path, monkeypatch):
+    snapshots = []
+    _poison(monkeypatch, {2}, snapshots)  # step 3's gradient is NaN
+    train(TrainConfig(**dict(TINY, arm="exact", steps=5, eval_every=100, checkpoint_every=1, out_dir=str(tmp_path))))
+    log = [r for r in _log(tmp_path) if "nonfinite_grad" in r]
+    assert [r["nonfinite_grad"] for r in log] == [0, 0, 1, 0, 0]
+    assert [r["nonfinite_steps"] for r in log] == [0, 0, 1, 1, 1] and log[3]["nonfinite_in_row"] == 0
+    for name, value in snapshots[2].items():  # the weights after step 3 are those after step 2
+        assert torch.equal(snapshots[3][name], value), name
+    ckpt = torch.load(tmp_path / "checkpoint.pt", weights_only=True)
+    assert ckpt["step"] == 5 and all(bool(torch.isfinite(v).all()) for v in ckpt["model"].values())
+
+
+def test_nonfinite_steps_in_a_row_stop_the_run_keeping_the_last_good_checkpoint(tmp_path, monkeypatch):
+    snapshots = []
+    _poison(monkeypatch, set(range(2, 100)), snapshots)  # every gradient from step 3 on is NaN
+    with pytest.raises(ls.errors.NonFiniteError, match="2 steps in a row"):
+        train(TrainConfig(**dict(TINY, arm="exact", steps=8, eval_every=100, checkpoint_every=1, max_nonfinite_steps=2,
+                          out_dir=str(tmp_path))))
+    log = [r for r in _log(tmp_path) if "nonfinite_grad" in r]
+    assert [r["nonfinite_in_row"] for r in log] == [0, 0, 1, 2]  # it stopped at step 4
+    ckpt = torch.load(tmp_path / "checkpoint.pt", weights_only=True)
+    assert ckpt["step"] == 3  # step 4 (the second NaN in a row) wrote none
+    for name, value in snapshots[2].items():  # the weights after step 2, the last good update
+        assert torch.equal(ckpt["model"][name], value), name
+    with pytest.raises(ValueError, match="max_nonfinite_steps"):
+        TrainConfig(max_nonfinite_steps=0)
+
+
+@pytest.mark.parametrize("target", ["config.json", "log.jsonl", "checkpoint.pt"])
+def test_a_write_that_dies_leaves_the_previous_file(tmp_path, monkeypatch, target):
+    """Every file the loop writes is written then renamed: a write that dies part way
+    (here: fsync raises on the first write that changes `target`) leaves the file as it was."""
+    import longstraw.train as train_mod
+
+    base = dict(TINY, arm="detached", eval_every=1, eval_prompts=1, checkpoint_every=1, out_dir=str(tmp_path))
+    train(TrainConfig(**base, steps=1))
+    before = (tmp_path / target).read_bytes()
+    fsync = os.fsync
+
+    def dies(fd):
+        path = os.readlink(f"/proc/self/fd/{fd}")
+        if os.path.basename(path) in (target, target + ".tmp") and open(path, "rb").read() != before:
+            raise OSError("disk gone")
+        fsync(fd)
+
+    monkeypatch.setattr(train_mod.os, "fsync", dies)
+    with pytest.raises(OSError, match="disk gone"):
+        train(TrainConfig(**base, steps=3))
+    assert (tmp_path / target).read_bytes() == before
+
+
+def test_a_restart_before_the_first_checkpoint_starts_the_log_afresh(tmp_path, monkeypatch):
+    import longstraw.train as train_mod
+
+    base = dict(TINY, arm="detached", steps=2, eval_every=100, checkpoint_every=2, out_dir=str(tmp_path))
+
+    def killed(*args, **kwargs):
+        raise KeyboardInterrupt("killed before the first checkpoint")
+
+    with monkeypatch.context() as m:
+        m.setattr(train_mod, "_save", killed)
+        with pytest.raises(KeyboardInterrupt):
+            train(TrainConfig(**base))
+    assert [r["step"] for r in _log(tmp_path)] == [0, 1, 2] and not (tmp_path / "checkpoint.pt").exists()
+    train(TrainConfig(**base))
+    assert [r["step"] for r in _log(tmp_path)] == [0, 1, 2]
