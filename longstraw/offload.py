@@ -192,19 +192,14 @@ class Stager:
     def enable_grad_buffers(self) -> None:
         """Exact mode: zeroed dLoss/dState for the state (`PromptState.enable_grad_buffers`).
         Staged layers' gradient rows (fp32; fp64 for fp64 rows) are views of one host
-        arena, zeroed in place when the state is stepped again; other layers allocate
-        their own on the device."""
+        arena, allocated afresh for each step (`release_grad_buffers` frees it when the
+        step's walk has spent it); other layers allocate their own on the device."""
         state = self.state
         for i, layer in enumerate(state.layers):
             if layer is not None and i not in self.rank:
                 layer.enable_grad_buffers()
         holders = [h for h in self._host_holders(state) if not isinstance(h, IndexKeys)]
         fields = [(h, f) for h in holders for f in (("k",) if isinstance(h, LatentKV) else ("k", "v"))]
-        if all(getattr(h, f + "_grad") is not None for h, f in fields):  # stepped again: reuse the arena
-            self._sync_host()  # a copy back into these rows may still be queued
-            for h, f in fields:
-                getattr(h, f + "_grad").zero_()
-            return
         arena = HostArena([(getattr(h, f).shape, accumulation_dtype(h.k.dtype)) for h, f in fields],
                           pin=self.pin, zero=True)
         for (h, f), view in zip(fields, arena.views):
@@ -213,6 +208,10 @@ class Stager:
             if isinstance(h, LatentKV):
                 h.v_grad = h.k_grad[..., :h.v.shape[-1]]
         self.grad_arena_bytes = arena.nbytes
+
+    def release_grad_buffers(self) -> None:
+        """Forget the gradient arena (its views were dropped; the memory goes with them)."""
+        self.grad_arena_bytes = 0
 
     # --- slots ------------------------------------------------------------------
 

@@ -278,6 +278,8 @@ class PromptState:
         for s in self.layers:
             if s is not None:
                 s.release_grad_buffers()
+        if self.offload is not None:
+            self.offload.release_grad_buffers()
 
 
 @dataclass
