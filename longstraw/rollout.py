@@ -29,7 +29,7 @@ import torch
 
 from .errors import ConfigError, StaleStateError, StateMismatchError
 from .group import check_token_ids
-from .logprobs import scaled_log_softmax
+from .logprobs import scaled_log_softmax, scaled_logits
 
 
 @dataclass
@@ -173,8 +173,7 @@ def sample_tokens(logits: torch.Tensor, config: SamplingConfig, generator: torch
     from softmax(logits / temperature) restricted to the top-k and the top-p nucleus."""
     if config.temperature == 0:
         return logits.argmax(dim=-1)
-    scores = logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits
-    scores = scores / config.temperature
+    scores = scaled_logits(logits, config.temperature)  # (G, vocab), float32 for half precision
     if 0 < config.top_k < scores.shape[-1]:
         kth = scores.topk(config.top_k, dim=-1).values[..., -1:]
         scores = scores.masked_fill(scores < kth, float("-inf"))
