@@ -19,6 +19,7 @@ from ..offload import settle
 from ..state import PromptState
 from .attention_hook import AttentionCall, run_backbone
 from .peft_layers import check_peft
+from .rope import pinned_rope, rotary_of
 
 
 def unwrap_causal_lm(model: nn.Module) -> nn.Module:
@@ -82,6 +83,7 @@ class Adapter:
         self.lm_head = self.causal_lm.get_output_embeddings()
         self.check_config()
         check_peft(self.model)
+        rotary_of(self.backbone)  # refuses a length-dependent RoPE it could not pin
 
     # --- facts the engine validates against --------------------------------
 
@@ -204,7 +206,7 @@ class Adapter:
             from .divided import chunked_mlps
 
             pieces = chunked_mlps(self.backbone.layers, divided.chunk_size)
-        with self.routing(), pieces:
+        with self.routing(), pieces, pinned_rope(self.backbone, states[0].rope_length):
             hidden = run_backbone(self.backbone, self.config, input_ids, call)
         settle(states)  # offloaded states: capture's rows are on host before anyone reads them there
         return hidden
