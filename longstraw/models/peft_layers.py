@@ -61,6 +61,19 @@ def tuner_of(module: nn.Module) -> str | None:
     return None if tuner in _SHARED_PARTS else tuner
 
 
+def _active(linear) -> list[str]:
+    """The adapters that take part in `linear`'s forward (none when merged or disabled)."""
+    if getattr(linear, "merged", False) or getattr(linear, "disable_adapters", False):
+        return []
+    return list(getattr(linear, "active_adapters", []))
+
+
+def _active_variants(layer) -> list:
+    """(adapter, LoRA variant) for the active adapters of `layer` that have one."""
+    variants = getattr(layer, "lora_variant", None) or {}
+    return [(name, variants[name]) for name in _active(layer) if name in variants]
+
+
 def check_peft(model: nn.Module) -> None:
     """Refuse a PEFT model LongStraw would run differently from its own forward."""
     config = getattr(model, "active_peft_config", None)
@@ -77,17 +90,11 @@ def check_peft(model: nn.Module) -> None:
             raise UnsupportedModelError(
                 f"{name}: a PEFT {type(module).__name__} ({tuner}) wraps it, which does not map each token by itself "
                 f"(chunked capture and replay would change its output). {_SUPPORTED}")
-        for adapter, variant in getattr(module, "lora_variant", {}).items():
+        for adapter, variant in _active_variants(module):
             if type(variant).__name__ not in LORA_VARIANTS:
                 raise UnsupportedModelError(
                     f"{name}: LoRA adapter {adapter!r} is a {type(variant).__name__}, whose output depends on more "
                     f"than the token (its position, a router or noise). {_SUPPORTED}")
-
-
-def _active(linear) -> list[str]:
-    if getattr(linear, "merged", False) or getattr(linear, "disable_adapters", False):
-        return []
-    return list(getattr(linear, "active_adapters", []))
 
 
 def is_plain_lora(linear) -> bool:
@@ -120,7 +127,7 @@ def check_affine(linear: nn.Module, where: str) -> None:
     if not isinstance(base, nn.Linear) or tuner_of(base) is not None:
         raise UnsupportedModelError(f"{where}: the PEFT layer wraps a {type(base).__name__}, not a plain nn.Linear "
                                     f"(stacked adapters?); {fix}")
-    for adapter, variant in getattr(linear, "lora_variant", {}).items():
+    for adapter, variant in _active_variants(linear):
         if type(variant).__name__ not in LORA_VARIANTS:
             raise UnsupportedModelError(f"{where}: LoRA adapter {adapter!r} is a {type(variant).__name__}; {fix}")
 
