@@ -76,6 +76,11 @@ def _clock(device: torch.device) -> float:
     return time.perf_counter()
 
 
+def _sequence_length(group: Group) -> int:
+    """P + the longest response: the length of HF's one-pass forward over the group."""
+    return int(group.prompt.numel()) + max(int(r.numel()) for r in group.responses)
+
+
 def _fingerprint(group: Group | None, rewards) -> torch.Tensor:
     """A fixed-length float64 summary [8] of a group, to check that every rank got the
     same one (zeros for a group that failed validation)."""
@@ -205,7 +210,7 @@ class Engine:
         if totals is not None:
             self._check_totals(group, totals)
         if state is not None:
-            check_state(state, self, group.prompt)
+            check_state(state, self, group.prompt, total=total)
         return rewards
 
     @staticmethod
@@ -252,16 +257,21 @@ class Engine:
         """A function wrapping an iterable in this engine's progress display (or not)."""
         return lambda iterable: _progress(iterable, enabled=self.config.progress, desc=desc, total=len(iterable))
 
-    def capture(self, prompt: torch.Tensor, *, exact: bool = False, keep_graph_bytes: int = 0) -> PromptState:
+    def capture(self, prompt: torch.Tensor, *, exact: bool = False, keep_graph_bytes: int = 0,
+                rope_length: int | None = None) -> PromptState:
         """Run prompt[:-1] ([P-1] tokens) in chunks under no_grad; return its state,
         stamped with its origin (`rollout.StateOrigin`). With `exact`, it keeps what the
         reverse walk needs (every chunk boundary, every sliding-window position); `step`
         allocates its gradient buffers, unless `keep_graph_bytes` > 0: then they are
-        allocated first and the last chunks' graphs that fit are kept (`kept_graphs.py`)."""
+        allocated first and the last chunks' graphs that fit are kept (`kept_graphs.py`).
+        `rope_length` (default P): the whole sequence's length (prompt + longest
+        response), whose RoPE frequencies every call against the state uses
+        (`models/rope.py`)."""
         ids = prompt[:-1].to(self.adapter.device)
         shard = self._shard()
         offload = self.config.offloads_state()
         state = self.adapter.new_state(ids.shape[0], exact=exact, shard=shard, host=offload)
+        state.rope_length = int(prompt.numel()) if rope_length is None else rope_length
         if offload:  # per-token rows in host memory, staged one layer at a time (offload.py)
             state.offload = Stager(state, self.adapter.device)
         keep_graph_bytes = keep_graph_bytes if exact else 0
@@ -426,7 +436,8 @@ class Engine:
     def _reuse_or_capture(self, group: Group, state: PromptState | None, exact: bool) -> PromptState:
         """The prompt state for `group`: the one given (already checked) or a new capture."""
         if state is None:
-            state = self.capture(group.prompt, exact=exact, keep_graph_bytes=self.config.keep_graph_bytes)
+            state = self.capture(group.prompt, exact=exact, keep_graph_bytes=self.config.keep_graph_bytes,
+                                 rope_length=_sequence_length(group))
             if exact and self.config.keep_graph_bytes > 0:
                 return state  # its gradient buffers were allocated before capture: kept graphs add into them
         if exact:
@@ -446,7 +457,7 @@ class Engine:
         """
         GRPOConfig(temperature=temperature)  # validates the temperature
         self._validate(group, needs_rewards=False, state=state)
-        state = self.capture(group.prompt) if state is None else state
+        state = self.capture(group.prompt, rope_length=_sequence_length(group)) if state is None else state
         with torch.no_grad():
             return [self.branch_logprobs(state, group.prompt, r, temperature).detach() for r in group.responses]
 

@@ -29,7 +29,8 @@ import torch
 
 from .errors import ConfigError, StaleStateError, StateMismatchError
 from .group import check_token_ids
-from .logprobs import scaled_log_softmax
+from .logprobs import scaled_log_softmax, scaled_logits
+from .models.rope import rotary_of
 
 
 @dataclass
@@ -138,11 +139,13 @@ def stamp_state(state, engine, prompt: torch.Tensor, exact: bool) -> None:
                                stamp=weights_stamp(engine.model), exact=exact)
 
 
-def check_state(state, engine, prompt: torch.Tensor) -> None:
-    """Refuse, before any work, a state that `engine` cannot reuse for `prompt`.
+def check_state(state, engine, prompt: torch.Tensor, total: int | None = None) -> None:
+    """Refuse, before any work, a state that `engine` cannot reuse for `prompt` (and a
+    group of `total` = P + longest response positions).
 
     Raises:
-        StateMismatchError: not a captured state, or one from another engine, prompt or mode.
+        StateMismatchError: not a captured state, or one from another engine, prompt or
+            mode, or (length-dependent RoPE) captured for fewer than `total` positions.
         StaleStateError: the model's weights or adapters changed since the capture.
     """
     origin = getattr(state, "origin", None)
@@ -159,6 +162,12 @@ def check_state(state, engine, prompt: torch.Tensor) -> None:
     if ids.shape != origin.prompt.shape or not torch.equal(ids, origin.prompt):
         raise StateMismatchError(f"this state was captured for another prompt ({origin.prompt.numel()} tokens); "
                                  f"the group's prompt has {ids.numel()} tokens or different ids")
+    if total is not None and total > state.rope_length and rotary_of(engine.adapter.backbone) is not None:
+        raise StateMismatchError(
+            f"this state's RoPE frequencies are those of a {state.rope_length}-position sequence (rope_type "
+            f"{engine.adapter.config.rope_parameters.get('rope_type')!r} picks them from the length), but the group "
+            f"needs {total} positions; capture again (call step/score without state=, or generate with a larger "
+            "max_new_tokens)")
     if weights_stamp(engine.model) != origin.stamp:
         raise StaleStateError("the model's weights (or active adapters) changed since this state was captured, "
                               "e.g. by optimizer.step(); capture again (call engine.generate again)")
@@ -173,8 +182,7 @@ def sample_tokens(logits: torch.Tensor, config: SamplingConfig, generator: torch
     from softmax(logits / temperature) restricted to the top-k and the top-p nucleus."""
     if config.temperature == 0:
         return logits.argmax(dim=-1)
-    scores = logits.float() if logits.dtype in (torch.float16, torch.bfloat16) else logits
-    scores = scores / config.temperature
+    scores = scaled_logits(logits, config.temperature)  # (G, vocab), float32 for half precision
     if 0 < config.top_k < scores.shape[-1]:
         kth = scores.topk(config.top_k, dim=-1).values[..., -1:]
         scores = scores.masked_fill(scores < kth, float("-inf"))
@@ -257,7 +265,8 @@ def generate(engine, prompt: torch.Tensor, config: SamplingConfig, generator=Non
 
     engine.agree_across_ranks(lambda: validate_prompt(engine, prompt, config), fingerprint)
     t0 = time.perf_counter()
-    state = engine.capture(prompt, exact=engine.config.mode == "exact")
+    state = engine.capture(prompt, exact=engine.config.mode == "exact",
+                           rope_length=prompt.numel() + config.max_new_tokens)  # the sampler's RoPE length
     t1 = time.perf_counter()
     progress = engine.progress_bar("generate")
     responses, logprobs, metrics = decode(engine, state, prompt, config, generator, progress)

@@ -245,6 +245,9 @@ class PromptState:
         offload: state offload (`ExecConfig.state_device="cpu"`): the `offload.Stager`
             that stages the per-token rows, held in host memory, to the compute device
             one layer at a time; None: every row lives on the compute device.
+        rope_length: the sequence length whose RoPE frequencies every call against this
+            state uses, for RoPE types that pick them from the length ("dynamic",
+            "longrope": `models/rope.py`); set by `Engine.capture`. None: each call's own.
     """
 
     layers: list = field(default_factory=list)
@@ -254,6 +257,7 @@ class PromptState:
     kept: dict = field(default_factory=dict)
     origin: object = None
     offload: object = None
+    rope_length: int | None = None
 
     def nbytes(self) -> int:
         return sum(s.nbytes() for s in self.layers if s is not None)

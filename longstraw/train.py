@@ -52,6 +52,7 @@ from .distributed import check_replicas
 from .engine import Engine
 from .errors import CheckpointError, NonFiniteError
 from .group import BatchTotals, Group
+from .logprobs import scaled_log_softmax
 from .measure import peak_rss_bytes
 from .tasks import KVRecall, Vocab, exact_match
 
@@ -279,7 +280,7 @@ def full_sequence_logprobs(model, prompt: torch.Tensor, response: torch.Tensor, 
     """One HF forward over prompt + response: [R] log-probs of the response tokens."""
     ids = torch.cat([prompt, response])  # (P + R,)
     logits = model(ids[None], logits_to_keep=response.numel() + 1).logits[0, :-1]  # (R, V)
-    return torch.log_softmax(logits / temperature, dim=-1).gather(-1, response[:, None])[:, 0]
+    return scaled_log_softmax(logits, temperature).gather(-1, response[:, None])[:, 0]
 
 
 def full_sequence_step(model, group: Group, grpo: GRPOConfig, totals: BatchTotals | None = None) -> dict:

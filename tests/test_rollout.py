@@ -247,3 +247,31 @@ def test_bad_prompt_is_refused():
         engine.generate(torch.tensor([3, 500]), num_samples=2, max_new_tokens=2)
     with pytest.raises(ls.InvalidGroupError, match="integer"):
         engine.generate(torch.tensor([3.0, 4.0]), num_samples=2, max_new_tokens=2)
+
+
+def test_bf16_rollout_logprobs_are_the_sampled_distribution_and_equal_score():
+    """bf16 model, T = 0.7, logits ~ 10 (lm_head scaled by 5): each rollout log-prob is
+    log softmax(float32(logits) / T) of the very logits the sampler drew from (cast
+    first, then divide; dividing in bf16 is 0.07 nats off here), and `score(group, T)`
+    gives the same numbers up to bf16 rounding: replay and decode round the hidden
+    states differently, and a logit of ~10 moves in steps of 2^-4 (measured: 0.11)."""
+    model = tiny_model("llama", dtype=torch.bfloat16, num_hidden_layers=1)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(5)
+    seen = []
+    hook = model.lm_head.register_forward_hook(lambda m, args, out: seen.append(out.detach()))
+    engine = ls.Engine(model, ls.ExecConfig(chunk_size=4))
+    prompt = torch.tensor([5, 9, 17, 33, 2, 61, 7])
+    out = engine.generate(prompt, num_samples=3, max_new_tokens=4, temperature=0.7,
+                          generator=torch.Generator().manual_seed(0))
+    hook.remove()
+    got = torch.stack(out.logprobs)  # (G, n)
+    tokens = torch.stack(out.responses)  # (G, n)
+    want = torch.stack([torch.log_softmax(step.double() / 0.7, dim=-1).gather(-1, tokens[:, j, None])[:, 0]
+                        for j, step in enumerate(seen)], dim=1)
+    assert got.dtype == torch.float32
+    assert (got.double() - want).abs().max() < 1e-4, (got.double() - want).abs().max()
+    group = ls.Group(prompt=prompt, responses=out.responses, rewards=torch.zeros(3))
+    scored = torch.stack(engine.score(group, 0.7, state=out.state))
+    assert scored.dtype == torch.float32
+    torch.testing.assert_close(scored, got, atol=0.25, rtol=0)

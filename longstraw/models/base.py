@@ -18,6 +18,8 @@ from ..errors import ModelStateError, UnsupportedModelError
 from ..offload import settle
 from ..state import PromptState
 from .attention_hook import AttentionCall, run_backbone
+from .peft_layers import check_peft
+from .rope import pinned_rope, rotary_of
 
 
 def unwrap_causal_lm(model: nn.Module) -> nn.Module:
@@ -80,12 +82,20 @@ class Adapter:
             )
         self.lm_head = self.causal_lm.get_output_embeddings()
         self.check_config()
+        check_peft(self.model)
+        rotary_of(self.backbone)  # refuses a length-dependent RoPE it could not pin
 
     # --- facts the engine validates against --------------------------------
 
     @property
+    def embeddings(self) -> nn.Embedding:
+        """The input embedding table (the one inside PEFT's trainable-tokens wrapper, if any)."""
+        emb = self.backbone.get_input_embeddings()
+        return getattr(emb, "original_module", None) or emb
+
+    @property
     def vocab_size(self) -> int:
-        return self.backbone.get_input_embeddings().num_embeddings
+        return self.embeddings.num_embeddings
 
     @property
     def max_positions(self) -> int | None:
@@ -93,11 +103,11 @@ class Adapter:
 
     @property
     def dtype(self) -> torch.dtype:
-        return self.backbone.get_input_embeddings().weight.dtype
+        return self.embeddings.weight.dtype
 
     @property
     def device(self) -> torch.device:
-        return self.backbone.get_input_embeddings().weight.device
+        return self.embeddings.weight.device
 
     def check_config(self) -> None:
         """Refuse config features the adapter cannot run exactly (override to add)."""
@@ -117,6 +127,7 @@ class Adapter:
                 "lm_head directly, so wrap the decoder layers only (fully_shard(layer) for each layer) and keep "
                 "the embeddings, final norm and lm_head replicated"
             )
+        check_peft(self.model)  # an adapter may have been added or switched since construction
         if getattr(self.causal_lm, "is_activation_checkpointing", False):
             raise ModelStateError(
                 "gradient checkpointing is enabled on the model; LongStraw bounds activation memory itself. "
@@ -195,7 +206,7 @@ class Adapter:
             from .divided import chunked_mlps
 
             pieces = chunked_mlps(self.backbone.layers, divided.chunk_size)
-        with self.routing(), pieces:
+        with self.routing(), pieces, pinned_rope(self.backbone, states[0].rope_length):
             hidden = run_backbone(self.backbone, self.config, input_ids, call)
         settle(states)  # offloaded states: capture's rows are on host before anyone reads them there
         return hidden

@@ -16,8 +16,9 @@ DeepSeek's inference):
     o_lat[h]  = softmax(score) @ latent                                           (H, T, R)
     out[h]    = W_uv[h] o_lat[h]                       back out through kv_b_proj's value half
 
-where W_uk / W_uv are the key / value halves of kv_b_proj's effective weight (its LoRA
-delta included when PEFT wraps it). DSA layers select per query the top-k positions
+where W_uk / W_uv are the key / value halves of kv_b_proj's effective weight (a PEFT
+adapter's own change to it included, when one wraps it: `peft_layers.py`, which refuses the
+adapters it cannot reproduce). DSA layers select per query the top-k positions
 (prompt + branch) with the model's own indexer modules, no grad, ties broken by the
 lower position (HF breaks ties arbitrarily; ours never depends on chunking), globally
 over the whole prompt; "shared" layers (GLM-5) reuse the previous layer's selection.
@@ -38,6 +39,7 @@ from ..ops.attention import prefix_causal_attention
 from ..branch_state import BranchLatent, BranchState
 from ..state import HOST, IndexKeys, LatentKV, MLAState, PromptState
 from .attention_hook import current_call, seed_reader
+from .peft_layers import check_affine, effective_affine
 from .base import Adapter, forwards_replaced
 from .divided import divided_mla, gather_mla_chunk, own_chunk_rows
 from .mla_decode import mla_decode, prompt_candidates
@@ -54,18 +56,6 @@ def check_dense_weight(linear, where: str) -> None:
             "supported for MLA models: load that projection in bf16 (e.g. bitsandbytes llm_int8_skip_modules="
             "['kv_b_proj'])"
         )
-
-
-def effective_weight(linear) -> torch.Tensor:
-    """The weight a (possibly PEFT-LoRA-wrapped) Linear applies, differentiably."""
-    if hasattr(linear, "base_layer") and hasattr(linear, "get_delta_weight"):
-        weight = linear.base_layer.weight
-        if not getattr(linear, "merged", False) and not getattr(linear, "disable_adapters", False):
-            for name in linear.active_adapters:
-                if name in getattr(linear, "lora_A", {}):
-                    weight = weight + linear.get_delta_weight(name)
-        return weight
-    return linear.weight
 
 
 def _rope_functions(module, model_type: str):
@@ -217,8 +207,12 @@ def mla_forward(module, spec, hidden_states, position_embeddings=None, attention
     q_rot, k_rot = spec["rope"](q_rot[None], k_rot.view(1, 1, t, rope), cos, sin)
     q_rot, k_rot = q_rot[0], k_rot[0, 0]  # (H, T, Dr), (T, Dr)
 
-    w = effective_weight(module.kv_b_proj).view(h, nope + vdim, rank)
+    w, bias = effective_affine(module.kv_b_proj)  # (H * (nope + Dv), R), (H * (nope + Dv),) or None
+    w = w.view(h, nope + vdim, rank)
     w_uk, w_uv = w[:, :nope], w[:, nope:]  # (H, nope, R), (H, Dv, R)
+    # a bias on the keys adds q_nope . b_k to every score of a query: softmax ignores it;
+    # one on the values adds b_v to every output, since the weights sum to 1
+    b_uv = None if bias is None else bias.view(h, nope + vdim)[:, nope:]  # (H, Dv)
     q_full = torch.cat([torch.einsum("htn,hnr->htr", q_pass, w_uk), q_rot], dim=-1)  # (H, T, R + Dr)
     k_new = torch.cat([latent, k_rot], dim=-1)  # (T, R + Dr)
 
@@ -234,7 +228,8 @@ def mla_forward(module, spec, hidden_states, position_embeddings=None, attention
                                     topk=topk, index_inputs=index_inputs,
                                     index_topk_scale=None if indexer is None else indexer.softmax_scale,
                                     prev_indices=prev_topk_indices)  # (G, H, R)
-        out = module.o_proj(torch.einsum("ghr,hvr->ghv", o_lat, w_uv).reshape(t, 1, h * vdim))
+        out = torch.einsum("ghr,hvr->ghv", o_lat, w_uv)  # (G, H, Dv)
+        out = module.o_proj((out if b_uv is None else out + b_uv).reshape(t, 1, h * vdim))
         return (out, None, indices) if spec["returns_topk"] else (out, None)
     indices, new_index_keys, index_inputs, own_k = None, None, None, k_new
     if indexer is not None:
@@ -264,8 +259,8 @@ def mla_forward(module, spec, hidden_states, position_embeddings=None, attention
     if walk_divided:
         o_lat = own_chunk_rows(o_lat, call)  # (H, t, R)
     o_lat = restage_on_backward(o_lat, call.states, module.layer_idx, call.start)
-    out = torch.einsum("htr,hvr->thv", o_lat, w_uv).reshape(1, t, h * vdim)
-    out = module.o_proj(out)
+    out = torch.einsum("htr,hvr->thv", o_lat, w_uv)  # (T, H, Dv)
+    out = module.o_proj((out if b_uv is None else out + b_uv).reshape(1, t, h * vdim))
 
     own = call.states[-1].layers[module.layer_idx]  # the state itself (host rows when offloaded)
     if call.phase == "capture":
@@ -301,6 +296,7 @@ class MLAAdapter(Adapter):
             if not hasattr(attn, "kv_a_proj_with_mqa") or not hasattr(attn, "kv_b_proj"):
                 raise UnsupportedModelError(f"layer {i}: {type(attn).__name__} is not an MLA attention module")
             check_dense_weight(attn.kv_b_proj, f"layer {i}")
+            check_affine(attn.kv_b_proj, f"layer {i} kv_b_proj")
             main_rope, index_rope = _rope_functions(attn, model_type)
             shared = model_type == "glm_moe_dsa" and getattr(attn, "indexer", None) is None
             if shared and i == 0:
@@ -308,6 +304,11 @@ class MLAAdapter(Adapter):
             self.specs.append(dict(rope=main_rope, index_rope=index_rope,
                                    shared_topk=self.config.index_topk if shared else None,
                                    returns_topk=model_type == "glm_moe_dsa"))
+
+    def check_runnable(self) -> None:
+        super().check_runnable()
+        for i, attn in enumerate(self.attn_modules):  # an adapter may have been added since construction
+            check_affine(attn.kv_b_proj, f"layer {i} kv_b_proj")
 
     def new_state(self, positions: int, *, start: int = 0, exact: bool = False, shard=None,
                   host: bool = False) -> PromptState:

@@ -27,12 +27,15 @@ def naive_attention(q, k, v, q_pos, k_pos, scale, window=None):
 
 
 def naive_token_logprobs(hidden, weight, targets, temperature=1.0, bias=None):
-    """log softmax(hidden @ weight^T / temperature)[targets], with full [T, vocab] logits.
+    """log softmax(hidden @ weight^T / temperature)[targets], with full [T, vocab] logits
+    (half-precision logits are cast to float32 before the division, as the sampler does).
 
     hidden [T, d], weight [V, d], targets [T] -> [T]."""
     logits = hidden @ weight.T
     if bias is not None:
         logits = logits + bias
+    if logits.dtype in (torch.float16, torch.bfloat16):
+        logits = logits.float()
     return torch.log_softmax(logits / temperature, dim=-1).gather(-1, targets[:, None])[:, 0]
 
 
