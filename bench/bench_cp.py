@@ -3,7 +3,7 @@
 Physics. Capture's cost is the token computation (projections, MLP, GDN; ~linear in P)
 plus attention over the prompt (~P^2 / 2). Before the divided capture only the attention
 part was split over W ranks; now each prompt token is computed on one rank (layer by
-layer over the rank's own blocks, `longstraw/sequence_parallel.py`), so capture should
+layer over the rank's own blocks, `longstraw/parallel/divided.py`), so capture should
 approach 1/W plus communication: per attention layer (W-1)/W * P * Hkv * (D + Dv) values
 received, per GDN layer one [Hv, Dk, Dv] state per block received plus the conv tails
 and the kept snapshots. A detached step adds the G branches' replay, which stays
@@ -16,7 +16,7 @@ each rank calls torch.set_num_threads(1). W = 1 is the plain single-process engi
 (G, R), warm up on a short prompt, then time `engine.capture(prompt)` and one detached
 `engine.step(group)` (barrier before each; the slowest rank's time is reported), and
 count the bytes each rank received through LongStraw's collectives
-(`ops.collectives.Traffic`), against the model's prediction
+(`parallel.collectives.Traffic`), against the model's prediction
 (`plan.estimate.divided_capture_traffic`). On a 2-core machine W = 3 oversubscribes the
 cores; its rows say so (`oversubscribed`).
 
@@ -64,7 +64,7 @@ def _rank(rank: int, world: int, init: str, args, out: str) -> None:
     import torch.distributed as dist
 
     import longstraw as ls
-    from longstraw.ops.collectives import Traffic
+    from longstraw.parallel.collectives import Traffic
     from longstraw.plan.estimate import divided_capture_traffic
     from longstraw.tiny import random_group, tiny_model
 

@@ -270,7 +270,7 @@ def _install_dsa_timers() -> dict:
     """Wrap the DSA ops (indexer top-k; sparse attention forward and backward) with timers,
     split by phase (capture: inside Engine.capture; reverse: exact mode's walk back over the
     prompt; replay: the rest of the step, i.e. the branches)."""
-    import longstraw.engine as eng
+    import longstraw.engine.engine as eng
     import longstraw.ops.dsa as dsa
 
     acc = {"phase": "replay"}

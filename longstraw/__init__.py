@@ -5,7 +5,7 @@ G response branches one at a time with autograd against it.
 """
 
 from .config import ExecConfig, GRPOConfig
-from .engine import Engine
+from longstraw.engine.engine import Engine
 from .errors import (
                      StaleStateError,
                      StateMismatchError,
@@ -18,7 +18,7 @@ from .errors import (
 )
 from .group import BatchTotals, Group, StepResult
 from .models import supported_model_types
-from .rollout import Rollout, SamplingConfig
+from longstraw.engine.rollout import Rollout, SamplingConfig
 
 __version__ = "0.1.0"
 

@@ -1,4 +1,4 @@
-"""Small types and dtype rules shared by the kernels (`ops/`) and the state (`state.py`).
+"""Small types and dtype rules shared by the kernels (`ops/`) and the state (`state/`).
 
 Both rooms sit at the bottom of the package (engine -> models -> ops/state); neither
 imports the other. What they must agree on lives here:
@@ -27,7 +27,7 @@ class KVSegment:
         k: [Hkv, S, D]; v: [Hkv, S, Dv] at absolute positions start .. start + S - 1.
         grad: optional (dk, dv) buffers of the same shapes (in the accumulation dtype);
             backward adds dLoss/dk, dLoss/dv into them (exact mode, and branch pieces).
-        cp: a `distributed.ContextParallel` when k, v are this rank's rows of a
+        cp: a `parallel.context.ContextParallel` when k, v are this rank's rows of a
             position-sharded state; None when they are the whole segment.
     """
 

@@ -46,13 +46,13 @@ from dataclasses import dataclass
 
 import torch
 
-from . import grpo as G
+from longstraw.engine import grpo as G
 from .config import ExecConfig, GRPOConfig
-from .distributed import check_replicas
-from .engine import Engine
+from longstraw.parallel.context import check_replicas
+from longstraw.engine.engine import Engine
 from .errors import CheckpointError, NonFiniteError
 from .group import BatchTotals, Group
-from .logprobs import scaled_log_softmax
+from longstraw.engine.logprobs import scaled_log_softmax
 from .measure import peak_rss_bytes
 from .tasks import KVRecall, Vocab, exact_match
 
@@ -163,7 +163,7 @@ class TrainConfig:
     """Continue from <out_dir>/checkpoint.pt when it exists."""
     replica_check_every: int = 0
     """Under torch.distributed, check every N optimizer steps that every rank holds bitwise
-    the same weights (`distributed.check_replicas`; 0: off; one process: nothing to compare)."""
+    the same weights (`parallel.context.check_replicas`; 0: off; one process: nothing to compare)."""
     threads: int = 0
     """torch.set_num_threads (0: leave as is)."""
     progress: bool = True

@@ -1,4 +1,4 @@
-"""Worker processes for tests/test_distributed.py (spawned, gloo, CPU, float64).
+"""Worker processes for tests/parallel/test_distributed.py (spawned, gloo, CPU, float64).
 
 Each rank runs every case with context parallelism and compares its loss and every
 parameter gradient with a single-process run of the same engine in the same
@@ -90,7 +90,7 @@ def run_cases(rank: int, world: int, init_file: str, cases: list[str], modes: li
 
 def _per_token_bytes(state) -> int:
     """Bytes of the position-sharded state (K/V, MLA latents); GDN state is replicated."""
-    from longstraw.state import AttentionKV, MLAState
+    from longstraw.state.prompt import AttentionKV, MLAState
 
     return sum(layer.nbytes() if isinstance(layer, AttentionKV) else layer.latent.nbytes()
                for layer in state.layers if isinstance(layer, (AttentionKV, MLAState)))
@@ -164,7 +164,7 @@ def run_fsdp(rank: int, world: int, init_file: str) -> None:
                         assert (grad - ref).abs().max() <= 1e-9 * ref.abs().max() + 1e-300, (name, mode, pname)
                 assert sharded > 0
             if name == "dense":  # a 2-D (HSDP) mesh: FSDP2 would not sum the partials right, so walk replicated
-                from longstraw.sequence_parallel import fsdp_sum_factor
+                from longstraw.parallel.divided import fsdp_sum_factor
 
                 layers = list(model.model.layers)
                 engine = ls.Engine(model, ls.ExecConfig(mode="exact", context_parallel=True, **kw))
@@ -235,7 +235,7 @@ def world_one(rank: int, world: int, init_file: str, flag_dir: str) -> None:
     equals the single-process one."""
     _init(rank, world, init_file)
     try:
-        from longstraw.distributed import ContextParallel
+        from longstraw.parallel.context import ContextParallel
 
         cp = ContextParallel.from_default_group()
         assert cp.backend == "gloo" and cp.device == torch.device("cpu"), cp
@@ -261,7 +261,7 @@ def check_planner(world: int) -> None:
     busiest rank receives in the divided capture, and in exact mode's divided reverse walk,
     equal its predictions, for a hybrid model, MLA (DeepSeek-V3) and sparse DSA (GLM-5,
     with a "shared" layer); the walk also for a dense model."""
-    from longstraw.ops.collectives import Traffic
+    from longstraw.parallel.collectives import Traffic
     from longstraw.plan import PlanConfig, estimate
     from longstraw.plan.estimate import divided_capture_traffic, divided_walk_traffic
 
@@ -351,7 +351,7 @@ def run_divided(rank: int, world: int, init_file: str) -> None:
 
 
 def _assert_same_state(a, b) -> None:
-    from longstraw.state import AttentionKV, MLAState, RecurrentState
+    from longstraw.state.prompt import AttentionKV, MLAState, RecurrentState
 
     assert a.length == b.length
     for x, y in zip(a.layers, b.layers):
@@ -381,7 +381,7 @@ def run_divided_walk(rank: int, world: int, init_file: str) -> None:
     process, also when `.grad` already holds an earlier group's gradient, with a frozen
     parameter, with branches replayed in pieces, and for a rollout's state; the metrics
     say the walk was divided (and replicated with `divide_walk=False`)."""
-    from longstraw.sequence_parallel import walk_chunks
+    from longstraw.parallel.divided import walk_chunks
 
     _init(rank, world, init_file)
     try:
@@ -484,7 +484,7 @@ def run_shard_attention(rank: int, world: int, init_file: str) -> None:
     empty (every rank joins the merge and the dq all-reduce); and with the self part divided
     (`own_rows`: each rank's query rows in runs of 2 dealt round-robin, or all on rank 0):
     the same output, k/v gradients and sinks, and dq on each rank's own rows."""
-    from longstraw.distributed import ContextParallel
+    from longstraw.parallel.context import ContextParallel
     from longstraw.ops.attention import prefix_causal_attention
     from longstraw.tensors import KVSegment
 
@@ -493,7 +493,7 @@ def run_shard_attention(rank: int, world: int, init_file: str) -> None:
         cp = ContextParallel.from_default_group()
         # all-reduces pair elements by index, also when one rank's tensor is strided otherwise
         # (a transposed view on rank 0, contiguous elsewhere)
-        from longstraw.ops.collectives import all_reduce_max, all_reduce_sum
+        from longstraw.parallel.collectives import all_reduce_max, all_reduce_sum
 
         base = torch.arange(12, dtype=torch.float64).reshape(3, 4) * (rank + 1)
         for reduce, want in ((all_reduce_sum, torch.arange(12.).reshape(3, 4) * world * (world + 1) / 2),
@@ -556,8 +556,8 @@ def walk_raises_on_one_rank(rank: int, world: int, init_file: str) -> None:
     0): the failing rank raises its own error, its peer a DistributedError (the sum's
     collective times out on a short-timeout group), and on every rank every `.grad` is
     afterwards the tensor it held before the call, unchanged; one that had none has none."""
-    from longstraw.distributed import ContextParallel, DistributedError
-    from longstraw.sequence_parallel import partial_gradients
+    from longstraw.parallel.context import ContextParallel, DistributedError
+    from longstraw.parallel.divided import partial_gradients
 
     _init(rank, world, init_file)
     try:
@@ -595,7 +595,7 @@ def replicas_agree(rank: int, world: int, init_file: str) -> None:
     walk (its one sum), and rank 0's is the single process's. Then `check_replicas` passes
     on equal weights and raises on every rank, naming the parameter and rank 1, when rank
     1's copy of one weight moves by one ulp."""
-    from longstraw.distributed import DistributedError, check_replicas
+    from longstraw.parallel.context import DistributedError, check_replicas
 
     _init(rank, world, init_file)
     try:

@@ -1,4 +1,4 @@
-"""Worker processes for tests/test_offload.py's context-parallel cases (spawned, gloo,
+"""Worker processes for tests/state/test_offload.py's context-parallel cases (spawned, gloo,
 CPU, float64): each rank offloads its own shard of the prompt state, and its loss,
 every parameter gradient, its rollout and its scores equal the on-device
 context-parallel engine's (and the single-process one's)."""
@@ -11,7 +11,7 @@ import torch.distributed as dist
 import longstraw as ls
 from tests.distributed_worker import _init
 from tests.reference import assert_grads_close, grads_of, random_group
-from tests.test_offload import MODELS, assert_same_step
+from tests.state.test_offload import MODELS, assert_same_step
 
 
 def run(rank: int, world: int, init_file: str, cases: list[str]) -> None:

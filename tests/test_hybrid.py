@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import longstraw as ls
-from longstraw.state import AttentionKV, RecurrentState
+from longstraw.state.prompt import AttentionKV, RecurrentState
 from tests.reference import (
     HYBRID_FAMILIES,
     compare_step,

@@ -12,7 +12,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import longstraw as ls
-from longstraw.state import MLAState
+from longstraw.state.prompt import MLAState
 from tests.reference import (
     MLA_FAMILIES,
     compare_step,

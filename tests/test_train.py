@@ -139,7 +139,7 @@ def test_at_most_one_prompt_state_is_alive_at_each_capture(tmp_path, monkeypatch
     evaluation) captures, no earlier state is still alive."""
     import weakref
 
-    from longstraw.engine import Engine
+    from longstraw.engine.engine import Engine
 
     states, alive_at_capture = [], []
     capture = Engine.capture
@@ -189,7 +189,7 @@ def test_checkpoints_load_weights_only(tmp_path, monkeypatch):
 def _poison(monkeypatch, bad_calls, snapshots):
     """Make the gradient of the Engine.step calls numbered in `bad_calls` NaN; record the
     weights each call saw (the weights after the previous update)."""
-    from longstraw.engine import Engine
+    from longstraw.engine.engine import Engine
 
     step, calls = Engine.step, []
 

@@ -10,7 +10,7 @@ Checks (each a row):
    fingerprint included, must carry CUDA tensors) equals the single-process step, float32.
 2. bf16_exact: bf16 exact-mode gradient vs float64 on the same weights: norm-wise relative
    error per parameter <= 16 u (u = 2^-8; the bound is derived in
-   tests/test_exact.py::test_bf16_exact_mode_sums_state_gradients_in_float32).
+   tests/engine/test_exact.py::test_bf16_exact_mode_sums_state_gradients_in_float32).
 3. autocast_refused: a step under torch.autocast raises ConfigError before any work.
 4. generate_greedy: float32 greedy `engine.generate` (3 branches) equals HF's greedy
    `generate` token for token (fraction of mismatched tokens, limit 0).

@@ -9,7 +9,7 @@ Each W runs in fresh processes under `torchrun --nproc-per-node W` (one rank per
 `cuda:LOCAL_RANK`, NCCL). Per rank: the model in bf16 (`--family`, a tiny preset scaled
 by `--hidden` / `--layers`), a random group (G, R); warm-up, then capture and one detached
 step (barrier + synchronize around each; the slowest rank reported), the bytes received
-(`ops.collectives.Traffic`) against `plan.estimate.divided_capture_traffic`, and the loss,
+(`parallel.collectives.Traffic`) against `plan.estimate.divided_capture_traffic`, and the loss,
 which must equal W = 1's within bf16 rounding (`--check`, reported). Devices with fewer than
 W GPUs skip that W (NCCL needs one device per rank) and say so.
 
@@ -50,7 +50,7 @@ def rank_main(args) -> None:
     import torch.distributed as dist
 
     import longstraw as ls
-    from longstraw.ops.collectives import Traffic
+    from longstraw.parallel.collectives import Traffic
     from longstraw.measure import peak_rss_bytes
     from longstraw.plan.estimate import divided_capture_traffic, divided_walk_traffic
     from longstraw.tiny import random_group, tiny_model

@@ -52,12 +52,12 @@ from dataclasses import dataclass
 import torch
 
 from ..config import ExecConfig, GRPOConfig
-from ..distributed import check_replicas
-from ..engine import Engine
+from longstraw.parallel.context import check_replicas
+from longstraw.engine.engine import Engine
 from ..errors import ConfigError, ModelStateError, StaleStateError
 from ..group import BatchTotals, Group
 from ..measure import peak_rss_bytes
-from ..rollout import check_state
+from longstraw.engine.rollout import check_state
 
 try:
     import trl
@@ -191,7 +191,7 @@ class LongStrawGRPOTrainer(trl.GRPOTrainer):
         longstraw_keep_states: keep each prompt's state from generation to its update
             (default); False drops it after generation and captures again at the update.
         longstraw_replica_check_every: every N optimizer steps, check that every process
-            holds bitwise the same weights (`distributed.check_replicas` over the default
+            holds bitwise the same weights (`parallel.context.check_replicas` over the default
             group; a `DistributedError` stops training if they drifted apart). 0: off; one
             process: nothing to compare.
     """

@@ -35,11 +35,11 @@ from dataclasses import dataclass
 import torch
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
-from ..branch_state import BranchKV, BranchState
+from longstraw.state.branch import BranchKV, BranchState
 from ..ops.attention import prefix_causal_attention
 from ..ops.decode_attention import decode_attention
-from ..offload import restage_on_backward, staged_layers, stager_of, write_back
-from ..state import AttentionKV, PromptState
+from longstraw.state.offload import restage_on_backward, staged_layers, stager_of, write_back
+from longstraw.state.prompt import AttentionKV, PromptState
 
 IMPLEMENTATION = "longstraw"
 
@@ -145,7 +145,7 @@ def seed_reader(held, start: int, end: int, parts: int = 2, device=None, stager=
             stager.stats.h2d_bytes += sum(g.numel() * g.element_size() for g in seeds)
         seeds = [g.to(device) for g in seeds]
         if held.shard is not None:  # each rank holds its rows' gradients: sum them
-            from ..distributed import all_reduce_sum
+            from longstraw.parallel.context import all_reduce_sum
 
             for seed in seeds:
                 all_reduce_sum(seed, held.shard.cp)
@@ -155,7 +155,7 @@ def seed_reader(held, start: int, end: int, parts: int = 2, device=None, stager=
 
 def merge_shard(out, lse, segment):
     """Merge a context-parallel shard's partial attention (o, lse) across ranks."""
-    from ..distributed import MergeAcrossRanks
+    from longstraw.parallel.context import MergeAcrossRanks
 
     return MergeAcrossRanks.apply(out, lse, segment.cp)
 

@@ -13,10 +13,10 @@ import contextlib
 import torch
 from torch import nn
 
-from ..branch_state import BranchState
+from longstraw.state.branch import BranchState
 from ..errors import ModelStateError, UnsupportedModelError
-from ..offload import settle
-from ..state import PromptState
+from longstraw.state.offload import settle
+from longstraw.state.prompt import PromptState
 from .attention_hook import AttentionCall, run_backbone
 from .peft_layers import check_peft
 from .rope import pinned_rope, rotary_of

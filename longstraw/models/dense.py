@@ -9,9 +9,9 @@ keep only their last W - 1 positions and mask by position, exactly as HF does.
 from __future__ import annotations
 
 
-from ..branch_state import BranchKV, BranchState
+from longstraw.state.branch import BranchKV, BranchState
 from ..errors import UnsupportedModelError
-from ..state import HOST, AttentionKV, PromptState
+from longstraw.state.prompt import HOST, AttentionKV, PromptState
 from .base import Adapter
 
 

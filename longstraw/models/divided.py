@@ -1,14 +1,14 @@
 """Phase "divided": a context-parallel capture in which each prompt token is computed on
 one rank (the rank that owns its block), layer by layer.
 
-`sequence_parallel.py` runs the model's own decoder stack once over this rank's positions
+`parallel.divided.py` runs the model's own decoder stack once over this rank's positions
 (blocks of B, block b on rank b % W, the same deal as the sharded state), so every
 projection, norm and MLP/MoE block of capture runs on 1/W of the tokens. Two kinds of
 layer need positions held elsewhere:
 
     attention  `divided_attention`: the layer's own K/V rows go into the sharded state,
                then the queries attend over every rank's rows (fetched piece by piece,
-               `ops/divided_attention.py`); the global causal order is exact.
+               `longstraw/parallel/attention.py`); the global causal order is exact.
     MLA        `divided_mla`: the layer's own latent rows (and indexer keys) go into the
                sharded state; its absorbed queries attend over every rank's latent rows
                (fetched piece by piece), or, with DSA, over the rows of the global top-k
@@ -42,10 +42,10 @@ from dataclasses import dataclass, field
 import torch
 
 from ..ops.causal_conv import causal_conv1d_with_tail
-from ..ops.divided_attention import (divided_causal_attention, divided_indexer_topk, divided_sparse_attention,
+from longstraw.parallel.attention import (divided_causal_attention, divided_indexer_topk, divided_sparse_attention,
                                      own_positions)
 from ..ops.gated_delta_scan import chain_states, finish_outputs, gated_delta_transition
-from ..state import RecurrentState
+from longstraw.state.prompt import RecurrentState
 from .base import forwards_replaced
 
 
@@ -56,7 +56,7 @@ class Divided:
     Fields:
         total: positions captured (0 .. total - 1), all ranks together.
         rank, world, block: the round-robin deal (block b on rank b % world).
-        cp: the `distributed.ContextParallel` (None: one process).
+        cp: the `parallel.context.ContextParallel` (None: one process).
         snapshots: sorted positions where GDN layers keep a snapshot on every rank (the
             end; exact mode: also every chunk boundary).
         chunk_size: tokens per MLP piece, and rows per fetched K/V piece.
@@ -131,7 +131,7 @@ class DividedChunk:
     Fields:
         start, end: the chunk's absolute positions.
         rank, world, block: the round-robin deal of the sharded state.
-        cp: the `distributed.ContextParallel`.
+        cp: the `parallel.context.ContextParallel`.
         chunk_size: the capture chunk (a hybrid's walk chunk is whole capture chunks).
     """
 
@@ -208,7 +208,7 @@ def divided_recompute_attention(module, query, key, value, call, scaling):
     of its own rows. This rank's own K/V rows are the chunk's roots, seeded with the
     gradients its shard accumulated for them (no all-reduce of seeds)."""
     from ..ops.attention import prefix_causal_attention
-    from ..ops.collectives import GatherRows
+    from longstraw.parallel.collectives import GatherRows
 
     d: DividedChunk = call.divided
     kv = call.states[-1].layers[module.layer_idx]
@@ -272,7 +272,7 @@ def gather_mla_chunk(q_full, k_new, index_inputs, call):
     causal part divided by query rows, `own_rows`), the part over earlier chunks divided
     by the sharded state. `own_chunk_rows` keeps this rank's rows of its output;
     the projections around it, the MoE and o_proj run on this rank's rows only."""
-    from ..ops.collectives import GatherRows
+    from longstraw.parallel.collectives import GatherRows
 
     d: DividedChunk = call.divided
     index = d.rows(q_full.device)
@@ -293,7 +293,7 @@ def own_chunk_rows(out: torch.Tensor, call) -> torch.Tensor:
     attention) -> this rank's rows [.., n, F]. Their gradient is summed over ranks
     (`SumGradAcrossRanks`), so the attention's backward sees the whole chunk's upstream
     gradient, identical on every rank."""
-    from ..ops.collectives import SumGradAcrossRanks
+    from longstraw.parallel.collectives import SumGradAcrossRanks
 
     d: DividedChunk = call.divided
     return SumGradAcrossRanks.apply(out, d.cp)[..., d.rows(out.device)[d.rank], :]
@@ -322,7 +322,7 @@ def divided_recompute_gdn(module, x, call, helpers, initial_snapshot):
     The decay is computed per capture chunk, as the replicated walk computes it: HF's
     decay casts A_log to float32, so each call rounds A_log's gradient to float32 once,
     and cutting where the replicated walk cuts keeps that rounding the same."""
-    from ..ops.collectives import GatherRows, GradOnFirstRank, SumGradAcrossRanks
+    from longstraw.parallel.collectives import GatherRows, GradOnFirstRank, SumGradAcrossRanks
     from ..ops.gated_delta import chunk_gated_delta_rule
 
     project, split_heads, log_decay, gated_output = helpers
@@ -362,7 +362,7 @@ def _block_tails(mixed: torch.Tensor, d: Divided, width: int) -> torch.Tensor:
     if d.world == 1:
         gathered = [table]
     else:
-        from ..ops.collectives import all_gather
+        from longstraw.parallel.collectives import all_gather
 
         gathered = all_gather(table, d.cp)
     return torch.stack([gathered[b % d.world][b // d.world] for b in range(blocks)]) if blocks else table[:0]
@@ -421,7 +421,7 @@ def divided_gdn(module, x, call, helpers):
         if p in end_state:
             states[i], tails[i] = end_state[p], ends[p]
     if d.world > 1:
-        from ..ops.collectives import all_reduce_sum
+        from longstraw.parallel.collectives import all_reduce_sum
 
         all_reduce_sum(states, d.cp)
         all_reduce_sum(tails, d.cp)

@@ -25,10 +25,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from ..branch_state import BranchRecurrent
+from longstraw.state.branch import BranchRecurrent
 from ..ops.causal_conv import causal_conv1d_step, causal_conv1d_with_tail
 from ..ops.gated_delta import chunk_gated_delta_rule, gated_delta_step
-from ..state import RecurrentState
+from longstraw.state.prompt import RecurrentState
 from .attention_hook import current_call
 from .base import forwards_replaced
 from .divided import divided_gdn, divided_recompute_gdn

@@ -12,9 +12,9 @@ own modules, untouched.
 from __future__ import annotations
 
 
-from ..branch_state import BranchRecurrent, BranchState
+from longstraw.state.branch import BranchRecurrent, BranchState
 from ..errors import UnsupportedModelError
-from ..state import HOST, AttentionKV, PromptState, RecurrentState
+from longstraw.state.prompt import HOST, AttentionKV, PromptState, RecurrentState
 from .dense import DenseAdapter
 from .gated_deltanet import routed_gdn
 

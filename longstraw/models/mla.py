@@ -34,10 +34,10 @@ import sys
 import torch
 
 from ..errors import UnsupportedModelError
-from ..offload import restage_on_backward, staged_layers, stager_of, write_back
+from longstraw.state.offload import restage_on_backward, staged_layers, stager_of, write_back
 from ..ops.attention import prefix_causal_attention
-from ..branch_state import BranchLatent, BranchState
-from ..state import HOST, IndexKeys, LatentKV, MLAState, PromptState
+from longstraw.state.branch import BranchLatent, BranchState
+from longstraw.state.prompt import HOST, IndexKeys, LatentKV, MLAState, PromptState
 from .attention_hook import current_call, seed_reader
 from .peft_layers import check_affine, effective_affine
 from .base import Adapter, forwards_replaced
@@ -114,7 +114,7 @@ def _select_across_ranks(indexer, q, keys, weights, call, held, query_block: int
     candidates are still taken for every query (each rank's shard serves all of them),
     but each rank scores the replicated keys and merges only for its own rows, and the
     rows' selections are then gathered (one all-gather of [n, K] positions)."""
-    from ..ops.collectives import gather_rows
+    from longstraw.parallel.collectives import gather_rows
     from ..ops.dsa import indexer_scores, select_candidates
 
     topk, scale, t = indexer.index_topk, indexer.softmax_scale, q.shape[0]
@@ -161,7 +161,7 @@ def _sparse_attention(q_full, k_new, latent, indices, latents, call, scale):
     if not sharded:
         return sparse_latent_attention(q_full, k_new, latent, indices, prefixes=segments, q_start=call.start,
                                        scale=scale)
-    from ..distributed import MergeAcrossRanks, SumGradAcrossRanks
+    from longstraw.parallel.context import MergeAcrossRanks, SumGradAcrossRanks
 
     kv = sharded[0]
     seg, shard = kv.segment(until=call.start), kv.shard

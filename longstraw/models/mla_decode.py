@@ -20,11 +20,11 @@ from __future__ import annotations
 
 import torch
 
-from ..branch_state import BranchLatent
+from longstraw.state.branch import BranchLatent
 from ..ops.flash import merge_partials
 from ..ops.decode_attention import decode_attention, gathered_partial
 from ..ops.dsa import indexer_scores, select_candidates, select_topk
-from ..state import MLAState
+from longstraw.state.prompt import MLAState
 from .attention_hook import merge_shard
 
 
@@ -43,7 +43,7 @@ def prompt_candidates(index_q, weights, prompt_index, until: int, topk: int, sca
     else:
         cand_sc = torch.full(cand.shape, float("-inf"), device=cand.device)
     if prompt_index.shard is not None:  # positions travel as int32 (a prompt of < 2^31 positions)
-        from ..distributed import all_gather
+        from longstraw.parallel.context import all_gather
 
         cp = prompt_index.shard.cp
         cand = torch.cat(all_gather(cand.to(torch.int32), cp), dim=1).long()

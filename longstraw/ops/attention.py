@@ -27,7 +27,7 @@ import torch
 
 from ..tensors import KVSegment, accumulation_dtype
 from . import flash
-from .collectives import GatherRows, MergeAcrossRanks, SumGradAcrossRanks
+from longstraw.parallel.collectives import GatherRows, MergeAcrossRanks, SumGradAcrossRanks
 from .flash import FlashAttention, can_use_flash_autograd, empty_partial, fused_kernel, fused_takes, merge_partials
 
 
@@ -199,7 +199,7 @@ def prefix_causal_attention(q, k, v, *, prefixes: list[KVSegment], q_start: int,
         prefixes: `KVSegment`s, all before q_start (the prompt state; in a branch
             replayed in pieces, also the earlier pieces). Empty segments are skipped.
             A segment with `cp` set holds only this rank's rows of a context-parallel
-            shard: its partial attention is merged across ranks (`ops/collectives.py`).
+            shard: its partial attention is merged across ranks (`longstraw/parallel/collectives.py`).
         scale: softmax scale. window: sliding window W or None.
         block_size: prefix positions per block.
         allow_fused: without autograd, use torch's fused flash kernel where one fits

@@ -30,7 +30,7 @@ from __future__ import annotations
 import torch
 
 from ..tensors import accumulation_dtype
-from .collectives import all_reduce_sum, gather_rows, merge_across_ranks
+from longstraw.parallel.collectives import all_reduce_sum, gather_rows, merge_across_ranks
 
 FUSED_ENABLED = True
 """Allow the fused kernels (set False to force the blockwise path everywhere)."""

@@ -32,7 +32,7 @@ from __future__ import annotations
 import torch
 
 from ..tensors import accumulation_dtype
-from .collectives import recv_from, send_to
+from longstraw.parallel.collectives import recv_from, send_to
 from .gated_delta import chunk_gated_delta_rule
 
 
@@ -81,7 +81,7 @@ def chain_states(transitions, links, cp, shape, dtype, device):
         links: [(src, dst)] per segment: src is -1 at the sequence start (zero state),
             this rank when the previous segment is ours, else the rank to receive the start
             state from; dst is the rank to send the end state to, or None (ours, or the end).
-        cp: the `distributed.ContextParallel` (unused when no link crosses ranks).
+        cp: the `parallel.context.ContextParallel` (unused when no link crosses ranks).
         shape, dtype, device: of a state [Hv, Dk, Dv].
 
     Returns:

@@ -283,7 +283,7 @@ def _arch_and_bytes(model, dtype: str | None) -> tuple[Arch, int, int]:
 def divided_capture_traffic(model, *, positions: int, world: int, block: int, chunk_size: int,
                             dtype: str | None = None, exact: bool = False) -> float:
     """Bytes the busiest rank receives in a divided capture of `positions` tokens (the
-    model `ops.collectives.Traffic` counts by):
+    model `parallel.collectives.Traffic` counts by):
 
         attention layer   every other rank's K/V rows, broadcast piece by piece
         MLA layer         every other rank's latent rows (latent | rope key, one row per
@@ -326,7 +326,7 @@ def divided_capture_traffic(model, *, positions: int, world: int, block: int, ch
 def walk_chunk_tokens(positions: int, chunk_size: int, world: int, block: int, at_chunks: bool = False) -> int:
     """Tokens of one chunk of a divided reverse walk: whole cycles of the deal (world x
     block), as many as `chunk_size` needs; `at_chunks` (GDN hybrids): the fewest capture
-    chunks that hold a cycle. `sequence_parallel.walk_chunks` cuts the walk with it."""
+    chunks that hold a cycle. `parallel.divided.walk_chunks` cuts the walk with it."""
     cycle = world * block
     size = -(-cycle // chunk_size) * chunk_size if at_chunks else -(-chunk_size // cycle) * cycle
     return min(positions, size)
@@ -336,7 +336,7 @@ def walk_chunk_bounds(positions: int, chunk_size: int, world: int, block: int,
                       at_chunks: bool = False) -> list[tuple[int, int]]:
     """The chunks [(start, end)] of a divided reverse walk (`walk_chunk_tokens` each); a
     shorter last chunk in which some rank would own no block joins the one before it.
-    `sequence_parallel.walk_chunks` walks exactly these."""
+    `parallel.divided.walk_chunks` walks exactly these."""
     size = walk_chunk_tokens(positions, chunk_size, world, block, at_chunks)
     bounds = [(a, min(positions, a + size)) for a in range(0, positions, size)]
     a, b = bounds[-1]
@@ -348,7 +348,7 @@ def walk_chunk_bounds(positions: int, chunk_size: int, world: int, block: int,
 def divided_walk_traffic(model, *, positions: int, world: int, block: int, chunk_size: int,
                          dtype: str | None = None, grad_bytes: float | None = None) -> float:
     """Bytes each rank receives in exact mode's divided reverse walk over `positions`
-    tokens (the model `ops.collectives.Traffic` counts by; every rank receives alike). Per
+    tokens (the model `parallel.collectives.Traffic` counts by; every rank receives alike). Per
     walk chunk of T tokens, `most` the most any rank owns of it, per layer:
 
         attention   the chunk's q/k/v rows (all-gather); the self part's partials (o, lse)

@@ -1,6 +1,6 @@
 """The planner's state offload figures (`--offload-state`, `ExecConfig(state_device="cpu")`):
 what stays on the device, what moves to host, and the host <-> device traffic of one
-step, counted the way `longstraw/offload.py` moves it.
+step, counted the way `longstraw/state/offload.py` moves it.
 
 The engine (`offload.Stager`) stages every layer with per-token rows into one of two
 device slots each time a pass visits it, and forgets the slots after each pass, so

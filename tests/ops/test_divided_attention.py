@@ -1,12 +1,12 @@
 """The divided capture's attention ops in one process (world 1, cp None) against the naive
 twins, float64: every piece size (1, one that does not divide the shard, one larger than it).
-Across ranks they are checked end to end in tests/test_distributed.py
+Across ranks they are checked end to end in tests/parallel/test_distributed.py
 (`test_divided_capture_at_awkward_block_and_chunk_boundaries`)."""
 
 import pytest
 import torch
 
-from longstraw.ops.divided_attention import (divided_causal_attention, divided_indexer_topk,
+from longstraw.parallel.attention import (divided_causal_attention, divided_indexer_topk,
                                              divided_sparse_attention)
 from longstraw.ops.naive import naive_indexer_topk, naive_sparse_attention
 

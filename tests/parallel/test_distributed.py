@@ -74,7 +74,7 @@ def test_one_rank_context_parallel_runs_on_the_backends_device(tmp_path):
 def test_collectives_pick_the_backends_device():
     import torch
 
-    from longstraw.distributed import backend_device
+    from longstraw.parallel.context import backend_device
 
     assert backend_device("gloo") == torch.device("cpu")
     assert backend_device("cpu:gloo,cuda:nccl") is None  # takes tensors where they are
@@ -88,7 +88,7 @@ def test_a_collective_error_is_not_reported_as_a_dead_peer(monkeypatch):
     import torch.distributed as dist
 
     import longstraw as ls
-    from longstraw.distributed import ContextParallel, all_gather
+    from longstraw.parallel.context import ContextParallel, all_gather
 
     def fails(*args, **kwargs):
         raise RuntimeError("No backend type associated with device type cpu")

@@ -7,7 +7,7 @@ import torch
 from longstraw.models.gated_deltanet import initial_snapshot
 from longstraw.ops.attention import prefix_causal_attention
 from longstraw.ops.naive import naive_attention
-from longstraw.state import AttentionKV, LatentKV, PromptState, RecurrentState, Shard
+from longstraw.state.prompt import AttentionKV, LatentKV, PromptState, RecurrentState, Shard
 
 
 def test_recurrent_state_gradient_sums_over_readers():
@@ -81,7 +81,7 @@ def test_sharded_attention_state_holds_its_rows_and_seeds_the_rest_with_zeros():
 
 
 def test_gradient_buffers_accumulate_in_float32_for_half_states():
-    from longstraw.state import AttentionKV, LatentKV, RecurrentState
+    from longstraw.state.prompt import AttentionKV, LatentKV, RecurrentState
 
     kv = AttentionKV.empty(kv_heads=1, head_dim=4, v_head_dim=4, capacity=3, window=None, dtype=torch.bfloat16,
                            device="cpu")

@@ -26,11 +26,11 @@ from __future__ import annotations
 
 import torch
 
-from ..tensors import KVSegment, accumulation_dtype
-from .attention import PrefixAttention
-from .collectives import broadcast_from
-from .dsa import indexer_scores, select_candidates, sparse_latent_attention
-from .flash import fused_kernel, fused_takes, merge_partials
+from longstraw.tensors import KVSegment, accumulation_dtype
+from longstraw.ops.attention import PrefixAttention
+from longstraw.parallel.collectives import broadcast_from
+from longstraw.ops.dsa import indexer_scores, select_candidates, sparse_latent_attention
+from longstraw.ops.flash import fused_kernel, fused_takes, merge_partials
 
 
 def rows_before(position: int, rank: int, world: int, block: int) -> int:
@@ -107,7 +107,7 @@ def divided_causal_attention(q, k, v, *, positions: int, rank: int, world: int, 
             latent rows, which are fetched once, not twice).
         positions: the sequence length (positions 0 .. positions - 1 are dealt).
         rank, world, block: the round-robin deal (block b on rank b % world).
-        scale: softmax scale. cp: the `distributed.ContextParallel` (None with one rank).
+        scale: softmax scale. cp: the `parallel.context.ContextParallel` (None with one rank).
         piece_rows: rows of another rank's shard fetched at a time.
 
     Returns:

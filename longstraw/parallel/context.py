@@ -5,7 +5,7 @@ ranks). The per-token prompt state (attention K/V, MLA latents) is sharded by bl
 of positions dealt round-robin (`state.Shard`); small state (GDN recurrent state) is
 replicated. Capture's token computation is divided for dense, GDN-hybrid and MLA/DSA
 families (each prompt token on the rank that owns its block, layer by layer:
-`sequence_parallel.py`), and so is exact mode's reverse walk (each prompt token
+`parallel.divided.py`), and so is exact mode's reverse walk (each prompt token
 recomputed and backpropagated on its owner). Replay runs its token computation
 (projections, MLP/MoE, norms, the branch's own causal attention) on every rank, and only
 attention over the prompt state is distributed:
@@ -30,7 +30,7 @@ through; in a divided walk each rank seeds its own rows.
 
 Collectives run on the device the group's backend carries (`ContextParallel.device`:
 the current CUDA device for NCCL, so call `torch.cuda.set_device(local_rank)` before
-building the engine; CPU for gloo); `ops/collectives.py` moves tensors there and back.
+building the engine; CPU for gloo); `longstraw/parallel/collectives.py` moves tensors there and back.
 
 What this buys: each rank holds ~1/W of the prompt state and does ~1/W of the
 attention work over it and of capture's and the reverse walk's token computation;
@@ -45,8 +45,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from .errors import DistributedError, InvalidGroupError, LongStrawError
-from .ops.collectives import MergeAcrossRanks, SumGradAcrossRanks, all_gather, all_reduce_sum, broadcast_from_first
+from longstraw.errors import DistributedError, InvalidGroupError, LongStrawError
+from longstraw.parallel.collectives import MergeAcrossRanks, SumGradAcrossRanks, all_gather, all_reduce_sum, broadcast_from_first
 
 
 def backend_device(backend: str) -> torch.device | None:

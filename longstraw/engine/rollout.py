@@ -27,10 +27,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .errors import ConfigError, StaleStateError, StateMismatchError
-from .group import check_token_ids
-from .logprobs import scaled_log_softmax, scaled_logits
-from .models.rope import rotary_of
+from longstraw.errors import ConfigError, StaleStateError, StateMismatchError
+from longstraw.group import check_token_ids
+from longstraw.engine.logprobs import scaled_log_softmax, scaled_logits
+from longstraw.models.rope import rotary_of
 
 
 @dataclass
@@ -232,7 +232,7 @@ def decode(engine, state, prompt: torch.Tensor, config: SamplingConfig, generato
         logits = adapter.lm_head(hidden)  # (G, vocab)
         nxt = sample_tokens(logits, config, generator)
         if engine.cp is not None:  # every rank samples the same; rank 0's draw is the one kept
-            from .distributed import broadcast_from_first
+            from longstraw.parallel.context import broadcast_from_first
 
             broadcast_from_first(nxt, engine.cp)
         logp = scaled_log_softmax(logits, temperature).gather(-1, nxt[:, None])[:, 0]  # (G,)

@@ -24,7 +24,7 @@ import weakref
 
 import torch
 
-from .plan.offload import arena_offsets
+from longstraw.plan.offload import arena_offsets
 
 
 def host_buffer(nbytes: int, *, pin: bool) -> torch.Tensor:

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from longstraw import engine
+from longstraw.engine import engine
 from tests.reference import random_group, tiny_hybrid, tiny_mla, tiny_model
 
 
@@ -39,7 +39,7 @@ def test_exact_step_returns_holding_no_state_gradient(name, monkeypatch):
     import weakref
 
     import longstraw as ls
-    from longstraw import state as state_mod
+    from longstraw.state import prompt as state_mod
 
     model = _EXACT_FAMILIES[name]()
     buffers = []

@@ -16,8 +16,8 @@ from __future__ import annotations
 
 import torch
 
-from .config import GRPOConfig
-from .group import BatchTotals
+from longstraw.config import GRPOConfig
+from longstraw.group import BatchTotals
 
 REWARD_STD_EPS = 1e-4  # TRL's epsilon in (r - mean) / (std + eps)
 

@@ -1,6 +1,6 @@
 """Collectives of context parallelism, and the two autograd Functions built on them.
 
-`cp` below is a `distributed.ContextParallel`: it names the process group (`cp.group`),
+`cp` below is a `parallel.context.ContextParallel`: it names the process group (`cp.group`),
 the number of ranks (`cp.world`) and the device the group's backend carries tensors on
 (`cp.device`: CUDA for NCCL, CPU for gloo, None when the backend takes either). Every
 collective here moves its tensors to that device and back, so a CPU tensor never
@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from ..errors import DistributedError
+from longstraw.errors import DistributedError
 
 
 def _collective(fn, cp, *args, **kwargs):

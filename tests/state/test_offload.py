@@ -1,4 +1,4 @@
-"""State offload (`ExecConfig(state_device="cpu")`, `longstraw/offload.py`) against the
+"""State offload (`ExecConfig(state_device="cpu")`, `longstraw/state/offload.py`) against the
 on-device engine, its naive twin, in float64 on CPU: the same staging code runs with
 plain copies.
 
@@ -16,7 +16,7 @@ import torch
 import torch.multiprocessing as mp
 
 import longstraw as ls
-from longstraw.offload import Stager, has_rows
+from longstraw.state.offload import Stager, has_rows
 from tests.reference import (
     assert_grads_close,
     assert_loss_close,

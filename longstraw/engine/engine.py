@@ -3,7 +3,7 @@
 1. Capture runs prompt[:-1] in chunks of `chunk_size` under no_grad. The adapter
    keeps only the per-layer state later tokens need (K/V for attention layers).
    Under context parallelism it runs divided instead where it can: each prompt token
-   on one rank, layer by layer (`sequence_parallel.py`).
+   on one rank, layer by layer (`parallel.divided.py`).
 2. Replay runs each branch `[prompt[-1]] + response[:-1]` at positions P-1 .. with
    autograd against the read-only state, computes that branch's share of the group
    loss, calls backward, and frees the graph before the next branch. Peak memory is
@@ -21,7 +21,7 @@
    and are backpropagated without recomputation (`kept_graphs.py`). Under context
    parallelism the walk runs divided where it can: each prompt token recomputed and
    backpropagated on one rank, the ranks' parameter gradients summed once
-   (`sequence_parallel.py`).
+   (`parallel.divided.py`).
 4. `step` only accumulates `.grad`, exactly as `loss.backward()` would; the caller
    steps the optimizer.
 5. `generate` samples the G responses from one capture (`rollout.py`); `step` and
@@ -41,21 +41,21 @@ import time
 import torch
 from torch import nn
 
-from . import grpo as G
-from .config import ExecConfig, GRPOConfig
-from .distributed import ContextParallel, check_same_group
-from .errors import ConfigError, InvalidGroupError, LongStrawError, PositionLimitError
-from .group import BatchTotals, Group, StepResult, validate_group
-from .kept_graphs import SavedBytes, chunks_to_keep
-from .logprobs import token_logprobs
-from .models import adapter_for
-from .models.placement import check_placement
-from .offload import Stager, settle
-from .ops.collectives import Traffic
-from .rollout import Rollout, SamplingConfig, check_state, generate, stamp_state
-from .sequence_parallel import (divided_capture, divided_chunks, fsdp_sum_factor, replicate_gradients,
+from longstraw.engine import grpo as G
+from longstraw.config import ExecConfig, GRPOConfig
+from longstraw.parallel.context import ContextParallel, check_same_group
+from longstraw.errors import ConfigError, InvalidGroupError, LongStrawError, PositionLimitError
+from longstraw.group import BatchTotals, Group, StepResult, validate_group
+from longstraw.engine.kept_graphs import SavedBytes, chunks_to_keep
+from longstraw.engine.logprobs import token_logprobs
+from longstraw.models import adapter_for
+from longstraw.models.placement import check_placement
+from longstraw.state.offload import Stager, settle
+from longstraw.parallel.collectives import Traffic
+from longstraw.engine.rollout import Rollout, SamplingConfig, check_state, generate, stamp_state
+from longstraw.parallel.divided import (divided_capture, divided_chunks, fsdp_sum_factor, replicate_gradients,
                                 replicated_parameters, summed_walk_gradients)
-from .state import PromptState, Shard
+from longstraw.state.prompt import PromptState, Shard
 
 
 def _progress(iterable, *, enabled: bool, desc: str | None, total: int):
@@ -278,7 +278,7 @@ class Engine:
         if keep_graph_bytes > 0:
             state.enable_grad_buffers()  # the kept graphs add into these sinks in the walk
         if shard is not None and self.divides_capture(ids.shape[0], keep_graph_bytes):
-            # each prompt token computed on one rank, layer by layer (`sequence_parallel.py`)
+            # each prompt token computed on one rank, layer by layer (`parallel.divided.py`)
             divided_capture(self.adapter, ids, state, shard, chunk_size=self.config.chunk_size, exact=exact,
                             block_size=self.config.attention_block_size)
         else:
@@ -296,7 +296,7 @@ class Engine:
     def divides_walk(self, state: PromptState) -> bool:
         """Whether exact mode's reverse walk over `state` runs divided under context
         parallelism (each prompt token recomputed and backpropagated on the rank that owns
-        it, `sequence_parallel.py`): the family supports it (every family LongStraw runs), the state
+        it, `parallel.divided.py`): the family supports it (every family LongStraw runs), the state
         is not offloaded, no capture graphs were kept (they are replicated), FSDP2-sharded
         layers (if any) shard over a 1-D mesh holding every context-parallel rank (their
         reduce-scatter is then set to sum the partial gradients: `fsdp_sum_factor`), and
@@ -317,7 +317,7 @@ class Engine:
 
     def divides_capture(self, positions: int, keep_graph_bytes: int = 0) -> bool:
         """Whether a capture of `positions` tokens runs divided under context parallelism
-        (each prompt token on one rank, `sequence_parallel.py`): the family supports it,
+        (each prompt token on one rank, `parallel.divided.py`): the family supports it,
         no chunk graphs are kept, the state is not offloaded (divided capture writes its
         rows in place on the device; an offloaded state is captured replicated), and every
         rank owns at least one block (a shorter prompt is captured replicated)."""
@@ -341,7 +341,7 @@ class Engine:
 
         `shard` (context parallelism; the prompt's walk, start 0): divided. The chunks
         are whole cycles of the deal, or whole capture chunks for a family that restarts
-        from their snapshots (`sequence_parallel.walk_chunks`), and this rank
+        from their snapshots (`parallel.divided.walk_chunks`), and this rank
         recomputes and backpropagates only its own positions of each; its parameter
         gradients are partial (the caller sums them over ranks: `summed_walk_gradients`).
         """
@@ -558,7 +558,7 @@ class Engine:
             time_reverse_s=t3 - t2,
             time_total_s=t4 - t0,
             # bytes this rank received through the context-parallel collectives, by phase
-            # (`ops.collectives.Traffic`'s model; 0 in one process)
+            # (`parallel.collectives.Traffic`'s model; 0 in one process)
             comm_bytes_capture=float(c1 - c0),
             comm_bytes_replay=float(c2 - c1),
             comm_bytes_reverse=float(c3 - c2),

@@ -1,6 +1,6 @@
 """Per-branch decode state: what each of the G rollout branches keeps of its OWN tokens.
 
-The prompt state (`state.py`) is shared by every branch and only read while decoding.
+The prompt state (`prompt.py`) is shared by every branch and only read while decoding.
 Each branch adds only what its generated tokens need, allocated once for
 `capacity` = max_new_tokens positions:
 

@@ -3,7 +3,7 @@
 import torch
 
 import longstraw as ls
-from longstraw import grpo as G
+from longstraw.engine import grpo as G
 
 
 def test_group_advantages_use_unbiased_std_plus_eps():

@@ -62,11 +62,11 @@ import contextlib
 
 import torch
 
-from .errors import DistributedError
-from .models.divided import Divided, DividedChunk
-from .ops.collectives import all_gather, all_reduce_sum, broadcast_from, in_buckets
-from .plan.estimate import walk_chunk_bounds
-from .state import PromptState, Shard
+from longstraw.errors import DistributedError
+from longstraw.models.divided import Divided, DividedChunk
+from longstraw.parallel.collectives import all_gather, all_reduce_sum, broadcast_from, in_buckets
+from longstraw.plan.estimate import walk_chunk_bounds
+from longstraw.state.prompt import PromptState, Shard
 
 
 def snapshot_positions(positions: int, chunk_size: int, exact: bool) -> tuple[int, ...]:

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import longstraw as ls
-from longstraw.kept_graphs import SavedBytes, chunks_to_keep
+from longstraw.engine.kept_graphs import SavedBytes, chunks_to_keep
 from tests.reference import (
     assert_grads_close,
     assert_loss_close,

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from .tensors import KVSegment, accumulation_dtype
+from longstraw.tensors import KVSegment, accumulation_dtype
 
 HOST = "host"
 """The `device` for per-token rows in host memory (state offload, `offload.py`): they
@@ -45,7 +45,7 @@ class Shard:
     world: int
     block: int
     cp: object = field(default=None, compare=False)
-    """the `distributed.ContextParallel` the shard belongs to"""
+    """the `parallel.context.ContextParallel` the shard belongs to"""
 
     def count(self, n: int) -> int:
         """Positions this rank owns in [0, n)."""

@@ -1,4 +1,4 @@
-"""`longstraw/host_arena.py`: an offloaded state's host memory is one buffer per state
+"""`longstraw/state/host_arena.py`: an offloaded state's host memory is one buffer per state
 (rows; exact mode's gradient rows), carved into aligned, disjoint views whose total is
 the planner's host bytes (`plan/offload.host_bytes`), for every family and several
 sizes and dtypes. The pinned path is checked with a fake CUDA runtime: one exact-size
@@ -8,12 +8,12 @@ import pytest
 import torch
 
 import longstraw as ls
-from longstraw.host_arena import HostArena
-from longstraw.offload import Stager, has_rows
+from longstraw.state.host_arena import HostArena
+from longstraw.state.offload import Stager, has_rows
 from longstraw.plan import PlanConfig, estimate
 from longstraw.plan.offload import ARENA_ALIGN, arena_offsets
-from longstraw.state import IndexKeys, LatentKV
-from tests.test_offload import MODELS
+from longstraw.state.prompt import IndexKeys, LatentKV
+from tests.state.test_offload import MODELS
 
 SPECS = [((3, 5, 7), torch.bfloat16), ((1, 3), torch.float32), ((2, 0, 4), torch.float64), ((5,), torch.float16),
          ((2, 9, 3), torch.float64), ((1,), torch.bfloat16)]

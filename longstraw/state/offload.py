@@ -56,9 +56,9 @@ from dataclasses import dataclass
 
 import torch
 
-from .host_arena import HostArena
-from .state import AttentionKV, IndexKeys, LatentKV, MLAState, PromptState
-from .tensors import accumulation_dtype
+from longstraw.state.host_arena import HostArena
+from longstraw.state.prompt import AttentionKV, IndexKeys, LatentKV, MLAState, PromptState
+from longstraw.tensors import accumulation_dtype
 
 # ----------------------------------------------------------------------------
 # which parts of a layer are per-token rows
