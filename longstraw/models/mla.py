@@ -24,6 +24,25 @@ lower position (HF breaks ties arbitrarily; ours never depends on chunking), glo
 over the whole prompt; "shared" layers (GLM-5) reuse the previous layer's selection.
 Attention is then restricted to the selected rows by gathering them
 (`ops/dsa.sparse_latent_attention`), not by a dense mask over P.
+
+Per phase (`routing.Phase`; one switch, `AttentionCall.route`):
+
+    CAPTURE / REPLAY / RECOMPUTE  `_mla_chunk`: dense or sparse attention over the
+               stacked states' latent rows and the new ones; capture appends the rows
+               (and indexer keys), a recompute seeds them
+    DECODE     `_mla_decode`: G branches, one token each (`mla_decode.py`)
+    DIVIDED    `divided_mla` (context parallelism's divided capture): the layer's own
+               latent rows (and indexer keys) go into the sharded state; its absorbed
+               queries attend over every rank's latent rows (fetched piece by piece),
+               or, with DSA, over the rows of the global top-k (selected over every
+               rank's indexer keys, fetched piece by piece)
+    RECOMPUTE of a divided reverse walk: `_mla_chunk` after `gather_mla_chunk`
+               gathers the chunk's absorbed queries and latent rows (and the
+               indexer's inputs, no grad); it attends as the replicated walk does and
+               keeps this rank's rows (`DividedChunk.own_rows`)
+
+Legend: H heads, T new tokens (N, n: this rank's own), R = kv_lora_rank, Dr rope dim,
+Dv value head dim, K top-k, Hi / Di indexer heads / dim, G branches.
 """
 
 from __future__ import annotations
@@ -200,7 +219,7 @@ class Absorbed:
     b_uv: torch.Tensor | None
 
 
-def absorbed(module, spec, x, position_embeddings, decode: bool) -> Absorbed:
+def absorb(module, spec, x, position_embeddings, decode: bool) -> Absorbed:
     """The model's own projections, norms and RoPE of x [T, d], in absorbed form."""
     t, h = x.shape[0], module.num_heads
     nope, rope, rank, vdim = module.qk_nope_head_dim, module.qk_rope_head_dim, module.kv_lora_rank, module.v_head_dim
@@ -240,10 +259,16 @@ def mla_forward(module, spec, hidden_states, position_embeddings=None, attention
     call = current_call()
     decode = call.phase is Phase.DECODE
     x = hidden_states[:, 0] if decode else hidden_states[0]  # (T, d); decode: G tokens at one position
-    a = absorbed(module, spec, x, position_embeddings, decode)
+    a = absorb(module, spec, x, position_embeddings, decode)
     run = call.route(chunk=_mla_chunk, decode=_mla_decode, divided=_mla_divided, divided_walk=_mla_chunk)
     out, indices = run(module, spec, a, call, prev_topk_indices)
     return (out, None, indices) if spec["returns_topk"] else (out, None)
+
+
+def shared_selection(prev_indices):
+    """A GLM-5 "shared" DSA layer's selection: the previous layer's, [T, K]."""
+    assert prev_indices is not None, "a shared DSA layer needs the previous layer's selection"
+    return prev_indices
 
 
 def _topk(module, spec) -> int | None:
@@ -307,8 +332,7 @@ def _mla_chunk(module, spec, a: Absorbed, call, prev_indices):
             index_q, new_index_keys, index_w = index_inputs
             indices = _select(indexer, layers, index_q, new_index_keys, index_w, call, own=own_rows)
         else:
-            indices = prev_indices
-            assert indices is not None, "a shared DSA layer needs the previous layer's selection"
+            indices = shared_selection(prev_indices)
         o_lat = _sparse_attention(q_full, k_new, latent, indices, [layer.latent for layer in layers], call,
                                   module.scaling)
     else:  # every query selects all it sees: dense (the indexer keys are still kept); a walk's self part divided
@@ -367,17 +391,16 @@ def divided_mla(module, q_full, k_new, rank: int, topk, call, prev_indices, inde
         indices = divided_indexer_topk(index_q.float(), weights, keys, topk, scale=module.indexer.softmax_scale,
                                        **deal)
     else:
-        indices = prev_indices
-        assert indices is not None, "a shared DSA layer needs the previous layer's selection"
+        indices = shared_selection(prev_indices)
     return divided_sparse_attention(q_full, k_new, indices, value_dim=rank, scale=module.scaling, **deal), indices
 
 
 def gather_mla_chunk(q_full, k_new, index_inputs, call):
     """A divided reverse walk's MLA layer (exact mode): this rank's n rows of the chunk ->
     the whole chunk's T rows, in chunk order. q_full [H, n, R + Dr], k_new [n, R + Dr]
-    (gathered with autograd, `DividedChunk.gather`: one all-gather for the two) and the indexer's
-    inputs (queries [n, Hi, Di], keys [n, Di], weights [n, Hi], or None; gathered without
-    grad, as the indexer runs) -> (q_full [H, T, R + Dr], k_new [T, R + Dr], index_inputs
+    (gathered with autograd, `DividedChunk.gather`: one all-gather for the two) and the
+    indexer's inputs (queries [n, Hi, Di], keys [n, Di], weights [n, Hi], or None; gathered
+    without grad, as the indexer runs) -> (q_full [H, T, R + Dr], k_new [T, R + Dr], index_inputs
     of T rows).
 
     The chunk's attention then runs as in the replicated walk (`_mla_chunk`): the
