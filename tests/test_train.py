@@ -69,7 +69,7 @@ def test_resume_equals_uninterrupted(tmp_path):
 def test_full_sequence_step_matches_exact(model):
     """The baseline arm's gradient (HF forward + backward per branch) equals exact mode's,
     in float64 with HF's float32 internals (norms, the GDN kernel) run in float64 (the
-    hybrid to 1e-6, as in tests/test_hybrid.py's exact-mode checks)."""
+    hybrid to 1e-6, as in tests/models/test_hybrid.py's exact-mode checks)."""
     cfg = TrainConfig(**dict(LOOKUP, model=model, dtype="float64", prompt_tokens=40))
     net = build_model(cfg)
     with contextlib.ExitStack() as stack:

@@ -50,6 +50,7 @@ from longstraw.engine.kept_graphs import SavedBytes, chunks_to_keep
 from longstraw.engine.logprobs import token_logprobs
 from longstraw.models import adapter_for
 from longstraw.models.placement import check_placement
+from longstraw.models.routing import Phase
 from longstraw.state.offload import Stager, settle
 from longstraw.parallel.collectives import Traffic
 from longstraw.engine.rollout import Rollout, SamplingConfig, check_state, generate, stamp_state
@@ -245,7 +246,8 @@ class Engine:
             saved = SavedBytes(self.model) if measure else contextlib.nullcontext()
             with torch.set_grad_enabled(measure or a in keep), saved:
                 states[-1].seeds = []
-                self.adapter.run(piece, start + a, states, phase="capture", block_size=self.config.attention_block_size)
+                self.adapter.run(piece, start + a, states, phase=Phase.CAPTURE,
+                                 block_size=self.config.attention_block_size)
             if measure:
                 keep = chunks_to_keep(starts, saved.total, keep_graph_bytes)
             if a in keep:
@@ -358,7 +360,7 @@ class Engine:
                 states[-1].seeds = []
                 tokens = ids[a:b] if divided is None else ids[divided.positions(ids.device)]
                 with torch.enable_grad():
-                    hidden = self.adapter.run(tokens, start + a, states, phase="recompute",
+                    hidden = self.adapter.run(tokens, start + a, states, phase=Phase.RECOMPUTE,
                                               block_size=self.config.attention_block_size, divided=divided)
                 kept, states[-1].seeds = states[-1].seeds, []
             roots = [(t, g.to(device=t.device, dtype=t.dtype)) for tensors, read in kept for t, g in zip(tensors, read())
@@ -394,7 +396,7 @@ class Engine:
         (used by `score`, without grad; the state is only read)."""
         device = self.adapter.device
         inputs = torch.cat([prompt[-1:], response[:-1]]).to(device)  # (R,)
-        hidden = self.adapter.run(inputs, prompt.shape[0] - 1, [state], phase="replay",
+        hidden = self.adapter.run(inputs, prompt.shape[0] - 1, [state], phase=Phase.REPLAY,
                                   block_size=self.config.attention_block_size)
         return self.logprobs(hidden, response.to(device), temperature)
 

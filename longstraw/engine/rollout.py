@@ -31,6 +31,7 @@ from longstraw.errors import ConfigError, StaleStateError, StateMismatchError
 from longstraw.group import check_token_ids
 from longstraw.engine.logprobs import scaled_log_softmax, scaled_logits
 from longstraw.models.rope import rotary_of
+from longstraw.models.routing import Phase
 
 
 @dataclass
@@ -227,8 +228,8 @@ def decode(engine, state, prompt: torch.Tensor, config: SamplingConfig, generato
     temperature = config.temperature if config.temperature > 0 else 1.0
     steps = 0
     for j in progress(range(n)):
-        hidden = adapter.run(tokens, start + j, [state], phase="decode", block_size=engine.config.attention_block_size,
-                             branches=branches)  # (G, d)
+        hidden = adapter.run(tokens, start + j, [state], phase=Phase.DECODE,
+                             block_size=engine.config.attention_block_size, branches=branches)  # (G, d)
         logits = adapter.lm_head(hidden)  # (G, vocab)
         nxt = sample_tokens(logits, config, generator)
         if engine.cp is not None:  # every rank samples the same; rank 0's draw is the one kept

@@ -1,10 +1,22 @@
-"""Model-family adapters and the registry keyed by `config.model_type`."""
+"""Model-family adapters and the registry keyed by `config.model_type`.
+
+    routing.py        the phase of a run (`Phase`), the call its layers read
+                      (`AttentionCall`), the one switch over phases, context
+                      parallelism's `Divided` / `DividedChunk`
+    base.py           the `Adapter` interface the engine calls
+    attention.py      full attention (the "longstraw" attention function), every phase
+    gated_deltanet.py Gated DeltaNet layers, every phase
+    mla.py            MLA (+ DSA) layers, every phase but decode; mla_decode.py: decode
+    dense.py, hybrid.py  the adapters of the dense and hybrid families
+    peft_layers.py, placement.py, rope.py  what the adapters check and pin
+"""
 
 from __future__ import annotations
 
 from torch import nn
 
 from ..errors import UnsupportedModelError
+from . import attention  # noqa: F401  (registers the "longstraw" attention function with transformers)
 from .base import Adapter, unwrap_causal_lm
 from .dense import DenseAdapter
 from .hybrid import HybridAdapter

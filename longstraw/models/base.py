@@ -13,13 +13,19 @@ import contextlib
 import torch
 from torch import nn
 
+from longstraw.errors import ModelStateError, UnsupportedModelError
 from longstraw.state.branch import BranchState
-from ..errors import ModelStateError, UnsupportedModelError
 from longstraw.state.offload import settle
 from longstraw.state.prompt import PromptState
-from .attention_hook import AttentionCall, run_backbone
+
 from .peft_layers import check_peft
 from .rope import pinned_rope, rotary_of
+from .routing import AttentionCall, Divided, DividedChunk, Phase, forwards_replaced, run_backbone
+
+try:
+    from torch.distributed.fsdp import FSDPModule
+except ImportError:  # torch built without distributed
+    FSDPModule = None
 
 
 def unwrap_causal_lm(model: nn.Module) -> nn.Module:
@@ -31,29 +37,31 @@ def unwrap_causal_lm(model: nn.Module) -> nn.Module:
     return base
 
 
-@contextlib.contextmanager
-def forwards_replaced(modules, forwards):
-    """Within the block, module i runs forwards[i] instead of its own `forward` (set on
-    the instance only, and restored after, so the model is untouched outside)."""
-    saved = [(m, m.__dict__.get("forward")) for m in modules]
-    for m, forward in zip(modules, forwards):
-        m.forward = forward
-    try:
-        yield
-    finally:
-        for m, previous in saved:
-            if previous is None:
-                del m.forward
-            else:
-                m.forward = previous
-
-
 def _is_fsdp_module(module: nn.Module) -> bool:
-    try:
-        from torch.distributed.fsdp import FSDPModule
-    except ImportError:  # torch without distributed
-        return False
-    return isinstance(module, FSDPModule)
+    return FSDPModule is not None and isinstance(module, FSDPModule)
+
+
+def chunked_mlps(layers, size: int):
+    """Within the block (a divided capture, phase DIVIDED), each decoder layer's `mlp` runs
+    over pieces of `size` tokens, so a layer's working set is the attention projections of
+    the shard plus one MLP piece; a last piece of one token joins the one before it.
+    (DeepSeek's and GLM-5's MoE routers compute their logits in float32, and one token
+    takes BLAS's matrix-vector path, which rounds differently from the matrix products of
+    a chunked capture.)"""
+    mlps = [layer.mlp for layer in layers if hasattr(layer, "mlp")]
+
+    def chunked(forward):
+        def run(x):  # x [1, N, d]
+            n = x.shape[1]
+            if n <= size + 1:
+                return forward(x)
+            starts = list(range(0, n, size))
+            if n - starts[-1] == 1:
+                starts.pop()
+            outs = [forward(x[:, a:b]) for a, b in zip(starts, starts[1:] + [n])]
+            return torch.cat([o[0] if isinstance(o, tuple) else o for o in outs], dim=1)
+        return run
+    return forwards_replaced(mlps, [chunked(m.forward) for m in mlps])
 
 
 class Adapter:
@@ -167,45 +175,46 @@ class Adapter:
         return contextlib.nullcontext()
 
     divides_capture: bool = False
-    """Whether a context-parallel capture may run divided (`divided.py`): each prompt
-    token computed on one rank. Families without it capture replicated."""
+    """Whether a context-parallel capture may run divided (phase DIVIDED,
+    `parallel/divided.py`): each prompt token computed on one rank. Families without it
+    capture replicated."""
 
     divides_walk: bool = False
     """Whether exact mode's reverse walk may run divided under context parallelism
-    (`divided.DividedChunk`): each prompt token recomputed and backpropagated on one rank.
+    (`routing.DividedChunk`): each prompt token recomputed and backpropagated on one rank.
     Families without it walk replicated."""
 
     restarts_at_chunks: bool = False
     """Whether the family's recompute restarts from snapshots capture kept at multiples of
     `chunk_size` (GDN layers), so that a divided walk cuts the prompt only there."""
 
-    def run(self, input_ids: torch.Tensor, start: int, states: list[PromptState], *, phase: str,
-            block_size: int, branches: BranchState | None = None, divided=None) -> torch.Tensor:
+    def run(self, input_ids: torch.Tensor, start: int, states: list[PromptState], *, phase: Phase | str,
+            block_size: int, branches: BranchState | None = None,
+            divided: Divided | DividedChunk | None = None) -> torch.Tensor:
         """Run tokens input_ids [T] at positions start .. start+T-1 against `states`
         (stacked, earliest first: the prompt state, then any earlier branch pieces).
+        `phase` is a `routing.Phase` (or its name as a string):
 
-        phase "capture": write their state into states[-1] (the caller holds no_grad).
-        phase "replay": only read the states.
-        phase "recompute": read what lies before `start` and record the chunk's own
-        state tensors with their accumulated gradients in `states[-1].seeds`.
-        phase "decode": input_ids [G] are one token per branch, all at position
-        `start`; they read `states` and append to `branches` (the caller holds no_grad).
-        phase "divided": input_ids [N] are this rank's own prompt positions (`divided`, a
-        `divided.Divided`), the whole prompt at once, layer by layer (the caller holds
-        no_grad); they append to states[-1]. Phase "recompute" with `divided` (a
-        `divided.DividedChunk`): input_ids [n] are this rank's positions of the chunk
+        CAPTURE: write their state into states[-1] (the caller holds no_grad).
+        REPLAY: only read the states.
+        RECOMPUTE: read what lies before `start` and record the chunk's own state tensors
+        with their accumulated gradients in `states[-1].seeds`.
+        DECODE: input_ids [G] are one token per branch, all at position `start`; they read
+        `states` and append to `branches` (the caller holds no_grad).
+        DIVIDED: input_ids [N] are this rank's own prompt positions (`divided`, a
+        `routing.Divided`), the whole prompt at once, layer by layer (the caller holds
+        no_grad); they append to states[-1]. RECOMPUTE with `divided` (a
+        `routing.DividedChunk`): input_ids [n] are this rank's positions of the chunk
         from `start` (a divided reverse walk).
         Returns final hidden states [T, d] ([G, d] for decode), after the final norm,
         ready for the lm_head.
         """
+        phase = Phase(phase)
         positions = divided.positions(input_ids.device) if divided is not None else None
         call = AttentionCall(states=states, start=start, phase=phase, block_size=block_size, branches=branches,
                              positions=positions, divided=divided)
-        pieces = contextlib.nullcontext()
-        if phase == "divided":
-            from .divided import chunked_mlps
-
-            pieces = chunked_mlps(self.backbone.layers, divided.chunk_size)
+        pieces = chunked_mlps(self.backbone.layers, divided.chunk_size) if phase is Phase.DIVIDED \
+            else contextlib.nullcontext()
         with self.routing(), pieces, pinned_rope(self.backbone, states[0].rope_length):
             hidden = run_backbone(self.backbone, self.config, input_ids, call)
         settle(states)  # offloaded states: capture's rows are on host before anyone reads them there

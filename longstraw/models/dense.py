@@ -1,7 +1,7 @@
 """Dense-attention families (`llama`, `mistral`, `qwen2`, `qwen3`).
 
 Each decoder layer is the model's own; its attention module is routed through
-LongStraw's LSE-merged prefix attention (see `attention_hook.py`). The state is one
+LongStraw's LSE-merged prefix attention (`attention.py`). The state is one
 `AttentionKV` per layer: K/V per kv head (never GQA-expanded). Sliding-window layers
 keep only their last W - 1 positions and mask by position, exactly as HF does.
 """

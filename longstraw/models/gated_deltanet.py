@@ -1,5 +1,5 @@
-"""Route a Hugging Face Gated DeltaNet layer (Qwen3.5 / Qwen3.6, Qwen3-Next) through
-LongStraw's own state.
+"""Gated DeltaNet layers (Qwen3.5 / Qwen3.6, Qwen3-Next) in every phase, context
+parallelism included, on LongStraw's own state.
 
 HF's GDN forward reads and writes its cache with in-place `copy_`, which breaks
 autograd in branch replay, so we never hand it a cache. Instead, inside `routed_gdn`,
@@ -8,16 +8,28 @@ each GDN module's `forward` is replaced (on the instance, for the duration only)
 norm and output projection, and our `causal_conv1d_with_tail` and
 `chunk_gated_delta_rule`, starting from the snapshot in LongStraw's `RecurrentState`.
 
-Per phase (see `attention_hook.py`):
-    capture    start from the snapshot at `start`, record the snapshot at the end
-    replay     start from the snapshot at `start`, record nothing
-    recompute  start from the snapshot as a leaf that requires grad when its owner
+Per phase (`routing.Phase`):
+    CAPTURE    start from the snapshot at `start`, record the snapshot at the end
+    REPLAY     start from the snapshot at `start`, record nothing
+    RECOMPUTE  start from the snapshot as a leaf that requires grad when its owner
                tracks gradients (a hook adds dL/dsnapshot into the owner); seed the
                end state with the gradient accumulated for it, if any
-    decode     one token for each of G branches: step each branch's own copy of the
+    DECODE     one token for each of G branches: step each branch's own copy of the
                state (`BranchRecurrent`) with the recurrent form of the rule
-    divided    context parallelism's divided capture (`divided.py`); a divided reverse
-               walk's recompute also goes there (`divided_recompute_gdn`)
+    DIVIDED    context parallelism's divided capture (`divided_gdn`): each own segment
+               (a block, cut at the snapshot positions) gets its conv tail from the
+               previous block's owner (one all-gather of every block's last K-1 pre-conv
+               rows), then its affine transition (`ops/gated_delta_scan.py`); a relay
+               across ranks carries the recurrent state from segment to segment; each
+               rank finishes its outputs, and the snapshots every rank needs (the end;
+               exact mode: every chunk start) are summed over ranks from their owners
+    RECOMPUTE of a divided reverse walk (`divided_recompute_gdn`): this rank's rows are
+               projected, the chunk's projected rows gathered, the conv and the
+               recurrence run over the whole chunk on every rank, and this rank keeps
+               its rows
+
+Shapes: T tokens (N: this rank's own in a divided capture; n: its own of a walk chunk),
+C = conv_dim, Hv value heads, Dk / Dv head dims, K the conv kernel, G branches.
 """
 
 from __future__ import annotations
@@ -25,14 +37,14 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from longstraw.ops.causal_conv import causal_conv1d_step, causal_conv1d_with_tail
+from longstraw.ops.gated_delta import chunk_gated_delta_rule, gated_delta_step
+from longstraw.ops.gated_delta_scan import chain_states, finish_outputs, gated_delta_transition
+from longstraw.parallel.collectives import GradOnFirstRank, all_gather, all_reduce_sum
 from longstraw.state.branch import BranchRecurrent
-from ..ops.causal_conv import causal_conv1d_step, causal_conv1d_with_tail
-from ..ops.gated_delta import chunk_gated_delta_rule, gated_delta_step
 from longstraw.state.prompt import RecurrentState
-from .attention_hook import current_call
-from .base import forwards_replaced
-from .divided import divided_gdn, divided_recompute_gdn
 
+from .routing import AttentionCall, Divided, DividedChunk, Phase, current_call, forwards_replaced
 
 def initial_snapshot(states, layer_idx: int, position: int):
     """(recurrent, conv_tail) at `position`, found in the stacked states (latest first).
@@ -92,15 +104,15 @@ def _gated_output(module, out, z, shape):
 
 def gdn_forward(module, hidden_states, cache_params=None, attention_mask=None, **kwargs):
     """Drop-in for a GDN module's forward: hidden_states [1, T, d] -> [1, T, d]
-    (phase "decode": [G, 1, d] -> [G, 1, d])."""
+    (phase DECODE: [G, 1, d] -> [G, 1, d])."""
     call = current_call()
-    if call.phase == "decode":
-        return _gdn_decode(module, hidden_states, call.branches.layers[module.layer_idx])
-    helpers = (_project, _split_heads, _log_decay, _gated_output)
-    if call.phase == "divided":  # context parallelism: this rank's own positions (`divided.py`)
-        return divided_gdn(module, hidden_states[0], call, helpers)
-    if call.phase == "recompute" and call.divided is not None:  # a divided reverse walk (`divided.py`)
-        return divided_recompute_gdn(module, hidden_states[0], call, helpers, initial_snapshot)
+    run = call.route(chunk=_gdn_chunk, decode=_gdn_decode, divided=divided_gdn, divided_walk=divided_recompute_gdn)
+    return run(module, hidden_states, call)
+
+
+def _gdn_chunk(module, hidden_states, call: AttentionCall):
+    """Phases CAPTURE, REPLAY, RECOMPUTE: hidden_states [1, T, d] at positions start.. ->
+    [1, T, d], from the snapshot at `start`."""
     x = hidden_states[0]  # (T, d)
     t = x.shape[0]
     mixed, z, b, a = _project(module, x)
@@ -115,17 +127,19 @@ def gdn_forward(module, hidden_states, cache_params=None, attention_mask=None, *
 
     end = call.start + t
     layer: RecurrentState = call.states[-1].layers[module.layer_idx]
-    if call.phase == "capture":
+    if call.phase is Phase.CAPTURE:
         layer.put(end, rec1, tail1)
     if call.records_roots() and layer.grads is not None:  # seeded by what later readers of the snapshot added
         call.states[-1].seeds.append(((rec1, tail1), lambda: tuple(layer.grads.get(end, (None, None)))))
     return out
 
 
-def _gdn_decode(module, hidden_states, own: BranchRecurrent):
-    """One token per branch: hidden_states [G, 1, d] -> [G, 1, d], stepping `own` (the
-    branches' recurrent states and conv tails). The projections see the G tokens as a
-    sequence of G (they are per-token); the conv and the rule are per branch."""
+def _gdn_decode(module, hidden_states, call: AttentionCall):
+    """Phase DECODE, one token per branch: hidden_states [G, 1, d] -> [G, 1, d], stepping
+    the branches' own recurrent states and conv tails (`BranchRecurrent`). The projections
+    see the G tokens as a sequence of G (they are per-token); the conv and the rule are
+    per branch."""
+    own: BranchRecurrent = call.branches.layers[module.layer_idx]
     x = hidden_states[:, 0]  # (G, d)
     b = x.shape[0]
     mixed, z, beta_logit, a = _project(module, x)  # (G, conv_dim), (G, Hv, Dv), (G, Hv), (G, Hv)
@@ -136,6 +150,127 @@ def _gdn_decode(module, hidden_states, own: BranchRecurrent):
                                       use_qk_l2norm=True)  # (G, Hv, Dv)
     own.update(recurrent, tail)
     return _gated_output(module, out, z, (b, 1))
+
+
+# ----------------------------------------------------------------------------
+# context parallelism
+
+
+def divided_recompute_gdn(module, hidden_states, call: AttentionCall):
+    """A divided reverse walk's GDN layer (exact mode): hidden_states [1, n, d] of this
+    rank's n positions of the chunk -> [1, n, d].
+
+    The per-token parts are divided: the input projections and the gated norm + output
+    projection run on this rank's rows. The conv and the recurrence run over the whole
+    chunk on every rank (they need every earlier position's state, and cost little next
+    to the projections): the chunk's projected rows of every rank are gathered
+    (`DividedChunk.gather`), the rule starts from the snapshot at the chunk's start as in the
+    replicated walk, and this rank keeps its output rows, whose gradient is summed over
+    ranks (`DividedChunk.own_rows`). That replicated part's backward is then identical on
+    every rank, seeds at the chunk's end and snapshot gradients included (the GDN state
+    is replicated); its parameters (conv, A_log, dt_bias) pass their gradient on the
+    first rank only (`GradOnFirstRank`), so the walk's one sum over ranks counts it once.
+
+    The decay is computed per capture chunk, as the replicated walk computes it: HF's
+    decay casts A_log to float32, so each call rounds A_log's gradient to float32 once,
+    and cutting where the replicated walk cuts keeps that rounding the same."""
+    d: DividedChunk = call.divided
+    x = hidden_states[0]  # (n, d)
+    mixed, z, b_logit, a_logit = _project(module, x)  # (n, C), (n, Hv, Dv), (n, Hv), (n, Hv)
+    widths = [mixed.shape[1], b_logit.shape[1], a_logit.shape[1]]
+    full_mixed, full_b, full_a = d.gather(torch.cat([mixed, b_logit, a_logit], 1)).split(widths, 1)  # (T, C|Hv|Hv)
+    first = [None if p is None else GradOnFirstRank.apply(p, d.cp)
+             for p in (module.conv1d.weight, module.conv1d.bias, module.A_log, module.dt_bias)]
+    rec0, tail0 = initial_snapshot(call.states, module.layer_idx, d.start)
+    conv, tail1 = causal_conv1d_with_tail(full_mixed.transpose(0, 1), first[0][:, 0, :], first[1], tail0,
+                                          activation=module.activation)  # (C, T)
+    q, k, v = _split_heads(module, conv.transpose(0, 1))
+    assert d.start % d.chunk_size == 0, "a hybrid's walk chunk starts at a capture chunk"
+    decay = torch.cat([_log_decay(module, full_a[i:i + d.chunk_size], (first[2], first[3]))
+                       for i in range(0, full_a.shape[0], d.chunk_size)])  # (T, Hv)
+    out, rec1 = chunk_gated_delta_rule(q, k, v, decay, full_b.sigmoid(), rec0,
+                                       use_qk_l2norm=True)  # (T, Hv, Dv), the same on every rank
+    out = d.own_rows(out, rows_dim=0)  # (n, Hv, Dv)
+    layer: RecurrentState = call.states[-1].layers[module.layer_idx]
+    if layer.grads is not None:  # seeded by what later readers of the snapshot added (on every rank alike)
+        call.states[-1].seeds.append(((rec1, tail1), lambda: tuple(layer.grads.get(d.end, (None, None)))))
+    return _gated_output(module, out, z, (1, x.shape[0]))
+
+
+def _block_tails(mixed: torch.Tensor, d: Divided, width: int) -> torch.Tensor:
+    """Every block's last `width` pre-conv rows, all ranks: [blocks, width, C] (front zero
+    padded for a block shorter than `width`), via one all-gather."""
+    most = len(d.deal.blocks(0, d.total))  # the most blocks any rank owns (rank 0's)
+    table = mixed.new_zeros(most, width, mixed.shape[1])  # (most, width, C): this rank's blocks, in order
+    for i, (a, b, row) in enumerate(d.blocks()):
+        m = min(width, b - a)
+        table[i, width - m:] = mixed[row + (b - a) - m: row + (b - a)]
+    gathered = [table] if d.world == 1 else all_gather(table, d.cp)
+    firsts = range(0, d.total, d.block)  # every block's first position, in order
+    if not firsts:
+        return table[:0]
+    return torch.stack([gathered[d.owner(p)][d.deal.row(p) // d.block] for p in firsts])
+
+
+def _tail_before(position: int, mixed, table, d: Divided, width: int) -> torch.Tensor:
+    """The `width` pre-conv rows before `position`, [C, width] (zeros before the start)."""
+    rows = []
+    for p in range(position - width, position):
+        if p < 0:
+            rows.append(mixed.new_zeros(mixed.shape[1]))
+        elif d.owner(p) == d.rank:
+            rows.append(mixed[d.local_row(p)])
+        else:  # in the last `width` rows of an earlier block
+            end = min(d.total, (p // d.block + 1) * d.block)
+            rows.append(table[p // d.block, width - (end - p)])
+    return torch.stack(rows, dim=1) if rows else mixed.new_zeros(mixed.shape[1], 0)
+
+
+def divided_gdn(module, hidden_states, call: AttentionCall):
+    """Phase DIVIDED: hidden_states [1, N, d] of this rank's positions -> [1, N, d] (see
+    the module docstring)."""
+    d: Divided = call.divided
+    x = hidden_states[0]  # (N, d)
+    mixed, z, b_logit, a_logit = _project(module, x)  # (N, C), (N, Hv, Dv), (N, Hv), (N, Hv)
+    weight = module.conv1d.weight[:, 0, :]  # (C, K)
+    width = weight.shape[1] - 1
+    table = _block_tails(mixed, d, width)
+    segments = d.segments()
+    transitions, links, ends, parts = [], [], {}, []
+    for s, e in segments:
+        r0 = d.local_row(s)
+        r1 = r0 + (e - s)
+        conv, tail = causal_conv1d_with_tail(mixed[r0:r1].transpose(0, 1), weight, module.conv1d.bias,
+                                             _tail_before(s, mixed, table, d, width), activation=module.activation)
+        q, k, v = _split_heads(module, conv.transpose(0, 1))
+        read, out0, a, c = gated_delta_transition(q, k, v, _log_decay(module, a_logit[r0:r1]),
+                                                  b_logit[r0:r1].sigmoid())
+        parts.append((read, out0))
+        transitions.append((a, c))
+        src = -1 if s == 0 else d.owner(s - 1)
+        dst = d.owner(e) if e < d.total and d.owner(e) != d.rank else None
+        links.append((src, dst))
+        ends[e] = tail
+    hv, dk = module.num_v_heads, module.head_k_dim
+    acc = torch.float64 if x.dtype == torch.float64 else torch.float32
+    chained = chain_states(transitions, links, d.cp, (hv, dk, module.head_v_dim), acc, x.device)
+    out = [finish_outputs(read, out0, start) for (read, out0), (start, _) in zip(parts, chained)]
+    out = torch.cat(out).to(x.dtype) if out else x.new_zeros(0, hv, module.head_v_dim)
+
+    # the snapshots every rank keeps, from the owners of the segments that end there
+    states = torch.zeros(len(d.snapshots), hv, dk, module.head_v_dim, dtype=acc, device=x.device)
+    tails = mixed.new_zeros(len(d.snapshots), mixed.shape[1], width)
+    end_state = {e: end for (_, e), (_, end) in zip(segments, chained)}
+    for i, p in enumerate(d.snapshots):
+        if p in end_state:
+            states[i], tails[i] = end_state[p], ends[p]
+    if d.world > 1:
+        all_reduce_sum(states, d.cp)
+        all_reduce_sum(tails, d.cp)
+    layer: RecurrentState = call.states[-1].layers[module.layer_idx]
+    for i, p in enumerate(d.snapshots):
+        layer.put(p, states[i], tails[i])
+    return _gated_output(module, out.reshape(x.shape[0], hv, -1), z, (1, x.shape[0]))
 
 
 def routed_gdn(modules):

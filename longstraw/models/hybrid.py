@@ -5,7 +5,7 @@ Three of every four layers are Gated DeltaNet (GDN); their state is a constant-s
 `RecurrentState` (recurrent state [Hv, Dk, Dv] in fp32 + conv tail [conv_dim, K-1]),
 routed through `gated_deltanet.py`. The full-attention layers (output gate, q/k norms,
 partial RoPE, all inside HF's module) keep `AttentionKV` and are routed through the
-same attention hook as the dense families. MLP / MoE blocks and norms are the model's
+same attention function as the dense families (`attention.py`). MLP / MoE blocks and norms are the model's
 own modules, untouched.
 """
 

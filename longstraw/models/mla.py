@@ -24,26 +24,51 @@ lower position (HF breaks ties arbitrarily; ours never depends on chunking), glo
 over the whole prompt; "shared" layers (GLM-5) reuse the previous layer's selection.
 Attention is then restricted to the selected rows by gathering them
 (`ops/dsa.sparse_latent_attention`), not by a dense mask over P.
+
+Per phase (`routing.Phase`; one switch, `AttentionCall.route`):
+
+    CAPTURE / REPLAY / RECOMPUTE  `_mla_chunk`: dense or sparse attention over the
+               stacked states' latent rows and the new ones; capture appends the rows
+               (and indexer keys), a recompute seeds them
+    DECODE     `_mla_decode`: G branches, one token each (`mla_decode.py`)
+    DIVIDED    `divided_mla` (context parallelism's divided capture): the layer's own
+               latent rows (and indexer keys) go into the sharded state; its absorbed
+               queries attend over every rank's latent rows (fetched piece by piece),
+               or, with DSA, over the rows of the global top-k (selected over every
+               rank's indexer keys, fetched piece by piece)
+    RECOMPUTE of a divided reverse walk: `_mla_chunk` after `gather_mla_chunk`
+               gathers the chunk's absorbed queries and latent rows (and the
+               indexer's inputs, no grad); it attends as the replicated walk does and
+               keeps this rank's rows (`DividedChunk.own_rows`)
+
+Legend: H heads, T new tokens (N, n: this rank's own), R = kv_lora_rank, Dr rope dim,
+Dv value head dim, K top-k, Hi / Di indexer heads / dim, G branches.
 """
 
 from __future__ import annotations
 
 import functools
 import sys
+from dataclasses import dataclass
 
 import torch
 
-from ..errors import UnsupportedModelError
-from longstraw.state.offload import restage_on_backward, staged_layers, stager_of, write_back
-from ..ops.attention import prefix_causal_attention
+from longstraw.errors import UnsupportedModelError
+from longstraw.ops.attention import prefix_causal_attention
+from longstraw.ops.dsa import indexer_scores, indexer_topk, select_candidates, sparse_latent_attention
+from longstraw.ops.flash import merge_partials
+from longstraw.parallel.attention import divided_causal_attention, divided_indexer_topk, divided_sparse_attention
+from longstraw.parallel.collectives import MergeAcrossRanks, SumGradAcrossRanks, gather_rows
 from longstraw.state.branch import BranchLatent, BranchState
+from longstraw.state.offload import restage_on_backward, staged_layers, stager_of, write_back
 from longstraw.state.prompt import HOST, IndexKeys, LatentKV, MLAState, PromptState
-from .attention_hook import current_call, seed_reader
-from .peft_layers import check_affine, effective_affine
-from .base import Adapter, forwards_replaced
-from .divided import divided_mla, gather_mla_chunk, own_chunk_rows
-from .mla_decode import mla_decode, prompt_candidates
+from longstraw.tensors import KVSegment
 
+from .attention import seed_reader
+from .base import Adapter
+from .mla_decode import mla_decode, prompt_candidates
+from .peft_layers import check_affine, effective_affine
+from .routing import Divided, DividedChunk, Phase, current_call, forwards_replaced
 
 def check_dense_weight(linear, where: str) -> None:
     """Absorbed MLA multiplies by kv_b_proj's weight matrix itself: refuse a quantized or
@@ -90,8 +115,6 @@ def _select(indexer, layers, q, keys, weights, call, own=None):
     tokens (causal), scored in float32 as HF does, ties to the lower position.
     `layers`: the stacked states' `MLAState`s of this layer (staged, when offloaded).
     `own` (a divided walk's (index, cp)): see `_select_across_ranks`."""
-    from ..ops.dsa import indexer_topk
-
     held = [layer.index for layer in layers if layer.index is not None]
     if any(ix.shard is not None for ix in held):
         return _select_across_ranks(indexer, q, keys, weights, call, held, own=own)
@@ -114,9 +137,6 @@ def _select_across_ranks(indexer, q, keys, weights, call, held, query_block: int
     candidates are still taken for every query (each rank's shard serves all of them),
     but each rank scores the replicated keys and merges only for its own rows, and the
     rows' selections are then gathered (one all-gather of [n, K] positions)."""
-    from longstraw.parallel.collectives import gather_rows
-    from ..ops.dsa import indexer_scores, select_candidates
-
     topk, scale, t = indexer.index_topk, indexer.softmax_scale, q.shape[0]
     shard_ix = next(ix for ix in held if ix.shard is not None)
     others = [ix for ix in held if ix.shard is None]
@@ -152,17 +172,11 @@ def _sparse_attention(q_full, k_new, latent, indices, latents, call, scale):
     attends over the selected rows it holds, the partials are merged across ranks, and
     the replicated rows (a branch's earlier pieces, the new tokens) are merged in after.
     Returns [H, T, R]."""
-    from ..ops.flash import merge_partials
-    from ..tensors import KVSegment
-    from ..ops.dsa import sparse_latent_attention
-
     segments = [kv.segment(until=call.start) for kv in latents]
     sharded = [kv for kv in latents if kv.shard is not None]
     if not sharded:
         return sparse_latent_attention(q_full, k_new, latent, indices, prefixes=segments, q_start=call.start,
                                        scale=scale)
-    from longstraw.parallel.context import MergeAcrossRanks, SumGradAcrossRanks
-
     kv = sharded[0]
     seg, shard = kv.segment(until=call.start), kv.shard
     safe = indices.clamp(min=0)
@@ -180,16 +194,33 @@ def _sparse_attention(q_full, k_new, latent, indices, latents, call, scale):
     return merge_partials(out_a, lse_a, out_b, lse_b).to(q_full.dtype)
 
 
-def mla_forward(module, spec, hidden_states, position_embeddings=None, attention_mask=None, past_key_values=None,
-                position_ids=None, prev_topk_indices=None, **kwargs):
-    """Drop-in for an MLA attention module's forward: hidden_states [1, T, d] ->
-    [1, T, d] (and, for GLM-5, the top-k indices the next "shared" layer reuses).
-    `spec` holds the family's RoPE functions and DSA layout (see `MLAAdapter`)."""
-    call = current_call()
-    decode = call.phase == "decode"
-    indexer = getattr(module, "indexer", None)
-    # (T, d); decode: the G branches' tokens, all at one position, run as one sequence of G
-    x = hidden_states[:, 0] if decode else hidden_states[0]
+@dataclass
+class Absorbed:
+    """One MLA layer's new tokens in absorbed form (see the module docstring).
+
+    Fields:
+        x: the layer's input [T, d] (decode: the G branches' tokens, as a sequence of G).
+        q_resid: the normed q_a projection [T, q_lora_rank] the indexer reads (None without q LoRA).
+        cos, sin: the RoPE tables as the model's rope functions take them.
+        q_full: absorbed queries [H, T, R + Dr] (q_nope into latent space | RoPE'd q_rope).
+        k_new: the new latent rows [T, R + Dr] (normed latent | RoPE'd shared rope key).
+        latent: k_new's first R columns [T, R], the value.
+        w_uv: kv_b_proj's value half [H, Dv, R]; b_uv: its bias [H, Dv] or None.
+    """
+
+    x: torch.Tensor
+    q_resid: torch.Tensor | None
+    cos: torch.Tensor
+    sin: torch.Tensor
+    q_full: torch.Tensor
+    k_new: torch.Tensor
+    latent: torch.Tensor
+    w_uv: torch.Tensor
+    b_uv: torch.Tensor | None
+
+
+def absorb(module, spec, x, position_embeddings, decode: bool) -> Absorbed:
+    """The model's own projections, norms and RoPE of x [T, d], in absorbed form."""
     t, h = x.shape[0], module.num_heads
     nope, rope, rank, vdim = module.qk_nope_head_dim, module.qk_rope_head_dim, module.kv_lora_rank, module.v_head_dim
     if getattr(module, "q_lora_rank", None) is not None:
@@ -215,67 +246,178 @@ def mla_forward(module, spec, hidden_states, position_embeddings=None, attention
     b_uv = None if bias is None else bias.view(h, nope + vdim)[:, nope:]  # (H, Dv)
     q_full = torch.cat([torch.einsum("htn,hnr->htr", q_pass, w_uk), q_rot], dim=-1)  # (H, T, R + Dr)
     k_new = torch.cat([latent, k_rot], dim=-1)  # (T, R + Dr)
+    return Absorbed(x=x, q_resid=q_resid, cos=cos, sin=sin, q_full=q_full, k_new=k_new, latent=latent, w_uv=w_uv,
+                    b_uv=b_uv)
 
+
+def mla_forward(module, spec, hidden_states, position_embeddings=None, attention_mask=None, past_key_values=None,
+                position_ids=None, prev_topk_indices=None, **kwargs):
+    """Drop-in for an MLA attention module's forward: hidden_states [1, T, d] ->
+    [1, T, d] (phase DECODE: [G, 1, d] -> [G, 1, d]; for GLM-5, also the top-k indices
+    the next "shared" layer reuses). `spec` holds the family's RoPE functions and DSA
+    layout (see `MLAAdapter`)."""
+    call = current_call()
+    decode = call.phase is Phase.DECODE
+    x = hidden_states[:, 0] if decode else hidden_states[0]  # (T, d); decode: G tokens at one position
+    a = absorb(module, spec, x, position_embeddings, decode)
+    run = call.route(chunk=_mla_chunk, decode=_mla_decode, divided=_mla_divided, divided_walk=_mla_chunk)
+    out, indices = run(module, spec, a, call, prev_topk_indices)
+    return (out, None, indices) if spec["returns_topk"] else (out, None)
+
+
+def shared_selection(prev_indices):
+    """A GLM-5 "shared" DSA layer's selection: the previous layer's, [T, K]."""
+    assert prev_indices is not None, "a shared DSA layer needs the previous layer's selection"
+    return prev_indices
+
+
+def _topk(module, spec) -> int | None:
+    """The layer's DSA top-k: its own indexer's, a GLM-5 "shared" layer's, or None (no DSA)."""
+    indexer = getattr(module, "indexer", None)
+    return indexer.index_topk if indexer is not None else spec["shared_topk"]
+
+
+def _index_inputs(module, spec, a: Absorbed):
+    """The layer's own indexer inputs for the new tokens (`_indexer_inputs`), or None."""
+    indexer = getattr(module, "indexer", None)
+    return None if indexer is None else _indexer_inputs(indexer, a.x, a.q_resid, a.cos, a.sin, spec["index_rope"])
+
+
+def _project_out(module, a: Absorbed, o_lat, call) -> torch.Tensor:
+    """o_lat [H, T, R] -> the layer's output [1, T, d] through W_uv and o_proj."""
+    h, t = o_lat.shape[0], o_lat.shape[1]
+    o_lat = restage_on_backward(o_lat, call.states, module.layer_idx, call.start)
+    out = torch.einsum("htr,hvr->thv", o_lat, a.w_uv)  # (T, H, Dv)
+    return module.o_proj((out if a.b_uv is None else out + a.b_uv).reshape(1, t, h * module.v_head_dim))
+
+
+def _mla_decode(module, spec, a: Absorbed, call, prev_indices):
+    """Phase DECODE: the G branches' tokens -> (out [G, 1, d], indices [G, K] or None)."""
     layers: list[MLAState] = staged_layers(call.states, module.layer_idx, call.start)  # offloaded: in a slot
-    topk = indexer.index_topk if indexer is not None else spec["shared_topk"]
-    if decode:
-        assert len(layers) == 1, "decode reads one prompt state"
-        index_inputs = None
-        if indexer is not None:
-            index_inputs = _indexer_inputs(indexer, x, q_resid, cos, sin, spec["index_rope"])
-        o_lat, indices = mla_decode(q_full.transpose(0, 1), k_new, call.branches.layers[module.layer_idx], layers[0],
-                                    position=call.start, scale=module.scaling, rank=rank, block_size=call.block_size,
-                                    topk=topk, index_inputs=index_inputs,
-                                    index_topk_scale=None if indexer is None else indexer.softmax_scale,
-                                    prev_indices=prev_topk_indices)  # (G, H, R)
-        out = torch.einsum("ghr,hvr->ghv", o_lat, w_uv)  # (G, H, Dv)
-        out = module.o_proj((out if b_uv is None else out + b_uv).reshape(t, 1, h * vdim))
-        return (out, None, indices) if spec["returns_topk"] else (out, None)
-    indices, new_index_keys, index_inputs, own_k = None, None, None, k_new
-    if indexer is not None:
-        index_inputs = _indexer_inputs(indexer, x, q_resid, cos, sin, spec["index_rope"])
-    walk_divided = call.phase == "recompute" and call.divided is not None
-    if walk_divided:  # a divided reverse walk: the whole chunk's rows from every rank (`divided.py`)
+    assert len(layers) == 1, "decode reads one prompt state"
+    indexer = getattr(module, "indexer", None)
+    h, g = a.q_full.shape[0], a.x.shape[0]
+    o_lat, indices = mla_decode(a.q_full.transpose(0, 1), a.k_new, call.branches.layers[module.layer_idx], layers[0],
+                                position=call.start, scale=module.scaling, rank=module.kv_lora_rank,
+                                block_size=call.block_size, topk=_topk(module, spec),
+                                index_inputs=_index_inputs(module, spec, a),
+                                index_topk_scale=None if indexer is None else indexer.softmax_scale,
+                                prev_indices=prev_indices)  # (G, H, R)
+    out = torch.einsum("ghr,hvr->ghv", o_lat, a.w_uv)  # (G, H, Dv)
+    out = module.o_proj((out if a.b_uv is None else out + a.b_uv).reshape(g, 1, h * module.v_head_dim))
+    return out, indices
+
+
+def _mla_divided(module, spec, a: Absorbed, call, prev_indices):
+    """Phase DIVIDED: this rank's own positions (`divided_mla`) -> (out [1, N, d], indices)."""
+    o_lat, indices = divided_mla(module, a.q_full, a.k_new, module.kv_lora_rank, _topk(module, spec), call,
+                                 prev_indices, _index_inputs(module, spec, a))
+    return _project_out(module, a, o_lat, call), indices
+
+
+def _mla_chunk(module, spec, a: Absorbed, call, prev_indices):
+    """Phases CAPTURE, REPLAY, RECOMPUTE (a divided reverse walk's too: the whole chunk's
+    rows from every rank, `gather_mla_chunk`) -> (out [1, T, d], indices [T, K] or None)."""
+    layers: list[MLAState] = staged_layers(call.states, module.layer_idx, call.start)  # offloaded: in a slot
+    indexer, topk, rank = getattr(module, "indexer", None), _topk(module, spec), module.kv_lora_rank
+    walk: DividedChunk | None = call.divided  # a divided reverse walk's chunk, or None
+    q_full, k_new, latent, index_inputs = a.q_full, a.k_new, a.latent, _index_inputs(module, spec, a)
+    if walk is not None:
         q_full, k_new, index_inputs = gather_mla_chunk(q_full, k_new, index_inputs, call)
         latent = k_new[:, :rank]
-    if index_inputs is not None:
-        index_q, new_index_keys, index_w = index_inputs
-    if call.phase == "divided":  # context parallelism: this rank's own positions (`divided.py`)
-        o_lat, indices = divided_mla(module, q_full, k_new, rank, topk, call, prev_topk_indices, index_inputs)
-    elif topk is not None and topk < call.start + k_new.shape[0]:  # some query sees more than top-k positions
+    own_rows = None if walk is None else (walk.rows(q_full.device), walk.cp)  # this rank's query rows
+    indices = None
+    if topk is not None and topk < call.start + k_new.shape[0]:  # some query sees more than top-k positions
         if indexer is not None:  # a divided walk selects for its own rows (`_select_across_ranks`)
-            own_rows = (call.divided.rows(x.device), call.divided.cp) if walk_divided else None
+            index_q, new_index_keys, index_w = index_inputs
             indices = _select(indexer, layers, index_q, new_index_keys, index_w, call, own=own_rows)
         else:
-            indices = prev_topk_indices
-            assert indices is not None, "a shared DSA layer needs the previous layer's selection"
+            indices = shared_selection(prev_indices)
         o_lat = _sparse_attention(q_full, k_new, latent, indices, [layer.latent for layer in layers], call,
                                   module.scaling)
-    else:  # every query selects all it sees: dense (the indexer keys are still kept)
+    else:  # every query selects all it sees: dense (the indexer keys are still kept); a walk's self part divided
         segments = [layer.latent.segment(until=call.start) for layer in layers]
-        own_rows = (call.divided.rows(q_full.device), call.divided.cp) if walk_divided else None  # self part divided
         o_lat = prefix_causal_attention(q_full, k_new[None], latent[None], prefixes=segments, q_start=call.start,
                                         scale=module.scaling, block_size=call.block_size, own_rows=own_rows)
-    if walk_divided:
-        o_lat = own_chunk_rows(o_lat, call)  # (H, t, R)
-    o_lat = restage_on_backward(o_lat, call.states, module.layer_idx, call.start)
-    out = torch.einsum("htr,hvr->thv", o_lat, w_uv)  # (T, H, Dv)
-    out = module.o_proj((out if b_uv is None else out + b_uv).reshape(1, t, h * vdim))
+    if walk is not None:
+        o_lat = walk.own_rows(o_lat)  # (H, t, R)
+    out = _project_out(module, a, o_lat, call)
+    _keep_rows(module, a, call, layers, None if index_inputs is None else index_inputs[1], k_new)
+    return out, indices
 
+
+def _keep_rows(module, a: Absorbed, call, layers, new_index_keys, k_new):
+    """After the attention: capture appends the new latent rows (and indexer keys) to the
+    state; a recompute (or a capture that keeps its graph) records them as the chunk's
+    roots, with a reader of their accumulated gradient. `k_new`: the rows attended with
+    (a divided walk's: the whole chunk's)."""
     own = call.states[-1].layers[module.layer_idx]  # the state itself (host rows when offloaded)
-    if call.phase == "capture":
-        layers[-1].latent.append(k_new[None], latent[None])
+    walk, t = call.divided, a.x.shape[0]
+    if call.phase is Phase.CAPTURE:
+        layers[-1].latent.append(k_new[None], a.latent[None])
         if layers[-1].index is not None:
             layers[-1].index.append(new_index_keys)
         write_back(call.states, module.layer_idx)
-    if walk_divided and call.divided.end <= own.latent.end:  # this rank's rows, seeded by what its shard holds
-        a, b = call.start, call.divided.end
-        call.states[-1].seeds.append(((own_k,), lambda: (own.latent.own_grads(a, b)[0][0],)))
+    if walk is not None and walk.end <= own.latent.end:  # this rank's rows, seeded by what its shard holds
+        lo, hi = call.start, walk.end
+        call.states[-1].seeds.append(((a.k_new,), lambda: (own.latent.own_grads(lo, hi)[0][0],)))
     elif call.records_roots() and call.start + t <= own.latent.end:
         read = seed_reader(own.latent, call.start, call.start + t, parts=1, device=k_new.device,
                            stager=stager_of(call.states[-1], module.layer_idx))
         call.states[-1].seeds.append(((k_new,), lambda: (read()[0][0],)))  # dk [1, T, R + Dr] holds dv too
-    return (out, None, indices) if spec["returns_topk"] else (out, None)
+
+
+# ----------------------------------------------------------------------------
+# context parallelism
+
+
+def divided_mla(module, q_full, k_new, rank: int, topk, call, prev_indices, index_inputs):
+    """Phase DIVIDED: absorbed MLA of this rank's positions: q_full [H, N, R + Dr], k_new [N, R + Dr] (latent
+    | rope key; the value is its first R = `rank` columns). The rows (and, with
+    index_inputs = (queries [N, Hi, Di], keys [N, Di], weights [N, Hi]), the indexer keys) go
+    into the sharded state. Where some query sees more than `topk` positions the selection
+    is DSA's global one (the layer's own indexer, or a GLM-5 "shared" layer's
+    `prev_indices`). Returns (o_lat [H, N, R] in q_full's dtype, indices [N, K] or None)."""
+    d: Divided = call.divided
+    layer = call.states[-1].layers[module.layer_idx]
+    layer.latent.append_own(k_new[None], k_new[None, :, :rank], d.total)
+    if index_inputs is not None:
+        layer.index.append_own(index_inputs[1], d.total)
+    deal = dict(positions=d.total, rank=d.rank, world=d.world, block=d.block, cp=d.cp, piece_rows=d.chunk_size)
+    if topk is None or topk >= d.total:  # every query selects all it sees: dense
+        return divided_causal_attention(q_full, k_new[None], None, scale=module.scaling, value_dim=rank, **deal), None
+    if index_inputs is not None:
+        index_q, keys, weights = index_inputs
+        indices = divided_indexer_topk(index_q.float(), weights, keys, topk, scale=module.indexer.softmax_scale,
+                                       **deal)
+    else:
+        indices = shared_selection(prev_indices)
+    return divided_sparse_attention(q_full, k_new, indices, value_dim=rank, scale=module.scaling, **deal), indices
+
+
+def gather_mla_chunk(q_full, k_new, index_inputs, call):
+    """A divided reverse walk's MLA layer (exact mode): this rank's n rows of the chunk ->
+    the whole chunk's T rows, in chunk order. q_full [H, n, R + Dr], k_new [n, R + Dr]
+    (gathered with autograd, `DividedChunk.gather`: one all-gather for the two) and the
+    indexer's inputs (queries [n, Hi, Di], keys [n, Di], weights [n, Hi], or None; gathered
+    without grad, as the indexer runs) -> (q_full [H, T, R + Dr], k_new [T, R + Dr], index_inputs
+    of T rows).
+
+    The chunk's attention then runs as in the replicated walk (`_mla_chunk`): the
+    DSA selection and sparse attention's own causal part on every rank (a dense layer's
+    causal part divided by query rows, `own_rows`), the part over earlier chunks divided
+    by the sharded state. `DividedChunk.own_rows` keeps this rank's rows of its output;
+    the projections around it, the MoE and o_proj run on this rank's rows only."""
+    d: DividedChunk = call.divided
+    h = q_full.shape[0]
+    both = d.gather(torch.cat([q_full, k_new[None]]))  # (H + 1, T, R + Dr)
+    if index_inputs is not None:
+        queries, keys, weights = index_inputs
+        n, hi, di = queries.shape
+        with torch.no_grad():
+            qk = d.gather(torch.cat([queries.reshape(n, hi * di), keys], 1))  # (T, Hi Di + Di)
+            index_inputs = (qk[:, : hi * di].reshape(-1, hi, di), qk[:, hi * di:], d.gather(weights))
+    return both[:h], both[h], index_inputs
 
 
 def routed_mla(modules, specs):

@@ -20,13 +20,14 @@ from __future__ import annotations
 
 import torch
 
+from longstraw.ops.decode_attention import decode_attention, gathered_partial
+from longstraw.ops.dsa import indexer_scores, select_candidates, select_topk
+from longstraw.ops.flash import merge_partials
+from longstraw.parallel.collectives import all_gather
 from longstraw.state.branch import BranchLatent
-from ..ops.flash import merge_partials
-from ..ops.decode_attention import decode_attention, gathered_partial
-from ..ops.dsa import indexer_scores, select_candidates, select_topk
 from longstraw.state.prompt import MLAState
-from .attention_hook import merge_shard
 
+from .attention import merge_shard
 
 def prompt_candidates(index_q, weights, prompt_index, until: int, topk: int, scale: float):
     """Each query's top-k among the prompt's indexer keys before `until`: (positions [B, K'],
@@ -43,8 +44,6 @@ def prompt_candidates(index_q, weights, prompt_index, until: int, topk: int, sca
     else:
         cand_sc = torch.full(cand.shape, float("-inf"), device=cand.device)
     if prompt_index.shard is not None:  # positions travel as int32 (a prompt of < 2^31 positions)
-        from longstraw.parallel.context import all_gather
-
         cp = prompt_index.shard.cp
         cand = torch.cat(all_gather(cand.to(torch.int32), cp), dim=1).long()
         cand_sc = torch.cat(all_gather(cand_sc, cp), dim=1)

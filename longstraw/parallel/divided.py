@@ -40,7 +40,7 @@ keeps this rank's output rows; a GDN layer projects
 its own rows, gathers the chunk's projected rows and runs the conv and the recurrence
 over the whole chunk on every rank; an MLA layer gathers the chunk's absorbed queries
 and latent rows (and the indexer's inputs, for the same global DSA top-k) and keeps
-this rank's output rows, as attention does (`models/divided.py`). Each rank seeds its
+this rank's output rows, as attention does (`models/attention.py`, `gated_deltanet.py`, `mla.py`). Each rank seeds its
 own K/V (latent) rows with the gradients its shard accumulated (the replicated GDN snapshots are seeded on
 every rank alike). Its parameter gradients are then partial, and one bucketed
 all-reduce per step sums them (`partial_gradients`), or, for FSDP2-sharded layers,
@@ -63,7 +63,7 @@ import contextlib
 import torch
 
 from longstraw.errors import DistributedError
-from longstraw.models.divided import Divided, DividedChunk
+from longstraw.models.routing import Divided, DividedChunk, Phase
 from longstraw.parallel.collectives import all_gather, all_reduce_sum, broadcast_from, in_buckets
 from longstraw.plan.estimate import walk_chunk_bounds
 from longstraw.state.prompt import PromptState, Shard
@@ -86,7 +86,7 @@ def divided_capture(adapter, ids: torch.Tensor, state: PromptState, shard: Shard
                       snapshots=snapshot_positions(n, chunk_size, exact), chunk_size=chunk_size)
     own = ids[divided.positions(ids.device)]  # (N,)
     with torch.no_grad():
-        adapter.run(own, 0, [state], phase="divided", block_size=block_size, divided=divided)
+        adapter.run(own, 0, [state], phase=Phase.DIVIDED, block_size=block_size, divided=divided)
     state.length = n
 
 

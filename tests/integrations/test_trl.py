@@ -186,7 +186,7 @@ def test_one_step_equals_trl_dense(tmp_path, float64_trl, loss_type, scale_rewar
 def test_one_step_equals_trl_hybrid(tmp_path, float64_trl, monkeypatch):
     """HF's GDN gate computes `A_log.float()` and `a.float()`, so in a float64 model those
     gradients are rounded to float32 once per backward call: once per batch in TRL, once
-    per branch or chunk in LongStraw (~1e-7 apart, tests/test_hybrid.py). Here `.float()`
+    per branch or chunk in LongStraw (~1e-7 apart, tests/models/test_hybrid.py). Here `.float()`
     leaves float64 tensors as they are, in both trainers."""
     real_float = torch.Tensor.float
     monkeypatch.setattr(torch.Tensor, "float",

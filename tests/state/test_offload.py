@@ -158,7 +158,7 @@ def test_only_the_running_layer_and_the_prefetch_are_resident(monkeypatch, name,
 def test_attention_reads_the_slots_not_the_host(monkeypatch):
     """The dense attention op's prefixes are slot tensors (an offload that handed the
     host rows to the op would still compute the right numbers on CPU)."""
-    from longstraw.models import attention_hook
+    from longstraw.models import attention as attention_hook
 
     model = MODELS["qwen3"]()
     group = random_group(97, 21, [5, 3], seed=11)

@@ -1,4 +1,4 @@
-"""The divided reverse walk's chunk geometry (`models/divided.py`, `DividedChunk`).
+"""The divided reverse walk's chunk geometry (`models/routing.py`, `DividedChunk`).
 
 `rows()` is read by every layer of a walk chunk's recomputation, forward and backward:
 it must equal the naive per-rank `nonzero` of the round-robin owners, and be computed
@@ -10,8 +10,9 @@ from unittest import mock
 import pytest
 import torch
 
-from longstraw.models import divided
-from longstraw.models.divided import DividedChunk, rows_per_rank
+from longstraw.models import routing as divided
+from longstraw.models.routing import DividedChunk
+from longstraw.parallel.deal import Deal
 
 
 def naive_rows(start: int, end: int, world: int, block: int) -> list[torch.Tensor]:
@@ -27,7 +28,7 @@ GEOMETRIES = [(0, 12, 2, 3), (0, 1, 2, 3), (5, 6, 3, 4), (4, 23, 3, 2), (7, 40, 
 @pytest.mark.parametrize("start,end,world,block", GEOMETRIES)
 def test_rows_equal_the_naive_owners(start, end, world, block):
     want = naive_rows(start, end, world, block)
-    assert rows_per_rank(start, end, world, block) == [int(w.numel()) for w in want]
+    assert Deal(world, block).counts(start, end) == [int(w.numel()) for w in want]
     for rank in range(world):
         chunk = DividedChunk(start=start, end=end, rank=rank, world=world, block=block, cp=None, chunk_size=4)
         got = chunk.rows()
