@@ -65,7 +65,7 @@ def _rank(rank: int, world: int, init: str, args, out: str) -> None:
 
     import longstraw as ls
     from longstraw.parallel.collectives import Traffic
-    from longstraw.plan.estimate import divided_capture_traffic
+    from longstraw.plan.traffic import divided_capture_traffic
     from longstraw.tiny import random_group, tiny_model
 
     torch.set_num_threads(1)

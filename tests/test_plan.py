@@ -196,7 +196,7 @@ def test_divided_capture_traffic_and_fallbacks():
     snapshots; per MLA layer the other ranks' latent rows, and per DSA indexer layer their
     indexer keys; prompts with fewer blocks than ranks are not divided."""
     from longstraw.plan.arch import architecture, load_model_config
-    from longstraw.plan.estimate import divided_capture_traffic
+    from longstraw.plan.traffic import divided_capture_traffic
 
     arch = architecture(load_model_config("tiny-qwen3")[1])
     got = divided_capture_traffic("tiny-qwen3", positions=4000, world=2, block=1000, chunk_size=4096,
@@ -224,7 +224,7 @@ def test_divided_walk_and_its_fallbacks():
     `divide_walk=False` and detached mode walk replicated (or not at all); a GDN hybrid's
     walk is divided too, in whole capture chunks, its recurrence replicated; so is GLM-5's
     (MLA + DSA)."""
-    from longstraw.plan.estimate import walk_chunk_tokens
+    from longstraw.parallel.deal import walk_chunk_tokens
 
     kw = dict(prompt_tokens=1_048_576, gpus=8, mode="exact", chunk_size=4096, attention_block_size=1024)
     divided, replicated = plan("qwen3-8b", **kw), plan("qwen3-8b", divide_walk=False, **kw)
@@ -257,7 +257,7 @@ def test_own_self_pairs_is_the_fullest_ranks_share_of_a_chunks_causal_pairs():
     """A divided walk attends each chunk's self part for a rank's own query rows only: with
     one cycle per chunk the last rank is fullest (its block sees the 7 before it); with
     more cycles the deal evens out toward 1/W."""
-    from longstraw.plan.estimate import own_self_pairs
+    from longstraw.plan.timing import own_self_pairs
 
     assert own_self_pairs(8192, 8, 1024) == 7 * 1024 * 1024 + 1024 * 1025 / 2
     assert own_self_pairs(10, 1, 4) == 10 * 11 / 2  # one rank: the whole causal square

@@ -52,7 +52,7 @@ def rank_main(args) -> None:
     import longstraw as ls
     from longstraw.parallel.collectives import Traffic
     from longstraw.measure import peak_rss_bytes
-    from longstraw.plan.estimate import divided_capture_traffic, divided_walk_traffic
+    from longstraw.plan.traffic import divided_capture_traffic, divided_walk_traffic
     from longstraw.tiny import random_group, tiny_model
 
     local = int(os.environ.get("LOCAL_RANK", "0"))

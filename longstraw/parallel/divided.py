@@ -65,7 +65,7 @@ import torch
 from longstraw.errors import DistributedError
 from longstraw.models.divided import Divided, DividedChunk
 from longstraw.parallel.collectives import all_gather, all_reduce_sum, broadcast_from, in_buckets
-from longstraw.plan.estimate import walk_chunk_bounds
+from longstraw.parallel.deal import walk_chunk_bounds
 from longstraw.state.prompt import PromptState, Shard
 
 
