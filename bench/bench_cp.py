@@ -17,7 +17,7 @@ each rank calls torch.set_num_threads(1). W = 1 is the plain single-process engi
 `engine.step(group)` (barrier before each; the slowest rank's time is reported), and
 count the bytes each rank received through LongStraw's collectives
 (`parallel.collectives.Traffic`), against the model's prediction
-(`plan.estimate.divided_capture_traffic`). On a 2-core machine W = 3 oversubscribes the
+(`plan.traffic.divided_capture_traffic`). On a 2-core machine W = 3 oversubscribes the
 cores; its rows say so (`oversubscribed`).
 
 Methods: `divided` (the default: each token on one rank) and `replicated`
@@ -65,7 +65,7 @@ def _rank(rank: int, world: int, init: str, args, out: str) -> None:
 
     import longstraw as ls
     from longstraw.parallel.collectives import Traffic
-    from longstraw.plan.estimate import divided_capture_traffic
+    from longstraw.plan.traffic import divided_capture_traffic
     from longstraw.tiny import random_group, tiny_model
 
     torch.set_num_threads(1)

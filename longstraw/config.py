@@ -11,9 +11,10 @@ from dataclasses import dataclass
 
 import torch
 
+from . import defaults
+from .defaults import MODES
 from .errors import ConfigError
 
-MODES = ("detached", "exact")
 LOSS_TYPES = ("dapo", "grpo", "dr_grpo")
 SCALE_REWARDS = ("group", "none")
 
@@ -29,24 +30,24 @@ def _positive_int(name: str, value, allow_none: bool = False) -> None:
 class ExecConfig:
     """How the engine runs one group."""
 
-    chunk_size: int = 4096
+    chunk_size: int = defaults.CHUNK_SIZE
     """Prompt tokens per capture chunk. Any value >= 1; it changes speed and peak
     memory of capture, never the result (beyond float rounding)."""
 
-    mode: str = "detached"
+    mode: str = defaults.MODE
     """"detached": the prompt state is a constant (the paper's gradient).
     "exact": also push gradients through the prompt (the full-sequence gradient)."""
 
-    branch_chunk_size: int | None = None
+    branch_chunk_size: int | None = defaults.BRANCH_CHUNK_SIZE
     """Replay each branch in pieces of this many tokens, walked back last to first
     (the paper's 4 x 2048 for an 8K response). None: one piece. It bounds a branch's
     peak by one piece instead of R, and changes nothing in the result."""
 
-    attention_block_size: int = 1024
+    attention_block_size: int = defaults.ATTENTION_BLOCK_SIZE
     """Prompt positions per block in the blockwise attention over the captured
     state. Working memory per layer is O(queries x block), never O(queries x P)."""
 
-    logits_chunk_size: int = 1024
+    logits_chunk_size: int = defaults.LOGITS_CHUNK_SIZE
     """Response tokens per lm_head + log-softmax chunk. Logits for backward are
     recomputed per chunk, so no [R, vocab] tensor is kept."""
 
@@ -59,14 +60,14 @@ class ExecConfig:
     """Context parallelism: positions per round-robin block of the sharded state.
     None: `attention_block_size`."""
 
-    divide_capture: bool = True
+    divide_capture: bool = defaults.DIVIDE_CAPTURE
     """Context parallelism: compute each prompt token of capture on one rank (the owner
     of its block), layer by layer (dense attention, Gated DeltaNet hybrids and the
     MLA/DSA families); False replicates capture's token computation on every rank (what
     an offloaded state (`state_device="cpu"`) or kept capture graphs always get). Same result either way. See
     docs/distributed.md."""
 
-    divide_walk: bool = True
+    divide_walk: bool = defaults.DIVIDE_WALK
     """Context parallelism, exact mode: recompute and backpropagate each prompt token of
     the reverse walk on one rank (the owner of its block), every family; the walk's
     parameter gradients are then partial per rank and summed once per step (one bucketed
@@ -79,7 +80,7 @@ class ExecConfig:
     """Allow P + R beyond the model's `max_position_embeddings` (RoPE then
     extrapolates). Off by default: such inputs raise `PositionLimitError`."""
 
-    keep_graph_bytes: int = 0
+    keep_graph_bytes: int = defaults.KEEP_GRAPH_BYTES
     """Exact mode: bytes of capture-chunk autograd graphs to keep instead of recomputing
     those chunks in the reverse walk (the last chunks that fit; their graphs are
     measured). 0 recomputes every chunk (smallest peak); a budget that holds every

@@ -263,7 +263,7 @@ def check_planner(world: int) -> None:
     with a "shared" layer); the walk also for a dense model."""
     from longstraw.parallel.collectives import Traffic
     from longstraw.plan import PlanConfig, estimate
-    from longstraw.plan.estimate import divided_capture_traffic, divided_walk_traffic
+    from longstraw.plan.traffic import divided_capture_traffic, divided_walk_traffic
 
     prompt = random_group(97, 41, [3], seed=2).prompt  # 40 positions held
     for name in ("hybrid", "mla", "glm_sparse"):

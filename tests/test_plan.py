@@ -196,7 +196,7 @@ def test_divided_capture_traffic_and_fallbacks():
     snapshots; per MLA layer the other ranks' latent rows, and per DSA indexer layer their
     indexer keys; prompts with fewer blocks than ranks are not divided."""
     from longstraw.plan.arch import architecture, load_model_config
-    from longstraw.plan.estimate import divided_capture_traffic
+    from longstraw.plan.traffic import divided_capture_traffic
 
     arch = architecture(load_model_config("tiny-qwen3")[1])
     got = divided_capture_traffic("tiny-qwen3", positions=4000, world=2, block=1000, chunk_size=4096,
@@ -224,7 +224,7 @@ def test_divided_walk_and_its_fallbacks():
     `divide_walk=False` and detached mode walk replicated (or not at all); a GDN hybrid's
     walk is divided too, in whole capture chunks, its recurrence replicated; so is GLM-5's
     (MLA + DSA)."""
-    from longstraw.plan.estimate import walk_chunk_tokens
+    from longstraw.parallel.deal import walk_chunk_tokens
 
     kw = dict(prompt_tokens=1_048_576, gpus=8, mode="exact", chunk_size=4096, attention_block_size=1024)
     divided, replicated = plan("qwen3-8b", **kw), plan("qwen3-8b", divide_walk=False, **kw)
@@ -257,7 +257,7 @@ def test_own_self_pairs_is_the_fullest_ranks_share_of_a_chunks_causal_pairs():
     """A divided walk attends each chunk's self part for a rank's own query rows only: with
     one cycle per chunk the last rank is fullest (its block sees the 7 before it); with
     more cycles the deal evens out toward 1/W."""
-    from longstraw.plan.estimate import own_self_pairs
+    from longstraw.plan.timing import own_self_pairs
 
     assert own_self_pairs(8192, 8, 1024) == 7 * 1024 * 1024 + 1024 * 1025 / 2
     assert own_self_pairs(10, 1, 4) == 10 * 11 / 2  # one rank: the whole causal square
@@ -443,3 +443,81 @@ def test_activation_model_is_calibrated_on_hf_saved_tensors():
     planned = graph_bytes_per_token(arch, arch.layers[0], 4, "torch") / 4
     assert (planned, hf_elements) == (5376, 5388)
     assert abs(planned / hf_elements - 1) < 0.003
+
+
+# ---------------------------------------------------------------------------- one source of truth, no torch
+
+TIED_DEFAULTS = {"mode": "MODE", "chunk_size": "CHUNK_SIZE", "branch_chunk_size": "BRANCH_CHUNK_SIZE",
+                 "attention_block_size": "ATTENTION_BLOCK_SIZE", "logits_chunk_size": "LOGITS_CHUNK_SIZE",
+                 "divide_capture": "DIVIDE_CAPTURE", "divide_walk": "DIVIDE_WALK",
+                 "keep_graph_bytes": "KEEP_GRAPH_BYTES"}
+
+
+def test_plan_and_exec_configs_share_their_defaults():
+    import dataclasses
+
+    from longstraw import defaults
+    from longstraw.config import ExecConfig
+
+    plan_fields = {f.name: f.default for f in dataclasses.fields(PlanConfig)}
+    exec_fields = {f.name: f.default for f in dataclasses.fields(ExecConfig)}
+    for field, constant in TIED_DEFAULTS.items():
+        assert plan_fields[field] == exec_fields[field] == getattr(defaults, constant), field
+
+
+def _python(code: str, cwd, pythonpath: str):
+    """Run `code` in a fresh interpreter with torch blocked (sys.modules['torch'] = None)."""
+    import os
+    import subprocess
+    import sys
+
+    env = {**os.environ, "PYTHONPATH": pythonpath}
+    prelude = "import sys; sys.modules['torch'] = None\n"
+    return subprocess.run([sys.executable, "-c", prelude + code], cwd=cwd, env=env, capture_output=True, text=True,
+                          timeout=120)
+
+
+PLAN_WITHOUT_TORCH = """
+import longstraw, longstraw.plan
+from longstraw.plan import PlanConfig, estimate, format_report, load_presets
+for name in sorted(load_presets()):
+    for mode in ("detached", "exact"):
+        r = estimate(name, PlanConfig(prompt_tokens=65536, group=4, response_tokens=512, mode=mode, gpus=4))
+        assert r["peak_bytes_per_rank"] > 0 and "PEAK per rank" in format_report(r)
+from longstraw.parallel.deal import walk_chunk_bounds
+assert walk_chunk_bounds(8192, 4096, 2, 1024)[0] == (0, 4096)
+assert "torch" not in sys.modules or sys.modules["torch"] is None
+print("ok")
+"""
+
+
+def test_planner_runs_without_torch():
+    import pathlib
+
+    root = pathlib.Path(__file__).resolve().parents[1]
+    done = _python(PLAN_WITHOUT_TORCH, root, str(root))
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr
+    # and the engine's API is still there, lazily: naming it imports torch (blocked here)
+    done = _python("import longstraw as ls\nls.ExecConfig", root, str(root))
+    assert done.returncode != 0 and "torch" in done.stderr
+
+
+def test_presets_ship_inside_the_package(tmp_path):
+    """What a wheel installs (the package's .py files and its declared package-data, nothing
+    else) plans every preset, and presets.json names no file outside the package."""
+    import pathlib
+    import re
+    import shutil
+    import tomllib
+
+    root = pathlib.Path(__file__).resolve().parents[1]
+    data = tomllib.loads((root / "pyproject.toml").read_text())["tool"]["setuptools"]["package-data"]["longstraw"]
+    site = tmp_path / "site"
+    for path in [*(root / "longstraw").rglob("*.py"), *(p for g in data for p in (root / "longstraw").glob(g))]:
+        target = site / path.relative_to(root)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(path, target)
+    done = _python(PLAN_WITHOUT_TORCH, tmp_path, str(site))
+    assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr
+    text = (root / "longstraw" / "plan" / "presets.json").read_text()
+    assert not re.search(r"\.\./|\.md\b|shared/", text), "presets.json points at a file outside the package"

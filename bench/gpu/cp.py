@@ -9,14 +9,14 @@ Each W runs in fresh processes under `torchrun --nproc-per-node W` (one rank per
 `cuda:LOCAL_RANK`, NCCL). Per rank: the model in bf16 (`--family`, a tiny preset scaled
 by `--hidden` / `--layers`), a random group (G, R); warm-up, then capture and one detached
 step (barrier + synchronize around each; the slowest rank reported), the bytes received
-(`parallel.collectives.Traffic`) against `plan.estimate.divided_capture_traffic`, and the loss,
+(`parallel.collectives.Traffic`) against `plan.traffic.divided_capture_traffic`, and the loss,
 which must equal W = 1's within bf16 rounding (`--check`, reported). Devices with fewer than
 W GPUs skip that W (NCCL needs one device per rank) and say so.
 
 `--exact` also times one exact-mode step per W (its reverse walk divided: the blockwise
 autograd attention with `own_rows`, the all-reduce merges, the bucketed gradient sum, all
 over NCCL), with the walk's bytes received (`comm_bytes_reverse`) against
-`plan.estimate.divided_walk_traffic`, and the gradient norm, which must equal W = 1's
+`plan.traffic.divided_walk_traffic`, and the gradient norm, which must equal W = 1's
 within bf16 rounding.
 
 Without CUDA the same script runs on CPU (gloo, float32): a smoke test of its own logic,
@@ -52,7 +52,7 @@ def rank_main(args) -> None:
     import longstraw as ls
     from longstraw.parallel.collectives import Traffic
     from longstraw.measure import peak_rss_bytes
-    from longstraw.plan.estimate import divided_capture_traffic, divided_walk_traffic
+    from longstraw.plan.traffic import divided_capture_traffic, divided_walk_traffic
     from longstraw.tiny import random_group, tiny_model
 
     local = int(os.environ.get("LOCAL_RANK", "0"))

@@ -77,3 +77,30 @@ class Deal:
     def counts(self, start: int, end: int) -> list[int]:
         """Positions of [start, end) each rank holds, rank by rank."""
         return [self.count(end, s) - self.count(start, s) for s in range(self.world)]
+
+
+# ----------------------------------------------------------------------------
+# the divided reverse walk's chunks (whole cycles of the deal)
+
+
+def walk_chunk_tokens(positions: int, chunk_size: int, world: int, block: int, at_chunks: bool = False) -> int:
+    """Tokens of one chunk of a divided reverse walk: whole cycles of the deal (world x
+    block), as many as `chunk_size` needs; `at_chunks` (GDN hybrids): the fewest capture
+    chunks that hold a cycle. `parallel.divided.walk_chunks` cuts the walk with it."""
+    cycle = Deal(world, block).cycle
+    size = -(-cycle // chunk_size) * chunk_size if at_chunks else -(-chunk_size // cycle) * cycle
+    return min(positions, size)
+
+
+def walk_chunk_bounds(positions: int, chunk_size: int, world: int, block: int,
+                      at_chunks: bool = False) -> list[tuple[int, int]]:
+    """The chunks [(start, end)] of a divided reverse walk (`walk_chunk_tokens` each); a
+    shorter last chunk in which some rank would own no block joins the one before it.
+    `parallel.divided.walk_chunks` walks exactly these."""
+    deal = Deal(world, block)
+    size = walk_chunk_tokens(positions, chunk_size, world, block, at_chunks)
+    bounds = [(a, min(positions, a + size)) for a in range(0, positions, size)]
+    a, b = bounds[-1]
+    if len(bounds) > 1 and len({deal.owner(k * block) for k in range(a // block, (b - 1) // block + 1)}) < world:
+        bounds[-2:] = [(bounds[-2][0], positions)]
+    return bounds

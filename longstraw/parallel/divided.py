@@ -65,7 +65,7 @@ import torch
 from longstraw.errors import DistributedError
 from longstraw.models.routing import Divided, DividedChunk, Phase
 from longstraw.parallel.collectives import all_gather, all_reduce_sum, broadcast_from, in_buckets
-from longstraw.plan.estimate import walk_chunk_bounds
+from longstraw.parallel.deal import walk_chunk_bounds
 from longstraw.state.prompt import PromptState, Shard
 
 

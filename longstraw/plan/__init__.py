@@ -27,21 +27,25 @@ These are estimates of an engine that works as DESIGN.md says, not measurements.
 """
 
 from .arch import (
-                   DTYPE_BYTES,
-                   PRESETS_PATH,
-                   SUPPORTED_MODEL_TYPES,
-                   Arch,
-                   LayerSpec,
-                   ParamCount,
-                   architecture,
-                   count_parameters,
-                   human_bytes,
-                   load_model_config,
-                   load_presets,
-                   parse_bytes,
+    DTYPE_BYTES,
+    PRESETS_PATH,
+    SUPPORTED_MODEL_TYPES,
+    Arch,
+    LayerSpec,
+    ParamCount,
+    architecture,
+    count_parameters,
+    human_bytes,
+    load_model_config,
+    load_presets,
+    parse_bytes,
 )
-from .estimate import PlanConfig, estimate, format_report
+from .config import PlanConfig
+from .estimate import estimate
+from .report import format_report
+from .traffic import divided_capture_traffic, divided_walk_traffic
 
-__all__ = ["PlanConfig", "estimate", "format_report", "load_presets", "load_model_config", "parse_bytes",
+__all__ = ["PlanConfig", "estimate", "format_report", "divided_capture_traffic", "divided_walk_traffic",
+           "load_presets", "load_model_config", "parse_bytes",
            "human_bytes", "architecture", "count_parameters", "Arch", "LayerSpec", "ParamCount", "DTYPE_BYTES",
            "PRESETS_PATH", "SUPPORTED_MODEL_TYPES"]

@@ -199,8 +199,9 @@ def _need(cfg: dict, *names: str) -> None:
         raise ConfigError(f"{cfg.get('model_type')} config lacks {missing}: the planner needs them")
 
 
-def architecture(config: dict) -> Arch:
-    """Normalize an HF config dict of a supported family into an `Arch`."""
+def _text_config(config: dict) -> tuple[dict, str | None]:
+    """(the text model's config, its dtype name or None): a multimodal wrapper (Qwen3.5)
+    nests the text model under 'text_config'."""
     cfg = dict(config)
     dtype = cfg.get("torch_dtype") or cfg.get("dtype")
     if isinstance(cfg.get("text_config"), dict):  # multimodal wrapper (Qwen3.5): use the text model
@@ -210,6 +211,97 @@ def architecture(config: dict) -> Arch:
         if "tie_word_embeddings" not in text and "tie_word_embeddings" in cfg:
             text["tie_word_embeddings"] = cfg["tie_word_embeddings"]
         cfg = text
+    return cfg, dtype
+
+
+def _attention_layers(arch: Arch, cfg: dict, n: int) -> None:
+    """llama / mistral / qwen2 / qwen3: full or sliding-window attention layers."""
+    mt = arch.model_type
+    arch.qk_norm = mt == "qwen3"
+    arch.qkv_bias = mt == "qwen2" or bool(cfg.get("attention_bias", False))
+    window = cfg.get("sliding_window")
+    types = cfg.get("layer_types")
+    if types is None:
+        if mt == "mistral":
+            types = ["sliding_attention" if window else "full_attention"] * n
+        elif mt in ("qwen2", "qwen3") and cfg.get("use_sliding_window") and window:
+            first = int(_get(cfg, "max_window_layers", n))
+            types = ["sliding_attention" if i >= first else "full_attention" for i in range(n)]
+        else:
+            types = ["full_attention"] * n
+    arch.layers = [LayerSpec("attention", window=int(window) if t == "sliding_attention" and window else None)
+                   for t in types]
+
+
+def _gdn_layers(arch: Arch, cfg: dict, n: int) -> None:
+    """qwen3_5 / qwen3_5_moe / qwen3_next: Gated DeltaNet and gated attention layers, dense or MoE."""
+    mt = arch.model_type
+    _need(cfg, "linear_num_value_heads", "linear_num_key_heads", "linear_key_head_dim", "linear_value_head_dim")
+    arch.qk_norm, arch.attn_gate = True, True
+    arch.gdn_k_heads, arch.gdn_v_heads = int(cfg["linear_num_key_heads"]), int(cfg["linear_num_value_heads"])
+    arch.gdn_k_dim, arch.gdn_v_dim = int(cfg["linear_key_head_dim"]), int(cfg["linear_value_head_dim"])
+    arch.gdn_kernel = int(_get(cfg, "linear_conv_kernel_dim", 4))
+    arch.gdn_split_proj = mt != "qwen3_next"
+    types = cfg.get("layer_types")
+    if types is None:
+        every = int(_get(cfg, "full_attention_interval", 4))
+        types = ["full_attention" if (i + 1) % every == 0 else "linear_attention" for i in range(n)]
+    if mt == "qwen3_5":
+        mlps = ["dense"] * n
+    else:
+        _need(cfg, "num_experts", "num_experts_per_tok", "moe_intermediate_size")
+        arch.experts, arch.experts_per_token = int(cfg["num_experts"]), int(cfg["num_experts_per_tok"])
+        arch.moe_intermediate = int(cfg["moe_intermediate_size"])
+        arch.shared_intermediate = int(_get(cfg, "shared_expert_intermediate_size", 0))
+        arch.qwen_moe = True
+        step, dense_only = int(_get(cfg, "decoder_sparse_step", 1)), set(_get(cfg, "mlp_only_layers", []))
+        mlps = ["dense" if (i in dense_only or (i + 1) % step) else "moe" for i in range(n)]
+    arch.layers = [LayerSpec("gdn" if t == "linear_attention" else "attention", mlp=m) for t, m in zip(types, mlps)]
+
+
+def _dsa_indexers(arch: Arch, cfg: dict, n: int) -> list[bool]:
+    """deepseek_v32 / glm_moe_dsa: which layers run their own DSA indexer (the others reuse
+    an earlier layer's top-k)."""
+    _need(cfg, "index_n_heads", "index_head_dim", "index_topk")
+    arch.index_heads, arch.index_dim = int(cfg["index_n_heads"]), int(cfg["index_head_dim"])
+    arch.index_topk = int(cfg["index_topk"])
+    types = cfg.get("indexer_types")
+    if types is None and cfg.get("index_topk_pattern") is not None:
+        pattern = cfg["index_topk_pattern"]
+        types = ([{"F": "full", "S": "shared"}[ch] for ch in pattern] if isinstance(pattern, str)
+                 else list(pattern))
+    if types is None and arch.model_type == "glm_moe_dsa":  # transformers' GlmMoeDsaConfig schedule
+        freq = max(int(_get(cfg, "index_topk_freq", 1)), 1)
+        offset = int(_get(cfg, "index_skip_topk_offset", 2))
+        types = ["full" if max(i - offset + 1, 0) % freq == 0 else "shared" for i in range(n)]
+    return [t == "full" for t in types] if types is not None else [True] * n
+
+
+def _mla_layers(arch: Arch, cfg: dict, n: int, heads: int) -> None:
+    """deepseek_v3 / deepseek_v32 / glm_moe_dsa: MLA layers (with DSA), dense or MoE."""
+    _need(cfg, "kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim")
+    arch.q_lora_rank = cfg.get("q_lora_rank")
+    arch.kv_lora_rank, arch.rope_dim = int(cfg["kv_lora_rank"]), int(cfg["qk_rope_head_dim"])
+    arch.nope_dim, arch.v_head_dim = int(cfg["qk_nope_head_dim"]), int(cfg["v_head_dim"])
+    arch.head_dim = arch.nope_dim + arch.rope_dim
+    arch.kv_heads = heads
+    arch.experts = int(_get(cfg, "n_routed_experts", 0))
+    arch.experts_per_token = int(_get(cfg, "num_experts_per_tok", 0))
+    arch.moe_intermediate = int(_get(cfg, "moe_intermediate_size", 0))
+    arch.shared_intermediate = int(_get(cfg, "n_shared_experts", 0)) * arch.moe_intermediate
+    mlps = cfg.get("mlp_layer_types")
+    if mlps is None:
+        k = min(int(_get(cfg, "first_k_dense_replace", 0)), n)
+        mlps = ["dense"] * k + ["sparse"] * (n - k)
+    mlps = ["moe" if m == "sparse" and arch.experts else "dense" for m in mlps]
+    dsa = arch.model_type in ("deepseek_v32", "glm_moe_dsa")
+    indexer = _dsa_indexers(arch, cfg, n) if dsa else [False] * n
+    arch.layers = [LayerSpec("mla", mlp=m, indexer=ix, sparse=dsa) for m, ix in zip(mlps, indexer)]
+
+
+def architecture(config: dict) -> Arch:
+    """Normalize an HF config dict of a supported family into an `Arch`."""
+    cfg, dtype = _text_config(config)
     mt = _TEXT_TYPES.get(cfg.get("model_type"), cfg.get("model_type"))
     if mt not in SUPPORTED_MODEL_TYPES:
         raise UnsupportedModelError(f"model_type {cfg.get('model_type')!r} is not supported by the planner; "
@@ -224,75 +316,11 @@ def architecture(config: dict) -> Arch:
                 max_positions=cfg.get("max_position_embeddings"),
                 dtype=canonical_dtype(dtype) if dtype else None)
     if mt in ("llama", "mistral", "qwen2", "qwen3"):
-        arch.qk_norm = mt == "qwen3"
-        arch.qkv_bias = mt == "qwen2" or bool(cfg.get("attention_bias", False))
-        window = cfg.get("sliding_window")
-        types = cfg.get("layer_types")
-        if types is None:
-            if mt == "mistral":
-                types = ["sliding_attention" if window else "full_attention"] * n
-            elif mt in ("qwen2", "qwen3") and cfg.get("use_sliding_window") and window:
-                first = int(_get(cfg, "max_window_layers", n))
-                types = ["sliding_attention" if i >= first else "full_attention" for i in range(n)]
-            else:
-                types = ["full_attention"] * n
-        arch.layers = [LayerSpec("attention", window=int(window) if t == "sliding_attention" and window else None)
-                       for t in types]
+        _attention_layers(arch, cfg, n)
     elif mt in ("qwen3_5", "qwen3_5_moe", "qwen3_next"):
-        _need(cfg, "linear_num_value_heads", "linear_num_key_heads", "linear_key_head_dim", "linear_value_head_dim")
-        arch.qk_norm, arch.attn_gate = True, True
-        arch.gdn_k_heads, arch.gdn_v_heads = int(cfg["linear_num_key_heads"]), int(cfg["linear_num_value_heads"])
-        arch.gdn_k_dim, arch.gdn_v_dim = int(cfg["linear_key_head_dim"]), int(cfg["linear_value_head_dim"])
-        arch.gdn_kernel = int(_get(cfg, "linear_conv_kernel_dim", 4))
-        arch.gdn_split_proj = mt != "qwen3_next"
-        types = cfg.get("layer_types")
-        if types is None:
-            every = int(_get(cfg, "full_attention_interval", 4))
-            types = ["full_attention" if (i + 1) % every == 0 else "linear_attention" for i in range(n)]
-        if mt == "qwen3_5":
-            mlps = ["dense"] * n
-        else:
-            _need(cfg, "num_experts", "num_experts_per_tok", "moe_intermediate_size")
-            arch.experts, arch.experts_per_token = int(cfg["num_experts"]), int(cfg["num_experts_per_tok"])
-            arch.moe_intermediate = int(cfg["moe_intermediate_size"])
-            arch.shared_intermediate = int(_get(cfg, "shared_expert_intermediate_size", 0))
-            arch.qwen_moe = True
-            step, dense_only = int(_get(cfg, "decoder_sparse_step", 1)), set(_get(cfg, "mlp_only_layers", []))
-            mlps = ["dense" if (i in dense_only or (i + 1) % step) else "moe" for i in range(n)]
-        arch.layers = [LayerSpec("gdn" if t == "linear_attention" else "attention", mlp=m) for t, m in zip(types, mlps)]
+        _gdn_layers(arch, cfg, n)
     else:  # MLA family: deepseek_v3, deepseek_v32, glm_moe_dsa
-        _need(cfg, "kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim")
-        arch.q_lora_rank = cfg.get("q_lora_rank")
-        arch.kv_lora_rank, arch.rope_dim = int(cfg["kv_lora_rank"]), int(cfg["qk_rope_head_dim"])
-        arch.nope_dim, arch.v_head_dim = int(cfg["qk_nope_head_dim"]), int(cfg["v_head_dim"])
-        arch.head_dim = arch.nope_dim + arch.rope_dim
-        arch.kv_heads = heads
-        arch.experts = int(_get(cfg, "n_routed_experts", 0))
-        arch.experts_per_token = int(_get(cfg, "num_experts_per_tok", 0))
-        arch.moe_intermediate = int(_get(cfg, "moe_intermediate_size", 0))
-        arch.shared_intermediate = int(_get(cfg, "n_shared_experts", 0)) * arch.moe_intermediate
-        mlps = cfg.get("mlp_layer_types")
-        if mlps is None:
-            k = min(int(_get(cfg, "first_k_dense_replace", 0)), n)
-            mlps = ["dense"] * k + ["sparse"] * (n - k)
-        mlps = ["moe" if m == "sparse" and arch.experts else "dense" for m in mlps]
-        dsa = mt in ("deepseek_v32", "glm_moe_dsa")
-        indexer = [False] * n
-        if dsa:
-            _need(cfg, "index_n_heads", "index_head_dim", "index_topk")
-            arch.index_heads, arch.index_dim = int(cfg["index_n_heads"]), int(cfg["index_head_dim"])
-            arch.index_topk = int(cfg["index_topk"])
-            types = cfg.get("indexer_types")
-            if types is None and cfg.get("index_topk_pattern") is not None:
-                pattern = cfg["index_topk_pattern"]
-                types = ([{"F": "full", "S": "shared"}[ch] for ch in pattern] if isinstance(pattern, str)
-                         else list(pattern))
-            if types is None and mt == "glm_moe_dsa":  # transformers' GlmMoeDsaConfig schedule
-                freq = max(int(_get(cfg, "index_topk_freq", 1)), 1)
-                offset = int(_get(cfg, "index_skip_topk_offset", 2))
-                types = ["full" if max(i - offset + 1, 0) % freq == 0 else "shared" for i in range(n)]
-            indexer = [t == "full" for t in types] if types is not None else [True] * n
-        arch.layers = [LayerSpec("mla", mlp=m, indexer=ix, sparse=dsa) for m, ix in zip(mlps, indexer)]
+        _mla_layers(arch, cfg, n, heads)
     if len(arch.layers) != n:
         raise ConfigError(f"layer_types has {len(arch.layers)} entries but num_hidden_layers is {n}")
     if any(l.mlp == "dense" for l in arch.layers) and not arch.intermediate:

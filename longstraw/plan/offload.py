@@ -32,6 +32,8 @@ from __future__ import annotations
 
 import math
 
+from ..parallel.deal import Deal
+
 ARENA_ALIGN = 64
 """Bytes: every tensor in a host arena starts at a multiple of this (a cache line; a
 multiple of every element size)."""
@@ -86,16 +88,6 @@ def host_bytes(arch, *, b: int, acc: int, exact: bool, rows: int) -> int:
     return total
 
 
-def rows_before(position: int, world: int, block: int) -> int:
-    """Rows the fullest rank (rank 0) holds for positions [0, position): blocks of `block`
-    dealt round-robin (as `state.Shard.count`); every position for one rank."""
-    if world == 1:
-        return max(position, 0)
-    cycle = block * world
-    full, rem = divmod(max(position, 0), cycle)
-    return full * block + min(rem, block)
-
-
 def offload_plan(arch, *, b: int, acc: int, exact: bool, prompt: int, chunk: int, world: int, block: int,
                  group: int, pieces: int, held_pieces: int, score_passes: int) -> dict:
     """Bytes on the device (slots), in host memory, and moved per step, for one rank.
@@ -114,9 +106,10 @@ def offload_plan(arch, *, b: int, acc: int, exact: bool, prompt: int, chunk: int
     r_walk = sum(r for i, r, _ in layers if i != last)  # the walk's backward never reaches the last layer
     g_walk = sum(g for (i, _, _), g in zip(layers, grads) if i != last)
     n = prompt - 1  # positions the prompt state holds
-    S = rows_before(n, world, block)
+    deal = Deal(world, block)
+    S = deal.fullest(n)  # the fullest rank's rows (every position for one rank)
     starts = range(0, n, chunk)
-    prefix_rows = sum(rows_before(a, world, block) for a in starts)  # rows read by each chunk, summed
+    prefix_rows = sum(deal.fullest(a) for a in starts)  # rows read by each chunk, summed
 
     h2d = {"capture": r_all * prefix_rows}
     d2h = {"capture": r_all * S}

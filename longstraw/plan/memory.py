@@ -1,0 +1,443 @@
+"""The planner's memory per rank: the prompt state (what capture keeps, sharded over the
+ranks), weights / gradients / optimizer state, the working set of each pass (capture of
+one chunk, replay of one branch or piece, exact mode's recompute of one chunk, a scoring
+pass), state offload, and the peak over phases. Each section returns a dataclass.
+Torch-free; the per-pass activation model is in `working.py`.
+
+Legend: P prompt tokens, R response tokens, T tokens of one replayed piece, C tokens of one
+capture chunk, W ranks; b / acc / rb bytes of the compute, accumulation and GDN recurrent
+state dtypes (`config.Basis`)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from ..parallel.deal import walk_chunk_tokens
+from .arch import DTYPE_BYTES, QUANT_BYTES, Arch, LayerSpec, indexer_parameters
+from .config import Basis
+from .offload import offload_plan
+from .traffic import divided_capture_traffic, divided_walk_traffic
+from .working import autograd_pass, graph_bytes_per_token, nograd_layer_bytes
+
+# ----------------------------------------------------------------------------
+# the prompt state
+
+
+def state_sizes(arch: Arch, b: int, rb: int, prompt: int, layers=None, keep_windows: bool = False) -> dict:
+    """Per-token and constant state bytes by kind, over `layers` (default: all).
+    b: state dtype bytes; rb: recurrent state bytes. keep_windows: sliding-window layers
+    keep every position (exact mode: the reverse walk recomputes every chunk)."""
+    s = {"attention_kv_per_token": 0, "mla_latent_per_token": 0, "indexer_keys_per_token": 0,
+         "window_kv_fixed": 0, "recurrent_fixed": 0, "conv_tail_fixed": 0}
+    kv = arch.kv_heads * 2 * arch.head_dim * b  # K and V per position
+    for layer in arch.layers if layers is None else layers:
+        if layer.mixer == "attention":
+            if layer.window is None or keep_windows:
+                s["attention_kv_per_token"] += kv
+            else:
+                s["window_kv_fixed"] += min(layer.window - 1, prompt) * kv
+        elif layer.mixer == "gdn":
+            s["recurrent_fixed"] += arch.gdn_v_heads * arch.gdn_k_dim * arch.gdn_v_dim * rb
+            s["conv_tail_fixed"] += arch.conv_dim * (arch.gdn_kernel - 1) * b
+        else:
+            s["mla_latent_per_token"] += (arch.kv_lora_rank + arch.rope_dim) * b
+            s["indexer_keys_per_token"] += arch.index_dim * b if layer.indexer else 0
+    s["per_token"] = s["attention_kv_per_token"] + s["mla_latent_per_token"] + s["indexer_keys_per_token"]
+    s["fixed"] = s["window_kv_fixed"] + s["recurrent_fixed"] + s["conv_tail_fixed"]
+    return s
+
+@dataclass(frozen=True)
+class StatePlan:
+    """The prompt state, bytes.
+
+    Fields:
+        sizes: per kind (`state_sizes`), with 'per_token' and 'fixed' (constant in P) totals.
+        total: the whole prompt's state; rank: the fullest rank's (per-token part sharded 1/W).
+        n_chunks: capture chunks of the prompt.
+        checkpoints: exact mode's GDN snapshots at every chunk end but the last, per rank.
+        grad: exact mode's state gradients per rank (accumulated in fp32; fp64 under fp64).
+    """
+
+    sizes: dict
+    total: int
+    rank: int
+    n_chunks: int
+    checkpoints: int
+    grad: int
+
+
+def plan_state(s: Basis) -> StatePlan:
+    """What capture keeps, on the whole and on the fullest rank."""
+    exact, b, acc, P, p_rank = s.exact, s.b, s.acc, s.P, s.p_rank
+    st = state_sizes(s.arch, b, s.rb, P, keep_windows=exact)
+    # exact mode keeps the GDN snapshot at every chunk end of the WHOLE prompt on every rank
+    # (the recurrent state is replicated, and every rank walks every chunk); the last one
+    # is the state itself, already in the rank's state
+    n_chunks = math.ceil(P / s.config.chunk_size)
+    checkpoints = (n_chunks - 1) * (st["recurrent_fixed"] + st["conv_tail_fixed"]) if exact else 0
+    # state gradients accumulate in fp32 (fp64 for fp64) whatever the state dtype
+    # (and the GDN snapshots' gradients, one per chunk start, kept until the step ends)
+    grad = (st["per_token"] * p_rank * acc // b
+            + n_chunks * (st["recurrent_fixed"] + st["conv_tail_fixed"] * acc // b) if exact else 0)
+    return StatePlan(sizes=st, total=st["per_token"] * P + st["fixed"], rank=st["per_token"] * p_rank + st["fixed"],
+                     n_chunks=n_chunks, checkpoints=checkpoints, grad=grad)
+
+
+# ----------------------------------------------------------------------------
+# weights, gradients, optimizer
+
+
+@dataclass(frozen=True)
+class WeightPlan:
+    """Weights, gradients and Adam state per rank, bytes (trainable: elements).
+
+    Fields:
+        base: the frozen (or trained) base weights, whole model.
+        trainable: trained elements (LoRA adapters, or every parameter).
+        param_bytes / grad_bytes / optimizer_bytes: per rank (sharded 1/W under shard_params).
+        gathered: shard_params: two layers' weights gathered at a time (else 0).
+        assumptions: the lines of the report these figures rest on.
+    """
+
+    base: float
+    trainable: int
+    param_bytes: float
+    grad_bytes: float
+    optimizer_bytes: float
+    gathered: float
+    assumptions: tuple
+
+
+def plan_weights(s: Basis) -> WeightPlan:
+    """Weights, gradients and optimizer state of what is trained."""
+    c, params, b, W, wdt, dtype = s.config, s.params, s.b, s.W, s.wdt, s.dtype
+    assumptions = []
+    if wdt in QUANT_BYTES:
+        base = params.linear * QUANT_BYTES[wdt] + (params.embedding + params.lm_head + params.other) * b
+        assumptions.append(f"{wdt} weights: every body linear (incl. experts) is quantized at "
+                           f"{QUANT_BYTES[wdt]:.4f} B/param; embeddings, lm_head, norms, convs stay {dtype}")
+    else:
+        base = params.total * DTYPE_BYTES[wdt]
+    half = b < 4
+    adam = 8 + (4 if half else 0)
+    if c.lora_rank:
+        trainable = params.lora
+        where = ("the token-mixer projections (attention q/k/v/o, GDN in/out, MLA q/kv/o)"
+                 if c.lora_targets == "attention" else
+                 "every linear except routed experts, routers, the DSA indexer and lm_head")
+        assumptions.append(f"LoRA rank {c.lora_rank} on {where}; base weights frozen; adapters in the compute dtype")
+    else:
+        trainable = params.total
+        assumptions.append("full training: every parameter trainable")
+    param_bytes = base + (params.lora * b if c.lora_rank else 0)
+    grad_bytes = trainable * b
+    optimizer_bytes = trainable * adam
+    assumptions.append(f"grads in {dtype}; Adam keeps 2 fp32 moments" + (" + an fp32 master copy" if half else "")
+                       + f" = {adam} B per trainable parameter")
+    gathered = 0.0
+    if c.shard_params:
+        param_bytes, grad_bytes, optimizer_bytes = param_bytes / W, grad_bytes / W, optimizer_bytes / W
+        per_layer = base / len(s.arch.layers)
+        gathered = 2 * per_layer
+        assumptions.append("shard_params: weights, grads and optimizer state sharded 1/W; two layers' weights "
+                           "gathered at a time (counted in the static memory)")
+    else:
+        assumptions.append("weights, grads and optimizer state replicated on every rank")
+    return WeightPlan(base=base, trainable=trainable, param_bytes=param_bytes, grad_bytes=grad_bytes,
+                      optimizer_bytes=optimizer_bytes, gathered=gathered, assumptions=tuple(assumptions))
+
+
+# ----------------------------------------------------------------------------
+# working sets: replay, capture, the reverse walk, scoring
+
+
+def _graph_tok(s: Basis) -> float:
+    """Autograd graph bytes per token of one pass over every layer (plus the hidden rows)."""
+    return (sum(graph_bytes_per_token(s.arch, l, s.b, s.config.gdn_kernel) for l in s.arch.layers)
+            + 3 * s.arch.hidden * s.b)
+
+
+def _autograd(s: Basis, tokens: int, keys: int, dense_self: bool | None = None) -> tuple[float, float]:
+    """(graph, attention working) bytes of one autograd pass of `tokens` over `keys` (`working.py`);
+    dense_self None: the config's self part (dense unless 'flash')."""
+    dense = s.config.self_attention != "flash" if dense_self is None else dense_self
+    return autograd_pass(s.arch, tokens, keys, s.config.attention_block_size, s.b, s.acc, dense,
+                         s.config.gdn_kernel)
+
+
+def nograd_working(s: Basis, tokens: int) -> float:
+    """One no-grad pass of `tokens` queries over the rank's prompt: the largest layer."""
+    c = s.config
+    fused = c.self_attention != "dense"  # capture through a fused kernel
+    return max(nograd_layer_bytes(s.arch, l, tokens, s.p_rank, c.attention_block_size, s.acc, s.b, c.gdn_kernel,
+                                  fused=fused)
+               for l in s.arch.layers)
+
+
+@dataclass(frozen=True)
+class ReplayPlan:
+    """Replay of one branch (or one piece of it) with autograd, bytes.
+
+    Fields:
+        T: tokens of one replayed piece; held: branch tokens held as a state while the
+            pieces are walked back (0 for one piece).
+        graph_tok: graph bytes per token of one pass.
+        graph / attention / logits: the piece's graph, its blockwise-attention working set,
+            the chunked-logits working set.
+        branch_state: the earlier pieces' state (and their gradient buffers).
+        working: graph + the larger of attention and logits + branch_state.
+    """
+
+    T: int
+    held: int
+    graph_tok: float
+    graph: float
+    attention: float
+    logits: float
+    branch_state: float
+    working: float
+
+
+def plan_replay(s: Basis, state: StatePlan) -> ReplayPlan:
+    """One branch's replay: its piece's graph over the rank's prompt shard and held pieces."""
+    c, R, b, arch, st = s.config, s.R, s.b, s.arch, state.sizes
+    T = min(R, c.branch_chunk_size or R)  # tokens in one replayed piece
+    held = (R - 1) // T * T if T < R else 0  # branch tokens held as a state while pieces are walked back
+    # under CP a rank's queries read its own shard of the prompt (plus the branch's held pieces)
+    graph, attn = _autograd(s, T, s.p_rank + held)
+    logits = min(T, c.logits_chunk_size) * arch.vocab * (b + 3 * 4) + T * arch.hidden * b
+    # the earlier pieces' state (and the recurrent state at each piece start), with grad buffers
+    branch_state = 2 * (st["per_token"] * held + held // T * (st["recurrent_fixed"] + st["conv_tail_fixed"]))
+    return ReplayPlan(T=T, held=held, graph_tok=_graph_tok(s), graph=graph, attention=attn, logits=logits,
+                      branch_state=branch_state, working=graph + max(attn, logits) + branch_state)
+
+
+def _gathered_walk_row_bytes(arch: Arch, layer: LayerSpec, b: int, gk: bool) -> float:
+    """Bytes per chunk token a divided reverse walk's layer keeps for the whole chunk (its
+    rows of every rank, gathered, and the chunk's output that every rank computes):
+    attention q/k/v and output; MLA the absorbed queries and latent rows, and the latent
+    output (the indexer's gathered inputs take no grad and are freed with the layer); GDN
+    its whole replicated conv + recurrence graph."""
+    if layer.mixer == "attention":
+        return (2 * arch.heads + 2 * arch.kv_heads) * arch.head_dim * b
+    if layer.mixer == "mla":
+        kl, r = arch.kv_lora_rank, arch.rope_dim
+        return ((arch.heads + 1) * (kl + r) + arch.heads * kl) * b
+    return graph_bytes_per_token(arch, layer, b, gk)
+
+
+def _divided_working(arch: Arch, mine: int, chunk: int, b: int, acc: int) -> float:
+    """No-grad working set of a divided capture layer on a rank holding `mine` positions:
+    the hidden shard, its residual and the layer output ([mine, d] each), plus the larger of
+    an attention layer's q/k/v/output rows (and the fp32 running output of its queries), an
+    MLA layer's (its queries before and after absorption, latent rows, running output, and
+    DSA's indexer inputs and running top-k), and a GDN layer's projections (conv input, z, gates) with the per-token read of the start
+    state and zero-start output (accumulation dtype); the MLP runs in pieces of `chunk`
+    (counted by the chunked no-grad working set)."""
+    hidden = 3 * mine * arch.hidden * b
+    layers = [0.0]
+    if arch.count(mixer="attention"):
+        layers.append(mine * ((2 * arch.heads + 2 * arch.kv_heads) * arch.head_dim * b
+                              + arch.heads * arch.head_dim * acc))
+    if arch.count(mixer="mla"):  # q, absorbed q and the latent rows; fp32 running output; DSA's indices
+        h, kl, r = arch.heads, arch.kv_lora_rank, arch.rope_dim
+        mla = (h * (arch.nope_dim + r) + (arch.q_lora_rank or 0) + h * (kl + r) + 3 * (kl + r)
+               + h * arch.v_head_dim) * b + h * (kl + 1) * acc
+        if arch.count(indexer=True):  # indexer queries (and their fp32 copy), keys, weights; the
+            # running top-k (positions int64, scores fp32) and the sparse attention's sorted places (int64)
+            mla += arch.index_heads * arch.index_dim * (b + 4) + arch.index_dim * b + arch.index_heads * 4
+            mla += arch.index_topk * (8 + 4 + 8)
+        layers.append(mine * mla)
+    if arch.count(mixer="gdn"):
+        layers.append(mine * (2 * arch.conv_dim * b + arch.gdn_v_heads * arch.gdn_v_dim * 2 * b
+                              + arch.gdn_v_heads * (arch.gdn_k_dim + arch.gdn_v_dim) * acc))
+    return hidden + max(layers)
+
+
+@dataclass(frozen=True)
+class CapturePlan:
+    """Capture of the prompt without autograd.
+
+    Fields:
+        C: tokens of one capture (and recompute) chunk: every rank runs every chunk's tokens.
+        divided: each prompt token computed on one rank (the engine's `divides_capture`).
+        working: the larger of one chunk's no-grad pass and (divided) one layer's pass over
+            the rank's positions, bytes.
+        comm: bytes the busiest rank receives (divided; else 0).
+    """
+
+    C: int
+    divided: bool
+    working: float
+    comm: float
+
+
+def plan_capture(s: Basis) -> CapturePlan:
+    """Capture's working set, and whether (and at what traffic) it is divided."""
+    c, W, P = s.config, s.W, s.P
+    C = min(c.chunk_size, P)  # capture / recompute chunk: every rank runs every chunk's tokens
+    # the engine's rule (Engine.divides_capture): not with kept chunk graphs or an
+    # offloaded state, and only when every rank owns a block
+    divided = (c.divide_capture and W > 1 and not c.offload_state
+               and not (c.mode == "exact" and c.keep_graph_bytes > 0) and s.every_rank_owns)
+    working, comm = nograd_working(s, C), 0.0
+    if divided:  # layer by layer over the rank's positions: its hidden shard and one layer's projections
+        working = max(working, _divided_working(s.arch, s.p_rank, C, s.b, s.acc))
+        comm = divided_capture_traffic(s.cfg, positions=P - 1, world=W, block=c.attention_block_size,
+                                       chunk_size=c.chunk_size, dtype=s.dtype, exact=s.exact)
+    return CapturePlan(C=C, divided=divided, working=working, comm=comm)
+
+
+@dataclass(frozen=True)
+class WalkPlan:
+    """Exact mode's reverse walk (and its kept capture graphs).
+
+    Fields:
+        working: recompute of one chunk with autograd, bytes (0 detached).
+        chunks: capture chunks of the P - 1 captured positions.
+        chunk_graph: one chunk's autograd graph, bytes.
+        kept_chunks / kept_bytes: the last chunks whose graphs are kept instead of recomputed.
+        divided: each prompt token recomputed on one rank (the engine's `divides_walk`).
+        chunk: tokens of one walk chunk (whole deal cycles when divided, else C).
+        comm: bytes each rank receives in the divided walk (else 0).
+    """
+
+    working: float
+    chunks: int
+    chunk_graph: float
+    kept_chunks: int
+    kept_bytes: float
+    divided: bool
+    chunk: int
+    comm: float
+
+
+def _divided_walk_working(s: Basis, walk_chunk: int, graph_tok: float) -> float:
+    """The rank's own tokens of one walk chunk with autograd, plus the chunk's gathered q/k/v
+    and output rows per attention layer and its replicated attention (self part, blockwise
+    backward), and per GDN layer its replicated conv + recurrence (bounded by the layer's
+    whole graph per token)."""
+    own = s.deal.fullest(walk_chunk)
+    gathered_rows = walk_chunk * sum(_gathered_walk_row_bytes(s.arch, layer, s.b, s.config.gdn_kernel)
+                                     for layer in s.arch.layers)
+    whole, attn = _autograd(s, walk_chunk, s.p_rank)
+    self_part = whole - walk_chunk * graph_tok  # the dense self part's scores, when counted
+    return _autograd(s, own, s.p_rank, dense_self=False)[0] + gathered_rows + self_part + attn
+
+
+def plan_walk(s: Basis, capture: CapturePlan, graph_tok: float) -> WalkPlan:
+    """Exact mode's recompute working set, kept graphs, and whether the walk is divided."""
+    c, W, P, C, exact, params = s.config, s.W, s.P, capture.C, s.exact, s.params
+    working = sum(_autograd(s, C, s.p_rank)) if exact else 0.0
+    # exact mode's kept capture graphs (the last chunks that fit), alive from capture to their walk
+    chunks = -(-max(P - 1, 1) // C)
+    chunk_graph = _autograd(s, C, s.p_rank)[0]
+    kept_chunks = min(chunks, int(c.keep_graph_bytes // chunk_graph)) if exact and c.keep_graph_bytes else 0
+    # the engine's rule (Engine.divides_walk): no kept chunk graphs, no offloaded state, a block
+    # for every rank (sharded weights: FSDP2 over the W ranks, whose reduce-scatter then sums)
+    divided = (exact and c.divide_walk and W > 1 and not c.offload_state
+               and kept_chunks == 0 and s.every_rank_owns)
+    walk_chunk, comm = C, 0.0
+    if divided:
+        walk_chunk = walk_chunk_tokens(P - 1, c.chunk_size, W, c.attention_block_size,
+                                       bool(s.arch.count(mixer="gdn")))
+        working = _divided_walk_working(s, walk_chunk, graph_tok)
+        # the replicated parameters' gradients summed after the walk: LoRA's, or (FSDP2 reduce-scatters
+        # the sharded layers itself) the embeddings and lm_head, or every parameter
+        grad_elems = (params.lora if c.lora_rank else params.embedding + params.lm_head if c.shard_params
+                      else params.total - indexer_parameters(s.arch))
+        comm = divided_walk_traffic(s.cfg, positions=P - 1, world=W, block=c.attention_block_size,
+                                    chunk_size=c.chunk_size, dtype=s.dtype, grad_bytes=grad_elems * s.b)
+    return WalkPlan(working=working, chunks=chunks, chunk_graph=chunk_graph, kept_chunks=kept_chunks,
+                    kept_bytes=kept_chunks * chunk_graph, divided=bool(divided), chunk=walk_chunk, comm=comm)
+
+
+def score_working(s: Basis) -> float:
+    """One whole branch without autograd; fp32 logits + log-softmax of one chunk (0 without score passes)."""
+    c, R = s.config, s.R
+    if not c.score_passes:
+        return 0.0
+    return nograd_working(s, R) + min(R, c.logits_chunk_size) * s.arch.vocab * (s.b + 2 * 4)
+
+
+# ----------------------------------------------------------------------------
+# state offload, and the peak
+
+
+@dataclass(frozen=True)
+class OffloadPlan:
+    """Where the state lives under state offload (without it: all on the device).
+
+    Fields:
+        figures: `offload.offload_plan`'s dict (None without offload).
+        state_gpu / state_host: the rank's state bytes on the device / in host memory.
+        state_grad_gpu: exact mode's state gradient bytes on the device.
+        assumptions: the report's line about it (none without offload).
+    """
+
+    figures: dict | None
+    state_gpu: float
+    state_host: int
+    state_grad_gpu: float
+    assumptions: tuple
+
+
+def plan_offload(s: Basis, state: StatePlan, replay: ReplayPlan) -> OffloadPlan:
+    """Per-token rows (and their gradients) in host memory, two layers' slots on the device."""
+    c, st, acc, b, exact = s.config, state.sizes, s.acc, s.b, s.exact
+    if not c.offload_state:
+        return OffloadPlan(figures=None, state_gpu=state.rank, state_host=0, state_grad_gpu=state.grad,
+                           assumptions=())
+    T = replay.T
+    figures = offload_plan(s.arch, b=b, acc=acc, exact=exact, prompt=s.P, chunk=c.chunk_size, world=s.W,
+                           block=c.attention_block_size, group=s.G, pieces=-(-s.R // T),
+                           held_pieces=replay.held // T, score_passes=c.score_passes)
+    line = (f"offload: {figures['staged_layers']} layers' per-token rows (+ exact mode's gradient rows) in host "
+            "memory; on the device two slots of the largest layer's rows (+ its gradient rows) and the constant "
+            "state; every pass stages each layer it visits once (traffic and its time at "
+            f"{c.host_bandwidth_gbs:g} GB/s host link; copies overlap compute, so the step takes at least the "
+            "larger of the two)")
+    return OffloadPlan(figures=figures, state_gpu=st["fixed"] + figures["slot_bytes"],
+                       state_host=figures["host_bytes"],
+                       state_grad_gpu=(state.n_chunks * (st["recurrent_fixed"] + st["conv_tail_fixed"] * acc // b))
+                       if exact else 0, assumptions=(line,))
+
+
+@dataclass(frozen=True)
+class Peak:
+    """The peak per rank: static memory plus the largest phase's working set, bytes.
+
+    Fields:
+        static: weights, gradients, optimizer state, gathered weights, state (device part),
+            state gradients and GDN checkpoints.
+        phases: what each phase holds beyond `static` ('capture', 'replay', exact mode's
+            'recompute', and 'score' with score passes).
+        phase / peak / fits: the largest phase, static + its bytes, and peak + reserve <= gpu_memory.
+    """
+
+    static: float
+    phases: dict
+    phase: str
+    peak: float
+    fits: bool
+
+
+def plan_peak(s: Basis, state: StatePlan, weights: WeightPlan, replay: ReplayPlan, capture: CapturePlan,
+              walk: WalkPlan, offload: OffloadPlan, score: float) -> Peak:
+    """The static memory, each phase's working set, and the largest."""
+    c, w = s.config, weights
+    static = (w.param_bytes + w.grad_bytes + w.optimizer_bytes + w.gathered + offload.state_gpu
+              + offload.state_grad_gpu + state.checkpoints)
+    kept = walk.kept_bytes
+    # what each phase holds beyond the static memory (capture may run before any gradient exists)
+    phases = {"capture": capture.working + kept - (0 if c.grads_during_capture else w.grad_bytes),
+              "replay": replay.working + kept}
+    if s.exact:  # the walk frees the kept graphs first; a chunk is recomputed only after all of them
+        phases["recompute"] = max(kept + (walk.working - walk.chunk_graph if walk.kept_chunks else 0),
+                                  walk.working if walk.kept_chunks < walk.chunks else 0)
+    if c.score_passes:
+        phases["score"] = score
+    phase = max(phases, key=phases.get)
+    peak = static + phases[phase]
+    return Peak(static=static, phases=phases, phase=phase, peak=peak, fits=peak + c.reserve <= c.gpu_memory)
