@@ -66,7 +66,8 @@ def _rank(rank: int, world: int, init: str, args, out: str) -> None:
     import longstraw as ls
     from longstraw.parallel.collectives import Traffic
     from longstraw.plan.traffic import divided_capture_traffic
-    from longstraw.tiny import random_group, tiny_model
+    from longstraw.tiny import tiny_model
+    from tests.reference import uniform_group
 
     torch.set_num_threads(1)
     cp = world > 1 or args.method != "single"
@@ -78,8 +79,8 @@ def _rank(rank: int, world: int, init: str, args, out: str) -> None:
     engine = ls.Engine(model, ls.ExecConfig(**kw))
     exact = ls.Engine(model, ls.ExecConfig(mode="exact", divide_walk=args.method != "replicated", **kw)) \
         if args.exact else None
-    group = random_group(4096, args.prompt_tokens, args.group, args.response_tokens, seed=0)
-    warm = random_group(4096, min(args.prompt_tokens, 4 * args.block * max(world, 1) + 1), 1, 8, seed=1)
+    group = uniform_group(4096, args.prompt_tokens, args.group, args.response_tokens, seed=0)
+    warm = uniform_group(4096, min(args.prompt_tokens, 4 * args.block * max(world, 1) + 1), 1, 8, seed=1)
     engine.step(warm)  # imports, allocator, first-call costs
     if exact is not None:
         exact.step(warm)

@@ -33,7 +33,7 @@ Measurement
 Machine: CPU only, `torch.set_num_threads(2)` (the dev box has 2 cores). dtype float32.
 Model: `longstraw.tiny.tiny_model("qwen3")` (4 layers, hidden 256, 4 query heads over 2
 KV heads of dim 32, vocab 4096: 4.85M parameters, 18.5 MiB fp32, as are its grads).
-Group: `longstraw.tiny.random_group(4096, P, G, R, seed=0)`.
+Group: `tests.reference.uniform_group(4096, P, G, R, seed=0)`.
 Defaults: P = 8192, R = 128, G in {2, 8}; `--quick`: P = 1024, R = 32.
 
 Every (method, G) runs in a fresh subprocess (`--worker`), so peak RSS is clean:
@@ -157,10 +157,11 @@ def worker_live(args) -> dict:
     torch.set_num_threads(THREADS)
     import longstraw as ls
     from live_peak import live_tensor_peak
-    from longstraw.tiny import random_group, tiny_model
+    from longstraw.tiny import tiny_model
+    from tests.reference import uniform_group
 
     model = tiny_model("qwen3", dtype=torch.float32)
-    group = random_group(VOCAB, args.prompt_tokens, args.worker_g, args.response_tokens, seed=0)
+    group = uniform_group(VOCAB, args.prompt_tokens, args.worker_g, args.response_tokens, seed=0)
     grpo = ls.GRPOConfig()
     exec_kwargs = _exec_kwargs(args)
     if args.worker_method == "naive":
@@ -178,10 +179,11 @@ def worker(args) -> dict:
 
     torch.set_num_threads(THREADS)
     import longstraw as ls
-    from longstraw.tiny import random_group, tiny_model
+    from longstraw.tiny import tiny_model
+    from tests.reference import uniform_group
 
     model = tiny_model("qwen3", dtype=torch.float32)
-    group = random_group(VOCAB, args.prompt_tokens, args.worker_g, args.response_tokens, seed=0)
+    group = uniform_group(VOCAB, args.prompt_tokens, args.worker_g, args.response_tokens, seed=0)
     grpo = ls.GRPOConfig()
     exec_kwargs = _exec_kwargs(args)
     gc.collect()

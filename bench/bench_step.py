@@ -37,7 +37,7 @@ Measurement (as bench/bench_dense.py)
 -------------------------------------
 Each measurement is one subprocess (`--worker`): torch.set_num_threads(2) (env BENCH_THREADS), build
 `longstraw.tiny.tiny_model(family, dtype=float32)` and
-`longstraw.tiny.random_group(4096, P, G, R, seed=0)`, gc.collect(), read RSS
+`tests.reference.uniform_group(4096, P, G, R, seed=0)`, gc.collect(), read RSS
 (`rss_after_model`), run the method (time.perf_counter), read the peak RSS (ru_maxrss);
 `peak_above_model = peak_rss - rss_after_model`. The driver never imports torch, so it
 puts no floor under its children's ru_maxrss. Before each measurement the driver waits
@@ -376,14 +376,15 @@ def worker(args) -> dict:
     import torch
 
     torch.set_num_threads(THREADS)
-    from longstraw.tiny import TINY_CONFIGS, random_group, tiny_model
+    from longstraw.tiny import TINY_CONFIGS, tiny_model
+    from tests.reference import uniform_group
 
     method, P, G = args.worker_method, args.worker_p, args.worker_g
     model = tiny_model(args.family, dtype=torch.float32)
-    group = random_group(VOCAB, P, G, args.response_tokens, seed=0)
+    group = uniform_group(VOCAB, P, G, args.response_tokens, seed=0)
     dsa = _install_dsa_timers() if args.dsa_timing else None
     if args.warmup:  # fault in the code paths (file-backed pages) before the baseline; drop its grads
-        run_method(method, model, random_group(VOCAB, min(P, 512), G, args.response_tokens, seed=1), args)
+        run_method(method, model, uniform_group(VOCAB, min(P, 512), G, args.response_tokens, seed=1), args)
         for p in model.parameters():
             p.grad = None
     gc.collect()
@@ -442,7 +443,8 @@ def selfcheck(args) -> dict:
     import torch
 
     torch.set_num_threads(THREADS)
-    from longstraw.tiny import random_group, tiny_model
+    from longstraw.tiny import tiny_model
+    from tests.reference import uniform_group
 
     out = {}
     for family in args.selfcheck_families:
@@ -450,7 +452,7 @@ def selfcheck(args) -> dict:
         grads, losses = {}, {}
         for m in methods:
             model = tiny_model(family, dtype=torch.float32)
-            group = random_group(VOCAB, 300, 3, 17, seed=1)
+            group = uniform_group(VOCAB, 300, 3, 17, seed=1)
             sub = argparse.Namespace(**{**vars(args), "family": family})
             losses[m] = run_method(m, model, group, sub)[0]
             grads[m] = torch.cat([p.grad.reshape(-1) for p in model.parameters() if p.grad is not None]).double()

@@ -2,7 +2,8 @@
 
     python bench/learning.py --config bench/learning/dense.json --arms exact detached full --seeds 0
 
-Each (arm, seed) is one `longstraw.train.train` run writing
+Each (arm, seed) is one `longstraw.train.train` run (`bench/learning/arms.run`: the full
+arm is this harness's) writing
 bench/results/learning/<model>-<arm>-s<seed>/log.jsonl; the arms of a seed share the
 warm start (cached by its config), the prompts, their order, and the per-step sampling
 generator. Runs are sequential (one heavy process at a time) on one thread. Extra
@@ -20,7 +21,8 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from longstraw.train import config_from_args, train  # noqa: E402
+from bench.learning.arms import LearningConfig, run  # noqa: E402
+from longstraw.train import config_from_args  # noqa: E402
 
 
 def _value(text: str):
@@ -42,10 +44,10 @@ def main() -> None:
     summary = []
     for seed in args.seeds:
         for arm in args.arms:
-            cfg = config_from_args({**overrides, "arm": arm, "seed": seed}, args.config)
+            cfg = config_from_args({**overrides, "arm": arm, "seed": seed}, args.config, LearningConfig)
             cfg.out_dir = os.path.join(args.out, f"{cfg.model}-{arm}-s{seed}")
             t0, c0 = time.perf_counter(), time.process_time()
-            train(cfg)
+            run(cfg)
             with open(os.path.join(cfg.out_dir, "log.jsonl")) as f:
                 log = [json.loads(line) for line in f]
             key = "heldout_accuracy" if cfg.eval_split == "heldout" else f"eval_{cfg.eval_split}_accuracy"

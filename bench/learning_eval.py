@@ -24,7 +24,8 @@ import torch  # noqa: E402
 
 import longstraw as ls  # noqa: E402
 from longstraw.tasks import Vocab, exact_match  # noqa: E402
-from longstraw.train import TrainConfig, warm_model  # noqa: E402
+from bench.learning.arms import LearningConfig as TrainConfig  # noqa: E402  (the hybrid preset too)
+from longstraw.train import warm_model  # noqa: E402
 
 
 def sampled_eval(model, cfg: TrainConfig, n: int, first: int = 0, sampled: bool = True) -> dict:

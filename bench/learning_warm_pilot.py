@@ -18,7 +18,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from longstraw.train import TrainConfig, build_model  # noqa: E402
+from bench.learning.arms import LearningConfig as TrainConfig  # noqa: E402  (the hybrid preset too)
+from longstraw.train import build_model  # noqa: E402
 
 
 def main() -> None:

@@ -10,8 +10,25 @@
 from __future__ import annotations
 
 import argparse
+import ast
+import dataclasses
+import datetime
+import inspect
 import json
+import os
 import sys
+import time
+
+import torch
+import torch.distributed as dist
+
+import longstraw as ls
+from longstraw.errors import LongStrawError
+from longstraw.measure import naive_bytes_per_token, peak_rss_bytes, rss_bytes
+from longstraw.plan import PlanConfig, estimate, format_report
+from longstraw.tiny import DEFAULT_FAMILY, TINY_CONFIGS, tiny_model
+from longstraw.train import TrainConfig, config_from_args
+from longstraw.train import train as run_training
 
 
 def _mib(n: float) -> str:
@@ -22,12 +39,6 @@ def _init_torchrun():
     """Under torchrun (WORLD_SIZE > 1): init the default process group; return (rank,
     device): NCCL on cuda:LOCAL_RANK where CUDA is available (the model must live there:
     NCCL carries CUDA tensors only), else gloo on CPU. (None, cpu) without torchrun."""
-    import datetime
-    import os
-
-    import torch
-    import torch.distributed as dist
-
     if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
         return None, torch.device("cpu")
     device = torch.device("cpu")
@@ -48,14 +59,6 @@ def demo(args) -> int:
     """One whole GRPO iteration on a tiny built-in model: generate G responses from one
     capture of the prompt, score them with a toy reward, step on the same state, and take
     an optimizer step."""
-    import time
-
-    import torch
-
-    import longstraw as ls
-    from longstraw.measure import naive_bytes_per_token, peak_rss_bytes, rss_bytes
-    from longstraw.tiny import tiny_model
-
     rank, device = _init_torchrun()
     lead = rank in (None, 0)  # only one rank prints
     torch.manual_seed(args.seed)
@@ -132,8 +135,6 @@ _PLAN_FIELDS = ("prompt_tokens", "group", "response_tokens", "mode", "gpus", "gp
 
 
 def plan(args) -> int:
-    from longstraw.plan import PlanConfig, estimate, format_report
-
     report = estimate(args.model, PlanConfig(**{name: getattr(args, name) for name in _PLAN_FIELDS}))
     print(json.dumps(report) if args.json else format_report(report))
     return 0
@@ -197,13 +198,8 @@ def _add_plan_parser(sub) -> None:
 
 
 def train(args) -> int:
-    import dataclasses
-
-    from longstraw.train import TrainConfig, config_from_args
-    from longstraw.train import train as run
-
     values = {f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig)}
-    summary = run(config_from_args(values, args.config))
+    summary = run_training(config_from_args(values, args.config))
     print(json.dumps(summary))
     return 0
 
@@ -211,9 +207,6 @@ def train(args) -> int:
 def field_docs(cls) -> dict[str, str]:
     """The docstring written under each field of a dataclass (its source's string after
     the annotated assignment), by field name: the flags' help text."""
-    import ast
-    import inspect
-
     body = ast.parse(inspect.getsource(cls)).body[0].body
     docs = {}
     for node, after in zip(body, body[1:]):
@@ -224,10 +217,6 @@ def field_docs(cls) -> dict[str, str]:
 
 
 def _add_train_parser(sub) -> None:
-    import dataclasses
-
-    from longstraw.train import TrainConfig
-
     p = sub.add_parser("train", help="GRPO training loop on the long-context key-value task (tiny model, no download)",
                        description="Warm start, then GRPO at long P with engine.generate + engine.step; logs "
                                    "JSONL to --out-dir, checkpoints and resumes. See docs/learning.md.")
@@ -246,8 +235,6 @@ def _add_train_parser(sub) -> None:
 
 
 def main(argv=None) -> int:
-    from longstraw.tiny import DEFAULT_FAMILY, TINY_CONFIGS
-
     parser = argparse.ArgumentParser(prog="longstraw", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     p = sub.add_parser("demo", help="one GRPO iteration (generate, reward, step, optimizer step) on a tiny "
@@ -266,7 +253,6 @@ def main(argv=None) -> int:
     _add_plan_parser(sub)
     _add_train_parser(sub)
     args = parser.parse_args(argv)
-    from longstraw.errors import LongStrawError
 
     try:
         if args.command == "train":

@@ -19,6 +19,7 @@ top-k 256, run in layers 0 and 2 and shared by layers 1 and 3; vocab 4096.
 from __future__ import annotations
 
 import torch
+import transformers
 
 DEFAULT_FAMILY = "qwen3_5"
 
@@ -44,8 +45,6 @@ TINY_CONFIGS = {
 
 def tiny_model(family: str = DEFAULT_FAMILY, *, dtype: torch.dtype = torch.float32, seed: int = 0, **overrides):
     """A stock HF causal LM of `family` with random weights, in eval mode."""
-    import transformers
-
     if family not in TINY_CONFIGS:
         raise ValueError(f"no tiny preset for {family!r}; have {sorted(TINY_CONFIGS)}")
     fields = {**TINY_CONFIGS[family], **overrides}
@@ -54,15 +53,3 @@ def tiny_model(family: str = DEFAULT_FAMILY, *, dtype: torch.dtype = torch.float
     torch.manual_seed(seed)
     model = transformers.AutoModelForCausalLM.from_config(config)
     return model.to(dtype).eval()
-
-
-def random_group(vocab_size: int, prompt_tokens: int, group_size: int, response_tokens: int, *, seed: int = 0):
-    """A `Group` of random token ids with random rewards in [0, 1)."""
-    from .group import Group
-
-    g = torch.Generator().manual_seed(seed)
-    return Group(
-        prompt=torch.randint(0, vocab_size, (prompt_tokens,), generator=g),
-        responses=[torch.randint(0, vocab_size, (response_tokens,), generator=g) for _ in range(group_size)],
-        rewards=torch.rand(group_size, generator=g),
-    )

@@ -8,30 +8,26 @@ It is a reference loop, not a framework. One iteration:
     engine.step(group, grpo, state=rollout.state)            # no second capture
     optimizer.step()
 
-Three arms share everything but the gradient of that update:
+Two arms share everything but the gradient of that update:
 
     detached  LongStraw, the prompt state is a constant (the LongStraw paper's gradient)
     exact     LongStraw exact mode: gradients also flow back through the prompt
-    full      the naive baseline: one Hugging Face forward + backward per branch over
-              prompt + response, with the same GRPO loss (same gradient as exact)
 
-All three sample their rollouts the same way (engine.generate from the captured state),
-from the same per-step torch.Generator, so with the same seed they see the same
-prompts in the same order; exact and full then follow the same curve up to float
-rounding.
+Both sample their rollouts alike, from the same per-step torch.Generator: with one seed
+they see the same prompts in the same order. bench/learning/ adds the naive "full" arm
+(`train(cfg, update=...)`) and its hybrid preset (a TrainConfig subclass).
 
 Warm start. A tiny random model cannot answer at all, so RL starts from a short
-supervised phase at *short* context (prompts of 64 up to `warm_prompt_tokens` tokens):
-cross-entropy on the ideal response (answer tokens + EOS) of the task's train split. The
-model learns the answer format and the lookup at short range, and is poor at the long P
-that RL then trains at (its attention over 16K filler tokens is too diluted). The warm-start weights are cached on disk by their
-config, so every arm of one seed starts from the identical model.
+supervised phase at *short* context: cross-entropy on the ideal response (answer + EOS)
+of the train split. It learns the format and the lookup at short range, and is poor at
+the long P that RL trains at. Its weights are cached on disk by their config, so every
+arm of one seed starts from the identical model.
 
-Each step appends one JSON line to `<out_dir>/log.jsonl` (reward mean/std, loss, clip
-fraction, KL to the warm-start policy, tokens/s, peak RSS, time per phase; held-out
-accuracy every `eval_every` steps). `<out_dir>/checkpoint.pt` holds the model, the
-optimizer, the RNG states and the step; a resumed run continues the same curve (every
-random draw of a step comes from a generator seeded by (seed, step)).
+Each step appends one JSON line to `<out_dir>/log.jsonl` (rewards, loss, clip fraction,
+KL to the warm start, tokens/s, peak RSS, phase times; held-out accuracy every
+`eval_every` steps). `<out_dir>/checkpoint.pt` holds the model, the optimizer, the RNG
+states and the step; a resumed run continues the same curve (every random draw of a
+step comes from a generator seeded by (seed, step)).
 """
 
 from __future__ import annotations
@@ -43,47 +39,43 @@ import json
 import os
 import time
 from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
+from tqdm.auto import tqdm
 
-from longstraw.engine import grpo as G
-from .config import ExecConfig, GRPOConfig
-from longstraw.parallel.context import check_replicas
+from longstraw.checkpoint import append_log, load_checkpoint, truncate_log, write_atomic
+from longstraw.config import ExecConfig, GRPOConfig
 from longstraw.engine.engine import Engine
-from .errors import CheckpointError, NonFiniteError
-from .group import BatchTotals, Group
-from longstraw.engine.logprobs import scaled_log_softmax
-from .measure import peak_rss_bytes
-from .tasks import KVRecall, Vocab, exact_match
+from longstraw.errors import NonFiniteError
+from longstraw.group import BatchTotals, Group
+from longstraw.measure import peak_rss_bytes
+from longstraw.parallel.context import check_replicas
+from longstraw.tasks import KVRecall, Vocab, exact_match
+from longstraw.tiny import tiny_model
 
-ARMS = ("detached", "exact", "full")
+ARMS = ("detached", "exact")
 
-# A large RoPE base (long-context models use 1e6 to 1e7; head_dim is only 16 here): the
-# lookup is by content, so at long P the model fails by dilution, not by rotary angles
-# it never saw.
-ROPE_THETA = 1e9
-
-# Tiny models for the learning experiments, shrunk from longstraw.tiny's presets so an
-# RL step at P = 16K takes seconds on one CPU thread. `vocab_size` is set from the task.
+# The CLI default's model, as data: a Qwen3-shaped dense model shrunk from
+# longstraw.tiny's preset so an RL step at P = 16K takes seconds on one CPU thread;
+# `vocab_size` is set from the task. 2 layers (the least that can do key -> value lookup:
+# a previous-token layer, then a matching layer), 2 query heads over 1 KV head. Its large
+# RoPE base (long-context models use 1e6 to 1e7; head_dim is only 16 here): the lookup is
+# by content, so at long P the model fails by dilution, not by rotary angles it never saw.
 MODEL_PRESETS = {
-    # Qwen3-shaped dense: 2 layers (the least that can do key -> value lookup:
-    # a previous-token layer, then a matching layer), 2 query heads over 1 KV head.
     "dense": ("qwen3", dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
                             num_key_value_heads=1, head_dim=16,
-                            rope_parameters={"rope_type": "default", "rope_theta": ROPE_THETA})),
-    # Qwen3.6-shaped hybrid: 3 Gated DeltaNet layers : 1 gated full-attention layer.
-    "hybrid": ("qwen3_5", dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4,
-                               layer_types=["linear_attention"] * 3 + ["full_attention"], num_attention_heads=2,
-                               num_key_value_heads=1, head_dim=16, linear_num_key_heads=2,
-                               linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
-                               rope_parameters={"rope_type": "default", "rope_theta": ROPE_THETA,
-                                                "partial_rotary_factor": 0.25})),
+                            rope_parameters={"rope_type": "default", "rope_theta": 1e9})),
 }
 
 
 @dataclass(kw_only=True)
 class TrainConfig:
-    """Everything a run depends on. `longstraw train` exposes each field as a flag."""
+    """Everything a run depends on. `longstraw train` exposes each field as a flag.
+    A subclass may widen `arms` and `presets` (bench/learning/arms.py does)."""
+
+    arms: ClassVar[tuple] = ARMS
+    presets: ClassVar[dict] = MODEL_PRESETS
 
     # -- the task ---------------------------------------------------------------
     prompt_tokens: int = 16384
@@ -105,7 +97,7 @@ class TrainConfig:
 
     # -- the model ----------------------------------------------------------------
     model: str = "dense"
-    """A preset of MODEL_PRESETS: "dense" (Qwen3-shaped) or "hybrid" (Qwen3.6-shaped)."""
+    """A preset of `presets`: "dense" (Qwen3-shaped; bench/learning adds "hybrid", Qwen3.6-shaped)."""
     dtype: str = "float32"
     model_seed: int = 0
 
@@ -123,7 +115,7 @@ class TrainConfig:
 
     # -- RL -----------------------------------------------------------------------
     arm: str = "exact"
-    """"detached", "exact" (LongStraw modes) or "full" (HF full-sequence baseline)."""
+    """"detached" or "exact" (LongStraw modes; bench/learning adds "full", the HF full-sequence baseline)."""
     steps: int = 40
     group_size: int = 8
     prompts_per_step: int = 1
@@ -169,10 +161,10 @@ class TrainConfig:
     progress: bool = True
 
     def __post_init__(self):
-        if self.arm not in ARMS:
-            raise ValueError(f"arm must be one of {ARMS}, got {self.arm!r}")
-        if self.model not in MODEL_PRESETS:
-            raise ValueError(f"model must be one of {sorted(MODEL_PRESETS)}, got {self.model!r}")
+        if self.arm not in self.arms:
+            raise ValueError(f"arm must be one of {self.arms}, got {self.arm!r}")
+        if self.model not in self.presets:
+            raise ValueError(f"model must be one of {sorted(self.presets)}, got {self.model!r}")
         if self.dtype not in ("float32", "float64"):
             raise ValueError(f"dtype must be float32 or float64, got {self.dtype!r}")
         if self.replica_check_every < 0:
@@ -196,9 +188,8 @@ class TrainConfig:
 
 
 def build_model(cfg: TrainConfig):
-    from .tiny import tiny_model
-
-    family, overrides = MODEL_PRESETS[cfg.model]
+    """The preset model of cfg with random weights (seed cfg.model_seed)."""
+    family, overrides = cfg.presets[cfg.model]
     dtype = getattr(torch, cfg.dtype)
     max_pos = max(cfg.prompt_tokens, cfg.warm_prompt_tokens) + cfg.num_queries + 64
     return tiny_model(family, dtype=dtype, seed=cfg.model_seed, vocab_size=cfg.task().vocab.size,
@@ -206,8 +197,7 @@ def build_model(cfg: TrainConfig):
 
 
 _WARM_FIELDS = ("model", "dtype", "model_seed", "warm_steps", "warm_prompt_tokens", "warm_min_prompt_tokens",
-                "warm_batch", "warm_lr",
-                "num_facts", "num_queries", "fact_region", "num_values", "num_keys", "num_filler", "records", "task_seed")
+                "warm_batch", "warm_lr", "num_facts", "num_queries", "fact_region", "num_values", "num_keys", "num_filler", "records", "task_seed")
 
 
 def warm_start(model, cfg: TrainConfig) -> dict:
@@ -240,7 +230,7 @@ def warm_start(model, cfg: TrainConfig) -> dict:
 
 
 def _warm_key(cfg: TrainConfig) -> str:
-    blob = json.dumps({"preset": MODEL_PRESETS[cfg.model], **{k: getattr(cfg, k) for k in _WARM_FIELDS}},
+    blob = json.dumps({"preset": cfg.presets[cfg.model], **{k: getattr(cfg, k) for k in _WARM_FIELDS}},
                       sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
@@ -259,51 +249,6 @@ def warm_model(cfg: TrainConfig):
         state = model.state_dict()
         write_atomic(path, lambda f: torch.save(state, f))
     return model, info
-
-
-# ----------------------------------------------------------------------------
-# rollouts
-
-
-def rollout(engine: Engine, prompt: torch.Tensor, cfg: TrainConfig, generator: torch.Generator):
-    """G samples for one prompt from one capture (`rollout.state` serves the update)."""
-    return engine.generate(prompt, num_samples=cfg.group_size, max_new_tokens=cfg.num_queries + 1,
-                           temperature=cfg.temperature, top_p=1.0, top_k=0, eos_token_id=Vocab.EOS,
-                           generator=generator)
-
-
-# ----------------------------------------------------------------------------
-# the full-sequence baseline update
-
-
-def full_sequence_logprobs(model, prompt: torch.Tensor, response: torch.Tensor, temperature: float = 1.0):
-    """One HF forward over prompt + response: [R] log-probs of the response tokens."""
-    ids = torch.cat([prompt, response])  # (P + R,)
-    logits = model(ids[None], logits_to_keep=response.numel() + 1).logits[0, :-1]  # (R, V)
-    return scaled_log_softmax(logits, temperature).gather(-1, response[:, None])[:, 0]
-
-
-def full_sequence_step(model, group: Group, grpo: GRPOConfig, totals: BatchTotals | None = None) -> dict:
-    """The naive update: one full-sequence forward + backward per branch, with the same
-    GRPO loss as `Engine.step` (so the same gradient as exact mode). Accumulates .grad."""
-    totals = BatchTotals.of([group]) if totals is None else totals
-    rewards = torch.as_tensor(group.rewards, dtype=torch.float64)
-    equal = bool(rewards.max() == rewards.min())
-    if equal and grpo.beta == 0:
-        return {"loss": 0.0, "skipped_zero_advantage": 1.0, "clip_fraction": 0.0}
-    adv = torch.zeros_like(rewards) if equal else G.advantages(rewards, grpo)
-    total, clipped, tokens = 0.0, 0.0, 0
-    for i, response in enumerate(group.responses):
-        logp = full_sequence_logprobs(model, group.prompt, response, grpo.temperature)
-        old = logp.detach() if group.old_logprobs is None else group.old_logprobs[i].to(logp)
-        ref = group.ref_logprobs[i].to(logp) if grpo.beta > 0 else None
-        per_tok, stats = G.per_token_loss(logp, old, float(adv[i]), grpo, ref)
-        loss = per_tok.sum() * G.branch_weight(grpo, totals, response.numel())
-        loss.backward()
-        total += float(loss.detach())
-        clipped += float(stats["clipped"].sum())
-        tokens += response.numel()
-    return {"loss": total, "skipped_zero_advantage": 0.0, "clip_fraction": clipped / tokens}
 
 
 # ----------------------------------------------------------------------------
@@ -326,30 +271,8 @@ def evaluate(engine: Engine, task: KVRecall, n: int, *, split: str = "heldout") 
     return {f"{pre}_accuracy": hits / n, f"{pre}_reward": total / n, f"{pre}_n": n}
 
 
-# ----------------------------------------------------------------------------
-# checkpoints
-
-
-def write_atomic(path: str, write) -> None:
-    """Write `path` by write-then-rename: `write(f)` fills `path + ".tmp"` (same directory,
-    binary), which is fsynced and renamed over `path` (`os.replace` is atomic), then the
-    directory is fsynced. A run killed at any moment leaves the old file or the new one,
-    never a part of one (a stale .tmp at most, overwritten by the next write)."""
-    tmp = path + ".tmp"
-    with open(tmp, "wb") as f:
-        write(f)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    fd = os.open(os.path.dirname(os.path.abspath(path)), os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
 def _save(path: str, model, optimizer, step: int, cfg: TrainConfig, nonfinite: dict) -> None:
-    """Write the checkpoint (atomically); refuse to replace the last good one by weights
+    """Write the checkpoint (atomically, `checkpoint.py`); refuse to replace the last good one by weights
     that are not finite."""
     bad = [n for n, p in model.named_parameters() if not bool(torch.isfinite(p).all())]
     if bad:
@@ -360,38 +283,6 @@ def _save(path: str, model, optimizer, step: int, cfg: TrainConfig, nonfinite: d
     write_atomic(path, lambda f: torch.save(ckpt, f))
 
 
-def load_checkpoint(path: str) -> dict:
-    """A checkpoint written by the loop, loaded with `torch.load(weights_only=True)`:
-    tensors and plain containers only, never arbitrary pickled objects."""
-    try:
-        return torch.load(path, weights_only=True)
-    except Exception as exc:  # UnpicklingError for a forbidden object; others for a broken file
-        raise CheckpointError(f"cannot load the checkpoint {path} with weights_only=True ({type(exc).__name__}: "
-                              f"{str(exc).splitlines()[0] if str(exc) else ''}); the loop only loads its own "
-                              "checkpoints: tensors and plain containers. Delete it or pass --no-resume") from exc
-
-
-def _read_log(path: str) -> bytes:
-    if not os.path.exists(path):
-        return b""
-    with open(path, "rb") as f:
-        return f.read()
-
-
-def _truncate_log(path: str, step: int) -> None:
-    """Keep the log lines of the `step` steps done (a resumed run writes the rest)."""
-    if not os.path.exists(path):
-        return
-    keep = [line for line in _read_log(path).splitlines(keepends=True) if json.loads(line).get("step", -1) <= step]
-    write_atomic(path, lambda f: f.writelines(keep))
-
-
-def _append_log(path: str, record: dict) -> None:
-    """Append one JSON line to the log, by rewriting it whole (atomically: `write_atomic`)."""
-    data = _read_log(path) + (json.dumps(record) + "\n").encode()
-    write_atomic(path, lambda f: f.write(data))
-
-
 def _step_generator(cfg: TrainConfig, step: int) -> torch.Generator:
     return torch.Generator().manual_seed(cfg.seed * 1_000_003 + step + 17)
 
@@ -400,25 +291,50 @@ def _step_generator(cfg: TrainConfig, step: int) -> torch.Generator:
 # the loop
 
 
-def train(cfg: TrainConfig) -> dict:
+def engine_update(run: "Run", group: Group, state, grpo: GRPOConfig, totals: BatchTotals) -> dict:
+    """The LongStraw arms' update of one group (the form of `train`'s `update=`):
+    `engine.step` on the rollout's state, no second capture. Returns {"loss", **metrics}."""
+    res = run.engine.step(group, grpo, totals=totals, state=state)
+    return {"loss": res.loss, **res.metrics}
+
+
+@dataclass
+class Run:
+    """What a run holds between steps (the non-finite guard's counters included)."""
+
+    cfg: TrainConfig
+    task: KVRecall
+    model: torch.nn.Module
+    engine: Engine
+    ref_engine: Engine | None
+    optimizer: torch.optim.Optimizer
+    grpo: GRPOConfig
+    log_path: str
+    ckpt_path: str
+    start: int
+    nonfinite: dict
+
+
+def train(cfg: TrainConfig, *, update=None) -> dict:
     """Run (or resume) one GRPO training run. Returns the final summary dict (also the
-    last line of the log)."""
+    last line of the log). `update(run, group, state, grpo, totals) -> dict` replaces the
+    engine's update of each group (default `engine_update`; bench/learning's "full" arm)."""
     threads = torch.get_num_threads()
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     try:
-        return _train(cfg)
+        return _train(cfg, engine_update if update is None else update)
     finally:
         torch.set_num_threads(threads)
 
 
-def _train(cfg: TrainConfig) -> dict:
+def _start(cfg: TrainConfig) -> tuple[Run, dict]:
+    """Write config.json, build the warm-started model, its frozen reference copy and the
+    optimizer, and resume from the checkpoint when there is one. Returns (run, warm_info)."""
     os.makedirs(cfg.out_dir, exist_ok=True)
     log_path, ckpt_path = os.path.join(cfg.out_dir, "log.jsonl"), os.path.join(cfg.out_dir, "checkpoint.pt")
     config_json = json.dumps(dataclasses.asdict(cfg), indent=1).encode()
     write_atomic(os.path.join(cfg.out_dir, "config.json"), lambda f: f.write(config_json))
-
-    task = cfg.task()
     model, warm_info = warm_model(cfg)
     reference = copy.deepcopy(model).requires_grad_(False) if (cfg.log_kl or cfg.beta > 0) else None
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
@@ -431,133 +347,152 @@ def _train(cfg: TrainConfig) -> dict:
         start = ckpt["step"]
         nonfinite.update(ckpt.get("nonfinite", {}))
         del ckpt
-    _truncate_log(log_path, start if start > 0 else -1)  # from scratch: the warm-start line is written again
-
+    truncate_log(log_path, start if start > 0 else -1)  # from scratch: the warm-start line is written again
     mode = "exact" if cfg.arm == "exact" else "detached"
     engine = Engine(model, ExecConfig(chunk_size=cfg.chunk_size, mode=mode))
     ref_engine = Engine(reference, ExecConfig(chunk_size=cfg.chunk_size)) if reference is not None else None
     grpo = GRPOConfig(loss_type=cfg.loss_type, epsilon_low=cfg.epsilon, epsilon_high=cfg.epsilon, beta=cfg.beta,
                       temperature=cfg.temperature)
-    params = [p for p in model.parameters() if p.requires_grad]
+    run = Run(cfg=cfg, task=cfg.task(), model=model, engine=engine, ref_engine=ref_engine, optimizer=optimizer,
+              grpo=grpo, log_path=log_path, ckpt_path=ckpt_path, start=start, nonfinite=nonfinite)
+    return run, warm_info
 
-    def log(record: dict) -> None:
-        _append_log(log_path, record)
 
-    if start == 0:
+def _rollouts(run: Run, step: int, gen: torch.Generator) -> tuple[list, list]:
+    """G samples per prompt of this step from the captured state, and their groups
+    (rewards from the task, old log-probs from the sampler)."""
+    cfg = run.cfg
+    items = [run.task.item("train", step * cfg.prompts_per_step + b) for b in range(cfg.prompts_per_step)]
+    rollouts, groups = [], []
+    for item in items:
+        ro = run.engine.generate(item.prompt, num_samples=cfg.group_size, max_new_tokens=cfg.num_queries + 1,
+                                 temperature=cfg.temperature, top_p=1.0, top_k=0, eos_token_id=Vocab.EOS,
+                                 generator=gen)  # `ro.state` serves the update
+        rewards = torch.tensor([run.task.reward(item, r) for r in ro.responses], dtype=torch.float64)
+        rollouts.append(ro)
+        groups.append(Group(prompt=item.prompt, responses=ro.responses, rewards=rewards, old_logprobs=ro.logprobs))
+    return rollouts, groups
+
+
+def _reference_kl(run: Run, groups: list, rollouts: list) -> float | None:
+    """The reference policy's log-probs: the logged k3 KL to the warm start (None without
+    a reference), and the loss's KL term when beta > 0 (set on the groups)."""
+    if run.ref_engine is None:
+        return None
+    cfg, kls = run.cfg, []
+    scored = len(groups) if cfg.beta > 0 or cfg.kl_prompts == 0 else min(cfg.kl_prompts, len(groups))
+    for grp, ro in zip(groups[:scored], rollouts[:scored]):
+        ref = run.ref_engine.score(grp, temperature=cfg.temperature)  # its own capture (other weights)
+        if cfg.beta > 0:
+            grp.ref_logprobs = ref
+        for lp, rlp in zip(ro.logprobs, ref):
+            d = rlp.double() - lp.double()
+            kls.append(torch.exp(d) - d - 1)  # k3 estimator of KL(policy || ref), per token
+    return float(torch.cat(kls).mean())
+
+
+def _optimizer_step(run: Run, params: list) -> tuple[torch.Tensor, bool]:
+    """Clip and step, unless the gradient norm is NaN/inf: then skip the update (it would
+    reach the weights and the next checkpoint) and count it. Returns (grad_norm, finite)."""
+    cfg, nonfinite = run.cfg, run.nonfinite
+    grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip if cfg.grad_clip > 0 else float("inf"))
+    finite = bool(torch.isfinite(grad_norm))
+    if finite:
+        run.optimizer.step()
+        nonfinite["in_row"] = 0
+    else:
+        run.optimizer.zero_grad(set_to_none=True)
+        nonfinite["in_row"] += 1
+        nonfinite["total"] += 1
+    return grad_norm, finite
+
+
+def _step(run: Run, step: int, update, params: list) -> dict:
+    """One RL step: rollouts, the reference's KL, the update, held-out evaluation; its
+    log line is written and returned."""
+    cfg = run.cfg
+    t_start = time.perf_counter()
+    rollouts, groups = _rollouts(run, step, _step_generator(cfg, step))  # 1. G samples per prompt
+    t_gen = time.perf_counter()
+    kl = _reference_kl(run, groups, rollouts)  # 2. KL to the warm start (the loss's KL term when beta > 0)
+    t_ref = time.perf_counter()
+    run.optimizer.zero_grad(set_to_none=True)  # 3. the update
+    totals = BatchTotals.of(groups)
+    metrics = [update(run, grp, ro.state, run.grpo, totals) for grp, ro in zip(groups, rollouts)]
+    del rollouts  # their prompt states: nothing after the update reads them (not the next capture)
+    grad_norm, finite = _optimizer_step(run, params)
+    if cfg.replica_check_every and (step + 1) % cfg.replica_check_every == 0:
+        check_replicas(run.model, run.engine.cp)  # DistributedError if the ranks' weights drifted apart
+    t_upd = time.perf_counter()
+    ev = {}  # 4. held-out evaluation
+    if (step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps:
+        ev = evaluate(run.engine, run.task, cfg.eval_prompts, split=cfg.eval_split)
+    t_eval = time.perf_counter()
+    r = torch.cat([g.rewards for g in groups])
+    resp_tokens = sum(g.response_tokens for g in groups)
+    record = {
+        "step": step + 1, "arm": cfg.arm, "model": cfg.model, "prompt_tokens": cfg.prompt_tokens,
+        "reward_mean": float(r.mean()), "reward_std": float(r.std()) if r.numel() > 1 else 0.0,
+        "loss": sum(m["loss"] for m in metrics),
+        "clip_fraction": sum(m.get("clip_fraction", 0.0) for m in metrics) / len(metrics),
+        "skipped_zero_advantage": sum(m.get("skipped_zero_advantage", 0.0) for m in metrics),
+        "kl_ref": kl, "grad_norm": float(grad_norm), "response_tokens": resp_tokens,
+        "nonfinite_grad": float(not finite), "nonfinite_in_row": run.nonfinite["in_row"],
+        "nonfinite_steps": run.nonfinite["total"],
+        "tokens_per_s": (cfg.prompts_per_step * cfg.prompt_tokens + resp_tokens) / (t_upd - t_start),
+        "peak_rss_bytes": peak_rss_bytes(),
+        "time_generate_s": t_gen - t_start, "time_ref_s": t_ref - t_gen, "time_update_s": t_upd - t_ref,
+        "time_eval_s": t_eval - t_upd, "time_step_s": t_eval - t_start,
+        **{k: sum(m.get(k, 0.0) for m in metrics) for k in ("time_capture_s", "time_replay_s", "time_reverse_s")},
+        **ev,
+    }
+    append_log(run.log_path, record)
+    return record
+
+
+def _train(cfg: TrainConfig, update) -> dict:
+    run, warm_info = _start(cfg)
+    if run.start == 0:
         t0 = time.perf_counter()
-        ev = evaluate(engine, task, cfg.eval_prompts, split=cfg.eval_split)
-        log({"step": 0, "phase": "warm_start", **warm_info, **ev, "time_eval_s": time.perf_counter() - t0})
-
-    bar = range(start, cfg.steps)
+        ev = evaluate(run.engine, run.task, cfg.eval_prompts, split=cfg.eval_split)
+        append_log(run.log_path, {"step": 0, "phase": "warm_start", **warm_info, **ev, "time_eval_s": time.perf_counter() - t0})
+    params = [p for p in run.model.parameters() if p.requires_grad]
+    bar = range(run.start, cfg.steps)
     if cfg.progress:
-        from tqdm.auto import tqdm
-
-        bar = tqdm(bar, desc=f"train {cfg.arm}", initial=start, total=cfg.steps)
+        bar = tqdm(bar, desc=f"train {cfg.arm}", initial=run.start, total=cfg.steps)
     record: dict = {}
     for step in bar:
-        t_start = time.perf_counter()
-        gen = _step_generator(cfg, step)
-        # 1. rollouts: G samples per prompt from the captured state
-        items = [task.item("train", step * cfg.prompts_per_step + b) for b in range(cfg.prompts_per_step)]
-        rollouts, groups = [], []
-        for item in items:
-            ro = rollout(engine, item.prompt, cfg, gen)
-            rewards = torch.tensor([task.reward(item, r) for r in ro.responses], dtype=torch.float64)
-            rollouts.append(ro)
-            groups.append(Group(prompt=item.prompt, responses=ro.responses, rewards=rewards,
-                                old_logprobs=ro.logprobs))
-        t_gen = time.perf_counter()
-        # 2. the reference policy's log-probs (KL to the warm start; the loss's KL term when beta > 0)
-        kl = None
-        if ref_engine is not None:
-            kls = []
-            scored = len(groups) if cfg.beta > 0 or cfg.kl_prompts == 0 else min(cfg.kl_prompts, len(groups))
-            for grp, ro in zip(groups[:scored], rollouts[:scored]):
-                ref = ref_engine.score(grp, temperature=cfg.temperature)  # its own capture (other weights)
-                if cfg.beta > 0:
-                    grp.ref_logprobs = ref
-                for lp, rlp in zip(ro.logprobs, ref):
-                    d = rlp.double() - lp.double()
-                    kls.append(torch.exp(d) - d - 1)  # k3 estimator of KL(policy || ref), per token
-            kl = float(torch.cat(kls).mean())
-        t_ref = time.perf_counter()
-        # 3. the update
-        optimizer.zero_grad(set_to_none=True)
-        totals = BatchTotals.of(groups)
-        metrics = []
-        for grp, ro in zip(groups, rollouts):
-            if cfg.arm == "full":
-                metrics.append(full_sequence_step(model, grp, grpo, totals))
-            else:
-                res = engine.step(grp, grpo, totals=totals, state=ro.state)  # no second capture
-                metrics.append({"loss": res.loss, **res.metrics})
-        del rollouts, ro  # their prompt states: nothing after the update reads them (not the next capture)
-        grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip if cfg.grad_clip > 0 else float("inf"))
-        finite = bool(torch.isfinite(grad_norm))
-        if finite:
-            optimizer.step()
-            nonfinite["in_row"] = 0
-        else:  # skip the update: NaN/inf would reach the weights (and the next checkpoint)
-            optimizer.zero_grad(set_to_none=True)
-            nonfinite["in_row"] += 1
-            nonfinite["total"] += 1
-        if cfg.replica_check_every and (step + 1) % cfg.replica_check_every == 0:
-            check_replicas(model, engine.cp)  # DistributedError if the ranks' weights drifted apart
-        t_upd = time.perf_counter()
-        # 4. held-out evaluation
-        ev = {}
-        if (step + 1) % cfg.eval_every == 0 or step + 1 == cfg.steps:
-            ev = evaluate(engine, task, cfg.eval_prompts, split=cfg.eval_split)
-        t_eval = time.perf_counter()
-
-        r = torch.cat([g.rewards for g in groups])
-        resp_tokens = sum(g.response_tokens for g in groups)
-        work = t_upd - t_start
-        record = {
-            "step": step + 1, "arm": cfg.arm, "model": cfg.model, "prompt_tokens": cfg.prompt_tokens,
-            "reward_mean": float(r.mean()), "reward_std": float(r.std()) if r.numel() > 1 else 0.0,
-            "loss": sum(m["loss"] for m in metrics),
-            "clip_fraction": sum(m.get("clip_fraction", 0.0) for m in metrics) / len(metrics),
-            "skipped_zero_advantage": sum(m.get("skipped_zero_advantage", 0.0) for m in metrics),
-            "kl_ref": kl, "grad_norm": float(grad_norm), "response_tokens": resp_tokens,
-            "nonfinite_grad": float(not finite), "nonfinite_in_row": nonfinite["in_row"],
-            "nonfinite_steps": nonfinite["total"],
-            "tokens_per_s": (cfg.prompts_per_step * cfg.prompt_tokens + resp_tokens) / work,
-            "peak_rss_bytes": peak_rss_bytes(),
-            "time_generate_s": t_gen - t_start, "time_ref_s": t_ref - t_gen, "time_update_s": t_upd - t_ref,
-            "time_eval_s": t_eval - t_upd, "time_step_s": t_eval - t_start,
-            **{k: sum(m.get(k, 0.0) for m in metrics) for k in ("time_capture_s", "time_replay_s", "time_reverse_s")},
-            **ev,
-        }
-        log(record)
+        record = _step(run, step, update, params)
         if cfg.progress:
+            ev = {k: v for k, v in record.items() if k.endswith("_accuracy")}
             bar.set_postfix(reward=f"{record['reward_mean']:.2f}", **({"acc": f"{next(iter(ev.values())):.2f}"} if ev else {}))
-        if nonfinite["in_row"] >= cfg.max_nonfinite_steps:
+        in_row = run.nonfinite["in_row"]
+        if in_row >= cfg.max_nonfinite_steps:
             raise NonFiniteError(
-                f"the gradient norm was not finite ({float(grad_norm)}) for {nonfinite['in_row']} steps in a row "
-                f"(steps {step + 2 - nonfinite['in_row']}..{step + 1}); their updates were skipped and {ckpt_path} "
+                f"the gradient norm was not finite ({record['grad_norm']}) for {in_row} steps in a row "
+                f"(steps {step + 2 - in_row}..{step + 1}); their updates were skipped and {run.ckpt_path} "
                 "holds the last good weights. Lower lr, check the rewards and the model dtype, or raise "
                 "max_nonfinite_steps"
             )
         if (step + 1) % cfg.checkpoint_every == 0 or step + 1 == cfg.steps:
-            _save(ckpt_path, model, optimizer, step + 1, cfg, nonfinite)
+            _save(run.ckpt_path, run.model, run.optimizer, step + 1, cfg, run.nonfinite)
     return record
 
 
-def config_from_args(values: dict, config_file: str | None = None) -> TrainConfig:
-    """A TrainConfig from an optional JSON file, overridden by explicit values."""
+def config_from_args(values: dict, config_file: str | None = None, cls: type = TrainConfig) -> TrainConfig:
+    """A TrainConfig (or subclass `cls`) from an optional JSON file, overridden by
+    explicit values."""
     base = {}
     if config_file:
         with open(config_file) as f:
             base = json.load(f)
-    known = {f.name for f in dataclasses.fields(TrainConfig)}
+    known = {f.name for f in dataclasses.fields(cls)}
     unknown = set(base) - known
     if unknown:
         raise ValueError(f"unknown TrainConfig fields in {config_file}: {sorted(unknown)}")
     base.update({k: v for k, v in values.items() if v is not None})
-    return TrainConfig(**base)
+    return cls(**base)
 
 
 __all__ = ["TrainConfig", "train", "warm_model", "load_checkpoint", "write_atomic", "warm_start", "build_model",
-           "evaluate", "full_sequence_step",
-           "full_sequence_logprobs", "config_from_args", "MODEL_PRESETS", "ARMS"]
+           "evaluate", "engine_update", "config_from_args", "MODEL_PRESETS", "ARMS"]

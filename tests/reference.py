@@ -5,6 +5,7 @@
   prompt[:-1] under no_grad into HF's cache, then [prompt[-1]] + response[:-1]
   with autograd on a deep copy of that cache.
 * `hf_full_logprobs`: one full-sequence forward over prompt + response (the naive path).
+* `uniform_group`: the benchmarks' random group (G responses of one length).
 * `reference_grpo_loss`: the GRPO group loss written out plainly from TRL's formulas,
   independently of `longstraw.grpo`.
 """
@@ -63,6 +64,19 @@ def random_group(vocab: int, prompt_len: int, response_lens, *, seed: int = 0, r
     if rewards is None:
         rewards = torch.rand(len(responses), generator=g, dtype=torch.float64)
     return ls.Group(prompt=prompt, responses=responses, rewards=torch.as_tensor(rewards, dtype=torch.float64))
+
+
+def uniform_group(vocab_size: int, prompt_tokens: int, group_size: int, response_tokens: int, *, seed: int = 0):
+    """A `Group` of random token ids (prompt [P], G responses of one length [R]) with
+    random float32 rewards in [0, 1): the benchmarks' group (was `longstraw.tiny.random_group`)."""
+    import longstraw as ls
+
+    g = torch.Generator().manual_seed(seed)
+    return ls.Group(
+        prompt=torch.randint(0, vocab_size, (prompt_tokens,), generator=g),
+        responses=[torch.randint(0, vocab_size, (response_tokens,), generator=g) for _ in range(group_size)],
+        rewards=torch.rand(group_size, generator=g),
+    )
 
 
 def gather_logprobs(logits, targets, temperature):

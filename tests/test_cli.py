@@ -26,10 +26,11 @@ def test_without_torchrun_the_demo_stays_on_cpu(monkeypatch):
 
 def test_progress_shows_one_bar_per_phase_and_none_per_piece(capsys):
     import longstraw as ls
-    from longstraw.tiny import random_group, tiny_model
+    from longstraw.tiny import tiny_model
+    from tests.reference import uniform_group
 
     model = tiny_model("qwen3", num_hidden_layers=1)
-    group = random_group(model.config.vocab_size, 64, 2, 12, seed=0)
+    group = uniform_group(model.config.vocab_size, 64, 2, 12, seed=0)
     engine = ls.Engine(model, ls.ExecConfig(chunk_size=32, branch_chunk_size=4, mode="exact", progress=True))
     engine.step(group, ls.GRPOConfig())
     err = capsys.readouterr().err

@@ -9,7 +9,8 @@ import torch
 import longstraw as ls
 from bench.live_peak import live_tensor_peak
 from longstraw.plan import PlanConfig, estimate
-from longstraw.tiny import random_group, tiny_model
+from longstraw.tiny import tiny_model
+from tests.reference import uniform_group
 
 P, G, R, CHUNK = 4096, 2, 64, 2048
 
@@ -18,7 +19,7 @@ P, G, R, CHUNK = 4096, 2, 64, 2048
 def test_planner_matches_live_tensors(family):
     torch.manual_seed(0)
     model = tiny_model(family, dtype=torch.float32)
-    group = random_group(model.config.vocab_size, P, G, R, seed=0)
+    group = uniform_group(model.config.vocab_size, P, G, R, seed=0)
     engine = ls.Engine(model, ls.ExecConfig(chunk_size=CHUNK))
     measured = live_tensor_peak(lambda: engine.step(group, ls.GRPOConfig()))
     plan = estimate(model.config.to_dict(), PlanConfig(prompt_tokens=P, group=G, response_tokens=R, dtype="float32",

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 import longstraw as ls
-from longstraw.train import TrainConfig, build_model, full_sequence_step, train
+from bench.learning.arms import LearningConfig, full_sequence_step
+from longstraw.train import TrainConfig, build_model, train
 
 from .reference import float64_hybrid, float64_norms
 
@@ -70,7 +71,7 @@ def test_full_sequence_step_matches_exact(model):
     """The baseline arm's gradient (HF forward + backward per branch) equals exact mode's,
     in float64 with HF's float32 internals (norms, the GDN kernel) run in float64 (the
     hybrid to 1e-6, as in tests/models/test_hybrid.py's exact-mode checks)."""
-    cfg = TrainConfig(**dict(LOOKUP, model=model, dtype="float64", prompt_tokens=40))
+    cfg = LearningConfig(**dict(LOOKUP, model=model, dtype="float64", prompt_tokens=40))
     net = build_model(cfg)
     with contextlib.ExitStack() as stack:
         if model == "hybrid":

@@ -53,7 +53,8 @@ def rank_main(args) -> None:
     from longstraw.parallel.collectives import Traffic
     from longstraw.measure import peak_rss_bytes
     from longstraw.plan.traffic import divided_capture_traffic, divided_walk_traffic
-    from longstraw.tiny import random_group, tiny_model
+    from longstraw.tiny import tiny_model
+    from tests.reference import uniform_group
 
     local = int(os.environ.get("LOCAL_RANK", "0"))
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -80,8 +81,8 @@ def rank_main(args) -> None:
     model = tiny_model(args.family, dtype=dtype, **overrides).to("cuda" if gpu else "cpu")
     kw = dict(chunk_size=args.chunk_size, attention_block_size=args.block, context_parallel=cp)
     engine = ls.Engine(model, ls.ExecConfig(**kw))
-    group = random_group(4096, args.prompt_tokens, args.group, args.response_tokens, seed=0)
-    engine.step(random_group(4096, 4 * args.block * world + 1, 1, 8, seed=1))  # warm-up
+    group = uniform_group(4096, args.prompt_tokens, args.group, args.response_tokens, seed=0)
+    engine.step(uniform_group(4096, 4 * args.block * world + 1, 1, 8, seed=1))  # warm-up
 
     def timed(fn):
         if cp:

@@ -45,7 +45,7 @@ if REPO not in sys.path:
 
 import longstraw as ls  # noqa: E402
 from bench.gpu.stack import build  # noqa: E402
-from longstraw.tiny import random_group  # noqa: E402
+from tests.reference import uniform_group  # noqa: E402
 
 GiB = 2 ** 30
 
@@ -73,7 +73,7 @@ def step(model, config, P: int, args, offload: bool, cuda: bool) -> dict:
     engine = ls.Engine(model, ls.ExecConfig(chunk_size=args.chunk_size, attention_block_size=args.block,
                                             allow_position_overflow=True,
                                             state_device="cpu" if offload else None))
-    group = random_group(config.vocab_size, P, args.group, args.response_tokens, seed=0)
+    group = uniform_group(config.vocab_size, P, args.group, args.response_tokens, seed=0)
     model.zero_grad(set_to_none=True)
     if cuda:
         torch.cuda.synchronize()

@@ -33,7 +33,7 @@ if REPO not in sys.path:
     sys.path.insert(0, REPO)
 
 import longstraw as ls  # noqa: E402
-from longstraw.tiny import random_group  # noqa: E402
+from tests.reference import uniform_group  # noqa: E402
 
 QWEN36 = dict(model_type="qwen3_5_text", vocab_size=248320, hidden_size=5120, intermediate_size=17408,
               num_attention_heads=24, num_key_value_heads=4, head_dim=256, linear_num_key_heads=16,
@@ -133,7 +133,7 @@ def main() -> int:
         # predicted next time ~ 4x (O(P^2) attention) of the last: stop before the budget runs out
         if rows and (time.perf_counter() - t_start) + 4.2 * last > args.budget_s:
             break
-        group = random_group(config.vocab_size, P, args.group, args.response_tokens, seed=0)
+        group = uniform_group(config.vocab_size, P, args.group, args.response_tokens, seed=0)
         if cuda:
             torch.cuda.synchronize()
             torch.cuda.reset_peak_memory_stats()

@@ -17,7 +17,7 @@ from __future__ import annotations
 import torch
 
 from longstraw.config import GRPOConfig
-from longstraw.group import BatchTotals
+from longstraw.group import BatchTotals, Group
 
 REWARD_STD_EPS = 1e-4  # TRL's epsilon in (r - mean) / (std + eps)
 
@@ -34,6 +34,14 @@ def advantages(rewards: torch.Tensor, cfg: GRPOConfig) -> torch.Tensor:
         return centered
     std = rewards.std(unbiased=True) if rewards.numel() > 1 else rewards.new_zeros(())
     return centered / (std + REWARD_STD_EPS)
+
+
+def group_advantages(rewards: torch.Tensor, cfg: GRPOConfig) -> tuple[torch.Tensor, bool]:
+    """(advantages [G] float64, skip): all-equal rewards give zero advantages, and with
+    no KL term (beta 0) the loss and its gradient are then exactly 0: `skip`."""
+    equal = bool(rewards.max() == rewards.min())
+    adv = torch.zeros_like(rewards) if equal else advantages(rewards, cfg)
+    return adv, equal and cfg.beta == 0
 
 
 def branch_weight(cfg: GRPOConfig, totals: BatchTotals, response_len: int) -> float:
@@ -69,3 +77,23 @@ def per_token_loss(logp, old_logp, advantage, cfg: GRPOConfig, ref_logp=None):
         loss = loss + cfg.beta * kl
         stats["kl"] = kl.detach()
     return loss, stats
+
+
+def branch_loss(logp: torch.Tensor, group: Group, i: int, advantage: float, weight: float, cfg: GRPOConfig,
+                span: slice = slice(None)):
+    """Branch i's share of the group loss over its response tokens `span`: the
+    per-token loss summed, times `weight` (`branch_weight`). The one loss assembly of
+    every caller (the engine's replay pieces, and any naive full-sequence baseline).
+
+    Args:
+        logp: [n] current log-probs of the tokens `span` of response i (with graph).
+        group: its old log-probs (None: on-policy, old = logp detached) and reference
+            log-probs (read when cfg.beta > 0) give the same tokens' old / ref values.
+
+    Returns:
+        (loss: a 0-dim tensor with graph, stats: `per_token_loss`'s detached [n] tensors).
+    """
+    old = logp.detach() if group.old_logprobs is None else group.old_logprobs[i][span].to(logp)
+    ref = group.ref_logprobs[i][span].to(logp) if cfg.beta > 0 else None
+    per_tok, stats = per_token_loss(logp, old, advantage, cfg, ref)
+    return per_tok.sum() * weight, stats

@@ -3,11 +3,11 @@
 `Engine.generate` captures the prompt once (the same state `step` and `score` read),
 then decodes the G branches together, one token per step:
 
-    tokens [G] at position P-1+j  ->  adapter.run(phase="decode")  ->  hidden [G, d]
+    tokens [G] at position P-1+j  ->  adapter.run(phase=Phase.DECODE)  ->  hidden [G, d]
     ->  lm_head  ->  logits [G, vocab]  ->  sample (temperature, top-k, top-p)
 
 Every branch starts by feeding the prompt's last token, exactly as replay does, and
-keeps only its own tokens' state (`branch_state.py`); the prompt state is shared and
+keeps only its own tokens' state (`state/branch.py`); the prompt state is shared and
 only read. The returned `Rollout.state` is that prompt state, stamped with where it came
 from (`StateOrigin`), so `step(group, state=...)` and `score(group, state=...)` can skip
 capture and refuse, before any work, a state from another prompt, engine or mode, or
@@ -22,16 +22,17 @@ decoding (temperature 0) under the unscaled distribution (temperature 1).
 from __future__ import annotations
 
 import math
-import time
 from dataclasses import dataclass, field
 
 import torch
 
+from longstraw.engine.clock import clock
+from longstraw.engine.logprobs import scaled_log_softmax, scaled_logits
 from longstraw.errors import ConfigError, StaleStateError, StateMismatchError
 from longstraw.group import check_token_ids
-from longstraw.engine.logprobs import scaled_log_softmax, scaled_logits
 from longstraw.models.rope import rotary_of
 from longstraw.models.routing import Phase
+from longstraw.parallel.context import broadcast_from_first
 
 
 @dataclass
@@ -233,8 +234,6 @@ def decode(engine, state, prompt: torch.Tensor, config: SamplingConfig, generato
         logits = adapter.lm_head(hidden)  # (G, vocab)
         nxt = sample_tokens(logits, config, generator)
         if engine.cp is not None:  # every rank samples the same; rank 0's draw is the one kept
-            from longstraw.parallel.context import broadcast_from_first
-
             broadcast_from_first(nxt, engine.cp)
         logp = scaled_log_softmax(logits, temperature).gather(-1, nxt[:, None])[:, 0]  # (G,)
         if out_logps is None:
@@ -265,13 +264,13 @@ def generate(engine, prompt: torch.Tensor, config: SamplingConfig, generator=Non
         return torch.tensor([float(x) for x in fields], dtype=torch.float64)
 
     engine.agree_across_ranks(lambda: validate_prompt(engine, prompt, config), fingerprint)
-    t0 = time.perf_counter()
+    t0 = clock(engine.adapter.device)
     state = engine.capture(prompt, exact=engine.config.mode == "exact",
                            rope_length=prompt.numel() + config.max_new_tokens)  # the sampler's RoPE length
-    t1 = time.perf_counter()
+    t1 = clock(engine.adapter.device)
     progress = engine.progress_bar("generate")
     responses, logprobs, metrics = decode(engine, state, prompt, config, generator, progress)
-    t2 = time.perf_counter()
+    t2 = clock(engine.adapter.device)
     metrics.update(time_capture_s=t1 - t0, time_generate_s=t2 - t1, state_bytes=float(state.nbytes()),
                    tokens_per_s=metrics["generated_tokens"] / max(t2 - t1, 1e-9))
     return Rollout(responses=responses, logprobs=logprobs, state=state, metrics=metrics)

@@ -50,6 +50,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 
 import torch
+from tokenizers import Tokenizer, models, pre_tokenizers
 
 from ..config import ExecConfig, GRPOConfig
 from longstraw.parallel.context import check_replicas
@@ -134,8 +135,6 @@ def unsupported_settings(args, *, eval_dataset=None, processing_class=None, tool
 def token_id_tokenizer(vocab_size: int, *, eos_token_id: int = 0, pad_token_id: int | None = None):
     """A tokenizer whose tokens are the decimal ids themselves ("12 7 3" <-> [12, 7, 3]),
     for models built in code (nothing to download): pass it as `processing_class`."""
-    from tokenizers import Tokenizer, models, pre_tokenizers
-
     vocab = {str(i): i for i in range(vocab_size)}
     tok = Tokenizer(models.WordLevel(vocab, unk_token=str(eos_token_id)))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()

@@ -3,21 +3,22 @@
 import pytest
 import torch
 
-from longstraw.engine import engine
+from longstraw.engine.clock import clock
+from longstraw.engine.replay import BranchStats
 from tests.reference import random_group, tiny_hybrid, tiny_mla, tiny_model
 
 
 def test_phase_timestamps_wait_for_cuda_kernels(monkeypatch):
     synced = []
     monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: synced.append(device))
-    engine._clock(torch.device("cpu"))
+    clock(torch.device("cpu"))
     assert synced == []
-    engine._clock(torch.device("cuda", 0))
+    clock(torch.device("cuda", 0))
     assert synced == [torch.device("cuda", 0)]
 
 
 def test_branch_statistics_stay_on_the_device_until_read():
-    stats = engine._BranchStats()
+    stats = BranchStats()
     for _ in range(3):
         stats.add(torch.tensor(0.5), {"ratio": torch.ones(4), "clipped": torch.zeros(4)})
     assert isinstance(stats.loss, torch.Tensor) and isinstance(stats.ratio, torch.Tensor)  # no float() per piece

@@ -1,0 +1,63 @@
+"""The training loop's files, each written so that a run killed at any moment leaves the
+old file or the new one (write-then-rename): checkpoints (loaded weights-only) and the
+JSONL log of one line per step."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import torch
+
+from longstraw.errors import CheckpointError
+
+
+def write_atomic(path: str, write) -> None:
+    """Write `path` by write-then-rename: `write(f)` fills `path + ".tmp"` (same directory,
+    binary), which is fsynced and renamed over `path` (`os.replace` is atomic), then the
+    directory is fsynced. A run killed at any moment leaves the old file or the new one,
+    never a part of one (a stale .tmp at most, overwritten by the next write)."""
+    tmp = path + ".tmp"
+    with open(tmp, "wb") as f:
+        write(f)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fd = os.open(os.path.dirname(os.path.abspath(path)), os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def load_checkpoint(path: str) -> dict:
+    """A checkpoint written by the loop, loaded with `torch.load(weights_only=True)`:
+    tensors and plain containers only, never arbitrary pickled objects."""
+    try:
+        return torch.load(path, weights_only=True)
+    except Exception as exc:  # UnpicklingError for a forbidden object; others for a broken file
+        raise CheckpointError(f"cannot load the checkpoint {path} with weights_only=True ({type(exc).__name__}: "
+                              f"{str(exc).splitlines()[0] if str(exc) else ''}); the loop only loads its own "
+                              "checkpoints: tensors and plain containers. Delete it or pass --no-resume") from exc
+
+
+def read_log(path: str) -> bytes:
+    """The log's bytes (empty when there is none yet)."""
+    if not os.path.exists(path):
+        return b""
+    with open(path, "rb") as f:
+        return f.read()
+
+
+def truncate_log(path: str, step: int) -> None:
+    """Keep the log lines of the `step` steps done (a resumed run writes the rest)."""
+    if not os.path.exists(path):
+        return
+    keep = [line for line in read_log(path).splitlines(keepends=True) if json.loads(line).get("step", -1) <= step]
+    write_atomic(path, lambda f: f.writelines(keep))
+
+
+def append_log(path: str, record: dict) -> None:
+    """Append one JSON line to the log, by rewriting it whole (atomically: `write_atomic`)."""
+    data = read_log(path) + (json.dumps(record) + "\n").encode()
+    write_atomic(path, lambda f: f.write(data))

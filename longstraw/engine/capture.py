@@ -1,0 +1,104 @@
+"""Capture: run prompt[:-1] ([P-1] tokens) in chunks under no_grad and keep the state
+later tokens need; and, under context parallelism, this rank's deal of the prompt
+positions and whether capture and exact mode's walk run divided over the ranks.
+
+The functions take the `Engine`; `Engine.capture`, `divides_capture` and
+`divides_walk` are its public faces."""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+from longstraw.models.routing import Phase
+from longstraw.engine.clock import progress
+from longstraw.engine.kept_graphs import SavedBytes, chunks_to_keep
+from longstraw.engine.rollout import stamp_state
+from longstraw.parallel.divided import divided_capture, fsdp_sum_factor
+from longstraw.state.offload import Stager
+from longstraw.state.prompt import PromptState, Shard
+
+
+def capture_chunks(engine, ids: torch.Tensor, start: int, states: list[PromptState], size: int,
+                   desc: str | None, keep_graph_bytes: int = 0) -> None:
+    """Run ids [T] at positions start.. in chunks of `size` under no_grad,
+    appending their state to states[-1].
+
+    With `keep_graph_bytes` > 0 (exact mode; states[-1] already has its gradient
+    buffers), the first chunk runs with autograd and its graph is measured
+    (`kept_graphs.SavedBytes`); the last chunks whose graphs fit the budget then run
+    with autograd too, and their roots are kept in `states[-1].kept` for the walk."""
+    starts = list(range(0, ids.shape[0], size))
+    keep: set[int] = set()
+    for a in progress(starts, enabled=engine.config.progress, desc=desc, total=len(starts)):
+        piece = ids[a : a + size]
+        measure = keep_graph_bytes > 0 and a == 0
+        saved = SavedBytes(engine.model) if measure else contextlib.nullcontext()
+        with torch.set_grad_enabled(measure or a in keep), saved:
+            states[-1].seeds = []
+            engine.adapter.run(piece, start + a, states, phase=Phase.CAPTURE, block_size=engine.config.attention_block_size)
+        if measure:
+            keep = chunks_to_keep(starts, saved.total, keep_graph_bytes)
+        if a in keep:
+            states[-1].kept[start + a] = states[-1].seeds
+        states[-1].seeds = []
+        states[-1].length += piece.shape[0]
+
+
+def capture(engine, prompt: torch.Tensor, *, exact: bool = False, keep_graph_bytes: int = 0,
+            rope_length: int | None = None) -> PromptState:
+    """The prompt state of prompt [P] (see `Engine.capture`)."""
+    ids = prompt[:-1].to(engine.adapter.device)  # (P-1,)
+    shard = rank_shard(engine)
+    offload = engine.config.offloads_state()
+    state = engine.adapter.new_state(ids.shape[0], exact=exact, shard=shard, host=offload)
+    state.rope_length = int(prompt.numel()) if rope_length is None else rope_length
+    if offload:  # per-token rows in host memory, staged one layer at a time (offload.py)
+        state.offload = Stager(state, engine.adapter.device)
+    keep_graph_bytes = keep_graph_bytes if exact else 0
+    if keep_graph_bytes > 0:
+        state.enable_grad_buffers()  # the kept graphs add into these sinks in the walk
+    if shard is not None and engine.divides_capture(ids.shape[0], keep_graph_bytes):
+        # each prompt token computed on one rank, layer by layer (`parallel.divided.py`)
+        divided_capture(engine.adapter, ids, state, shard, chunk_size=engine.config.chunk_size, exact=exact,
+                        block_size=engine.config.attention_block_size)
+    else:
+        capture_chunks(engine, ids, 0, [state], engine.config.chunk_size, "capture", keep_graph_bytes)
+    stamp_state(state, engine, prompt, exact)
+    return state
+
+
+def rank_shard(engine) -> Shard | None:
+    """This rank's deal of the prompt positions under context parallelism (None without)."""
+    if engine.cp is None:
+        return None
+    block = engine.config.shard_block_size or engine.config.attention_block_size
+    return Shard(rank=engine.cp.rank, world=engine.cp.world, block=block, cp=engine.cp)
+
+
+def every_rank_owns_a_block(engine, positions: int) -> bool:
+    """Whether `positions` prompt tokens deal at least one block to every rank (what a
+    divided capture or walk needs; a shorter prompt runs replicated)."""
+    return positions > (engine.cp.world - 1) * rank_shard(engine).block
+
+
+def divides_walk(engine, state: PromptState) -> bool:
+    """Whether exact mode's reverse walk over `state` runs divided (see `Engine.divides_walk`)."""
+    if engine.cp is None or not (engine.config.divide_walk and engine.adapter.divides_walk):
+        return False
+    if state.offload is not None or state.kept:
+        return False
+    sharded = engine.adapter.sharded_modules()
+    if sharded and fsdp_sum_factor(sharded, engine.cp) is None:
+        return False
+    return every_rank_owns_a_block(engine, state.length)
+
+
+def divides_capture(engine, positions: int, keep_graph_bytes: int = 0) -> bool:
+    """Whether a capture of `positions` tokens runs divided (see `Engine.divides_capture`)."""
+    if engine.cp is None or not (engine.config.divide_capture and engine.adapter.divides_capture):
+        return False
+    if engine.config.offloads_state():
+        return False
+    return keep_graph_bytes == 0 and every_rank_owns_a_block(engine, positions)

@@ -1,0 +1,25 @@
+"""How the engine times and shows its phases: a phase clock that is right on CUDA, and
+one progress bar per phase (capture, generate, replay, reverse)."""
+
+from __future__ import annotations
+
+import time
+
+import torch
+from tqdm.auto import tqdm
+
+
+def clock(device: torch.device) -> float:
+    """A phase timestamp: on CUDA, after the queued kernels finish (else the time of
+    launching them, not of running them)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return time.perf_counter()
+
+
+def progress(iterable, *, enabled: bool, desc: str | None, total: int):
+    """One progress bar per phase; desc None: none (a branch's pieces run inside the
+    replay bar, so they get no bar of their own)."""
+    if not enabled or desc is None:
+        return iterable
+    return tqdm(iterable, desc=desc, total=total, leave=False)

@@ -1,0 +1,59 @@
+"""The one schema of `Engine.step`'s metrics (`StepResult.metrics`): every key, in the
+order it is reported, with its default. The zero-advantage early return and the full
+update fill the same dataclass; a field left None is not reported."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+
+@dataclass(kw_only=True, slots=True)
+class StepMetrics:
+    """What one `Engine.step` reports (floats; `.as_dict()` is `StepResult.metrics`)."""
+
+    context_parallel_world: float = 1.0
+    """Ranks the prompt is divided over (1 without context parallelism)."""
+    divided_capture: float = 0.0
+    """1 when this step's capture ran divided over the ranks."""
+    prompt_tokens: float = 0.0
+    response_tokens: float = 0.0
+    num_branches: float = 0.0
+    reward_mean: float = 0.0
+    reward_std: float = 0.0
+    advantage_mean: float = 0.0
+    advantage_std: float = 0.0
+    advantage_min: float = 0.0
+    advantage_max: float = 0.0
+    skipped_zero_advantage: float = 0.0
+    """1 when every advantage is 0 and beta is 0: the loss and its gradient are exactly 0."""
+    offload_h2d_bytes: float | None = None
+    """State offload only: bytes staged host -> device since the capture (or the last step)."""
+    offload_d2h_bytes: float | None = None
+    offload_slot_bytes: float | None = None
+    divided_walk: float = 0.0
+    """1 when exact mode's reverse walk ran divided over the ranks."""
+    state_bytes: float = 0.0
+    state_grad_bytes: float = 0.0
+    """What the step held in state gradients (released on return)."""
+    time_capture_s: float = 0.0
+    time_replay_s: float = 0.0
+    time_reverse_s: float = 0.0
+    time_total_s: float = 0.0
+    comm_bytes_capture: float = 0.0
+    """Bytes this rank received through the context-parallel collectives, by phase
+    (`parallel.collectives.Traffic`'s model; 0 in one process)."""
+    comm_bytes_replay: float = 0.0
+    comm_bytes_reverse: float = 0.0
+    comm_bytes_gradients: float = 0.0
+    """Replicated gradients made the first rank's."""
+    ratio_mean: float | None = None
+    """Mean importance ratio over every response token (None: the step was skipped)."""
+    clip_fraction: float | None = None
+    kl_mean: float | None = None
+    """Mean k3 KL to the reference (beta > 0 only)."""
+
+    def as_dict(self) -> dict[str, float]:
+        """The reported metrics: every field that is not None, in declaration order."""
+        values = ((f.name, getattr(self, f.name)) for f in dataclasses.fields(self))
+        return {name: value for name, value in values if value is not None}

@@ -1,0 +1,80 @@
+"""Replay: each branch `[prompt[-1]] + response[:-1]` ([R] tokens at positions P-1..)
+runs with autograd against the read-only prompt state, its share of the group loss
+(`grpo.branch_loss`) is backpropagated, and its graph is freed before the next branch;
+and the no-grad scoring of one branch. Running per-token statistics stay on the device
+until the step reads them once (`BranchStats`)."""
+
+from __future__ import annotations
+
+import torch
+
+from longstraw.models.routing import Phase
+from longstraw.config import GRPOConfig
+from longstraw.engine import grpo as G
+from longstraw.engine.capture import capture_chunks
+from longstraw.engine.clock import progress
+from longstraw.group import BatchTotals, Group
+from longstraw.state.prompt import PromptState
+
+
+class BranchStats:
+    """Running sums of the per-token statistics over all branches and pieces, kept as
+    device tensors (no host sync per piece); read once at the end."""
+
+    def __init__(self):
+        self.loss, self.tokens, self.ratio, self.clipped, self.kl = 0.0, 0, 0.0, 0.0, 0.0
+
+    def add(self, loss: torch.Tensor, tok_stats: dict) -> None:
+        self.loss = self.loss + loss.detach()
+        self.tokens += tok_stats["ratio"].numel()
+        self.ratio = self.ratio + tok_stats["ratio"].detach().sum()
+        self.clipped = self.clipped + tok_stats["clipped"].detach().sum()
+        self.kl = self.kl + (tok_stats["kl"].detach().sum() if "kl" in tok_stats else 0.0)
+
+    def summary(self, with_kl: bool) -> dict:
+        out = {"ratio_mean": float(self.ratio) / self.tokens, "clip_fraction": float(self.clipped) / self.tokens}
+        if with_kl:
+            out["kl_mean"] = float(self.kl) / self.tokens
+        return out
+
+
+def replay_branch(engine, state: PromptState, prompt: torch.Tensor, response: torch.Tensor, piece_loss) -> None:
+    """Backpropagate one branch's loss against the read-only prompt state (see
+    `Engine.replay_branch`)."""
+    inputs = torch.cat([prompt[-1:], response[:-1]]).to(engine.adapter.device)  # (R,)
+    start, size = prompt.shape[0] - 1, engine.config.branch_chunk_size or inputs.shape[0]
+    held = (inputs.shape[0] - 1) // size * size  # tokens of every piece but the last
+    branch = engine.adapter.new_state(held, start=start, exact=True)
+    capture_chunks(engine, inputs[:held], start, [state, branch], size, None)  # no bar inside replay's
+    branch.enable_grad_buffers()
+    engine.walk_back(inputs, start, [state, branch], size, piece_loss=piece_loss, desc=None)
+
+
+def branch_logprobs(engine, state: PromptState, prompt: torch.Tensor, response: torch.Tensor,
+                    temperature: float = 1.0) -> torch.Tensor:
+    """Per-token log-probs [R] of one response against `state`, in one piece."""
+    device = engine.adapter.device
+    inputs = torch.cat([prompt[-1:], response[:-1]]).to(device)  # (R,)
+    hidden = engine.adapter.run(inputs, prompt.shape[0] - 1, [state], phase=Phase.REPLAY,
+                                block_size=engine.config.attention_block_size)  # (R, d)
+    return engine.logprobs(hidden, response.to(device), temperature)
+
+
+def replay_group(engine, state: PromptState, group: Group, grpo: GRPOConfig, totals: BatchTotals,
+                 adv: torch.Tensor) -> BranchStats:
+    """Replay every branch of `group` (advantages adv [G]) against `state`, one at a
+    time, accumulating `.grad`; returns the branches' statistics."""
+    stats = BranchStats()
+    branches = list(enumerate(group.responses))
+    for i, response in progress(branches, enabled=engine.config.progress, desc="replay", total=len(branches)):
+        weight = G.branch_weight(grpo, totals, response.numel())
+        target = response.to(engine.adapter.device)  # (R_i,)
+
+        def piece_loss(hidden, a, b, i=i, weight=weight, target=target):
+            logp = engine.logprobs(hidden, target[a:b], grpo.temperature)  # (b - a,)
+            loss, tok_stats = G.branch_loss(logp, group, i, float(adv[i]), weight, grpo, span=slice(a, b))
+            stats.add(loss, tok_stats)
+            return loss
+
+        engine.replay_branch(state, group.prompt, response, piece_loss)
+    return stats
