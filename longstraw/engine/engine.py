@@ -53,8 +53,9 @@ from longstraw.models.placement import check_placement
 from longstraw.state.offload import Stager, settle
 from longstraw.parallel.collectives import Traffic
 from longstraw.engine.rollout import Rollout, SamplingConfig, check_state, generate, stamp_state
-from longstraw.parallel.divided import (divided_capture, divided_chunks, fsdp_sum_factor, replicate_gradients,
-                                replicated_parameters, summed_walk_gradients)
+from longstraw.parallel.divided import divided_capture, divided_chunks
+from longstraw.parallel.fsdp import fsdp_sum_factor, summed_walk_gradients
+from longstraw.parallel.gradients import replicate_gradients, replicated_parameters
 from longstraw.state.prompt import PromptState, Shard
 
 

@@ -1,8 +1,8 @@
-"""Causal attention of a rank's own prompt positions over every rank's keys (divided capture).
+"""Causal attention of a rank's own prompt positions over every rank's keys (the divided
+capture; the design: `longstraw.parallel`), for attention, absorbed MLA and DSA.
 
-Under context parallelism the prompt is dealt in blocks of B positions, block b to rank
-b % W. In a divided capture each rank runs a layer over its own positions only, so it
-holds the queries, keys and values of its own blocks. A query of block b sees:
+In a divided capture each rank holds the queries, keys and values of its own blocks of
+the deal (`parallel.deal.Deal`: blocks of B, block b on rank b % W). A query of block b sees:
 
     its own block          causal (the diagonal)
     every earlier block    in full: on rank s, the first count_s(b * B) rows of its shard
