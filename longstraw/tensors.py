@@ -4,6 +4,7 @@ Both rooms sit at the bottom of the package (engine -> models -> ops/state); nei
 imports the other. What they must agree on lives here:
 
 * `accumulation_dtype`: the dtype sums run in (softmax statistics, gradient buffers).
+* `nbytes`: the bytes tensors hold (states' `nbytes()`, traffic and staging counters).
 * `KVSegment`: a run of earlier keys/values, as the state hands it to attention.
 """
 
@@ -17,6 +18,11 @@ import torch
 def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
     """float64 stays float64; everything else (bf16, fp16, fp32) accumulates in float32."""
     return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def nbytes(*tensors: torch.Tensor | None) -> int:
+    """Bytes of the elements of `tensors` (numel * element size, summed; None counts 0)."""
+    return sum(t.numel() * t.element_size() for t in tensors if t is not None)
 
 
 @dataclass

@@ -164,7 +164,7 @@ def run_fsdp(rank: int, world: int, init_file: str) -> None:
                         assert (grad - ref).abs().max() <= 1e-9 * ref.abs().max() + 1e-300, (name, mode, pname)
                 assert sharded > 0
             if name == "dense":  # a 2-D (HSDP) mesh: FSDP2 would not sum the partials right, so walk replicated
-                from longstraw.parallel.divided import fsdp_sum_factor
+                from longstraw.parallel.fsdp import fsdp_sum_factor
 
                 layers = list(model.model.layers)
                 engine = ls.Engine(model, ls.ExecConfig(mode="exact", context_parallel=True, **kw))
@@ -557,7 +557,7 @@ def walk_raises_on_one_rank(rank: int, world: int, init_file: str) -> None:
     collective times out on a short-timeout group), and on every rank every `.grad` is
     afterwards the tensor it held before the call, unchanged; one that had none has none."""
     from longstraw.parallel.context import ContextParallel, DistributedError
-    from longstraw.parallel.divided import partial_gradients
+    from longstraw.parallel.gradients import partial_gradients
 
     _init(rank, world, init_file)
     try:

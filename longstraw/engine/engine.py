@@ -58,7 +58,8 @@ from longstraw.models import adapter_for
 from longstraw.models.placement import check_placement
 from longstraw.parallel.collectives import Traffic
 from longstraw.parallel.context import ContextParallel
-from longstraw.parallel.divided import replicate_gradients, replicated_parameters, summed_walk_gradients
+from longstraw.parallel.fsdp import summed_walk_gradients
+from longstraw.parallel.gradients import replicate_gradients, replicated_parameters
 from longstraw.state.prompt import PromptState, Shard
 
 

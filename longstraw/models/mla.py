@@ -181,7 +181,7 @@ def _sparse_attention(q_full, k_new, latent, indices, latents, call, scale):
     seg, shard = kv.segment(until=call.start), kv.shard
     safe = indices.clamp(min=0)
     in_shard = (indices >= kv.start) & (indices < min(kv.end, call.start))
-    rows = shard.count_tensor(safe) - shard.count(kv.start)  # local row of an owned position
+    rows = shard.count(safe) - shard.count(kv.start)  # local row of an owned position
     local = torch.where(in_shard & shard.owns(safe), kv.start + rows, torch.full_like(indices, -1))
     own = KVSegment(seg.k, seg.v, seg.start, seg.grad)  # this rank's rows, addressed as consecutive positions
     out_a, lse_a = sparse_latent_attention(SumGradAcrossRanks.apply(q_full, seg.cp), k_new, latent, local,

@@ -81,7 +81,7 @@ def _sparse_decode(q, own: BranchLatent, prompt: MLAState, indices, scale: float
     if kv.shard is None:
         local, valid = safe - kv.start, in_prompt
     else:
-        local, valid = kv.shard.count_tensor(safe) - kv.shard.count(kv.start), in_prompt & kv.shard.owns(safe)
+        local, valid = kv.shard.count(safe) - kv.shard.count(kv.start), in_prompt & kv.shard.owns(safe)
     valid = valid & (local < rows_k.shape[0])
     k_sel = rows_k[local.clamp(0, max(rows_k.shape[0] - 1, 0))] if rows_k.shape[0] else q.new_zeros(
         *indices.shape, rows_k.shape[1])  # (G, K, D): the selected prompt rows, per branch

@@ -1,8 +1,8 @@
-"""Causal attention of a rank's own prompt positions over every rank's keys (divided capture).
+"""Causal attention of a rank's own prompt positions over every rank's keys (the divided
+capture; the design: `longstraw.parallel`), for attention, absorbed MLA and DSA.
 
-Under context parallelism the prompt is dealt in blocks of B positions, block b to rank
-b % W. In a divided capture each rank runs a layer over its own positions only, so it
-holds the queries, keys and values of its own blocks. A query of block b sees:
+In a divided capture each rank holds the queries, keys and values of its own blocks of
+the deal (`parallel.deal.Deal`: blocks of B, block b on rank b % W). A query of block b sees:
 
     its own block          causal (the diagonal)
     every earlier block    in full: on rank s, the first count_s(b * B) rows of its shard
@@ -29,15 +29,9 @@ import torch
 from longstraw.tensors import KVSegment, accumulation_dtype
 from longstraw.ops.attention import PrefixAttention
 from longstraw.parallel.collectives import broadcast_from
+from longstraw.parallel.deal import Deal
 from longstraw.ops.dsa import indexer_scores, select_candidates, sparse_latent_attention
 from longstraw.ops.flash import fused_kernel, fused_takes, merge_partials
-
-
-def rows_before(position: int, rank: int, world: int, block: int) -> int:
-    """Rows of rank `rank`'s shard at positions before `position` (as `state.Shard.count`)."""
-    cycle = block * world
-    full, rem = divmod(max(position, 0), cycle)
-    return full * block + min(max(rem - rank * block, 0), block)
 
 
 def _partial(q, k, v, scale: float, causal: bool):
@@ -59,20 +53,14 @@ def _partial(q, k, v, scale: float, causal: bool):
     return PrefixAttention.apply(rows, k, v, q_pos, 0, scale, None, max(1, k.shape[1]), None, causal)
 
 
-def own_positions(positions: int, rank: int, world: int, block: int, device=None) -> torch.Tensor:
-    """This rank's positions [N], increasing (its blocks, in order)."""
-    starts = range(rank * block, positions, world * block)
-    parts = [torch.arange(a, min(positions, a + block), device=device) for a in starts]
-    return torch.cat(parts) if parts else torch.zeros(0, dtype=torch.long, device=device)
-
-
-def shard_pieces(rows: list, *, positions: int, rank: int, world: int, block: int, cp, piece_rows: int):
+def shard_pieces(rows: list, *, positions: int, rank: int, deal: Deal, cp, piece_rows: int):
     """Every rank's shard of `rows` (tensors with the row axis at dim -2; this rank passes its
-    own N rows), piece by piece in rank order: yields (src, r0, r1, pieces), the rows r0 .. r1
-    - 1 of rank src's shard of each tensor. The source broadcasts them, the others receive
-    them; every rank must iterate to the end (memory: one piece)."""
+    own N rows) under `deal`, piece by piece in rank order: yields (src, r0, r1, pieces), the
+    rows r0 .. r1 - 1 of rank src's shard of each tensor. The source broadcasts them, the
+    others receive them; every rank must iterate to the end (memory: one piece)."""
+    world = deal.world
     for src in range(world):
-        n = rows_before(positions, src, world, block)
+        n = deal.count(positions, src)
         for r0 in range(0, n, piece_rows):
             r1 = min(n, r0 + piece_rows)
             if src == rank:  # our own rows: send them to the others
@@ -83,16 +71,6 @@ def shard_pieces(rows: list, *, positions: int, rank: int, world: int, block: in
             else:
                 pieces = [broadcast_from(t.new_empty(*t.shape[:-2], r1 - r0, t.shape[-1]), src, cp) for t in rows]
             yield src, r0, r1, pieces
-
-
-def row_position(row, src: int, world: int, block: int):
-    """Absolute position of row `row` (an int or a LongTensor) of rank src's shard."""
-    return row // block * (world * block) + src * block + row % block
-
-
-def shard_row_positions(src: int, r0: int, r1: int, world: int, block: int, device=None) -> torch.Tensor:
-    """Absolute positions [r1 - r0] of rows r0 .. r1 - 1 of rank src's shard."""
-    return row_position(torch.arange(r0, r1, device=device), src, world, block)
 
 
 @torch.no_grad()
@@ -120,16 +98,18 @@ def divided_causal_attention(q, k, v, *, positions: int, rank: int, world: int, 
     def values(keys, vals):  # the value rows that go with `keys`
         return keys[..., :value_dim] if v is None else vals
 
-    starts = [b * block for b in range(rank, -(-positions // block), world)]  # own blocks' first positions
-    spans = [(i * block, min(n, (i + 1) * block)) for i in range(len(starts))]  # their local rows
+    deal = Deal(world, block)
+    own = deal.blocks(rank, positions)  # (first position, end position, first row) of each own block
+    starts = [first for first, _, _ in own]
+    spans = [(r, r + end - first) for first, end, r in own]  # their local rows
     # the diagonal: each own block over itself, causal
     own_v = values(k, v)
     parts = [_partial(q[:, a:b], k[:, a:b], own_v[:, a:b], scale, True) for a, b in spans]
-    for src, r0, r1, pieces in shard_pieces(fetched, positions=positions, rank=rank, world=world, block=block,
-                                            cp=cp, piece_rows=piece_rows):
+    for src, r0, r1, pieces in shard_pieces(fetched, positions=positions, rank=rank, deal=deal, cp=cp,
+                                            piece_rows=piece_rows):
         pk, pv = pieces[0], values(pieces[0], pieces[-1])
         for i, ((a, b), first) in enumerate(zip(spans, starts)):
-            seen = min(rows_before(first, src, world, block), r1) - r0  # rows of the piece this block sees
+            seen = min(deal.count(first, src), r1) - r0  # rows of the piece this block sees
             if seen <= 0:
                 continue
             o_p, lse_p = _partial(q[:, a:b], pk[:, :seen], pv[:, :seen], scale, False)
@@ -162,16 +142,17 @@ def divided_indexer_topk(q_idx, weights, keys, topk: int, *, scale: float, posit
     """
     n = q_idx.shape[0]
     device = q_idx.device
-    q_pos = own_positions(positions, rank, world, block, device)
+    deal = Deal(world, block)
+    q_pos = deal.position(torch.arange(deal.count(positions, rank), device=device), rank)  # (N,) increasing
     best = torch.full((n, topk), -1, dtype=torch.long, device=device)
     best_sc = torch.full((n, topk), float("-inf"), dtype=accumulation_dtype(q_idx.dtype), device=device)
-    for src, r0, r1, (pk,) in shard_pieces([keys], positions=positions, rank=rank, world=world, block=block,
-                                           cp=cp, piece_rows=piece_rows):
-        k_pos = shard_row_positions(src, r0, r1, world, block, device)  # (n_piece,)
-        first_key = row_position(r0, src, world, block)
+    for src, r0, r1, (pk,) in shard_pieces([keys], positions=positions, rank=rank, deal=deal, cp=cp,
+                                           piece_rows=piece_rows):
+        k_pos = deal.position(torch.arange(r0, r1, device=device), src)  # (n_piece,)
+        first_key = deal.position(r0, src)
         for b0 in range(0, n, query_block):
             b1 = min(n, b0 + query_block)
-            if row_position(b1 - 1, rank, world, block) < first_key:
+            if deal.position(b1 - 1, rank) < first_key:
                 continue  # the whole query block comes before the piece
             # the piece's rows are in increasing position: the block's last query sees a prefix of them
             seen = int(torch.searchsorted(k_pos, q_pos[b1 - 1:b1], right=True))
@@ -211,12 +192,12 @@ def divided_sparse_attention(q, k, indices, *, value_dim: int, positions: int, r
     lse = q.new_full((h, n), float("-inf"), dtype=acc)
     # each entry's place in the shards laid end to end (rank 0's rows, then rank 1's, ..),
     # sorted per query: a piece's entries are then one run of each row, found by bisection
-    stride = rows_before(positions, 0, world, block)  # rank 0 holds the most rows
+    deal = Deal(world, block)
+    stride = deal.fullest(positions)  # rank 0 holds the most rows
     safe = indices.clamp(min=0)
-    place = (torch.div(safe, block, rounding_mode="floor") % world * stride
-             + torch.div(safe, world * block, rounding_mode="floor") * block + safe % block)
+    place = deal.owner(safe) * stride + deal.row(safe)
     place = torch.where(indices >= 0, place, world * stride).sort(dim=1).values  # (N, K); -1 entries last
-    for src, r0, r1, (pk,) in shard_pieces([k], positions=positions, rank=rank, world=world, block=block, cp=cp,
+    for src, r0, r1, (pk,) in shard_pieces([k], positions=positions, rank=rank, deal=deal, cp=cp,
                                            piece_rows=piece_rows):
         bounds = torch.tensor([src * stride + r0, src * stride + r1], device=q.device).expand(n, 2).contiguous()
         lo, hi = torch.searchsorted(place, bounds).unbind(1)  # (N,) each: the run of this piece's entries

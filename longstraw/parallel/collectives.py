@@ -6,8 +6,9 @@ the number of ranks (`cp.world`) and the device the group's backend carries tens
 collective here moves its tensors to that device and back, so a CPU tensor never
 reaches NCCL and a CUDA tensor never reaches a CPU-only gloo group.
 
-This module knows nothing of the engine or the models: it sits with the other ops at
-the bottom of the package, and `ops/attention.py` and the models call it.
+This module knows nothing of the engine or the models: it sits at the bottom of the
+package, and `ops/attention.py`, the models and the rest of `parallel/` call it. The
+design: `longstraw.parallel`.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 from longstraw.errors import DistributedError
+from longstraw.tensors import nbytes
 
 
 def _collective(fn, cp, *args, **kwargs):
@@ -42,15 +44,11 @@ class Traffic:
         cls.received += int(nbytes)
 
 
-def _nbytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
-
-
 def _all_reduce(tensor: torch.Tensor, cp, op) -> torch.Tensor:
     """All-reduce in place with `op`, through a contiguous buffer on the backend's device
     when the tensor is not one already (a backend reduces the storage in order: ranks
     whose tensors have different strides would pair different elements); returns it."""
-    Traffic.add(2 * (cp.world - 1) / cp.world * _nbytes(tensor))
+    Traffic.add(2 * (cp.world - 1) / cp.world * nbytes(tensor))
     device = getattr(cp, "device", None)
     if tensor.is_contiguous() and (device is None or tensor.device == device):
         _collective(dist.all_reduce, cp, tensor, op=op)
@@ -74,7 +72,7 @@ def all_gather(tensor: torch.Tensor, cp) -> list[torch.Tensor]:
     """Every rank's `tensor` (same shape on all ranks), in rank order, on `tensor`'s device."""
     device = getattr(cp, "device", None)
     moved = tensor.contiguous() if device is None else tensor.to(device).contiguous()
-    Traffic.add((cp.world - 1) * _nbytes(moved))
+    Traffic.add((cp.world - 1) * nbytes(moved))
     out = [torch.empty_like(moved) for _ in range(cp.world)]
     _collective(dist.all_gather, cp, out, moved)
     return [t.to(tensor.device) for t in out]
@@ -96,7 +94,7 @@ def in_buckets(tensors: list[torch.Tensor], collective, bucket_bytes: int = 32 <
             bucket.clear()
 
     for t in tensors:
-        size = _nbytes(t)
+        size = nbytes(t)
         if bucket and (t.dtype != bucket[0].dtype or t.device != bucket[0].device or held + size > bucket_bytes):
             flush()
             held = 0
@@ -242,7 +240,7 @@ def broadcast_from(tensor: torch.Tensor, src: int, cp) -> torch.Tensor:
     differs); returns it."""
     device = getattr(cp, "device", None)
     moved = tensor.contiguous() if device is None else tensor.to(device).contiguous()
-    Traffic.add(0 if src == cp.rank else _nbytes(moved))
+    Traffic.add(0 if src == cp.rank else nbytes(moved))
     _collective(dist.broadcast, cp, moved, src=_global_rank(cp, src))
     return moved if moved.device == tensor.device else moved.to(tensor.device)
 
@@ -268,6 +266,6 @@ def recv_from(buffer: torch.Tensor, src: int, cp) -> torch.Tensor:
     """Receive rank `src`'s tensor into a buffer of its shape and dtype; returns it."""
     device = getattr(cp, "device", None)
     moved = buffer if device is None or buffer.device == device else buffer.to(device)
-    Traffic.add(_nbytes(moved))
+    Traffic.add(nbytes(moved))
     _collective(dist.recv, cp, moved, src=_global_rank(cp, src))
     return moved if moved.device == buffer.device else moved.to(buffer.device)

@@ -1,41 +1,7 @@
-"""Context parallelism over `torch.distributed` (gloo on CPU, NCCL on GPU).
-
-Every rank runs the same group (`Engine.step` is called with the same `Group` on all
-ranks). The per-token prompt state (attention K/V, MLA latents) is sharded by blocks
-of positions dealt round-robin (`state.Shard`); small state (GDN recurrent state) is
-replicated. Capture's token computation is divided for dense, GDN-hybrid and MLA/DSA
-families (each prompt token on the rank that owns its block, layer by layer:
-`parallel.divided.py`), and so is exact mode's reverse walk (each prompt token
-recomputed and backpropagated on its owner). Replay runs its token computation
-(projections, MLP/MoE, norms, the branch's own causal attention) on every rank, and only
-attention over the prompt state is distributed:
-
-    forward    each rank attends over its own shard -> partial (o_r, lse_r);
-               all-gather and merge by log-sum-exp -> the same (o, lse) everywhere
-    backward   each rank turns the (replicated) upstream gradient into its partial's
-               gradient (no communication), runs its shard's blockwise backward, and
-               the query gradient is summed over ranks (all-reduce)
-
-Because everything outside that attention is replicated with replicated gradients,
-every rank's `.grad` equals the single-process `.grad` with no parameter-gradient
-reduction, LoRA and K/V projections included; a divided reverse walk's gradients are
-partial, and one bucketed all-reduce per step sums them (`partial_gradients`). Replicated
-is bitwise only where backward is deterministic (on CUDA `index_add_` with repeated
-indices is not), so every step ends with the first rank's replicated gradients on every
-rank (the divided walk's sum, or one bucketed broadcast: `replicate_gradients`), and
-`check_replicas` compares the ranks' weights exactly. Exact
-mode's state gradients live with the shard that owns the rows; in a replicated walk a
-chunk's seeds are summed over ranks (all-reduce) before the recomputation pushes them
-through; in a divided walk each rank seeds its own rows.
-
-Collectives run on the device the group's backend carries (`ContextParallel.device`:
-the current CUDA device for NCCL, so call `torch.cuda.set_device(local_rank)` before
-building the engine; CPU for gloo); `longstraw/parallel/collectives.py` moves tensors there and back.
-
-What this buys: each rank holds ~1/W of the prompt state and does ~1/W of the
-attention work over it and of capture's and the reverse walk's token computation;
-replay's token computation is not divided
-(docs/distributed.md).
+"""The process group a context-parallel engine runs over (`ContextParallel`, and the
+device its backend carries tensors on: `backend_device`), validation that fails on every
+rank together (`check_same_group`), and the replica check of the ranks' weights
+(`fingerprint`, `check_replicas`). The design: `longstraw.parallel`; docs/distributed.md.
 """
 
 from __future__ import annotations
@@ -44,6 +10,7 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from longstraw.errors import DistributedError, InvalidGroupError, LongStrawError
 from longstraw.parallel.collectives import MergeAcrossRanks, SumGradAcrossRanks, all_gather, all_reduce_sum, broadcast_from_first
@@ -152,8 +119,6 @@ def check_replicas(model, group=None, *, trainable_only: bool = True) -> int:
             differs; the message names the first such parameter, the ranks that differ from
             the first rank and how many parameters differ.
     """
-    from torch.distributed.tensor import DTensor
-
     if isinstance(group, ContextParallel):
         cp = group
     elif group is None and not (dist.is_available() and dist.is_initialized()):

@@ -20,9 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-
-def _bytes(*tensors) -> int:
-    return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+from longstraw.tensors import nbytes
 
 
 @dataclass
@@ -62,7 +60,7 @@ class BranchKV:
         return self.k[:, :, : self.length], self.v[:, :, : self.length]
 
     def nbytes(self) -> int:
-        return _bytes(self.k, self.v)
+        return nbytes(self.k, self.v)
 
 
 @dataclass
@@ -90,7 +88,7 @@ class BranchRecurrent:
         self.recurrent, self.conv_tail = recurrent, conv_tail
 
     def nbytes(self) -> int:
-        return _bytes(self.recurrent, self.conv_tail)
+        return nbytes(self.recurrent, self.conv_tail)
 
 
 @dataclass
@@ -133,7 +131,7 @@ class BranchLatent:
         return self.index_keys[:, : self.length]
 
     def nbytes(self) -> int:
-        return _bytes(self.rows, self.index_keys)
+        return nbytes(self.rows, self.index_keys)
 
 
 @dataclass

@@ -58,7 +58,7 @@ import torch
 
 from longstraw.state.host_arena import HostArena
 from longstraw.state.prompt import AttentionKV, IndexKeys, LatentKV, MLAState, PromptState
-from longstraw.tensors import accumulation_dtype
+from longstraw.tensors import accumulation_dtype, nbytes
 
 # ----------------------------------------------------------------------------
 # which parts of a layer are per-token rows
@@ -96,10 +96,6 @@ def _grad_fields(holder) -> tuple[str, ...]:
 def _rows(t: torch.Tensor, a: int, b: int) -> torch.Tensor:
     """Rows [a, b) of a state tensor: dim 0 of indexer keys [S, Di], dim 1 otherwise."""
     return t[a:b] if t.dim() == 2 else t[:, a:b]
-
-
-def _nbytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
 
 
 # ----------------------------------------------------------------------------
@@ -227,7 +223,7 @@ class Stager:
         buf = self.buffers[slot].get(key)
         if buf is None or buf.shape != like.shape or buf.dtype != like.dtype:
             if buf is not None:
-                self.stats.slot_bytes -= _nbytes(buf)
+                self.stats.slot_bytes -= nbytes(buf)
             if self.cuda:  # allocated on the compute stream, also used by the side stream's copies
                 with torch.cuda.stream(self.compute_stream):
                     buf = torch.empty(like.shape, dtype=like.dtype, device=self.device)
@@ -235,18 +231,18 @@ class Stager:
             else:
                 buf = torch.empty(like.shape, dtype=like.dtype, device=self.device)
             self.buffers[slot][key] = buf
-            self.stats.slot_bytes += _nbytes(buf)
+            self.stats.slot_bytes += nbytes(buf)
         return buf
 
     def _copy_in(self, slot: int, holders: list, until, fields_of) -> None:
         """Copy each holder's first rows (those before `until`) of the fields `fields_of`
         names (`_row_fields` or `_grad_fields`) from host into slot `slot`'s buffers."""
         for i, h in enumerate(holders):
-            n = h._rows_before(until)
+            n = h.rows_before(until)
             for f in fields_of(h):
                 src = _rows(getattr(h, f), 0, n)
                 _rows(self._buffer(slot, (i, f), getattr(h, f)), 0, n).copy_(src, non_blocking=True)
-                self.stats.h2d_bytes += _nbytes(src)
+                self.stats.h2d_bytes += nbytes(src)
 
     def _flush(self, slot: int) -> None:
         """Copy the slot's gradient sinks back to their host rows (queued on the side stream)."""
@@ -256,11 +252,11 @@ class Stager:
         self.sink_of[slot] = None
         with self._side():
             for i, h in enumerate(_holders(self.state.layers[idx])):
-                n = h._rows_before(until)
+                n = h.rows_before(until)
                 for f in _grad_fields(h):
                     host = _rows(getattr(h, f), 0, n)
                     host.copy_(_rows(self.buffers[slot][(i, f)], 0, n), non_blocking=True)
-                    self.stats.d2h_bytes += _nbytes(host)
+                    self.stats.d2h_bytes += nbytes(host)
                     self.pending_d2h = True
 
     def _fill(self, slot: int, idx: int, until: int, *, grads: bool) -> None:
@@ -298,7 +294,7 @@ class Stager:
         capacity, so capture can append), holding its rows before `until`."""
         def one(i, h):
             buf = self.buffers[slot]
-            n = h._rows_before(until)
+            n = h.rows_before(until)
             if isinstance(h, IndexKeys):
                 return dataclasses.replace(h, keys=buf[(i, "keys")], length=n)
             k = buf[(i, "k")]
@@ -348,7 +344,7 @@ class Stager:
                 for f in _row_fields(h):
                     dst = _rows(getattr(h, f), a, b)
                     dst.copy_(_rows(getattr(v, f), a, b), non_blocking=True)
-                    self.stats.d2h_bytes += _nbytes(dst)
+                    self.stats.d2h_bytes += nbytes(dst)
                     self.pending_d2h = True
                 h.length, h.consumed = v.length, v.consumed
 

@@ -15,7 +15,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from longstraw.tensors import KVSegment, accumulation_dtype
+from longstraw.parallel.deal import Deal
+from longstraw.tensors import KVSegment, accumulation_dtype, nbytes
 
 HOST = "host"
 """The `device` for per-token rows in host memory (state offload, `offload.py`): they
@@ -37,35 +38,43 @@ def zeros_like_rows(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 
 @dataclass(frozen=True)
 class Shard:
-    """Which prompt positions a context-parallel rank holds: blocks of `block`
-    positions, dealt round-robin (block b belongs to rank b % world), so causal work
-    is balanced across ranks."""
+    """Which prompt positions a context-parallel rank holds: rank `rank`'s share of the
+    round-robin deal (`parallel.deal.Deal`: blocks of `block` positions, block b on rank
+    b % world, so causal work is balanced across ranks). The arithmetic is the deal's."""
 
     rank: int
     world: int
     block: int
     cp: object = field(default=None, compare=False)
     """the `parallel.context.ContextParallel` the shard belongs to"""
+    deal: Deal = field(init=False, repr=False, compare=False)
+    """the deal (world, block) this rank holds a share of"""
 
-    def count(self, n: int) -> int:
-        """Positions this rank owns in [0, n)."""
-        cycle = self.block * self.world
-        full, rem = divmod(max(n, 0), cycle)
-        return full * self.block + min(max(rem - self.rank * self.block, 0), self.block)
+    def __post_init__(self):
+        object.__setattr__(self, "deal", Deal(self.world, self.block))
 
-    def count_tensor(self, n: torch.Tensor) -> torch.Tensor:
-        """`count` elementwise for a LongTensor of positions."""
-        cycle = self.block * self.world
-        rem = torch.remainder(n, cycle) - self.rank * self.block
-        return torch.div(n, cycle, rounding_mode="floor") * self.block + rem.clamp(0, self.block)
+    def count(self, n):
+        """Positions this rank owns in [0, n): an int, or elementwise for a LongTensor n."""
+        return self.deal.count(n, self.rank)
+
+    def held(self, start: int, end: int) -> int:
+        """Positions this rank owns in [start, end)."""
+        return self.count(end) - self.count(start)
 
     def owns(self, positions: torch.Tensor) -> torch.Tensor:
         """Bool mask: which of these absolute positions (LongTensor) are ours."""
-        return torch.remainder(torch.div(positions, self.block, rounding_mode="floor"), self.world) == self.rank
+        return self.deal.owner(positions) == self.rank
 
     def owned(self, start: int, end: int) -> torch.Tensor:
         """Bool [end - start]: which of the absolute positions start..end-1 are ours."""
         return self.owns(torch.arange(start, end))
+
+
+def rows_held_before(position: int, *, start: int, length: int, shard: Shard | None) -> int:
+    """Rows a state that holds `length` rows from absolute position `start` on (all of
+    them, or `shard`'s only) holds for the positions before `position`."""
+    n = position - start if shard is None else shard.held(start, position)
+    return max(0, min(length, n))
 
 
 @dataclass
@@ -113,7 +122,7 @@ class AttentionKV:
         if trim:
             capacity = 0  # grows by chunk, trimmed to window - 1 after each append
         elif shard is not None:
-            capacity = shard.count(start + capacity) - shard.count(start)
+            capacity = shard.held(start, start + capacity)
         k = empty_rows(kv_heads, capacity, head_dim, dtype=dtype, device=device)
         v = empty_rows(kv_heads, capacity, v_head_dim, dtype=dtype, device=device)
         return cls(k=k, v=v, start=start, window=window, trim=trim, shard=shard)
@@ -123,18 +132,14 @@ class AttentionKV:
         """Absolute position one past the last one consumed."""
         return self.start + self.consumed
 
-    def _rows_before(self, position: int) -> int:
+    def rows_before(self, position: int) -> int:
         """Rows held for absolute positions before `position`."""
-        if self.shard is None:
-            n = position - self.start
-        else:
-            n = self.shard.count(position) - self.shard.count(self.start)
-        return max(0, min(self.length, n))
+        return rows_held_before(position, start=self.start, length=self.length, shard=self.shard)
 
     def keys(self, until: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Read-only views (k [Hkv, n, D], v [Hkv, n, Dv]) of the positions held
         before absolute position `until` (default: all filled positions)."""
-        n = self.length if until is None else self._rows_before(until)
+        n = self.length if until is None else self.rows_before(until)
         return self.k[:, :n], self.v[:, :n]
 
     def segment(self, until: int | None = None) -> KVSegment:
@@ -149,7 +154,7 @@ class AttentionKV:
         """(dk [Hkv, T, D], dv [Hkv, T, Dv]) accumulated for absolute positions
         [start, end): the seeds of a chunk. Sharded: this rank's rows, zeros elsewhere
         (the caller sums over ranks)."""
-        a, b = self._rows_before(start), self._rows_before(end)
+        a, b = self.rows_before(start), self.rows_before(end)
         if self.shard is None:
             return self.k_grad[:, a:b].clone(), self.v_grad[:, a:b].clone()
         mine = self.shard.owned(start, end).to(self.k.device)
@@ -163,7 +168,7 @@ class AttentionKV:
         """(dk [Hkv, n, D], dv [Hkv, n, Dv]) accumulated for the n positions of [start, end)
         this rank holds, in position order (a copy): the seeds of a chunk in a divided
         reverse walk, which recomputes only these positions here."""
-        a, b = self._rows_before(start), self._rows_before(end)
+        a, b = self.rows_before(start), self.rows_before(end)
         return self.k_grad[:, a:b].clone(), self.v_grad[:, a:b].clone()
 
     def enable_grad_buffers(self) -> None:
@@ -216,13 +221,11 @@ class AttentionKV:
 
     def nbytes(self) -> int:
         """Bytes of K/V held (filled part for trimmed windowed layers, full capacity otherwise)."""
-        return self.k.numel() * self.k.element_size() + self.v.numel() * self.v.element_size()
+        return nbytes(self.k, self.v)
 
     def grad_nbytes(self) -> int:
         """Bytes of the exact-mode gradient buffers (0 in detached mode)."""
-        if self.k_grad is None:
-            return 0
-        return self.k_grad.numel() * self.k_grad.element_size() + self.v_grad.numel() * self.v_grad.element_size()
+        return nbytes(self.k_grad, self.v_grad)
 
 
 @dataclass
@@ -331,15 +334,11 @@ class RecurrentState:
     def release_grad_buffers(self) -> None:
         self.grads = None
 
-    @staticmethod
-    def _bytes(pair) -> int:
-        return sum(t.numel() * t.element_size() for t in pair if t is not None)
-
     def nbytes(self) -> int:
-        return sum(self._bytes(pair) for pair in self.snapshots.values())
+        return sum(nbytes(*pair) for pair in self.snapshots.values())
 
     def grad_nbytes(self) -> int:
-        return 0 if self.grads is None else sum(self._bytes(pair) for pair in self.grads.values())
+        return 0 if self.grads is None else sum(nbytes(*pair) for pair in self.grads.values())
 
 
 class LatentKV(AttentionKV):
@@ -354,7 +353,7 @@ class LatentKV(AttentionKV):
     def empty_latent(cls, *, rank: int, rope_dim: int, capacity: int, start: int = 0, dtype, device,
                      shard: Shard | None = None) -> "LatentKV":
         if shard is not None:
-            capacity = shard.count(start + capacity) - shard.count(start)
+            capacity = shard.held(start, start + capacity)
         k = empty_rows(1, capacity, rank + rope_dim, dtype=dtype, device=device)
         return cls(k=k, v=k[..., :rank], start=start, trim=False, shard=shard)
 
@@ -370,10 +369,10 @@ class LatentKV(AttentionKV):
         self.v_grad = self.k_grad[..., : self.v.shape[-1]]
 
     def nbytes(self) -> int:
-        return self.k.numel() * self.k.element_size()
+        return nbytes(self.k)
 
     def grad_nbytes(self) -> int:
-        return 0 if self.k_grad is None else self.k_grad.numel() * self.k_grad.element_size()
+        return nbytes(self.k_grad)
 
 
 @dataclass
@@ -396,24 +395,24 @@ class IndexKeys:
     @classmethod
     def empty(cls, *, capacity: int, dim: int, start: int = 0, dtype, device, shard: Shard | None = None):
         if shard is not None:
-            capacity = shard.count(start + capacity) - shard.count(start)
+            capacity = shard.held(start, start + capacity)
         return cls(keys=empty_rows(capacity, dim, dtype=dtype, device=device), start=start, shard=shard)
 
     @property
     def end(self) -> int:
         return self.start + self.consumed
 
-    def _rows_before(self, position: int) -> int:
-        n = position - self.start if self.shard is None else self.shard.count(position) - self.shard.count(self.start)
-        return max(0, min(self.length, n))
+    def rows_before(self, position: int) -> int:
+        """Rows held for absolute positions before `position`."""
+        return rows_held_before(position, start=self.start, length=self.length, shard=self.shard)
 
     def until(self, position: int) -> torch.Tensor:
         """Rows held before absolute `position`: [n, Di]."""
-        return self.keys[: self._rows_before(position)]
+        return self.keys[: self.rows_before(position)]
 
     def positions(self, until: int) -> torch.Tensor:
         """Absolute positions [n] of the rows `until(until)` returns, increasing."""
-        n = self._rows_before(until)
+        n = self.rows_before(until)
         pos = torch.arange(self.start, self.start + (self.consumed if self.shard is not None else n),
                            device=self.keys.device)
         if self.shard is not None:
@@ -443,7 +442,7 @@ class IndexKeys:
         self.length += n
 
     def nbytes(self) -> int:
-        return self.keys.numel() * self.keys.element_size()
+        return nbytes(self.keys)
 
     def grad_nbytes(self) -> int:
         return 0
