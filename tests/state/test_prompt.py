@@ -61,7 +61,7 @@ def test_shard_arithmetic_matches_brute_force(world, block):
         assert [shard.count(n) for n in range(51)] == [sum(p < n for p in owned) for n in range(51)]
         assert shard.owned(5, 40).nonzero()[:, 0].add(5).tolist() == [p for p in owned if 5 <= p < 40]
         positions = torch.arange(50)
-        assert shard.count_tensor(positions).tolist() == [shard.count(n) for n in range(50)]
+        assert shard.count(positions).tolist() == [shard.count(n) for n in range(50)]
 
 
 def test_sharded_attention_state_holds_its_rows_and_seeds_the_rest_with_zeros():
