@@ -19,16 +19,13 @@ import os
 import sys
 import time
 
-import torch
-import torch.distributed as dist
-
-import longstraw as ls
+from longstraw import defaults
 from longstraw.errors import LongStrawError
-from longstraw.measure import naive_bytes_per_token, peak_rss_bytes, rss_bytes
 from longstraw.plan import PlanConfig, estimate, format_report
-from longstraw.tiny import DEFAULT_FAMILY, TINY_CONFIGS, tiny_model
-from longstraw.train import TrainConfig, config_from_args
-from longstraw.train import train as run_training
+
+# `longstraw plan` runs without torch (the planner needs none): the commands that load a
+# model import torch and the engine when they run, the one place in the package where
+# function-level imports of its own modules stand (tests/test_architecture.py allows it).
 
 
 def _mib(n: float) -> str:
@@ -36,6 +33,9 @@ def _mib(n: float) -> str:
 
 
 def _init_torchrun():
+    import torch
+    import torch.distributed as dist
+
     """Under torchrun (WORLD_SIZE > 1): init the default process group; return (rank,
     device): NCCL on cuda:LOCAL_RANK where CUDA is available (the model must live there:
     NCCL carries CUDA tensors only), else gloo on CPU. (None, cpu) without torchrun."""
@@ -56,6 +56,12 @@ def toy_reward(response, vocab_size: int) -> float:
 
 
 def demo(args) -> int:
+    import torch
+
+    import longstraw as ls
+    from longstraw.measure import naive_bytes_per_token, peak_rss_bytes, rss_bytes
+    from longstraw.tiny import tiny_model
+
     """One whole GRPO iteration on a tiny built-in model: generate G responses from one
     capture of the prompt, score them with a toy reward, step on the same state, and take
     an optimizer step."""
@@ -198,6 +204,9 @@ def _add_plan_parser(sub) -> None:
 
 
 def train(args) -> int:
+    from longstraw.train import TrainConfig, config_from_args
+    from longstraw.train import train as run_training
+
     values = {f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig)}
     summary = run_training(config_from_args(values, args.config))
     print(json.dumps(summary))
@@ -217,6 +226,8 @@ def field_docs(cls) -> dict[str, str]:
 
 
 def _add_train_parser(sub) -> None:
+    from longstraw.train import TrainConfig
+
     p = sub.add_parser("train", help="GRPO training loop on the long-context key-value task (tiny model, no download)",
                        description="Warm start, then GRPO at long P with engine.generate + engine.step; logs "
                                    "JSONL to --out-dir, checkpoints and resumes. See docs/learning.md.")
@@ -234,24 +245,35 @@ def _add_train_parser(sub) -> None:
             p.add_argument(flag, dest=f.name, default=None, type=cast, help=f"{doc} (default {f.default})".strip())
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(prog="longstraw", description=__doc__.splitlines()[0])
-    sub = parser.add_subparsers(dest="command", required=True)
+def _add_demo_parser(sub) -> None:
+    from longstraw.tiny import DEFAULT_FAMILY, TINY_CONFIGS
+
     p = sub.add_parser("demo", help="one GRPO iteration (generate, reward, step, optimizer step) on a tiny "
                                     "built-in model (no download)")
     p.add_argument("--prompt-tokens", type=int, default=32768, help="P (default 32768)")
     p.add_argument("--group", type=int, default=8, help="G responses (default 8)")
     p.add_argument("--response-tokens", type=int, default=256, help="R, max new tokens per response (default 256)")
     p.add_argument("--lr", type=float, default=1e-5, help="AdamW learning rate of the optimizer step (default 1e-5)")
-    p.add_argument("--chunk-size", type=int, default=4096, help="capture chunk (default 4096)")
-    p.add_argument("--mode", default="detached", choices=["detached", "exact"])
+    p.add_argument("--chunk-size", type=int, default=defaults.CHUNK_SIZE,
+                   help=f"capture chunk (default {defaults.CHUNK_SIZE})")
+    p.add_argument("--mode", default=defaults.MODE, choices=list(defaults.MODES))
     p.add_argument("--family", default=DEFAULT_FAMILY, choices=sorted(TINY_CONFIGS),
                    help=f"tiny model family (default {DEFAULT_FAMILY}: Qwen3.6-shaped hybrid GDN + attention)")
     p.add_argument("--branch-chunk-size", type=int, default=None, help="replay each branch in pieces of this size")
     p.add_argument("--dtype", default="float32", choices=["float32", "float64"])
     p.add_argument("--seed", type=int, default=0)
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    parser = argparse.ArgumentParser(prog="longstraw", description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    torch_free = argv[:1] == ["plan"]  # only the planner's parser: nothing imports torch
+    if not torch_free:
+        _add_demo_parser(sub)
     _add_plan_parser(sub)
-    _add_train_parser(sub)
+    if not torch_free:
+        _add_train_parser(sub)
     args = parser.parse_args(argv)
 
     try:

@@ -73,3 +73,17 @@ def test_train_flags_carry_their_fields_docstrings(capsys):
         main(["train", "--help"])
     out = " ".join(capsys.readouterr().out.split())
     assert "estimated on (0: all of them)" in out
+
+
+def test_plan_command_runs_without_torch():
+    """`longstraw plan` imports no torch: run it with torch blocked."""
+    import subprocess
+    import sys
+
+    code = ("import sys; sys.modules['torch'] = None\n"
+            "from longstraw.cli import main\n"
+            "sys.exit(main(['plan', '--model', 'qwen3-8b', '--prompt-tokens', '65536', '--group', '4',"
+            " '--response-tokens', '256', '--json']))")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert '"peak_bytes_per_rank"' in proc.stdout

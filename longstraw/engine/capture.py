@@ -11,12 +11,12 @@ import contextlib
 
 import torch
 
-from longstraw.models.routing import Phase
 from longstraw.engine.clock import progress
 from longstraw.engine.kept_graphs import SavedBytes, chunks_to_keep
 from longstraw.engine.rollout import stamp_state
 from longstraw.parallel.divided import divided_capture
 from longstraw.parallel.fsdp import fsdp_sum_factor
+from longstraw.phase import Phase
 from longstraw.state.offload import Stager
 from longstraw.state.prompt import PromptState, Shard
 

@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import torch
 
-from longstraw.models.routing import Phase
 from longstraw.config import GRPOConfig
 from longstraw.engine import grpo as G
 from longstraw.engine.capture import capture_chunks
 from longstraw.engine.clock import progress
 from longstraw.group import BatchTotals, Group
+from longstraw.phase import Phase
 from longstraw.state.prompt import PromptState
 
 

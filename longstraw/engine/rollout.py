@@ -31,8 +31,8 @@ from longstraw.engine.logprobs import scaled_log_softmax, scaled_logits
 from longstraw.errors import ConfigError, StaleStateError, StateMismatchError
 from longstraw.group import check_token_ids
 from longstraw.models.rope import rotary_of
-from longstraw.models.routing import Phase
 from longstraw.parallel.context import broadcast_from_first
+from longstraw.phase import Phase
 
 
 @dataclass

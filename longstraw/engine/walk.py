@@ -7,9 +7,9 @@ from __future__ import annotations
 
 import torch
 
-from longstraw.models.routing import Phase
 from longstraw.engine.clock import progress
 from longstraw.parallel.divided import divided_chunks
+from longstraw.phase import Phase
 from longstraw.state.offload import settle
 from longstraw.state.prompt import PromptState, Shard
 

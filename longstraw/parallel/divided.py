@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import torch
 
-from longstraw.models.routing import Divided, DividedChunk, Phase
+from longstraw.parallel.chunks import Divided, DividedChunk
+from longstraw.phase import Phase
 from longstraw.parallel.deal import walk_chunk_bounds
 from longstraw.state.prompt import PromptState, Shard
 

@@ -10,8 +10,8 @@ from unittest import mock
 import pytest
 import torch
 
-from longstraw.models import routing as divided
-from longstraw.models.routing import DividedChunk
+from longstraw.parallel import chunks as divided
+from longstraw.parallel.chunks import DividedChunk
 from longstraw.parallel.deal import Deal
 
 
