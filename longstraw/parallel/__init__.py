@@ -57,7 +57,7 @@ gathers the chunk's q/k/v rows of every rank, runs the part over earlier chunks 
 sharded state and its own causal part for this rank's query rows only (`own_rows`), and
 keeps this rank's output rows; a GDN layer gathers the chunk's projected rows and runs the
 conv and recurrence over the whole chunk on every rank; an MLA layer gathers the chunk's
-absorbed queries and latent rows (and the indexer's inputs) (`models/divided.py`). Each rank
+absorbed queries and latent rows (and the indexer's inputs) (each family's module: `models/attention.py`, `gated_deltanet.py`, `mla.py`). Each rank
 seeds its own K/V (latent) rows with the gradients its shard accumulated; a replicated
 walk instead sums each chunk's seeds over ranks before pushing them through.
 

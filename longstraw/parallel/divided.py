@@ -3,7 +3,7 @@ each prompt token is computed (and, in exact mode, recomputed and backpropagated
 rank that owns its block. The design: `longstraw.parallel`.
 
 * `divided_capture` runs the model's decoder stack once, layer by layer, over this rank's
-  positions into the sharded state (`models/divided.py` holds the layers' divided phases).
+  positions into the sharded state (each family's module in `models/` holds its divided phases; `parallel/chunks.py` what they read).
 * `snapshot_positions`: where the GDN layers keep the snapshots capture records.
 * `walk_chunks` / `divided_chunks`: the chunks of a divided reverse walk (whole cycles of
   the deal), each with this rank's `DividedChunk`.

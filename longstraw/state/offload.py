@@ -44,7 +44,7 @@ What each phase does with the rows:
 Traffic per layer visit: H2D of its rows before the visit (plus its gradient rows and
 their D2H after, when backward accumulates into them); capture adds D2H of each
 chunk's new rows. `StageStats` counts the bytes; the planner's `--offload-state`
-figures count the same visits (`plan/estimate.py`).
+figures count the same visits (`plan/offload.py`).
 """
 
 from __future__ import annotations
