@@ -156,3 +156,8 @@ def test_bad_loss_masks_are_refused_by_batch_totals_and_score(model, monkeypatch
     monkeypatch.setattr(engine, "capture", lambda *a, **k: pytest.fail("capture ran on bad input"))
     with pytest.raises(ls.InvalidGroupError, match="loss_masks"):
         engine.score(group)
+
+
+def test_no_rewards_and_no_advantages_names_both(model):
+    with pytest.raises(ls.InvalidGroupError, match=r"rewards is None.*advantages"):
+        ls.Engine(model).step(_group(rewards=None))
