@@ -21,18 +21,28 @@ class Group:
     Args:
         prompt: LongTensor [P], P >= 2.
         responses: list of G LongTensors [R_i], R_i >= 1.
-        rewards: float tensor [G] (or anything `torch.as_tensor` takes).
+        rewards: float tensor [G] (or anything `torch.as_tensor` takes). May be None
+            when `advantages` is given (then it only feeds the reward metrics).
         old_logprobs: optional list of G float tensors [R_i]: the sampling policy's
             per-token log-probs. None means on-policy (old = current, detached).
         ref_logprobs: optional list of G float tensors [R_i] of the reference
             policy; needed when `GRPOConfig.beta > 0`.
+        loss_masks: optional list of G bool tensors [R_i] (TRL's `tool_mask`). A False
+            token (a tool's or environment's output) stays in the sequence, and later
+            tokens attend to it, but it has no loss term (nor KL term) and is counted in
+            no normaliser. None: every token is a loss token. A response whose mask is
+            all False contributes nothing (it still counts as a sequence, as in TRL).
+        advantages: optional float tensor [G], used as given instead of the advantages
+            computed from `rewards`.
     """
 
     prompt: torch.Tensor
     responses: list
-    rewards: torch.Tensor
+    rewards: torch.Tensor | None = None
     old_logprobs: list | None = None
     ref_logprobs: list | None = None
+    loss_masks: list | None = None
+    advantages: torch.Tensor | None = None
 
     @property
     def size(self) -> int:
@@ -40,7 +50,19 @@ class Group:
 
     @property
     def response_tokens(self) -> int:
+        """Every response token, masked ones included (the sequences' lengths)."""
         return sum(int(r.numel()) for r in self.responses)
+
+    def loss_tokens_of(self, i: int) -> int:
+        """Response i's loss tokens: those its loss mask keeps (all R_i without masks)."""
+        if self.loss_masks is None:
+            return int(self.responses[i].numel())
+        return int(self.loss_masks[i].sum())
+
+    @property
+    def loss_tokens(self) -> int:
+        """Loss tokens of the whole group (every response token without masks)."""
+        return sum(self.loss_tokens_of(i) for i in range(self.size))
 
 
 @dataclass(kw_only=True)
@@ -52,9 +74,12 @@ class BatchTotals:
 
     Args:
         num_sequences: responses in the whole batch (divisor of "grpo", "dr_grpo").
-        num_tokens: response tokens in the whole batch (divisor of "dapo").
+        num_tokens: loss tokens in the whole batch (divisor of "dapo"): response
+            tokens that `Group.loss_masks` keep.
         max_response_tokens: longest response of the batch ("dr_grpo" when
-            `GRPOConfig.max_completion_length` is None).
+            `GRPOConfig.max_completion_length` is None). Its whole length, masked tokens
+            included: it stands in for TRL's `max_completion_length`, which bounds the
+            whole completion (tool tokens too) and does not change with the mask.
     """
 
     num_sequences: int
@@ -63,13 +88,16 @@ class BatchTotals:
 
     @classmethod
     def of(cls, groups) -> "BatchTotals":
-        """Totals over an iterable of `Group`s."""
+        """Totals over an iterable of `Group`s. `num_tokens` counts loss tokens only, at
+        least 1 (TRL's `clamp(min=1)`: a batch without loss tokens has loss 0)."""
         groups = list(groups)
         if not groups:
             raise InvalidGroupError("BatchTotals.of needs at least one group")
+        for g in groups:
+            check_loss_masks(g)
         return cls(
             num_sequences=sum(g.size for g in groups),
-            num_tokens=sum(g.response_tokens for g in groups),
+            num_tokens=max(1, sum(g.loss_tokens for g in groups)),
             max_response_tokens=max(int(r.numel()) for g in groups for r in g.responses),
         )
 
@@ -120,8 +148,41 @@ def _check_logprobs(name: str, values, responses) -> None:
             raise InvalidGroupError(f"group.{name}[{i}] must be finite floats")
 
 
+def check_loss_masks(group: Group) -> None:
+    """Refuse loss masks that are not G bool tensors shaped like their responses."""
+    masks = group.loss_masks
+    if masks is None:
+        return
+    if not isinstance(masks, (list, tuple)) or len(masks) != group.size:
+        got = f"{len(masks)} masks" if isinstance(masks, (list, tuple)) else type(masks).__name__
+        raise InvalidGroupError(f"group.loss_masks must be a list of {group.size} bool tensors (one per response), "
+                                f"got {got}")
+    for i, (m, r) in enumerate(zip(masks, group.responses)):
+        if not isinstance(m, torch.Tensor) or m.dtype != torch.bool:
+            kind = f"dtype {m.dtype}" if isinstance(m, torch.Tensor) else type(m).__name__
+            raise InvalidGroupError(f"group.loss_masks[{i}] must be a bool tensor (True = loss token), got {kind}; "
+                                    "convert a 0/1 mask with mask.bool()")
+        if not isinstance(r, torch.Tensor) or m.shape != r.shape:
+            want = tuple(r.shape) if isinstance(r, torch.Tensor) else "its response's"
+            raise InvalidGroupError(f"group.loss_masks[{i}] has shape {tuple(m.shape)} but group.responses[{i}] has "
+                                    f"shape {want}: one mask entry per response token")
+
+
+def _as_float64(name: str, values, size: int) -> torch.Tensor:
+    """values -> a finite float64 CPU tensor [size], or an InvalidGroupError."""
+    try:
+        out = torch.as_tensor(values).detach()
+    except Exception as exc:  # noqa: BLE001 - re-raised as our type
+        raise InvalidGroupError(f"{name} must be a float tensor [G]: {exc}") from exc
+    if out.dim() != 1 or out.numel() != size:
+        raise InvalidGroupError(f"{name} must have shape [{size}] (one per response), got {tuple(out.shape)}")
+    return out.to("cpu", torch.float64)
+
+
 def validate_group(group: Group, *, vocab_size: int, needs_ref: bool = False, needs_rewards: bool = True) -> torch.Tensor:
-    """Check a group before any work; return its rewards as a float64 tensor [G].
+    """Check a group before any work; return its rewards as a float64 tensor [G] (None
+    when not `needs_rewards`, or when only `advantages` are given). `needs_rewards`: the
+    group is to be stepped, so it needs rewards or advantages (and checks both if given).
 
     Raises:
         InvalidGroupError: with a message naming the bad field and value.
@@ -133,16 +194,19 @@ def validate_group(group: Group, *, vocab_size: int, needs_ref: bool = False, ne
         raise InvalidGroupError("group.responses must be a non-empty list of LongTensors (G >= 1)")
     for i, r in enumerate(group.responses):
         check_token_ids(f"group.responses[{i}]", r, vocab_size, min_len=1)
+    check_loss_masks(group)
     rewards = None
-    if needs_rewards:
-        try:
-            rewards = torch.as_tensor(group.rewards).detach().to("cpu", torch.float64)
-        except Exception as exc:  # noqa: BLE001 - re-raised as our type
-            raise InvalidGroupError(f"group.rewards must be a float tensor [G]: {exc}") from exc
-        if rewards.dim() != 1 or rewards.numel() != group.size:
-            raise InvalidGroupError(
-                f"group.rewards must have shape [{group.size}] (one per response), got {tuple(rewards.shape)}"
-            )
+    if needs_rewards and group.advantages is not None:
+        adv = group.advantages
+        if not (isinstance(adv, torch.Tensor) and adv.is_floating_point()):
+            kind = f"dtype {adv.dtype}" if isinstance(adv, torch.Tensor) else type(adv).__name__
+            raise InvalidGroupError(f"group.advantages must be a float tensor [G], got {kind}")
+        if not torch.isfinite(_as_float64("group.advantages", adv, group.size)).all():
+            raise InvalidGroupError(f"group.advantages must be finite, got {adv.tolist()}")
+    if needs_rewards and (group.rewards is not None or group.advantages is None):
+        if group.rewards is None:
+            raise InvalidGroupError("group.rewards is None: pass rewards [G], or advantages [G] to use as given")
+        rewards = _as_float64("group.rewards", group.rewards, group.size)
         if not torch.isfinite(rewards).all():
             raise InvalidGroupError(f"group.rewards must be finite, got {rewards.tolist()}")
     if group.old_logprobs is not None:

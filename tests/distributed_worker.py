@@ -16,8 +16,13 @@ import torch.distributed as dist
 import longstraw as ls
 from tests.reference import (
     assert_grads_close,
+    compare_step,
     float64_hybrid,
+    float64_norms,
     grads_of,
+    hf_cached_logprobs,
+    hf_full_logprobs,
+    masked_group,
     random_group,
     tiny_hybrid,
     tiny_mla,
@@ -226,6 +231,28 @@ def bad_group_on_one_rank(rank: int, world: int, init_file: str, flag_dir: str) 
             engine.step(group)
         except ls.LongStrawError as exc:
             open(os.path.join(flag_dir, f"rank{rank}.err"), "w").write(f"{type(exc).__name__}: {exc}")
+    finally:
+        dist.destroy_process_group()
+
+
+def run_masked(rank: int, world: int, init_file: str, flag_dir: str) -> None:
+    """Loss masks under context parallelism: every rank's masked step equals HF's masked
+    loss (detached: the cached continuation; exact: the full sequence), loss and every
+    gradient; and ranks given different masks all raise together."""
+    _init(rank, world, init_file)
+    try:
+        model = float64_norms(tiny_model("qwen3"))
+        group = masked_group(97, 23, [5, 1, 7], seed=3)
+        kw = dict(context_parallel=True, chunk_size=6, attention_block_size=4, shard_block_size=3)
+        compare_step(model, group, ls.ExecConfig(**kw), hf_cached_logprobs, 1e-9)
+        compare_step(model, group, ls.ExecConfig(mode="exact", **kw), hf_full_logprobs, 1e-9)
+        if rank == 1:  # the same tokens, one more token masked
+            group.loss_masks = [m.clone() for m in group.loss_masks]
+            group.loss_masks[2][0] = False
+        try:
+            ls.Engine(model, ls.ExecConfig(**kw)).step(group)
+        except ls.InvalidGroupError as exc:
+            open(os.path.join(flag_dir, f"rank{rank}.err"), "w").write(str(exc))
     finally:
         dist.destroy_process_group()
 

@@ -7,7 +7,8 @@
 * `hf_full_logprobs`: one full-sequence forward over prompt + response (the naive path).
 * `uniform_group`: the benchmarks' random group (G responses of one length).
 * `reference_grpo_loss`: the GRPO group loss written out plainly from TRL's formulas,
-  independently of `longstraw.grpo`.
+  independently of `longstraw.grpo`, with TRL's `tool_mask` when the group has loss masks.
+* `masked_group`: a `random_group` with loss masks (context-only runs inside responses).
 """
 
 from __future__ import annotations
@@ -64,6 +65,24 @@ def random_group(vocab: int, prompt_len: int, response_lens, *, seed: int = 0, r
     if rewards is None:
         rewards = torch.rand(len(responses), generator=g, dtype=torch.float64)
     return ls.Group(prompt=prompt, responses=responses, rewards=torch.as_tensor(rewards, dtype=torch.float64))
+
+
+def masked_group(vocab: int, prompt_len: int, response_lens, *, seed: int = 0, rewards=None):
+    """`random_group` with loss masks: each response of 3+ tokens gets a context-only
+    run (an observation) inside it, first and last token kept; the shorter ones keep
+    every token. The masks are made from `seed` too."""
+    group = random_group(vocab, prompt_len, response_lens, seed=seed, rewards=rewards)
+    g = torch.Generator().manual_seed(seed + 1)
+    masks = []
+    for r in response_lens:
+        m = torch.ones(r, dtype=torch.bool)
+        if r >= 3:
+            a = int(torch.randint(1, r - 1, (1,), generator=g))
+            b = int(torch.randint(a + 1, r, (1,), generator=g))  # [a, b) masked, 1 <= a < b <= r - 1
+            m[a:b] = False
+        masks.append(m)
+    group.loss_masks = masks
+    return group
 
 
 def uniform_group(vocab_size: int, prompt_tokens: int, group_size: int, response_tokens: int, *, seed: int = 0):
@@ -126,13 +145,21 @@ def hf_full_logprobs(model, prompt, response, temperature=1.0):
 
 def reference_grpo_loss(logps, group, *, loss_type="dapo", epsilon_low=0.2, epsilon_high=0.2, beta=0.0,
                         scale_rewards="group", max_completion_length=None, num_sequences=None, num_tokens=None):
-    """TRL's GRPO loss over one group, from the formulas (not from longstraw.grpo)."""
-    r = group.rewards.to(torch.float64)
-    adv = r - r.mean()
-    if scale_rewards == "group":
-        adv = adv / (r.std() + 1e-4)
-    if bool(r.max() == r.min()):
-        adv = torch.zeros_like(adv)
+    """TRL's GRPO loss over one group, from the formulas (not from longstraw.grpo).
+
+    With `group.loss_masks`, TRL's `_compute_loss` with `mask = completion_mask * tool_mask`:
+    masked tokens are multiplied out of every sum and counted in no token count (each
+    count clamped to 1); `group.advantages`, when set, replace the computed ones."""
+    if group.advantages is not None:
+        adv = group.advantages.to(torch.float64)
+    else:
+        r = group.rewards.to(torch.float64)
+        adv = r - r.mean()
+        if scale_rewards == "group":
+            adv = adv / (r.std() + 1e-4)
+        if bool(r.max() == r.min()):
+            adv = torch.zeros_like(adv)
+    masks = group.loss_masks or [torch.ones(t.numel(), dtype=torch.bool) for t in logps]
     per_seq = []
     for i, logp in enumerate(logps):
         old = logp.detach() if group.old_logprobs is None else group.old_logprobs[i]
@@ -142,12 +169,13 @@ def reference_grpo_loss(logps, group, *, loss_type="dapo", epsilon_low=0.2, epsi
         if beta > 0:
             ref = group.ref_logprobs[i]
             tok = tok + beta * (torch.exp(ref - logp) - (ref - logp) - 1)
-        per_seq.append(tok)
+        per_seq.append(tok * masks[i].to(tok))
     n_seq = num_sequences or len(logps)
+    counts = [float(m.sum()) for m in masks]
     if loss_type == "dapo":
-        return torch.cat(per_seq).sum() / (num_tokens or sum(t.numel() for t in per_seq))
+        return torch.cat(per_seq).sum() / (num_tokens or max(1.0, sum(counts)))
     if loss_type == "grpo":
-        return torch.stack([t.mean() for t in per_seq]).sum() / n_seq
+        return torch.stack([t.sum() / max(1.0, c) for t, c in zip(per_seq, counts)]).sum() / n_seq
     max_len = max_completion_length or max(t.numel() for t in per_seq)
     return torch.cat(per_seq).sum() / (n_seq * max_len)
 
@@ -337,16 +365,22 @@ def tiny_mla(family: str, *, dtype=torch.float64, seed: int = 0, **overrides):
     return model
 
 
-def compare_step(model, group, exec_cfg, reference_logprobs, rel):
+def compare_step(model, group, exec_cfg, reference_logprobs, rel, grpo=None):
     """Engine.step against the reference GRPO loss over `reference_logprobs` (HF's
-    cached continuation or full sequence): loss and every parameter gradient."""
+    cached continuation or full sequence): loss and every parameter gradient. `grpo`:
+    a `GRPOConfig` (default: the default one), mirrored in the reference loss."""
     import longstraw as ls
 
+    grpo = ls.GRPOConfig() if grpo is None else grpo
     model.zero_grad(set_to_none=True)
-    result = ls.Engine(model, exec_cfg).step(group, ls.GRPOConfig())
+    result = ls.Engine(model, exec_cfg).step(group, grpo)
     got = grads_of(model)
     model.zero_grad(set_to_none=True)
-    loss = reference_grpo_loss([reference_logprobs(model, group.prompt, r) for r in group.responses], group)
+    extra = {} if grpo.temperature == 1.0 else {"temperature": grpo.temperature}
+    logps = [reference_logprobs(model, group.prompt, r, **extra) for r in group.responses]
+    loss = reference_grpo_loss(logps, group, loss_type=grpo.loss_type, epsilon_low=grpo.epsilon_low,
+                               epsilon_high=grpo.epsilon_high, beta=grpo.beta, scale_rewards=grpo.scale_rewards,
+                               max_completion_length=grpo.max_completion_length)
     loss.backward()
     assert_loss_close(result.loss, float(loss.detach()), rel)
     assert_grads_close(got, grads_of(model), rel)

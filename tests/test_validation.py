@@ -33,6 +33,18 @@ BAD_GROUPS = {
     "negative token id": dict(prompt=torch.tensor([3, -1, 4])),
     "old_logprobs wrong shape": dict(old_logprobs=[torch.zeros(3), torch.zeros(3)]),
     "old_logprobs NaN": dict(old_logprobs=[torch.full((4,), float("nan")), torch.zeros(3)]),
+    "loss mask shorter than its response": dict(loss_masks=[torch.ones(3, dtype=torch.bool),
+                                                            torch.ones(3, dtype=torch.bool)]),
+    "loss mask of 0/1 ints": dict(loss_masks=[torch.ones(4, dtype=torch.long), torch.ones(3, dtype=torch.long)]),
+    "loss mask of floats": dict(loss_masks=[torch.ones(4), torch.ones(3)]),
+    "one loss mask for two responses": dict(loss_masks=[torch.ones(4, dtype=torch.bool)]),
+    "loss masks as one tensor": dict(loss_masks=torch.ones(4, dtype=torch.bool)),
+    "advantages length != G": dict(advantages=torch.tensor([1.0, 0.0, 0.5])),
+    "advantages as ints": dict(advantages=torch.tensor([1, -1])),
+    "advantages as a list": dict(advantages=[1.0, -1.0]),
+    "NaN advantage": dict(advantages=torch.tensor([float("nan"), 1.0])),
+    "inf advantage": dict(advantages=torch.tensor([1.0, float("-inf")])),
+    "neither rewards nor advantages": dict(rewards=None),
 }
 
 
@@ -133,3 +145,19 @@ def test_autocast_is_refused_before_any_work():
         with pytest.raises(ls.ConfigError, match="autocast"):
             engine.score(group)
     assert all(p.grad is None for p in model.parameters())
+
+
+def test_bad_loss_masks_are_refused_by_batch_totals_and_score(model, monkeypatch):
+    """BatchTotals.of counts loss tokens, so it checks the masks too; score does as well."""
+    group = _group(loss_masks=[torch.ones(4, dtype=torch.bool), torch.ones(5, dtype=torch.bool)])
+    with pytest.raises(ls.InvalidGroupError, match=r"loss_masks\[1\] has shape \(5,\).*\(3,\)"):
+        ls.BatchTotals.of([group])
+    engine = ls.Engine(model)
+    monkeypatch.setattr(engine, "capture", lambda *a, **k: pytest.fail("capture ran on bad input"))
+    with pytest.raises(ls.InvalidGroupError, match="loss_masks"):
+        engine.score(group)
+
+
+def test_no_rewards_and_no_advantages_names_both(model):
+    with pytest.raises(ls.InvalidGroupError, match=r"rewards is None.*advantages"):
+        ls.Engine(model).step(_group(rewards=None))

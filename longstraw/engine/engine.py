@@ -252,7 +252,9 @@ class Engine:
         """One GRPO group: accumulate this group's share of the loss gradient into `.grad`.
 
         Args:
-            group: the prompt, its G responses and rewards.
+            group: the prompt, its G responses and rewards (or advantages as given), and
+                optionally loss masks (False: context only, no loss term). A group whose
+                every mask is all False is skipped (loss 0, `.grad` untouched).
             grpo: the objective; defaults to `GRPOConfig()`.
             totals: batch-wide divisors when a batch of several groups is stepped one
                 group at a time; defaults to this group alone.
@@ -270,23 +272,24 @@ class Engine:
         totals = BatchTotals.of([group]) if totals is None else totals
 
         t0, c0 = clock(self.adapter.device), Traffic.received
-        adv, skip = G.group_advantages(rewards, grpo)
+        adv, skip = G.step_advantages(group, rewards, grpo)
         metrics = StepMetrics(
             context_parallel_world=float(self.cp.world if self.cp is not None else 1),
             divided_capture=float(state is None and self.divides_capture(
                 group.prompt.numel() - 1, self.config.keep_graph_bytes if self.config.mode == "exact" else 0)),
             prompt_tokens=float(group.prompt.numel()),
-            response_tokens=float(group.response_tokens),
+            response_tokens=float(group.loss_tokens),
             num_branches=float(group.size),
-            reward_mean=float(rewards.mean()),
-            reward_std=float(rewards.std()) if group.size > 1 else 0.0,
+            reward_mean=None if rewards is None else float(rewards.mean()),
+            reward_std=None if rewards is None else (float(rewards.std()) if group.size > 1 else 0.0),
             advantage_mean=float(adv.mean()),
             advantage_std=float(adv.std()) if group.size > 1 else 0.0,
             advantage_min=float(adv.min()),
             advantage_max=float(adv.max()),
         )
-        if skip:  # zero advantage and no KL term: the loss and its gradient are exactly 0
-            metrics.skipped_zero_advantage, metrics.divided_capture = 1.0, 0.0
+        if skip or group.loss_tokens == 0:  # zero advantage and no KL term, or no loss token: loss, gradient 0
+            metrics.skipped_zero_advantage, metrics.skipped_no_loss_tokens = float(skip), float(not skip)
+            metrics.divided_capture = 0.0
             return StepResult(loss=0.0, metrics=metrics.as_dict())
         return self._update(group, grpo, totals, state, adv, metrics, (t0, c0))
 

@@ -18,15 +18,19 @@ class StepMetrics:
     """1 when this step's capture ran divided over the ranks."""
     prompt_tokens: float = 0.0
     response_tokens: float = 0.0
+    """Loss tokens: the response tokens that `Group.loss_masks` keep (all without masks)."""
     num_branches: float = 0.0
-    reward_mean: float = 0.0
-    reward_std: float = 0.0
+    reward_mean: float | None = 0.0
+    """None (not reported) when the group gives only `advantages`."""
+    reward_std: float | None = 0.0
     advantage_mean: float = 0.0
     advantage_std: float = 0.0
     advantage_min: float = 0.0
     advantage_max: float = 0.0
     skipped_zero_advantage: float = 0.0
     """1 when every advantage is 0 and beta is 0: the loss and its gradient are exactly 0."""
+    skipped_no_loss_tokens: float = 0.0
+    """1 when every loss mask of the group is all False: nothing to learn, loss 0, no work."""
     offload_h2d_bytes: float | None = None
     """State offload only: bytes staged host -> device since the capture (or the last step)."""
     offload_d2h_bytes: float | None = None

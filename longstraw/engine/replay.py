@@ -25,16 +25,25 @@ class BranchStats:
         self.loss, self.tokens, self.ratio, self.clipped, self.kl = 0.0, 0, 0.0, 0.0, 0.0
 
     def add(self, loss: torch.Tensor, tok_stats: dict) -> None:
+        """Add one piece: its loss and `grpo.branch_loss`'s stats (only the tokens its
+        "mask", if any, keeps are counted)."""
+        keep = tok_stats.get("mask")
+
+        def total(name):
+            values = tok_stats[name].detach()
+            return (values if keep is None else torch.where(keep, values, torch.zeros_like(values))).sum()
+
         self.loss = self.loss + loss.detach()
-        self.tokens += tok_stats["ratio"].numel()
-        self.ratio = self.ratio + tok_stats["ratio"].detach().sum()
-        self.clipped = self.clipped + tok_stats["clipped"].detach().sum()
-        self.kl = self.kl + (tok_stats["kl"].detach().sum() if "kl" in tok_stats else 0.0)
+        self.tokens = self.tokens + (tok_stats["ratio"].numel() if keep is None else keep.sum())
+        self.ratio = self.ratio + total("ratio")
+        self.clipped = self.clipped + total("clipped")
+        self.kl = self.kl + (total("kl") if "kl" in tok_stats else 0.0)
 
     def summary(self, with_kl: bool) -> dict:
-        out = {"ratio_mean": float(self.ratio) / self.tokens, "clip_fraction": float(self.clipped) / self.tokens}
+        tokens = max(1, int(self.tokens))  # a group with masks may count none (all its stats are then 0)
+        out = {"ratio_mean": float(self.ratio) / tokens, "clip_fraction": float(self.clipped) / tokens}
         if with_kl:
-            out["kl_mean"] = float(self.kl) / self.tokens
+            out["kl_mean"] = float(self.kl) / tokens
         return out
 
 
@@ -67,7 +76,7 @@ def replay_group(engine, state: PromptState, group: Group, grpo: GRPOConfig, tot
     stats = BranchStats()
     branches = list(enumerate(group.responses))
     for i, response in progress(branches, enabled=engine.config.progress, desc="replay", total=len(branches)):
-        weight = G.branch_weight(grpo, totals, response.numel())
+        weight = G.branch_weight(grpo, totals, group.loss_tokens_of(i))
         target = response.to(engine.adapter.device)  # (R_i,)
 
         def piece_loss(hidden, a, b, i=i, weight=weight, target=target):

@@ -21,17 +21,21 @@ def sequence_length(group: Group) -> int:
 
 
 def fingerprint(group: Group | None, rewards) -> torch.Tensor:
-    """A fixed-length float64 summary [8] of a group, to check that every rank got the
-    same one (zeros for a group that failed validation)."""
+    """A fixed-length float64 summary [10] of a group, to check that every rank got the
+    same one (zeros for a group that failed validation): prompt, responses, rewards,
+    loss masks (where they fall) and advantages."""
     if group is None:
-        return torch.zeros(8, dtype=torch.float64)
+        return torch.zeros(10, dtype=torch.float64)
     lengths = torch.tensor([float(r.numel()) for r in group.responses], dtype=torch.float64)
     sums = torch.tensor([float(r.double().sum()) for r in group.responses], dtype=torch.float64)
     weights = torch.arange(1, group.size + 1, dtype=torch.float64)  # order matters
     r = torch.zeros(group.size, dtype=torch.float64) if rewards is None else rewards.double().cpu()
+    masks = -1.0 if group.loss_masks is None else sum(  # each kept token by its place
+        float((torch.nonzero(m.cpu())[:, 0].double() + 1).sum()) * (i + 1) for i, m in enumerate(group.loss_masks))
+    adv = -1.0 if group.advantages is None else float((group.advantages.detach().cpu().double() * weights).sum())
     return torch.tensor([float(group.prompt.numel()), float(group.prompt.double().sum()), float(group.size),
                          float((lengths * weights).sum()), float((sums * weights).sum()), float(r.sum()),
-                         float((r * weights).sum()), float(rewards is not None)], dtype=torch.float64)
+                         float((r * weights).sum()), float(rewards is not None), masks, adv], dtype=torch.float64)
 
 
 def check_positions(engine, prompt_tokens: int, new_tokens: int, what: str) -> int:
@@ -86,11 +90,11 @@ def check_totals(group: Group, totals: BatchTotals) -> None:
     if not isinstance(totals, BatchTotals):
         raise InvalidGroupError(f"totals must be a longstraw.BatchTotals, got {type(totals).__name__}")
     longest = max(int(r.numel()) for r in group.responses)
-    if (totals.num_sequences < group.size or totals.num_tokens < group.response_tokens
+    if (totals.num_sequences < group.size or totals.num_tokens < group.loss_tokens
             or totals.max_response_tokens < longest):
         raise InvalidGroupError(
             f"totals {totals} are smaller than this group alone (G={group.size}, "
-            f"tokens={group.response_tokens}, longest={longest}); pass BatchTotals.of(all groups of the batch)"
+            f"loss tokens={group.loss_tokens}, longest={longest}); pass BatchTotals.of(all groups of the batch)"
         )
 
 

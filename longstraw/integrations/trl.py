@@ -356,7 +356,7 @@ class LongStrawGRPOTrainer(trl.GRPOTrainer):
             result = self.longstraw_engine.step(item.group, self.longstraw_grpo, totals=micro.totals, state=state)
             m = result.metrics
             loss += result.loss
-            skipped = m["skipped_zero_advantage"] > 0
+            skipped = m["skipped_zero_advantage"] > 0 or m["skipped_no_loss_tokens"] > 0
             if state is None and not skipped:  # the rollout's state was dropped or stale: captured again
                 self._window["captures"] += 1
                 self._window["time_capture_s"] += m["time_capture_s"]

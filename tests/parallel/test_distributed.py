@@ -66,6 +66,15 @@ def test_validation_that_fails_on_one_rank_fails_every_rank_fast(tmp_path):
     assert "InvalidGroupError" in rank0 and "rank(s) [1]" in rank0 and _not_a_timeout(rank0)
 
 
+def test_loss_masks_under_context_parallelism_match_hf(tmp_path):
+    """W = 2: the masked step equals HF's masked loss on every rank, and ranks given
+    different loss masks all refuse the group (the masks are in the agreement)."""
+    codes = _run_each(worker.run_masked, 2, str(tmp_path / "init"), str(tmp_path))
+    assert codes == [0, 0], codes
+    for rank in (0, 1):
+        assert "different groups" in (tmp_path / f"rank{rank}.err").read_text()
+
+
 def test_one_rank_context_parallel_runs_on_the_backends_device(tmp_path):
     mp.spawn(worker.world_one, args=(1, str(tmp_path / "init"), str(tmp_path)), nprocs=1, join=True)
     assert (tmp_path / "ok").exists()
