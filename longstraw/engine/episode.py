@@ -200,8 +200,10 @@ def run_episodes(engine, state, prompt, sampling, episode: EpisodeConfig, genera
                     logits[i] = after
             else:
                 going.append((i, token))
-        for position in sorted({rec.fed[i] for i, _ in going}):  # one call per position
-            group = [(i, t) for i, t in going if rec.fed[i] == position]
+        at = {}
+        for i, token in going:  # one call per position the live branches stand at
+            at.setdefault(rec.fed[i], []).append((i, token))
+        for position, group in sorted(at.items()):
             ids = torch.tensor([t for _, t in group], dtype=torch.long, device=device)
             hidden = decode_step(engine, state, branches, ids, [i for i, _ in group], branches.start + position)
             logits[torch.tensor([i for i, _ in group], device=device)] = adapter.lm_head(hidden).to(logits.dtype)
