@@ -39,12 +39,14 @@ def _prompt(n=23, seed=0):
 
 
 def _environment(calls: list):
-    """Deterministic: branch i's k-th observation has 2 + i + 2k tokens, ids from the response."""
+    """Deterministic: branch i's k-th observation has 2 + i + 2k tokens, ids from the
+    response; `calls` records (branch, response, observation)."""
     def env(branch, response):
-        calls.append((branch, response.clone()))
-        k = sum(1 for b, _ in calls if b == branch) - 1
+        k = sum(1 for b, _, _ in calls if b == branch)
         base = int(response.sum()) + 7 * branch
-        return torch.tensor([(base + 13 * j) % 97 for j in range(2 + branch + 2 * k)], dtype=torch.long)
+        obs = torch.tensor([(base + 13 * j) % 97 for j in range(2 + branch + 2 * k)], dtype=torch.long)
+        calls.append((branch, response.clone(), obs))
+        return obs
     return env
 
 
@@ -120,15 +122,13 @@ def test_sampled_episode_logprobs_equal_hf_full_sequence_and_masks_mark_sampled_
         assert len(calls) == sum(rollout.turns) >= 2
         for i, (r, m) in enumerate(zip(rollout.responses, rollout.loss_masks)):
             assert r.numel() <= n and m.shape == r.shape and rollout.logprobs[i].shape == r.shape
-            # masks: True exactly at the sampled tokens, i.e. not inside an observation the env returned
+            # masks: True exactly at the sampled tokens, i.e. outside the observations appended
             observed = torch.zeros_like(m)
-            for b, seen in calls:
-                if b == i:
-                    obs = _environment([(b, s) for b2, s in calls if b2 == b and s.numel() < seen.numel()] + [])(
-                        b, seen)
-                    if seen.numel() + obs.numel() <= n:
-                        assert torch.equal(r[seen.numel(): seen.numel() + obs.numel()], obs)
-                        observed[seen.numel(): seen.numel() + obs.numel()] = True
+            for b, seen, obs in calls:
+                a, z = seen.numel(), seen.numel() + obs.numel()
+                if b == i and z <= n:
+                    assert torch.equal(seen, r[:a]) and torch.equal(r[a:z], obs)
+                    observed[a:z] = True
             assert torch.equal(m, ~observed), i
         _check_logprobs(model, prompt, rollout, 1e-9, temperature=0.9)
 
