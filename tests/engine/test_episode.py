@@ -251,8 +251,18 @@ def test_bad_episode_input_is_refused_before_any_work(kwargs, error, match, monk
         engine.generate(_prompt(), num_samples=2, max_new_tokens=8, **kwargs)
 
 
-def test_a_prefix_past_the_models_positions_is_refused():
-    model = tiny_model("qwen3", max_position_embeddings=32)
-    engine = ls.Engine(model, ls.ExecConfig(**EXEC))
-    with pytest.raises(ls.PositionLimitError):
-        engine.generate(_prompt(n=28), num_samples=1, max_new_tokens=6, prefix=torch.arange(5))
+@pytest.mark.parametrize("name", ["qwen3_5", "glm_moe_dsa_sparse"])
+def test_an_offloaded_prompt_state_gives_the_same_episode(name):
+    model = FAMILIES[name]()
+    prompt = _prompt()
+    with _context(name, model):
+        plain = ls.Engine(model, ls.ExecConfig(**EXEC))
+        eos = _greedy_eos(plain, prompt)
+        kwargs = dict(num_samples=2, max_new_tokens=16, temperature=0, eos_token_id=eos, max_turns=2)
+        want = plain.generate(prompt, environment=_environment([]), **kwargs)
+        got = ls.Engine(model, ls.ExecConfig(state_device="cpu", **EXEC)).generate(
+            prompt, environment=_environment([]), **kwargs)
+    assert sum(want.turns) >= 2
+    for a, b, la, lb in zip(got.responses, want.responses, got.logprobs, want.logprobs):
+        assert torch.equal(a, b)
+        torch.testing.assert_close(la, lb, rtol=0, atol=1e-12)
