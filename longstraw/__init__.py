@@ -23,7 +23,7 @@ _HOMES = {
     "supported_model_types": "models",
     "LongStrawError": "errors", "ConfigError": "errors", "InvalidGroupError": "errors",
     "PositionLimitError": "errors", "UnsupportedModelError": "errors", "ModelStateError": "errors",
-    "StaleStateError": "errors", "StateMismatchError": "errors",
+    "StaleStateError": "errors", "StateMismatchError": "errors", "EpisodeError": "errors",
 }
 """Each public name -> the module (under longstraw/) that defines it."""
 
@@ -31,6 +31,7 @@ __all__ = [
     "Engine", "ExecConfig", "GRPOConfig", "Group", "StepResult", "BatchTotals", "supported_model_types",
     "LongStrawError", "ConfigError", "InvalidGroupError", "PositionLimitError", "UnsupportedModelError",
     "ModelStateError", "StaleStateError", "StateMismatchError", "Rollout", "SamplingConfig",
+    "EpisodeError",
 ]
 
 

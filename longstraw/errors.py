@@ -41,6 +41,11 @@ class StaleStateError(StateMismatchError):
     changed since it was captured. Capture again (e.g. call `generate` again)."""
 
 
+class EpisodeError(LongStrawError, ValueError):
+    """An agent episode's input is malformed: `max_turns`, a `prefix`, or an observation an
+    environment returned (not a 1-D LongTensor of ids in the vocabulary)."""
+
+
 class DistributedError(LongStrawError, RuntimeError):
     """A context-parallel collective failed (a rank died or hit an error, or the ranks disagree)."""
 

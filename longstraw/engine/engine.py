@@ -45,6 +45,7 @@ from longstraw.config import ExecConfig, GRPOConfig
 from longstraw.engine import grpo as G
 from longstraw.engine.capture import capture, divides_capture, divides_walk, rank_shard
 from longstraw.engine.clock import clock, progress
+from longstraw.engine.episode import EpisodeConfig
 from longstraw.engine.logprobs import token_logprobs
 from longstraw.engine.metrics import StepMetrics
 from longstraw.engine.replay import branch_logprobs, replay_branch, replay_group
@@ -194,7 +195,9 @@ class Engine:
 
     def generate(self, prompt: torch.Tensor, num_samples: int = 8, max_new_tokens: int = 256, temperature: float = 1.0,
                  top_p: float = 1.0, top_k: int = 0, eos_token_id: int | list | None = None,
-                 generator: torch.Generator | None = None) -> Rollout:
+                 generator: torch.Generator | None = None, *, environment=None, max_turns: int = 1,
+                 prefix: torch.Tensor | None = None, prefix_loss_mask: torch.Tensor | None = None,
+                 state: PromptState | None = None) -> Rollout:
         """Sample `num_samples` responses from one capture of `prompt`.
 
         The G branches decode together, one token per step, against the one shared prompt
@@ -207,17 +210,32 @@ class Engine:
             eos_token_id: id (or ids) that end a branch; the branch keeps it as its last token.
             generator: a torch.Generator for reproducible samples (on the model's device, or
                 on the CPU). Under context parallelism every rank must seed it identically.
+            environment: agent episodes: env(branch, response) -> LongTensor of observation
+                ids, or None (the branch ends), called when branch `branch` emits eos and has
+                made fewer than `max_turns` calls (needs eos_token_id). The observation is
+                appended (loss mask False, log-prob 0.0) and absorbed as one chunk into that
+                branch's own state; `max_new_tokens` bounds sampled + observation tokens, and
+                an observation that would pass it is not appended: the branch ends.
+            max_turns: environment calls per branch at most (>= 0).
+            prefix: LongTensor [L] (L <= max_new_tokens): every response starts with it,
+                absorbed as one chunk; its log-probs are those of the current weights.
+            prefix_loss_mask: bool [L], the prefix tokens' loss mask (default all True).
+            state: a prompt state from an earlier `generate` of this prompt (checked like
+                `step(state=)`): no second capture.
 
         Returns:
             `Rollout` with `.responses` (G LongTensors [R_i]), `.logprobs` (the sampled tokens'
             log-probs under the temperature-scaled distribution, before top-k / top-p: what
             `score(group, temperature)` gives; temperature 1 for greedy), `.state` (reuse it in
             `step(..., state=)` and `score(..., state=)` while the weights are unchanged) and
-            `.metrics`.
+            `.metrics`, `.loss_masks` (G bool [R_i]: True at sampled tokens) and `.turns`
+            (G ints: environment calls).
         """
         config = SamplingConfig(num_samples=num_samples, max_new_tokens=max_new_tokens, temperature=temperature,
                                 top_p=top_p, top_k=top_k, eos_token_id=eos_token_id)
-        return generate(self, prompt, config, generator)
+        episode = EpisodeConfig(environment=environment, max_turns=max_turns, prefix=prefix,
+                                prefix_loss_mask=prefix_loss_mask)
+        return generate(self, prompt, config, generator, episode, state)
 
     def _reuse_or_capture(self, group: Group, state: PromptState | None, exact: bool) -> PromptState:
         """The prompt state for `group`: the one given (already checked) or a new capture."""

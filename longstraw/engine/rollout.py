@@ -1,7 +1,8 @@
 """Rollouts from the captured prompt state: one capture per GRPO iteration.
 
 `Engine.generate` captures the prompt once (the same state `step` and `score` read),
-then decodes the G branches together, one token per step:
+or reuses a given one, then decodes the G branches together, one token per step
+(the loop, with agent episodes' environment and prefix, is `episode.py`):
 
     tokens [G] at position P-1+j  ->  adapter.run(phase=Phase.DECODE)  ->  hidden [G, d]
     ->  lm_head  ->  logits [G, vocab]  ->  sample (temperature, top-k, top-p)
@@ -27,12 +28,11 @@ from dataclasses import dataclass, field
 import torch
 
 from longstraw.engine.clock import clock
-from longstraw.engine.logprobs import scaled_log_softmax, scaled_logits
+from longstraw.engine.episode import EpisodeConfig, run_episodes
+from longstraw.engine.logprobs import scaled_logits
 from longstraw.errors import ConfigError, StaleStateError, StateMismatchError
 from longstraw.group import check_token_ids
 from longstraw.models.rope import rotary_of
-from longstraw.parallel.context import broadcast_from_first
-from longstraw.phase import Phase
 
 
 @dataclass
@@ -44,14 +44,20 @@ class Rollout:
         logprobs: G float tensors [R_i], the sampled tokens' log-probs (see module doc).
         state: the captured prompt state; pass it to `step` / `score` while the weights
             are unchanged.
-        metrics: floats: time_capture_s, time_generate_s, generated_tokens,
-            tokens_per_s, state_bytes, branch_state_bytes, decode_steps.
+        metrics: floats: time_capture_s, time_generate_s, generated_tokens (sampled),
+            tokens_per_s, state_bytes, branch_state_bytes, decode_steps, environment_calls.
+        loss_masks: G bool tensors [R_i]: True exactly at the tokens the policy sampled
+            (and at prefix tokens, unless `prefix_loss_mask` says otherwise); False at
+            observation tokens, whose log-prob is 0.0.
+        turns: G ints, the environment calls each branch made.
     """
 
     responses: list
     logprobs: list
     state: object
     metrics: dict = field(default_factory=dict)
+    loss_masks: list = field(default_factory=list)
+    turns: list = field(default_factory=list)
 
 
 @dataclass(kw_only=True, slots=True)
@@ -212,65 +218,36 @@ def validate_prompt(engine, prompt, config: SamplingConfig) -> None:
     engine.check_runnable()
 
 
-@torch.no_grad()
-def decode(engine, state, prompt: torch.Tensor, config: SamplingConfig, generator, progress) -> tuple[list, list, dict]:
-    """Decode G branches from a captured prompt state. Returns (responses, logprobs, metrics)."""
-    adapter = engine.adapter
-    device = adapter.device
-    g, n = config.num_samples, config.max_new_tokens
-    start = prompt.shape[0] - 1
-    branches = adapter.new_branch_state(state, g, n)
-    eos = torch.tensor(config.eos_ids(), dtype=torch.long, device=device)
-    tokens = prompt[-1:].to(device).expand(g).contiguous()  # every branch feeds the prompt's last token
-    out_tokens = torch.empty(g, n, dtype=torch.long, device=device)
-    out_logps = None
-    finished = torch.zeros(g, dtype=torch.bool, device=device)
-    lengths = torch.full((g,), n, dtype=torch.long, device=device)
-    temperature = config.temperature if config.temperature > 0 else 1.0
-    steps = 0
-    for j in progress(range(n)):
-        hidden = adapter.run(tokens, start + j, [state], phase=Phase.DECODE,
-                             block_size=engine.config.attention_block_size, branches=branches)  # (G, d)
-        logits = adapter.lm_head(hidden)  # (G, vocab)
-        nxt = sample_tokens(logits, config, generator)
-        if engine.cp is not None:  # every rank samples the same; rank 0's draw is the one kept
-            broadcast_from_first(nxt, engine.cp)
-        logp = scaled_log_softmax(logits, temperature).gather(-1, nxt[:, None])[:, 0]  # (G,)
-        if out_logps is None:
-            out_logps = torch.empty(g, n, dtype=logp.dtype, device=device)
-        out_tokens[:, j], out_logps[:, j] = nxt, logp
-        steps += 1
-        if eos.numel():
-            ended = ~finished & torch.isin(nxt, eos)
-            lengths = torch.where(ended, torch.full_like(lengths, j + 1), lengths)
-            finished |= ended
-            if bool(finished.all()):
-                break
-        tokens = nxt
-    lengths = lengths.tolist()
-    responses = [out_tokens[i, : lengths[i]].clone() for i in range(g)]
-    logprobs = [out_logps[i, : lengths[i]].clone() for i in range(g)]
-    metrics = {"branch_state_bytes": float(branches.nbytes()), "decode_steps": float(steps),
-               "generated_tokens": float(sum(lengths))}
-    return responses, logprobs, metrics
+def generate(engine, prompt: torch.Tensor, config: SamplingConfig, generator=None,
+             episode: EpisodeConfig | None = None, state=None) -> Rollout:
+    """Capture `prompt` once (or reuse `state`, checked) and sample `config.num_samples`
+    responses from its state, with `episode`'s environment and prefix. See `Engine.generate`."""
+    episode = episode if episode is not None else EpisodeConfig()
 
-
-def generate(engine, prompt: torch.Tensor, config: SamplingConfig, generator=None) -> Rollout:
-    """Capture `prompt` once and sample `config.num_samples` responses from its state.
-    See `Engine.generate`."""
     def fingerprint(_, failed: bool) -> torch.Tensor:
-        fields = [0.0] * 7 if failed else [prompt.numel(), prompt.double().sum(), config.num_samples,
-                                            config.max_new_tokens, config.temperature, config.top_p, config.top_k]
+        prefix = episode.prefix if episode.prefix is not None and not failed else torch.zeros(0)
+        fields = [0.0] * 9 if failed else [prompt.numel(), prompt.double().sum(), config.num_samples,
+                                            config.max_new_tokens, config.temperature, config.top_p, config.top_k,
+                                            prefix.numel(), prefix.double().sum()]
         return torch.tensor([float(x) for x in fields], dtype=torch.float64)
 
-    engine.agree_across_ranks(lambda: validate_prompt(engine, prompt, config), fingerprint)
+    def validate():
+        validate_prompt(engine, prompt, config)
+        episode.check(engine.adapter.vocab_size, config.max_new_tokens, config.eos_ids())
+        if state is not None:
+            check_state(state, engine, prompt, total=prompt.numel() + config.max_new_tokens)
+
+    engine.agree_across_ranks(validate, fingerprint)
     t0 = clock(engine.adapter.device)
-    state = engine.capture(prompt, exact=engine.config.mode == "exact",
-                           rope_length=prompt.numel() + config.max_new_tokens)  # the sampler's RoPE length
+    if state is None:
+        state = engine.capture(prompt, exact=engine.config.mode == "exact",
+                               rope_length=prompt.numel() + config.max_new_tokens)  # the sampler's RoPE length
     t1 = clock(engine.adapter.device)
     progress = engine.progress_bar("generate")
-    responses, logprobs, metrics = decode(engine, state, prompt, config, generator, progress)
+    responses, logprobs, masks, turns, metrics = run_episodes(engine, state, prompt, config, episode, generator,
+                                                              progress, sample_tokens)
     t2 = clock(engine.adapter.device)
     metrics.update(time_capture_s=t1 - t0, time_generate_s=t2 - t1, state_bytes=float(state.nbytes()),
                    tokens_per_s=metrics["generated_tokens"] / max(t2 - t1, 1e-9))
-    return Rollout(responses=responses, logprobs=logprobs, state=state, metrics=metrics)
+    return Rollout(responses=responses, logprobs=logprobs, state=state, metrics=metrics, loss_masks=masks,
+                   turns=turns)

@@ -189,7 +189,7 @@ class Adapter:
     `chunk_size` (GDN layers), so that a divided walk cuts the prompt only there."""
 
     def run(self, input_ids: torch.Tensor, start: int, states: list[PromptState], *, phase: Phase | str,
-            block_size: int, branches: BranchState | None = None,
+            block_size: int, branches: BranchState | None = None, rows: list[int] | None = None,
             divided: Divided | DividedChunk | None = None) -> torch.Tensor:
         """Run tokens input_ids [T] at positions start .. start+T-1 against `states`
         (stacked, earliest first: the prompt state, then any earlier branch pieces).
@@ -200,7 +200,8 @@ class Adapter:
         RECOMPUTE: read what lies before `start` and record the chunk's own state tensors
         with their accumulated gradients in `states[-1].seeds`.
         DECODE: input_ids [G] are one token per branch, all at position `start`; they read
-        `states` and append to `branches` (the caller holds no_grad).
+        `states` and append to `branches` (the caller holds no_grad). `rows`: the branches
+        run (input_ids then [len(rows)]), None: all G.
         DIVIDED: input_ids [N] are this rank's own prompt positions (`divided`, a
         `routing.Divided`), the whole prompt at once, layer by layer (the caller holds
         no_grad); they append to states[-1]. RECOMPUTE with `divided` (a
@@ -212,7 +213,7 @@ class Adapter:
         phase = Phase(phase)
         positions = divided.positions(input_ids.device) if divided is not None else None
         call = AttentionCall(states=states, start=start, phase=phase, block_size=block_size, branches=branches,
-                             positions=positions, divided=divided)
+                             rows=rows, positions=positions, divided=divided)
         pieces = chunked_mlps(self.backbone.layers, divided.chunk_size) if phase is Phase.DIVIDED \
             else contextlib.nullcontext()
         with self.routing(), pieces, pinned_rope(self.backbone, states[0].rope_length):

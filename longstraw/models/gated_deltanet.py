@@ -143,12 +143,13 @@ def _gdn_decode(module, hidden_states, call: AttentionCall):
     x = hidden_states[:, 0]  # (G, d)
     b = x.shape[0]
     mixed, z, beta_logit, a = _project(module, x)  # (G, conv_dim), (G, Hv, Dv), (G, Hv), (G, Hv)
-    conv, tail = causal_conv1d_step(mixed, module.conv1d.weight[:, 0, :], module.conv1d.bias, own.conv_tail,
+    recurrent, tail = own.state(call.rows)  # the B branches `call.rows` (None: all G)
+    conv, tail = causal_conv1d_step(mixed, module.conv1d.weight[:, 0, :], module.conv1d.bias, tail,
                                     activation=module.activation)  # (G, conv_dim)
     q, k, v = _split_heads(module, conv)
-    out, recurrent = gated_delta_step(q, k, v, _log_decay(module, a), beta_logit.sigmoid(), own.recurrent,
+    out, recurrent = gated_delta_step(q, k, v, _log_decay(module, a), beta_logit.sigmoid(), recurrent,
                                       use_qk_l2norm=True)  # (G, Hv, Dv)
-    own.update(recurrent, tail)
+    own.update(recurrent, tail, call.rows)
     return _gated_output(module, out, z, (b, 1))
 
 

@@ -48,7 +48,7 @@ class HybridAdapter(DenseAdapter):
         layers = []
         for layer, held in zip(self.backbone.layers, prompt.layers):
             if hasattr(layer, "linear_attn"):
-                layers.append(BranchRecurrent.from_snapshot(held.snapshots[start], branches))
+                layers.append(BranchRecurrent.from_snapshot(held.snapshots[start], branches, start))
             else:
                 layers.append(self.branch_kv(layer.self_attn, branches, capacity, start))
         return BranchState(layers=layers, branches=branches, start=start)

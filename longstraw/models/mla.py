@@ -298,7 +298,7 @@ def _mla_decode(module, spec, a: Absorbed, call, prev_indices):
     indexer = getattr(module, "indexer", None)
     h, g = a.q_full.shape[0], a.x.shape[0]
     o_lat, indices = mla_decode(a.q_full.transpose(0, 1), a.k_new, call.branches.layers[module.layer_idx], layers[0],
-                                position=call.start, scale=module.scaling, rank=module.kv_lora_rank,
+                                position=call.start, rows=call.rows, scale=module.scaling, rank=module.kv_lora_rank,
                                 block_size=call.block_size, topk=_topk(module, spec),
                                 index_inputs=_index_inputs(module, spec, a),
                                 index_topk_scale=None if indexer is None else indexer.softmax_scale,
@@ -473,7 +473,8 @@ class MLAAdapter(Adapter):
             index = getattr(attn, "indexer", None)
             layers.append(BranchLatent.empty(branches=branches, width=attn.kv_lora_rank + attn.qk_rope_head_dim,
                                              index_dim=None if index is None else index.head_dim, capacity=capacity,
-                                             start=start, dtype=self.dtype, device=self.device))
+                                             start=start, dtype=self.dtype, device=self.device,
+                                             rank=attn.kv_lora_rank))
         return BranchState(layers=layers, branches=branches, start=start)
 
     def routing(self):

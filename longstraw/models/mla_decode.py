@@ -69,7 +69,7 @@ def decode_topk(index_q, weights, prompt_index, own_keys, own_start: int, topk: 
     return select_candidates(torch.cat([cand_sc, own_sc], dim=1), torch.cat([cand, own_pos], dim=1), topk)
 
 
-def _sparse_decode(q, own: BranchLatent, prompt: MLAState, indices, scale: float, rank: int):
+def _sparse_decode(q, own: BranchLatent, prompt: MLAState, indices, scale: float, rank: int, rows=None):
     """Absorbed attention of q [G, H, D] over the selected rows (indices [G, K]) of the
     prompt's latent (gathered per branch; merged across ranks when sharded) and of each
     branch's own rows. Returns [G, H, R]."""
@@ -88,8 +88,8 @@ def _sparse_decode(q, own: BranchLatent, prompt: MLAState, indices, scale: float
     out, lse = gathered_partial(q, k_sel, k_sel[..., :rank], valid, scale)
     if kv.shard is not None:
         out, lse = merge_shard(out, lse, seg)
-    own_rows = own.filled()  # (G, n, D)
-    own_pos = torch.arange(own.start, own.start + own.length, device=q.device)
+    own_rows = own.filled(rows)  # (G, n, D)
+    own_pos = torch.arange(own.start, own.start + own_rows.shape[1], device=q.device)
     chosen = (indices[:, :, None] == own_pos[None, None, :]).any(1)  # (G, n)
     out_b, lse_b = gathered_partial(q, own_rows, own_rows[..., :rank], chosen, scale)
     return merge_partials(out, lse, out_b, lse_b)
@@ -97,7 +97,7 @@ def _sparse_decode(q, own: BranchLatent, prompt: MLAState, indices, scale: float
 
 def mla_decode(q, k_new, own: BranchLatent, prompt: MLAState, *, position: int, scale: float, rank: int,
                block_size: int, topk: int | None, index_inputs=None, index_topk_scale: float | None = None,
-               prev_indices=None):
+               prev_indices=None, rows=None):
     """One decode step of an MLA layer for G branches.
 
     Args:
@@ -108,21 +108,22 @@ def mla_decode(q, k_new, own: BranchLatent, prompt: MLAState, *, position: int, 
         topk: the layer's DSA top-k (None: no DSA). index_inputs: (index_q [G, Hi, Di],
             new index keys [G, Di], weights [G, Hi]) for a layer with its own indexer.
         prev_indices: the previous layer's selection [G, K] (GLM-5 "shared" layers).
+        rows: the branches being decoded (None: all G; G then reads B = len(rows)).
     Returns:
         (o_lat [G, H, R] in q's dtype, indices [G, K] or None).
     """
-    own.append(k_new, None if index_inputs is None else index_inputs[1])
+    own.append(k_new, None if index_inputs is None else index_inputs[1], rows)
     indices = None
     if topk is not None and topk < position + 1:  # the query sees more than top-k positions
         if index_inputs is not None:
             index_q, _, weights = index_inputs
-            indices = decode_topk(index_q, weights, prompt.index, own.filled_index_keys(), own.start, topk,
+            indices = decode_topk(index_q, weights, prompt.index, own.filled_index_keys(rows), own.start, topk,
                                   index_topk_scale)
         else:
             indices = prev_indices
             assert indices is not None, "a shared DSA layer needs the previous layer's selection"
-        return _sparse_decode(q, own, prompt, indices, scale, rank).to(q.dtype), indices
-    own_k = own.filled()[:, None]  # (G, 1, n, D): one (MQA) kv head
+        return _sparse_decode(q, own, prompt, indices, scale, rank, rows).to(q.dtype), indices
+    own_k = own.filled(rows)[:, None]  # (G, 1, n, D): one (MQA) kv head
     out = decode_attention(q, own_k, own_k[..., :rank], own_start=own.start,
                            prefixes=[prompt.latent.segment(until=position)], q_position=position, scale=scale,
                            block_size=block_size, reduce_shard=merge_shard)

@@ -22,7 +22,8 @@ to do with the new tokens' state in the last of them, by `Phase`:
                state; a capture run with autograd on records them too (a kept graph).
                Divided (`call.divided`, a `DividedChunk`): the tokens are this rank's
                own positions of the chunk
-    DECODE     a rollout step: G branches, one token each at position `start`; their
+    DECODE     a rollout step: G branches (or the subset `call.rows`), one token each
+               at position `start`; their
                state goes into the per-branch `call.branches`, and the shared prompt
                state is only read
     DIVIDED    context parallelism's divided capture: the tokens are this rank's own
@@ -67,6 +68,8 @@ class AttentionCall:
         phase: a `Phase` (see the module docstring).
         block_size: prefix positions per attention block.
         branches: phase DECODE only: the G branches' own state.
+        rows: phase DECODE only: the branches run, by index (None: all G, in order).
+            They stand at the same position `start` (so they hold the same rows).
         positions: the tokens' absolute positions [T] when they are not start.. (phase
             DIVIDED: this rank's own positions).
         divided: phase DIVIDED: a `Divided`; phase RECOMPUTE of a divided reverse walk: a
@@ -78,6 +81,7 @@ class AttentionCall:
     phase: Phase
     block_size: int
     branches: BranchState | None = None
+    rows: list[int] | None = None
     positions: torch.Tensor | None = None
     divided: Divided | DividedChunk | None = None
 

@@ -1,8 +1,7 @@
 """Per-branch decode state: what each of the G rollout branches keeps of its OWN tokens.
 
 The prompt state (`prompt.py`) is shared by every branch and only read while decoding.
-Each branch adds only what its generated tokens need, allocated once for
-`capacity` = max_new_tokens positions:
+Each branch adds only what its own tokens need, allocated once for `capacity` positions:
 
     attention layer   BranchKV      k [G, Hkv, capacity, D], v [G, Hkv, capacity, Dv]
     Gated DeltaNet    BranchRecurrent  recurrent [G, Hv, Dk, Dv] (fp32) + conv tail
@@ -11,7 +10,15 @@ Each branch adds only what its generated tokens need, allocated once for
                                     [G, capacity, Di])
 
 Every branch's row j is the token at absolute position `start + j` (start = P - 1, the
-position of the prompt's last token, which every branch feeds first).
+position of the prompt's last token, which every branch feeds first). Branches advance
+at their own pace (an agent episode absorbs an environment's observation into one branch
+as a chunk), so each keeps its own length: `lengths[i]` rows of branch i are filled.
+
+A decode step runs a subset of branches (`rows`, branch indices) that stand at the same
+position, hence hold the same number of rows. A chunk absorbed into ONE branch runs the
+capture path against the stacked states [prompt, `BranchState.view(i)`]: the view is a
+`PromptState` whose layers alias branch i's rows, so capture writes them in place
+(`BranchState.settle(i, view)` then records the new length and recurrent state).
 """
 
 from __future__ import annotations
@@ -20,24 +27,64 @@ from dataclasses import dataclass, field
 
 import torch
 
+from longstraw.state.prompt import AttentionKV, IndexKeys, LatentKV, MLAState, PromptState, RecurrentState
 from longstraw.tensors import nbytes
 
 
+def pick(t: torch.Tensor, rows: list[int] | None) -> torch.Tensor:
+    """t[rows] along dim 0: the tensor itself (a view) when rows is None or every row in order."""
+    if rows is None or rows == list(range(t.shape[0])):
+        return t
+    return t[torch.tensor(rows, device=t.device)]
+
+
+def put(t: torch.Tensor, rows: list[int] | None, value: torch.Tensor) -> None:
+    """t[rows] = value along dim 0, in place."""
+    if rows is None or rows == list(range(t.shape[0])):
+        t.copy_(value)
+    else:
+        t[torch.tensor(rows, device=t.device)] = value.to(t.dtype)
+
+
+class _Lengths:
+    """Per-branch row counts (mixed into the row-holding branch states)."""
+
+    lengths: list
+
+    def length_of(self, rows: list[int] | None) -> int:
+        """The rows filled by every branch in `rows` (None: all), which must agree."""
+        got = {self.lengths[i] for i in (range(len(self.lengths)) if rows is None else rows)}
+        assert len(got) == 1, f"branches of one decode step hold different lengths: {sorted(got)}"
+        return got.pop()
+
+    def grow(self, rows: list[int] | None, capacity: int, by: int = 1) -> int:
+        """Advance `rows`' lengths by `by`; returns the common length before."""
+        n = self.length_of(rows)
+        assert n + by <= capacity, f"{type(self).__name__} overflow: more tokens than its capacity {capacity}"
+        for i in range(len(self.lengths)) if rows is None else rows:
+            self.lengths[i] += by
+        return n
+
+
 @dataclass
-class BranchKV:
+class BranchKV(_Lengths):
     """Own K/V of the G branches for one attention layer.
 
     Fields:
         k: [G, Hkv, capacity, D]; v: [G, Hkv, capacity, Dv].
-        start: absolute position of row 0. length: rows filled (the same for every branch).
+        start: absolute position of row 0. lengths: rows filled per branch.
         window: the layer's sliding window (None: full attention).
     """
 
     k: torch.Tensor
     v: torch.Tensor
     start: int
-    length: int = 0
+    lengths: list = field(default_factory=list)
     window: int | None = None
+
+    def __post_init__(self):
+        if not self.lengths:
+            self.lengths = [0] * self.k.shape[0]
 
     @classmethod
     def empty(cls, *, branches: int, kv_heads: int, head_dim: int, v_head_dim: int, capacity: int, start: int,
@@ -47,17 +94,32 @@ class BranchKV:
         return cls(k=k, v=v, start=start, window=window)
 
     @torch.no_grad()
-    def append(self, k_new: torch.Tensor, v_new: torch.Tensor) -> None:
-        """Write one token per branch: k_new [G, Hkv, 1, D], v_new [G, Hkv, 1, Dv]."""
-        assert k_new.shape[0] == self.k.shape[0] and k_new.shape[2] == 1, (k_new.shape, self.k.shape)
-        assert self.length < self.k.shape[2], "BranchKV overflow: more tokens than max_new_tokens"
-        self.k[:, :, self.length] = k_new[:, :, 0]
-        self.v[:, :, self.length] = v_new[:, :, 0]
-        self.length += 1
+    def append(self, k_new: torch.Tensor, v_new: torch.Tensor, rows: list[int] | None = None) -> None:
+        """Write one token per branch of `rows` (None: all): k_new [B, Hkv, 1, D], v_new [B, Hkv, 1, Dv]."""
+        assert k_new.shape[2] == 1, k_new.shape
+        n = self.grow(rows, self.k.shape[2])
+        put(self.k[:, :, n], rows, k_new[:, :, 0])
+        put(self.v[:, :, n], rows, v_new[:, :, 0])
 
-    def keys(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Views (k [G, Hkv, n, D], v [G, Hkv, n, Dv]) of the filled rows."""
-        return self.k[:, :, : self.length], self.v[:, :, : self.length]
+    def keys(self, rows: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(k [B, Hkv, n, D], v [B, Hkv, n, Dv]) of the filled rows of `rows` (None: all)."""
+        n = self.length_of(rows)
+        return pick(self.k[:, :, :n], rows), pick(self.v[:, :, :n], rows)
+
+    def view(self, i: int) -> AttentionKV:
+        """Branch i's rows as an `AttentionKV` (aliasing them: appends write in place)."""
+        n = self.lengths[i]
+        return AttentionKV(k=self.k[i], v=self.v[i], start=self.start, length=n, consumed=n, window=self.window,
+                           trim=False)
+
+    def settle(self, i: int, view: AttentionKV) -> None:
+        self.lengths[i] = view.length
+
+    def copy_branch(self, src: int, dsts: list[int]) -> None:
+        for j in dsts:
+            self.k[j].copy_(self.k[src])
+            self.v[j].copy_(self.v[src])
+            self.lengths[j] = self.lengths[src]
 
     def nbytes(self) -> int:
         return nbytes(self.k, self.v)
@@ -70,65 +132,115 @@ class BranchRecurrent:
     Fields:
         recurrent: [G, Hv, Dk, Dv] (float32, float64 for float64 models).
         conv_tail: [G, C, K-1], the last K-1 pre-conv inputs (model dtype).
+        positions: per branch, the position its state stands at (the next token's).
     """
 
     recurrent: torch.Tensor
     conv_tail: torch.Tensor
+    positions: list = field(default_factory=list)
 
     @classmethod
-    def from_snapshot(cls, snapshot, branches: int) -> "BranchRecurrent":
-        """G copies of a prompt snapshot (recurrent [Hv, Dk, Dv], conv_tail [C, K-1])."""
+    def from_snapshot(cls, snapshot, branches: int, position: int = 0) -> "BranchRecurrent":
+        """G copies of a prompt snapshot (recurrent [Hv, Dk, Dv], conv_tail [C, K-1]) at `position`."""
         recurrent, tail = snapshot
         assert recurrent is not None and tail is not None, "decoding needs the prompt's recurrent snapshot"
         return cls(recurrent=recurrent.expand(branches, *recurrent.shape).clone(),
-                   conv_tail=tail.expand(branches, *tail.shape).clone())
+                   conv_tail=tail.expand(branches, *tail.shape).clone(), positions=[position] * branches)
 
-    def update(self, recurrent: torch.Tensor, conv_tail: torch.Tensor) -> None:
-        assert recurrent.shape == self.recurrent.shape and conv_tail.shape == self.conv_tail.shape
-        self.recurrent, self.conv_tail = recurrent, conv_tail
+    def state(self, rows: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(recurrent [B, Hv, Dk, Dv], conv_tail [B, C, K-1]) of `rows` (None: all)."""
+        return pick(self.recurrent, rows), pick(self.conv_tail, rows)
+
+    def update(self, recurrent: torch.Tensor, conv_tail: torch.Tensor, rows: list[int] | None = None) -> None:
+        """The state of `rows` after one more token."""
+        assert recurrent.shape[1:] == self.recurrent.shape[1:] and conv_tail.shape[1:] == self.conv_tail.shape[1:]
+        put(self.recurrent, rows, recurrent)
+        put(self.conv_tail, rows, conv_tail)
+        for i in range(len(self.positions)) if rows is None else rows:
+            self.positions[i] += 1
+
+    def view(self, i: int) -> RecurrentState:
+        """Branch i's state as a `RecurrentState` holding one snapshot (at its position)."""
+        return RecurrentState(snapshots={self.positions[i]: (self.recurrent[i], self.conv_tail[i])})
+
+    def settle(self, i: int, view: RecurrentState) -> None:
+        (position, (recurrent, tail)), = view.snapshots.items()
+        self.recurrent[i].copy_(recurrent)
+        self.conv_tail[i].copy_(tail)
+        self.positions[i] = position
+
+    def copy_branch(self, src: int, dsts: list[int]) -> None:
+        for j in dsts:
+            self.recurrent[j].copy_(self.recurrent[src])
+            self.conv_tail[j].copy_(self.conv_tail[src])
+            self.positions[j] = self.positions[src]
 
     def nbytes(self) -> int:
         return nbytes(self.recurrent, self.conv_tail)
 
 
 @dataclass
-class BranchLatent:
+class BranchLatent(_Lengths):
     """Own MLA latent rows (and DSA indexer keys) of the G branches for one layer.
 
     Fields:
         rows: [G, capacity, R + Dr], the normalized latent followed by the RoPE'd rope key.
         index_keys: [G, capacity, Di] for a layer with its own indexer, else None.
-        start, length: as `BranchKV`.
+        rank: R (the value is a view of a row's first R columns).
+        start, lengths: as `BranchKV`.
     """
 
     rows: torch.Tensor
     index_keys: torch.Tensor | None
     start: int
-    length: int = 0
+    rank: int = 0
+    lengths: list = field(default_factory=list)
+
+    def __post_init__(self):
+        if not self.lengths:
+            self.lengths = [0] * self.rows.shape[0]
 
     @classmethod
     def empty(cls, *, branches: int, width: int, index_dim: int | None, capacity: int, start: int, dtype,
-              device) -> "BranchLatent":
+              device, rank: int = 0) -> "BranchLatent":
         rows = torch.empty(branches, capacity, width, dtype=dtype, device=device)
         index = None if index_dim is None else torch.empty(branches, capacity, index_dim, dtype=dtype, device=device)
-        return cls(rows=rows, index_keys=index, start=start)
+        return cls(rows=rows, index_keys=index, start=start, rank=rank)
 
     @torch.no_grad()
-    def append(self, row: torch.Tensor, index_key: torch.Tensor | None) -> None:
-        """Write one token per branch: row [G, R + Dr], index_key [G, Di] or None."""
-        assert self.length < self.rows.shape[1], "BranchLatent overflow: more tokens than max_new_tokens"
-        self.rows[:, self.length] = row
+    def append(self, row: torch.Tensor, index_key: torch.Tensor | None, rows: list[int] | None = None) -> None:
+        """Write one token per branch of `rows` (None: all): row [B, R + Dr], index_key [B, Di] or None."""
+        n = self.grow(rows, self.rows.shape[1])
+        put(self.rows[:, n], rows, row)
         if self.index_keys is not None:
-            self.index_keys[:, self.length] = index_key
-        self.length += 1
+            put(self.index_keys[:, n], rows, index_key)
 
-    def filled(self) -> torch.Tensor:
-        """[G, n, R + Dr] view of the filled rows."""
-        return self.rows[:, : self.length]
+    def filled(self, rows: list[int] | None = None) -> torch.Tensor:
+        """[B, n, R + Dr] of the filled rows of `rows` (None: all)."""
+        return pick(self.rows[:, : self.length_of(rows)], rows)
 
-    def filled_index_keys(self) -> torch.Tensor:
-        """[G, n, Di] view of the filled indexer keys."""
-        return self.index_keys[:, : self.length]
+    def filled_index_keys(self, rows: list[int] | None = None) -> torch.Tensor:
+        """[B, n, Di] of the filled indexer keys of `rows` (None: all)."""
+        return pick(self.index_keys[:, : self.length_of(rows)], rows)
+
+    def view(self, i: int) -> MLAState:
+        """Branch i's rows as an `MLAState` (aliasing them: appends write in place)."""
+        n = self.lengths[i]
+        k = self.rows[i][None]  # (1, capacity, R + Dr)
+        latent = LatentKV(k=k, v=k[..., : self.rank], start=self.start, length=n, consumed=n, trim=False)
+        index = None if self.index_keys is None else IndexKeys(keys=self.index_keys[i], start=self.start, length=n,
+                                                               consumed=n)
+        return MLAState(latent=latent, index=index)
+
+    def settle(self, i: int, view: MLAState) -> None:
+        self.lengths[i] = view.latent.length
+
+    def copy_branch(self, src: int, dsts: list[int]) -> None:
+        for j in dsts:
+            self.rows[j].copy_(self.rows[src])
+            if self.index_keys is not None:
+                self.index_keys[j].copy_(self.index_keys[src])
+            self.lengths[j] = self.lengths[src]
 
     def nbytes(self) -> int:
         return nbytes(self.rows, self.index_keys)
@@ -146,6 +258,24 @@ class BranchState:
     layers: list = field(default_factory=list)
     branches: int = 1
     start: int = 0
+
+    def view(self, i: int, rope_length: int | None = None) -> PromptState:
+        """Branch i's own state as a `PromptState` to stack after the prompt's: a capture
+        run against [prompt, view] absorbs a chunk into branch i (then call `settle`)."""
+        layers = [None if s is None else s.view(i) for s in self.layers]
+        return PromptState(layers=layers, start=self.start, rope_length=rope_length)
+
+    def settle(self, i: int, view: PromptState) -> None:
+        """Record what a capture against `view` (from `view(i)`) appended to branch i."""
+        for s, v in zip(self.layers, view.layers):
+            if s is not None:
+                s.settle(i, v)
+
+    def copy_branch(self, src: int, dsts: list[int]) -> None:
+        """Branches `dsts` take branch `src`'s state (a shared prefix absorbed once)."""
+        for s in self.layers:
+            if s is not None:
+                s.copy_branch(src, dsts)
 
     def nbytes(self) -> int:
         return sum(s.nbytes() for s in self.layers if s is not None)
