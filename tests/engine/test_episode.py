@@ -19,7 +19,19 @@ import torch
 import longstraw as ls
 from longstraw.engine import episode as episode_module
 from longstraw.phase import Phase
-from tests.reference import float64_hybrid, hf_full_logprobs, tiny_hybrid, tiny_mla, tiny_model
+from tests.reference import (
+    assert_grads_close,
+    assert_loss_close,
+    float64_hybrid,
+    float64_norms,
+    grads_of,
+    hf_cached_logprobs,
+    hf_full_logprobs,
+    reference_grpo_loss,
+    tiny_hybrid,
+    tiny_mla,
+    tiny_model,
+)
 
 FAMILIES = {
     "qwen3": lambda: tiny_model("qwen3"),
@@ -266,3 +278,33 @@ def test_an_offloaded_prompt_state_gives_the_same_episode(name):
     for a, b, la, lb in zip(got.responses, want.responses, got.logprobs, want.logprobs):
         assert torch.equal(a, b)
         torch.testing.assert_close(la, lb, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("mode", ["detached", "exact"])
+def test_an_episode_trains_with_its_masks_from_its_own_state(mode):
+    """The whole agent iteration: a sampled multi-turn episode, then `step` on it with its
+    own `loss_masks` and log-probs and its captured state (no second capture); loss and
+    every grad equal HF's with TRL's masked loss (observation tokens: no term, no count)."""
+    model = float64_norms(tiny_model("qwen3"))  # exact mode: HF's float32 norms would round (reference.py)
+    prompt = _prompt(seed=3)
+    engine = ls.Engine(model, ls.ExecConfig(**EXEC, mode=mode))
+    calls = []
+    rollout = engine.generate(prompt, num_samples=4, max_new_tokens=16, temperature=1.0,
+                              eos_token_id=list(range(0, 97, 4)), environment=_environment(calls), max_turns=2,
+                              generator=torch.Generator().manual_seed(5))
+    assert sum(rollout.turns) >= 2 and any(not bool(m.all()) for m in rollout.loss_masks)
+    group = ls.Group(prompt=prompt, responses=rollout.responses, loss_masks=rollout.loss_masks,
+                     old_logprobs=[lp.detach() for lp in rollout.logprobs], rewards=torch.tensor([1.0, 0.0, 0.5, 0.25]))
+    model.zero_grad(set_to_none=True)
+    grpo = ls.GRPOConfig()
+    result = engine.step(group, grpo, state=rollout.state if mode == "detached" else None)
+    got = grads_of(model)
+    model.zero_grad(set_to_none=True)
+    reference = hf_cached_logprobs if mode == "detached" else hf_full_logprobs
+    logps = [reference(model, prompt, r) for r in group.responses]
+    loss = reference_grpo_loss(logps, group, loss_type=grpo.loss_type, epsilon_low=grpo.epsilon_low,
+                               epsilon_high=grpo.epsilon_high, beta=grpo.beta, scale_rewards=grpo.scale_rewards,
+                               max_completion_length=grpo.max_completion_length)
+    loss.backward()
+    assert_loss_close(result.loss, float(loss.detach()), 1e-9)
+    assert_grads_close(got, grads_of(model), 1e-9)
