@@ -322,25 +322,27 @@ class Engine:
             marks.append((clock(self.adapter.device), Traffic.received))
 
         state = self._reuse_or_capture(group, state, exact)
-        mark()
-        stats = replay_group(self, state, group, grpo, totals, adv)
-        mark()
-        divided = exact and self.divides_walk(state)
-        if divided:  # each prompt token on one rank; the ranks' partial gradients summed once
-            with summed_walk_gradients(self.model, self.cp, self.adapter.sharded_modules()):
-                self.walk_back(group.prompt[:-1].to(self.adapter.device), 0, [state], self.config.chunk_size,
-                               shard=rank_shard(self))
-        elif exact:
-            self.walk_back(group.prompt[:-1].to(self.adapter.device), 0, [state], self.config.chunk_size)
-        mark()
-        if self.cp is not None and self.cp.world > 1 and not divided:
-            # replay's (and a replicated walk's) gradients, which backward may sum in a different
-            # order on each rank: the first rank's on every rank (a divided walk's sum does this)
-            replicate_gradients(replicated_parameters(self.model), self.cp)
-        mark()
+        try:
+            mark()
+            stats = replay_group(self, state, group, grpo, totals, adv)
+            mark()
+            divided = exact and self.divides_walk(state)
+            if divided:  # each prompt token on one rank; the ranks' partial gradients summed once
+                with summed_walk_gradients(self.model, self.cp, self.adapter.sharded_modules()):
+                    self.walk_back(group.prompt[:-1].to(self.adapter.device), 0, [state], self.config.chunk_size,
+                                   shard=rank_shard(self))
+            elif exact:
+                self.walk_back(group.prompt[:-1].to(self.adapter.device), 0, [state], self.config.chunk_size)
+            mark()
+            if self.cp is not None and self.cp.world > 1 and not divided:
+                # replay's (and a replicated walk's) gradients, which backward may sum in a different
+                # order on each rank: the first rank's on every rank (a divided walk's sum does this)
+                replicate_gradients(replicated_parameters(self.model), self.cp)
+            mark()
+            metrics.state_grad_bytes = float(state.grad_nbytes())  # what the step held (released on return)
+        finally:  # the walk spent dLoss/dState (or the step failed): a held state keeps only its rows
+            state.release_grad_buffers()
         (t0, c0), (t1, c1), (t2, c2), (t3, c3), (t4, c4) = marks
-        metrics.state_grad_bytes = float(state.grad_nbytes())  # what the step held (released on return)
-        state.release_grad_buffers()  # the walk spent dLoss/dState: a held state keeps only its rows
         if state.offload is not None:  # since the capture, or since the reused state's last step
             moved = state.offload.stats
             metrics.offload_h2d_bytes, metrics.offload_d2h_bytes = float(moved.h2d_bytes), float(moved.d2h_bytes)

@@ -72,3 +72,23 @@ def test_exact_step_returns_holding_no_state_gradient(name, monkeypatch):
     monkeypatch.setattr(eng, "capture", spy)
     eng.step(group)
     assert len(captured) == 1 and captured[0]() is None, "the state step captured outlived it"
+
+
+def test_a_step_that_fails_releases_the_held_states_gradient_buffers(monkeypatch):
+    """A step that raises after allocating the state's gradient buffers (here: in the
+    reverse walk) still leaves a held state with only its rows."""
+    import longstraw as ls
+
+    model = _EXACT_FAMILIES["qwen3"]()
+    eng = ls.Engine(model, ls.ExecConfig(mode="exact", chunk_size=5, attention_block_size=4))
+    group = random_group(model.config.vocab_size, 17, [3, 4], seed=3)
+    held = eng.capture(group.prompt, exact=True)
+
+    def broken(*args, **kwargs):
+        assert held.grad_nbytes() > 0  # the buffers were allocated when the walk starts
+        raise RuntimeError("walk failed")
+
+    monkeypatch.setattr(eng, "walk_back", broken)
+    with pytest.raises(RuntimeError, match="walk failed"):
+        eng.step(group, state=held)
+    assert held.grad_nbytes() == 0
