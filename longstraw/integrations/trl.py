@@ -76,8 +76,8 @@ LOSS_TYPES = ("dapo", "grpo", "dr_grpo")
 # what cannot run here
 
 
-def unsupported_settings(args, *, eval_dataset=None, processing_class=None, tools=None, rollout_func=None,
-                         environment_factory=None, longstraw_config: ExecConfig | None = None) -> list[str]:
+def unsupported_settings(args, *, eval_dataset=None, processing_class=None, rollout_func=None,
+                         longstraw_config: ExecConfig | None = None) -> list[str]:
     """The TRL settings LongStrawGRPOTrainer refuses, one message each (empty: all fine)."""
     bad = []
 
@@ -122,8 +122,10 @@ def unsupported_settings(args, *, eval_dataset=None, processing_class=None, tool
     refuse(args.world_size > 1 or args.deepspeed is not None or bool(args.fsdp),
            "more than one process (DDP, DeepSpeed, FSDP) is not supported by the trainer yet; run one process "
            "(LongStraw's own context parallelism is separate: docs/distributed.md)")
-    refuse(bool(tools) or rollout_func is not None or environment_factory is not None,
-           "tools, rollout_func and environment_factory (multi-turn rollouts) are not supported")
+    refuse(rollout_func is not None,
+           "rollout_func is not supported: it generates outside LongStraw (typically on a vLLM server), so there is "
+           "no prompt state to sample from and reuse, and its sampling log-probs feed an importance-sampling "
+           "correction LongStraw does not apply; use tools= or environment_factory= for multi-turn rollouts")
     refuse(eval_dataset is not None or args.eval_strategy != "no",
            "evaluation (eval_dataset / eval_strategy) is not supported yet; set eval_strategy='no'")
     refuse(isinstance(processing_class, ProcessorMixin), "multimodal processors are not supported (text only)")
@@ -209,9 +211,7 @@ class LongStrawGRPOTrainer(trl.GRPOTrainer):
             name = model if isinstance(model, str) else getattr(model.config, "_name_or_path", "") or "model"
             args = trl.GRPOConfig(f"{name.split('/')[-1]}-GRPO")
         bad = unsupported_settings(args, eval_dataset=eval_dataset, processing_class=processing_class,
-                                   tools=kwargs.get("tools"), rollout_func=kwargs.get("rollout_func"),
-                                   environment_factory=kwargs.get("environment_factory"),
-                                   longstraw_config=longstraw_config)
+                                   rollout_func=kwargs.get("rollout_func"), longstraw_config=longstraw_config)
         if bad:
             raise ConfigError("LongStrawGRPOTrainer cannot run these TRL settings:\n  - " + "\n  - ".join(bad))
         if args.gradient_checkpointing or getattr(args, "activation_checkpointing", False):
@@ -248,15 +248,19 @@ class LongStrawGRPOTrainer(trl.GRPOTrainer):
                                          epsilon_high=self.epsilon_high, beta=self.beta, scale_rewards="none",
                                          temperature=self.temperature, max_completion_length=self.max_completion_length)
         self._pending: list[_Pending] = []
+        self._in_tool_loop = False
         self._window = defaultdict(float)  # LongStraw metrics of the current optimizer step
 
     # ------------------------------------------------------------------------
     # rollouts and scoring (called from TRL's _generate_and_score_completions)
 
     def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
-        """One `engine.generate` per prompt group (TRL repeats each prompt G times in a row)."""
-        if images is not None or multimodal_fields:
+        """One `engine.generate` per prompt group (TRL repeats each prompt G times in a row);
+        inside TRL's tool loop, each post-tool continuation from its prompt's held state."""
+        if images is not None or multimodal_fields or has_tool_images:
             raise ConfigError("LongStrawGRPOTrainer takes text-only prompts")
+        if self._in_tool_loop:
+            return self._continue_after_tools(prompt_ids), None
         completions, self._pending = [], []
         for start in range(0, len(prompt_ids), num_generations):
             rows = [list(r) for r in prompt_ids[start:start + num_generations]]
@@ -267,13 +271,49 @@ class LongStrawGRPOTrainer(trl.GRPOTrainer):
                 prompt, num_samples=num_generations, max_new_tokens=self.max_completion_length,
                 temperature=self.temperature, top_p=self.top_p, top_k=self.top_k or 0, eos_token_id=self.eos_token_ids)
             completions += [r.tolist() for r in rollout.responses]
-            self._pending.append(_Pending(prompt, rollout.state if self.longstraw_keep_states else None))
+            held = self.longstraw_keep_states or bool(self.tools)  # the tool loop continues from it
+            self._pending.append(_Pending(prompt, rollout.state if held else None))
             m = rollout.metrics
             self._window["captures"] += 1
             self._window["time_capture_s"] += m["time_capture_s"]
             self._window["time_generate_s"] += m["time_generate_s"]
             self._window["state_bytes"] = max(self._window["state_bytes"], m["state_bytes"])
         return completions, None  # sampling log-probs are only used for vLLM's importance sampling
+
+    def _tool_call_loop(self, *args, **kwargs):
+        """TRL's own tool loop (parsing, tool calls, tool_mask); its regenerations come back
+        to `_generate_single_turn`, which serves them from the held prompt states."""
+        self._in_tool_loop = True
+        try:
+            return super()._tool_call_loop(*args, **kwargs)
+        finally:
+            self._in_tool_loop = False
+            if not self.longstraw_keep_states:
+                for pending in self._pending:
+                    pending.state = None
+
+    def _continue_after_tools(self, rows) -> list[list[int]]:
+        """Each row is prompt + completion + tool result ids (TRL's `prompt_completion_tool_ids`).
+        Its prompt is one captured by this generation batch: the rest is absorbed as a
+        `prefix=` into a branch of that prompt's state, and one continuation sampled (no
+        second capture). Returns only the new ids per row, as TRL expects."""
+        out = []
+        for row in rows:
+            row = list(row)
+            starts = (p for p in self._pending if len(p.prompt) < len(row) and row[:len(p.prompt)] == p.prompt.tolist())
+            pending = max(starts, key=lambda p: len(p.prompt), default=None)  # the longest prompt it starts with
+            if pending is None or pending.state is None:
+                raise RuntimeError("a post-tool continuation does not start with a prompt of this generation batch "
+                                   "(or its state was dropped)")
+            prefix = torch.tensor(row[len(pending.prompt):], dtype=torch.long)
+            rollout = self.longstraw_engine.generate(
+                pending.prompt, num_samples=1, max_new_tokens=self.max_completion_length, temperature=self.temperature,
+                top_p=self.top_p, top_k=self.top_k or 0, eos_token_id=self.eos_token_ids, prefix=prefix,
+                state=pending.state)
+            out.append(rollout.responses[0][prefix.numel():].tolist())
+            self._window["tool_continuations"] += 1
+            self._window["time_generate_s"] += rollout.metrics["time_generate_s"]
+        return out
 
     def _fresh_state(self, state, prompt):
         """`state` if the policy engine can still reuse it for `prompt`, else None."""
@@ -339,7 +379,9 @@ class LongStrawGRPOTrainer(trl.GRPOTrainer):
                     return None
                 return [batch[key][i, : r.numel()] for i, r in zip(rows, responses)]
 
+            tool_mask = per_row("tool_mask")  # TRL's: 0 at tool-result tokens (the update uses completion x tool)
             pending.group = Group(prompt=pending.prompt, responses=responses,
+                                  loss_masks=None if tool_mask is None else [m.bool() for m in tool_mask],
                                   rewards=batch["advantages"][rows].detach().to("cpu", torch.float64),
                                   old_logprobs=per_row("old_per_token_logps"), ref_logprobs=per_row("ref_per_token_logps"))
         items, self._pending = self._pending, []
