@@ -150,3 +150,53 @@ def test_tool_step_equals_trl(tmp_path, float64_trl, iterations, loss_type):
     assert len(continuations) == sum(_tool_results(c) for c in completions) and all(s for _, s in continuations)
     logs = [h for h in ours["logs"] if "loss" in h]
     assert logs[0]["longstraw/captures"] == 2 and logs[0]["longstraw/tool_continuations"] == len(continuations)
+
+
+# ----------------------------------------------------------------------------
+# the real path: a model that calls the tool itself
+
+
+def _calling_model():
+    """A tiny Qwen3 whose next token is (almost surely, margin ~100 logits) a fixed
+    function of the current one: <a> -> <tool_call> -> CALLS[3] -> </tool_call> -> <eos>.
+    Each of those tokens' embedding is a large one-hot that dominates the residual stream;
+    lm_head maps it to its successor. After TRL's tool turn (`<tool> 21 </tool> <a>`) it
+    calls again, so every executed call is followed by a real continuation."""
+    model = tiny_model("qwen3")
+    chain = [TOK.convert_tokens_to_ids("<a>"), OPEN, CALLS[3], CLOSE, EOS]
+    with torch.no_grad():
+        for d, (token, successor) in enumerate(zip(chain, chain[1:])):
+            model.model.embed_tokens.weight[token] = 0.0
+            model.model.embed_tokens.weight[token, d] = 30.0
+            model.lm_head.weight[successor, d] += 20.0
+    return model
+
+
+@pytest.mark.parametrize("iterations", [1, 2])
+def test_sampled_tool_calls_equal_trl_without_recapture(tmp_path, float64_default, iterations):
+    """No patching: TRL's HF generate regenerates over prompt + completion + tool result
+    each turn; LongStraw samples from the prompt's one capture. Same completions, tool
+    masks and number of executed calls; one capture per prompt."""
+    model, out = _calling_model(), []
+    for cls in (trl.GRPOTrainer, LongStrawGRPOTrainer):
+        reward = _Reward()
+        kwargs = dict(longstraw_config=EXACT) if cls is LongStrawGRPOTrainer else {}
+        trainer = cls(model=copy.deepcopy(model), reward_funcs=[reward], train_dataset=_dataset(2),
+                      args=_args(tmp_path, cls.__name__, max_tool_calling_iterations=iterations),
+                      processing_class=tool_chat_tokenizer(VOCAB), tools=[lookup], **kwargs)
+        captures = []
+        if cls is LongStrawGRPOTrainer:
+            real = trainer.longstraw_engine.capture
+            trainer.longstraw_engine.capture = lambda *a, **k: captures.append(a[0].numel()) or real(*a, **k)
+        batch = trainer._generate_and_score_completions([row for row in trainer.train_dataset for _ in range(G)][:G])
+        out.append(dict(seen=reward.seen, tool_mask=batch["tool_mask"], captures=captures, trainer=trainer))
+    theirs, ours = out
+    assert theirs["seen"] == ours["seen"]
+    assert torch.equal(theirs["tool_mask"], ours["tool_mask"])
+    call = [OPEN, CALLS[3], CLOSE, EOS]
+    result = TOK(" ".join(["<tool>", lookup("3"), "</tool>", "<a>"]))["input_ids"]
+    want = call + (result + call) * iterations  # the last call is never executed
+    assert all(c == want for c in ours["seen"][0][1])
+    assert ours["tool_mask"][0, :len(want)].tolist() == [1] * 4 + ([0] * len(result) + [1] * 4) * iterations
+    assert len(ours["captures"]) == 1  # the prompt's one capture served all G x iterations continuations
+    assert ours["trainer"]._window["tool_continuations"] == G * iterations
