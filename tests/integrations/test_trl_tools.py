@@ -200,3 +200,49 @@ def test_sampled_tool_calls_equal_trl_without_recapture(tmp_path, float64_defaul
     assert ours["tool_mask"][0, :len(want)].tolist() == [1] * 4 + ([0] * len(result) + [1] * 4) * iterations
     assert len(ours["captures"]) == 1  # the prompt's one capture served all G x iterations continuations
     assert ours["trainer"]._window["tool_continuations"] == G * iterations
+
+
+class _Records:
+    """A TRL environment (`environment_factory`): its public methods are the tools."""
+
+    def reset(self, **kwargs):
+        self.calls = 0
+
+    def lookup(self, key: str) -> str:
+        """Look up a record.
+
+        Args:
+            key: the record's key.
+        """
+        self.calls += 1
+        return lookup(key)
+
+
+def test_environment_factory_trains_with_dropped_states(tmp_path, monkeypatch):
+    """environment_factory=, longstraw_keep_states=False, train(): the tool loop still
+    continues from generation's capture (held until the loop ends); the update, with the
+    state dropped, captures once more."""
+    monkeypatch.setenv("TRL_EXPERIMENTAL_SILENCE", "1")  # rewards differ per row, so the update is not skipped
+    trainer = LongStrawGRPOTrainer(
+        model=_calling_model().float(), reward_funcs=[lambda completion_ids, **k: [float(i) for i in range(len(completion_ids))]],
+        args=_args(tmp_path, "env", max_tool_calling_iterations=1, gradient_accumulation_steps=1, optim="adamw_torch",
+                   learning_rate=1e-3),
+        train_dataset=_dataset(1), processing_class=tool_chat_tokenizer(VOCAB), environment_factory=_Records,
+        longstraw_keep_states=False)
+    trainer.train()
+    log = next(h for h in trainer.state.log_history if "loss" in h)
+    assert log["tools/call_frequency"] == 1.0 and log["longstraw/tool_continuations"] == G
+    assert log["longstraw/captures"] == 2  # generation (served every continuation), then the update
+    assert all(e.calls == 1 for e in trainer.environments)
+
+
+def test_rollout_func_is_refused(tmp_path):
+    with pytest.raises(ls.ConfigError, match="rollout_func is not supported"):
+        LongStrawGRPOTrainer(model=tiny_model("qwen3", dtype=torch.float32), reward_funcs=[_Reward()],
+                             args=_args(tmp_path, "refused"), train_dataset=_dataset(1),
+                             processing_class=tool_chat_tokenizer(VOCAB), rollout_func=lambda prompts, trainer: {})
+
+
+def test_tokenizer_too_small_is_refused():
+    with pytest.raises(ls.ConfigError, match="vocab_size=19"):
+        tool_chat_tokenizer(19)
