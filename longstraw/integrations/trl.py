@@ -13,7 +13,12 @@ logging, checkpoints, the optimizer, scheduler and gradient clipping.
 What LongStraw replaces, through three of GRPOTrainer's hooks:
 
 * `_generate_single_turn`: per prompt, one `engine.generate(prompt, num_samples=G)`
-  samples the group from one capture and keeps that capture's state.
+  samples the group from one capture and keeps that capture's state. With tools
+  (`tools=`, `environment_factory=`), TRL's own `_tool_call_loop` parses the calls, runs
+  the tools and builds `tool_mask`; it calls `_generate_single_turn` again with prompt +
+  completion + tool result per sample, and each such continuation is sampled from the
+  prompt's held state, the rest absorbed as `generate(prefix=..., state=...)`: no second
+  capture anywhere in the tool loop. The update masks with `completion_mask * tool_mask`.
 * `_get_per_token_logps_and_entropies`, which TRL calls under no_grad for the old
   log-probs (num_iterations > 1) and for the reference (beta > 0): `engine.score` per
   group, on the rollout's state while it is fresh. The reference is scored by a second
@@ -36,7 +41,8 @@ changes nothing (beyond float rounding).
 
 Memory: every prompt of a generation batch keeps its state from generation until its
 update (`longstraw_keep_states=False` drops it and captures again at the update: one
-state alive at a time, one more capture per prompt).
+state alive at a time, one more capture per prompt; with tools the batch's states are
+held until the tool loop ends, since its continuations interleave the prompts).
 
 Anything TRL offers that cannot run here is refused at construction with a
 `longstraw.ConfigError` naming the setting and the fix (`unsupported_settings`).
@@ -190,7 +196,8 @@ class LongStrawGRPOTrainer(trl.GRPOTrainer):
         longstraw_config: how the engine runs (`ExecConfig`: chunk sizes, mode). Default
             `ExecConfig()` (detached); `mode="exact"` gives the full-sequence gradient.
         longstraw_keep_states: keep each prompt's state from generation to its update
-            (default); False drops it after generation and captures again at the update.
+            (default); False drops it after generation (with tools: after the tool loop)
+            and captures again at the update.
         longstraw_replica_check_every: every N optimizer steps, check that every process
             holds bitwise the same weights (`parallel.context.check_replicas` over the default
             group; a `DistributedError` stops training if they drifted apart). 0: off; one

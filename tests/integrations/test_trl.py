@@ -133,6 +133,15 @@ def _norms(trainer):
             float64_norms(model)
 
 
+def _train_recorded(trainer) -> dict:
+    """`trainer.train()`; the parameters before and after, the losses and the log."""
+    before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    trainer.train()
+    after = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    return dict(before=before, after=after, losses=losses, logs=trainer.state.log_history)
+
+
 def _run_pair(model, tmp_path, *, args=None, peft_config=None, prepare=lambda trainer: None, num_prompts=2):
     """Train a copy of `model` with each trainer; return (trl, ours) results."""
     dataset = datasets.Dataset.from_dict({"prompt": _prompts(num_prompts)})
@@ -145,12 +154,7 @@ def _run_pair(model, tmp_path, *, args=None, peft_config=None, prepare=lambda tr
                       callbacks=[grads], peft_config=peft_config, **kwargs)
         prepare(trainer)
         captures = _patch_longstraw(trainer) if cls is LongStrawGRPOTrainer else _patch_trl(trainer)
-        before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
-        trainer.train()
-        after = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
-        losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
-        out.append(dict(reward=reward, grads=grads.steps, before=before, after=after, losses=losses,
-                        captures=captures, logs=trainer.state.log_history))
+        out.append(dict(_train_recorded(trainer), reward=reward, grads=grads.steps, captures=captures))
     return out
 
 

@@ -19,7 +19,8 @@ import pytest
 import torch
 
 import longstraw as ls
-from tests.integrations.test_trl import EXACT, VOCAB, _assert_same, _Grads, _norms, _Reward, float64_default, float64_trl  # noqa: F401
+from tests.integrations.test_trl import (EXACT, VOCAB, _assert_same, _Grads, _norms, _Reward, _train_recorded,  # noqa: F401
+                                         float64_default, float64_trl)
 from tests.reference import tiny_model
 
 trl = pytest.importorskip("trl")
@@ -116,12 +117,7 @@ def _run_pair(model, tmp_path, *, args, num_prompts=2, keep_states=True):
                       tools=[lookup], callbacks=[grads], **kwargs)
         _norms(trainer)
         seen = _patch_longstraw(trainer) if cls is LongStrawGRPOTrainer else _patch_trl(trainer)
-        before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
-        trainer.train()
-        after = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
-        losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
-        out.append(dict(reward=reward, grads=grads.steps, before=before, after=after, losses=losses, seen=seen,
-                        logs=trainer.state.log_history))
+        out.append(dict(_train_recorded(trainer), reward=reward, grads=grads.steps, seen=seen))
     return out
 
 
