@@ -129,19 +129,22 @@ def _tool_results(completion):
 # equivalence
 
 
-@pytest.mark.parametrize("iterations", [1, 2])
-@pytest.mark.parametrize("loss_type", ["dapo", "grpo"])
-def test_tool_step_equals_trl(tmp_path, float64_trl, iterations, loss_type):
+@pytest.mark.parametrize("iterations,overrides,captures", [
+    (1, dict(loss_type="dapo"), 2), (2, dict(loss_type="dapo"), 2), (1, dict(loss_type="grpo"), 2),
+    (2, dict(loss_type="grpo"), 2),
+    (2, dict(loss_type="dr_grpo", num_iterations=2, max_steps=2), 4),  # old log-probs; step 2 recaptures
+])
+def test_tool_step_equals_trl(tmp_path, float64_trl, iterations, overrides, captures):
     """2 prompts x G=4 over 2 micro-steps with lookup as the tool: completions with no
     call, one call and two (the second executed only when max_tool_calling_iterations=2)."""
-    theirs, ours = _run_pair(tiny_model("qwen3"), tmp_path,
-                             args=dict(max_tool_calling_iterations=iterations, loss_type=loss_type))
+    theirs, ours = _run_pair(tiny_model("qwen3"), tmp_path, args=dict(max_tool_calling_iterations=iterations,
+                                                                      **overrides))
     _assert_same(theirs, ours)
     completions = [c for _, batch in ours["reward"].seen for c in batch]
     results = sorted({_tool_results(c) for c in completions})
     assert results == list(range(iterations + 1))  # no tool turn, one, and (iterations=2) two
     seen = ours["seen"]
-    assert len(seen["captures"]) == 2  # one per prompt: generation, every continuation and the update
+    assert len(seen["captures"]) == captures  # per prompt and step, one: generation, continuations, update
     continuations = [g for g in seen["generates"] if g[0] > 0]
     assert len(continuations) == sum(_tool_results(c) for c in completions) and all(s for _, s in continuations)
     logs = [h for h in ours["logs"] if "loss" in h]
