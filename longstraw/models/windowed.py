@@ -34,7 +34,7 @@ from .dense import DenseAdapter
 class WindowedAdapter(DenseAdapter):
     """`DenseAdapter` plus the checks of the per-layer-window families."""
 
-    model_types = ("olmo3", "gemma3_text", "gemma3")
+    model_types = ("olmo3", "gemma3_text", "gemma3", "gpt_oss")
 
     def check_config(self) -> None:
         super().check_config()

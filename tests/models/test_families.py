@@ -131,3 +131,24 @@ def test_phi3_longrope_past_original_max_position_embeddings():
             torch.testing.assert_close(got, w, rtol=0, atol=1e-10)
         assert (short - want[0]).abs().max() > 1e-3
         compare_step(model, group, cfg, reference, 1e-9)
+
+
+def test_context_parallel_w2_equals_one_process(tmp_path):
+    """Divided capture and divided reverse walk at W = 2 (gloo, CPU): loss and every
+    .grad equal one process for two MoE families, gpt-oss (sinks) and Gemma 3
+    (`distributed_worker.FAMILY_CASES`)."""
+    import torch.multiprocessing as mp
+
+    from tests import distributed_worker as worker
+
+    mp.spawn(worker.run_cases, args=(2, str(tmp_path / "init"), list(worker.FAMILY_CASES), ["detached", "exact"]),
+             nprocs=2, join=True)
+
+
+def test_context_parallel_refuses_a_window_shorter_than_the_sequence():
+    from longstraw.models import adapter_for
+
+    adapter = adapter_for(tiny_family("gpt_oss"))
+    with pytest.raises(ls.UnsupportedModelError, match=r"layer 0 uses a sliding window \(5\)"):
+        adapter.check_context_parallel(12)
+    adapter.check_context_parallel(5)  # a window covering the whole sequence is full attention
