@@ -152,3 +152,22 @@ def test_context_parallel_refuses_a_window_shorter_than_the_sequence():
     with pytest.raises(ls.UnsupportedModelError, match=r"layer 0 uses a sliding window \(5\)"):
         adapter.check_context_parallel(12)
     adapter.check_context_parallel(5)  # a window covering the whole sequence is full attention
+
+
+def test_multimodal_gemma3_runs_its_text_model():
+    """Gemma3ForConditionalGeneration (SigLIP vision + Gemma 3 text): text prompts run
+    through its language model and score like HF's full forward of the multimodal model."""
+    import transformers
+
+    text = tiny_family("gemma3_text").config.to_dict()
+    vision = dict(hidden_size=16, intermediate_size=16, num_hidden_layers=1, num_attention_heads=2, image_size=8,
+                  patch_size=4)
+    torch.manual_seed(0)
+    config = transformers.Gemma3Config(text_config=text, vision_config=vision, mm_tokens_per_image=4)
+    config.text_config._attn_implementation = "sdpa"
+    model = transformers.Gemma3ForConditionalGeneration(config).double().eval()
+    group = random_group(97, 12, [4, 3], seed=1)
+    with float64_internals(), torch.no_grad():
+        got = ls.Engine(model, ls.ExecConfig(chunk_size=5)).score(group)
+        for s, r in zip(got, group.responses):
+            torch.testing.assert_close(s, hf_full_logprobs(model, group.prompt, r), rtol=0, atol=1e-10)
