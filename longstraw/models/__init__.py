@@ -32,7 +32,8 @@ ADAPTERS: dict[str, type[Adapter]] = {
 
 
 def supported_model_types() -> list[str]:
-    return sorted(ADAPTERS)
+    """The registered `model_type`s, grouped by adapter (dense, hybrid, MLA, MoE, windowed)."""
+    return list(ADAPTERS)
 
 
 def adapter_for(model: nn.Module) -> Adapter:

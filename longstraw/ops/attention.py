@@ -212,12 +212,9 @@ def prefix_causal_attention(q, k, v, *, prefixes: list[KVSegment], q_start: int,
             so the output is still every row's, the same on every rank; the self part's
             k, v gradients are summed over ranks and its q gradient is this rank's rows'
             only. Every rank must call with the same q, k, v and upstream gradient.
-        sinks: [H] learned sink logits (gpt-oss) joining every query's softmax
-            denominator with no value, merged once into the whole attention's LSE
-            (`flash.merge_sink`); they get their gradient through it. Not taken by the
-            fused autograd kernel (which returns no LSE): the blockwise one runs.
-        return_lse: also return the attention's LSE [H, T] (before any sink), in the
-            accumulation dtype (the divided walk joins the sinks after keeping its rows).
+        sinks: [H] sink logits (gpt-oss; no value), merged once into the whole LSE
+            (`flash.merge_sink`), with their gradient; the blockwise kernel runs then.
+        return_lse: also return the LSE [H, T] (before any sink; accumulation dtype).
 
     Returns:
         [H, T, Dv] attention output, in q's dtype (and the LSE with `return_lse`).
