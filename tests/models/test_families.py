@@ -171,3 +171,12 @@ def test_multimodal_gemma3_runs_its_text_model():
         got = ls.Engine(model, ls.ExecConfig(chunk_size=5)).score(group)
         for s, r in zip(got, group.responses):
             torch.testing.assert_close(s, hf_full_logprobs(model, group.prompt, r), rtol=0, atol=1e-10)
+
+
+@pytest.mark.parametrize("mode", ["detached", "exact"])
+@pytest.mark.parametrize("family", ["gpt_oss", "gemma3_text"])
+def test_offloaded_step_equals_on_device(family, mode):
+    from tests.state.test_offload import assert_same_step
+
+    with float64_internals():
+        assert_same_step(tiny_family(family), random_group(97, 13, [4, 6], seed=2), dict(mode=mode, **EXEC))
