@@ -24,6 +24,8 @@ from tests.reference import (
     hf_full_logprobs,
     masked_group,
     random_group,
+    float64_internals,
+    tiny_family,
     tiny_hybrid,
     tiny_mla,
     tiny_model,
@@ -42,7 +44,14 @@ CASES = {
     "dsv32_sparse_mlp": lambda: tiny_mla("deepseek_v32", first_k_dense_replace=3),
     "next": lambda: tiny_hybrid("qwen3_next"),
     "hybrid_moe": lambda: tiny_hybrid("qwen3_5_moe"),
+    # part 1 of the model families (float64 internals: `float64_internals`); the windowed
+    # ones with a window longer than the sequence (context parallelism refuses a shorter one)
+    "qwen3_moe": lambda: tiny_family("qwen3_moe"),
+    "glm4_moe": lambda: tiny_family("glm4_moe"),
+    "gpt_oss": lambda: tiny_family("gpt_oss", sliding_window=64),  # attention sinks
+    "gemma3": lambda: tiny_family("gemma3_text", sliding_window=64),
 }
+FAMILY_CASES = ("qwen3_moe", "glm4_moe", "gpt_oss", "gemma3")
 HYBRIDS = ("hybrid", "next", "hybrid_moe")
 # MoE layers whose HF router computes its logits in float32: exact mode's divided walk
 # routes a rank's own rows rather than the whole chunk's, which rounds the router's float32
@@ -75,6 +84,7 @@ def run_cases(rank: int, world: int, init_file: str, cases: list[str], modes: li
             for mode in modes:
                 exec_kw = dict(chunk_size=6, attention_block_size=4, shard_block_size=3, mode=mode)
                 ctx = float64_hybrid(model) if name == "hybrid" else _null()
+                ctx = float64_internals() if name in FAMILY_CASES else ctx
                 with ctx:
                     model.zero_grad(set_to_none=True)
                     single = ls.Engine(model, ls.ExecConfig(**exec_kw)).step(group)

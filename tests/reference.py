@@ -385,3 +385,82 @@ def compare_step(model, group, exec_cfg, reference_logprobs, rel, grpo=None):
     assert_loss_close(result.loss, float(loss.detach()), rel)
     assert_grads_close(got, grads_of(model), rel)
     return result
+
+
+# ----------------------------------------------------------------------------
+# more dense-attention families: MoE routers, longrope, per-layer windows and RoPE, sinks
+
+NEW_FAMILIES = ("qwen3_moe", "mixtral", "phi3", "glm4_moe", "minimax_m2", "olmo3", "gemma3_text", "gpt_oss")
+WINDOWED_FAMILIES = ("olmo3", "gemma3_text", "gpt_oss")
+"""The families whose `layer_types` alternate sliding (window 5) and full attention."""
+
+_WINDOW = 5
+_EXPERTS = dict(num_experts_per_tok=2, moe_intermediate_size=16)
+_LONGROPE = dict(rope_type="longrope", rope_theta=10000.0, short_factor=[1.0, 1.3, 1.7, 2.2],
+                 long_factor=[1.5, 2.5, 4.0, 7.0])
+_FAMILY = {
+    "qwen3_moe": ("Qwen3Moe", dict(head_dim=8, num_experts=4, norm_topk_prob=False, mlp_only_layers=[0], **_EXPERTS)),
+    "mixtral": ("Mixtral", dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=16)),
+    "phi3": ("Phi3", dict(max_position_embeddings=64, original_max_position_embeddings=24, rope_parameters=_LONGROPE,
+                         pad_token_id=None, bos_token_id=None, eos_token_id=None)),
+    "glm4_moe": ("Glm4Moe", dict(head_dim=8, num_hidden_layers=3, n_routed_experts=4, n_shared_experts=1,
+                                 first_k_dense_replace=1, n_group=1, topk_group=1, use_qk_norm=True,
+                                 routed_scaling_factor=1.5, **_EXPERTS)),
+    "minimax_m2": ("MiniMaxM2", dict(head_dim=8, num_local_experts=4, num_experts_per_tok=2, intermediate_size=16,
+                                     rotary_dim=4)),
+    "olmo3": ("Olmo3", dict(num_hidden_layers=3, sliding_window=_WINDOW,
+                            layer_types=["sliding_attention", "full_attention", "sliding_attention"])),
+    "gemma3_text": ("Gemma3Text", dict(
+        head_dim=8, num_hidden_layers=3, sliding_window=_WINDOW, query_pre_attn_scalar=12,
+        layer_types=["sliding_attention", "sliding_attention", "full_attention"],
+        rope_parameters={"sliding_attention": dict(rope_type="default", rope_theta=10000.0),
+                         "full_attention": dict(rope_type="linear", factor=2.0, rope_theta=1e6)})),
+    "gpt_oss": ("GptOss", dict(head_dim=8, num_local_experts=4, num_experts_per_tok=2, intermediate_size=16,
+                               sliding_window=_WINDOW, layer_types=["sliding_attention", "full_attention"])),
+}
+
+
+def tiny_family(family: str, *, dtype=torch.float64, seed: int = 0, **overrides):
+    """A stock HF causal LM of one of `NEW_FAMILIES` (tiny random config built here),
+    SDPA attention (gpt_oss: eager, its only one with sinks) and eager experts (torch's
+    grouped_mm takes no float64); 1-D parameters (norm weights, router biases, sinks)
+    randomised, since HF starts many of them at constants."""
+    prefix, extra = _FAMILY[family]
+    config = getattr(transformers, f"{prefix}Config")(**{**_BASE, **extra, **overrides})
+    config._attn_implementation = "eager" if family == "gpt_oss" else "sdpa"
+    config._experts_implementation = "eager"
+    torch.manual_seed(seed)
+    model_cls = getattr(transformers, f"{prefix.removesuffix('Text')}ForCausalLM")
+    model = model_cls(config).to(dtype).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 1:
+                p.add_(0.1 * torch.randn_like(p))
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.add_(0.1 * torch.randn_like(b))
+    return model
+
+
+class _Float64Internals(torch.overrides.TorchFunctionMode):
+    """Every cast to float32 (`.float()`, `.to(torch.float32)`, `.type(...)`,
+    `softmax(dtype=torch.float)`) becomes a cast to float64."""
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is torch.Tensor.float:
+            return args[0].to(torch.float64)
+        swap = lambda x: torch.float64 if x is torch.float32 else x  # noqa: E731
+        return func(*(swap(a) for a in args), **{k: swap(v) for k, v in kwargs.items()})
+
+
+@contextlib.contextmanager
+def float64_internals():
+    """Within the block, HF's float32 internals of a float64 model (RMSNorms, MoE
+    routers, RoPE tables) compute in float64: same maths, so the engine (run in the block
+    too) is compared with HF at float64 precision. Stock HF rounds each router's
+    probabilities and each norm's output to float32, and exact mode sums a prompt
+    token's gradient over branches before that rounding where the per-branch reference
+    rounds each branch's share: ~1e-7 apart (measured in tests/models/test_families.py)."""
+    with _Float64Internals():
+        yield

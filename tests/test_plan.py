@@ -521,3 +521,25 @@ def test_presets_ship_inside_the_package(tmp_path):
     assert done.returncode == 0 and done.stdout.strip() == "ok", done.stderr
     text = (root / "longstraw" / "plan" / "presets.json").read_text()
     assert not re.search(r"\.\./|\.md\b|shared/", text), "presets.json points at a file outside the package"
+
+
+@pytest.mark.parametrize("name,per_token,fixed,counts", [
+    # full layers x 2 (K, V) x kv_heads x head_dim x 2 bytes (bf16); a sliding layer holds W - 1 positions
+    ("gpt-oss-120b", 18 * 2 * 8 * 64 * 2, 18 * 127 * 2 * 8 * 64 * 2,
+     {"full_attention": 18, "sliding_attention": 18, "moe": 36}),
+    ("qwen3-235b-a22b", 94 * 2 * 4 * 128 * 2, 0, {"full_attention": 94, "moe": 94}),
+    ("qwen3-30b-a3b", 48 * 2 * 4 * 128 * 2, 0, {"full_attention": 48, "moe": 48}),
+    ("glm-4.6", 92 * 2 * 8 * 128 * 2, 0, {"full_attention": 92, "moe": 89}),       # 3 dense layers first
+    ("gemma-3-27b", 10 * 2 * 16 * 128 * 2, 52 * 1023 * 2 * 16 * 128 * 2,       # layers 6, 12, .., 60 global
+     {"full_attention": 10, "sliding_attention": 52}),
+    ("minimax-m2", 62 * 2 * 8 * 128 * 2, 0, {"full_attention": 62, "moe": 62}),
+])
+def test_family_presets_state_bytes_by_hand(name, per_token, fixed, counts):
+    """The part-1 family presets at P = 1,048,576 (bf16): state bytes per token and the
+    constant sliding-window part, written out from each config; parameter counts within
+    2% of the published totals (GLM-4.6's MTP layer is not modelled)."""
+    r = plan(name, prompt_tokens=1_048_576, dtype="bf16")
+    assert r["state_bytes_per_token"] == per_token and r["state_bytes_fixed"] == fixed
+    assert r["layer_counts"] == counts
+    published = load_presets()[name]["num_parameters"]
+    assert abs(r["num_parameters"] - published) <= 0.02 * published, (r["num_parameters"], published)

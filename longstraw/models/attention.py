@@ -27,8 +27,10 @@ from __future__ import annotations
 import torch
 from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 
+from longstraw.errors import UnsupportedModelError
 from longstraw.ops.attention import prefix_causal_attention
 from longstraw.ops.decode_attention import decode_attention
+from longstraw.ops.flash import merge_sink
 from longstraw.parallel.attention import divided_causal_attention
 from longstraw.parallel.collectives import MergeAcrossRanks, all_reduce_sum
 from longstraw.state.branch import BranchKV
@@ -45,21 +47,28 @@ def softmax_scale(scaling: float | None, head_dim: int) -> float:
 
 
 def longstraw_attention(module, query, key, value, attention_mask, scaling=None, dropout=0.0,
-                        sliding_window=None, **kwargs):
+                        sliding_window=None, s_aux=None, softcap=None, **kwargs):
     """The registered attention function (HF's attention-interface signature).
 
     query: [1, H, T, D]; key, value: [1, Hkv, T, D] for the T new tokens, after RoPE
-    (phase DECODE: [G, H, 1, D], [G, Hkv, 1, D]). Returns ([1, T, H, Dv], None), as HF's
+    (phase DECODE: [G, H, 1, D], [G, Hkv, 1, D]). `s_aux`: gpt-oss's attention sinks,
+    [H] learned logits joining each softmax denominator with no value (merged once into
+    the attention's LSE; their gradient flows). Returns ([1, T, H, Dv], None), as HF's
     eager attention does ([G, 1, H, Dv] for decode).
     """
+    if softcap is not None:
+        raise UnsupportedModelError(
+            f"{type(module).__name__} soft-caps its attention logits (softcap={softcap}); LongStraw's LSE-merged "
+            "attention does not apply a soft-cap. Set the config's attn_logit_softcapping to None")
     call = current_call()
     run = call.route(chunk=chunk_attention, decode=_decode_attention, divided=divided_attention,
                      divided_walk=divided_recompute_attention)
     scale = softmax_scale(scaling, query.shape[-1])
-    return run(module, query, key, value, call, scale, sliding_window=sliding_window, dropout=dropout)
+    return run(module, query, key, value, call, scale, sliding_window=sliding_window, dropout=dropout, sinks=s_aux)
 
 
-def chunk_attention(module, query, key, value, call: AttentionCall, scale: float, *, sliding_window, dropout):
+def chunk_attention(module, query, key, value, call: AttentionCall, scale: float, *, sliding_window, dropout,
+                    sinks=None):
     """Phases CAPTURE, REPLAY, RECOMPUTE: query [1, H, T, D], key/value [1, Hkv, T, D] at
     positions start.. -> ([1, T, H, Dv], None)."""
     if query.shape[0] != 1:
@@ -75,7 +84,7 @@ def chunk_attention(module, query, key, value, call: AttentionCall, scale: float
     assert kv.end == call.start or call.phase is not Phase.CAPTURE, (kv.end, call.start)
     out = prefix_causal_attention(
         query[0], key[0], value[0], prefixes=[layer.segment(until=call.start) for layer in layers],
-        q_start=call.start, scale=scale, window=window, block_size=call.block_size,
+        q_start=call.start, scale=scale, window=window, block_size=call.block_size, sinks=sinks,
     )  # (H, T, Dv)
     if call.phase is Phase.CAPTURE:
         layers[-1].append(key[0], value[0])
@@ -111,7 +120,8 @@ def merge_shard(out, lse, segment):
     return MergeAcrossRanks.apply(out, lse, segment.cp)
 
 
-def _decode_attention(module, query, key, value, call: AttentionCall, scale: float, *, sliding_window, dropout):
+def _decode_attention(module, query, key, value, call: AttentionCall, scale: float, *, sliding_window, dropout,
+                      sinks=None):
     """Phase DECODE: query [B, H, 1, D], key/value [B, Hkv, 1, D] of the new tokens of
     the B branches `call.rows` (None: all G). Returns ([B, 1, H, Dv], None)."""
     own: BranchKV = call.branches.layers[module.layer_idx]
@@ -121,7 +131,7 @@ def _decode_attention(module, query, key, value, call: AttentionCall, scale: flo
     prefixes = [layer.segment(until=own.start) for layer in staged_layers(call.states, module.layer_idx, own.start)]
     out = decode_attention(query[:, :, 0], own_k, own_v, own_start=own.start, prefixes=prefixes,
                            q_position=call.start, scale=scale, window=sliding_window, block_size=call.block_size,
-                           reduce_shard=merge_shard)  # (G, H, Dv)
+                           reduce_shard=merge_shard, sinks=sinks)  # (G, H, Dv)
     return out[:, None], None
 
 
@@ -129,7 +139,8 @@ def _decode_attention(module, query, key, value, call: AttentionCall, scale: flo
 # context parallelism
 
 
-def divided_attention(module, query, key, value, call: AttentionCall, scale: float, *, sliding_window, dropout):
+def divided_attention(module, query, key, value, call: AttentionCall, scale: float, *, sliding_window, dropout,
+                      sinks=None):
     """Phase DIVIDED: query [1, H, N, D], key/value [1, Hkv, N, D] of this rank's positions
     -> ([1, N, H, Dv], None)."""
     d: Divided = call.divided
@@ -137,12 +148,13 @@ def divided_attention(module, query, key, value, call: AttentionCall, scale: flo
     kv = call.states[-1].layers[module.layer_idx]
     kv.append_own(key[0], value[0], d.total)
     out = divided_causal_attention(query[0], key[0], value[0], positions=d.total, rank=d.rank, world=d.world,
-                                   block=d.block, scale=scale, cp=d.cp, piece_rows=d.chunk_size)  # (H, N, Dv)
+                                   block=d.block, scale=scale, cp=d.cp, piece_rows=d.chunk_size,
+                                   sinks=sinks)  # (H, N, Dv)
     return out.transpose(0, 1)[None], None
 
 
 def divided_recompute_attention(module, query, key, value, call: AttentionCall, scale: float, *, sliding_window,
-                                dropout):
+                                dropout, sinks=None):
     """A divided reverse walk's attention (exact mode): query [1, H, n, D], key/value
     [1, Hkv, n, D] of this rank's n positions of the chunk -> ([1, n, H, Dv], None).
 
@@ -164,10 +176,12 @@ def divided_recompute_attention(module, query, key, value, call: AttentionCall, 
         full_q, full_k, full_v = d.gather(torch.cat([q, k, v])).split([h, hkv, hkv])
     else:
         full_q, full_k, full_v = (d.gather(x) for x in (q, k, v))
-    out = prefix_causal_attention(full_q, full_k, full_v, prefixes=[kv.segment(until=d.start)], q_start=d.start,
-                                  scale=scale, block_size=call.block_size,
-                                  own_rows=(d.rows(q.device), d.cp))  # (H, T, Dv), the same on every rank
+    out, lse = prefix_causal_attention(full_q, full_k, full_v, prefixes=[kv.segment(until=d.start)],
+                                       q_start=d.start, scale=scale, block_size=call.block_size,
+                                       own_rows=(d.rows(q.device), d.cp), return_lse=True)  # (H, T, Dv), (H, T)
     out = d.own_rows(out)  # (H, n, Dv)
+    if sinks is not None:  # on this rank's rows only: the sinks' gradient is a partial, summed over ranks
+        out = merge_sink(out, d.own_rows(lse[..., None])[..., 0], sinks[:, None]).to(q.dtype)
     if d.end <= kv.end:  # held: its gradient seeds the chunk
         call.states[-1].seeds.append(((k, v), lambda: kv.own_grads(d.start, d.end)))
     return out.transpose(0, 1)[None], None

@@ -59,7 +59,9 @@ def chunked_mlps(layers, size: int):
             if n - starts[-1] == 1:
                 starts.pop()
             outs = [forward(x[:, a:b]) for a, b in zip(starts, starts[1:] + [n])]
-            return torch.cat([o[0] if isinstance(o, tuple) else o for o in outs], dim=1)
+            out = torch.cat([o[0] if isinstance(o, tuple) else o for o in outs], dim=1)
+            # an MLP returning (output, router scores), gpt-oss's: its layer drops the scores
+            return (out, None) if isinstance(outs[0], tuple) else out
         return run
     return forwards_replaced(mlps, [chunked(m.forward) for m in mlps])
 

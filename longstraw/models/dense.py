@@ -1,4 +1,4 @@
-"""Dense-attention families (`llama`, `mistral`, `qwen2`, `qwen3`).
+"""Dense-attention families (`llama`, `mistral`, `qwen2`, `qwen3`, `phi3`).
 
 Each decoder layer is the model's own; its attention module is routed through
 LongStraw's LSE-merged prefix attention (`attention.py`). The state is one
@@ -23,7 +23,7 @@ def layer_window(config, attn_module) -> int | None:
 
 
 class DenseAdapter(Adapter):
-    model_types = ("llama", "mistral", "qwen2", "qwen3")
+    model_types = ("llama", "mistral", "qwen2", "qwen3", "phi3")
     divides_capture = True
     divides_walk = True
 

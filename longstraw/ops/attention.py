@@ -28,7 +28,8 @@ import torch
 from ..tensors import KVSegment, accumulation_dtype
 from . import flash
 from longstraw.parallel.collectives import GatherRows, MergeAcrossRanks, SumGradAcrossRanks
-from .flash import FlashAttention, can_use_flash_autograd, empty_partial, fused_kernel, fused_takes, merge_partials
+from .flash import (FlashAttention, can_use_flash_autograd, empty_partial, fused_kernel, fused_takes, merge_partials,
+                    merge_sink)
 
 
 def _window_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None, causal: bool) -> torch.Tensor | None:
@@ -190,7 +191,7 @@ def _own_self_part(rows, k, v, q_start: int, own_rows, attend):
 
 def prefix_causal_attention(q, k, v, *, prefixes: list[KVSegment], q_start: int, scale: float,
                             window: int | None = None, block_size: int = 1024, allow_fused: bool = True,
-                            own_rows=None):
+                            own_rows=None, sinks: torch.Tensor | None = None, return_lse: bool = False):
     """Attention of T new tokens over earlier state segments plus themselves.
 
     Args:
@@ -211,9 +212,12 @@ def prefix_causal_attention(q, k, v, *, prefixes: list[KVSegment], q_start: int,
             so the output is still every row's, the same on every rank; the self part's
             k, v gradients are summed over ranks and its q gradient is this rank's rows'
             only. Every rank must call with the same q, k, v and upstream gradient.
+        sinks: [H] sink logits (gpt-oss; no value), merged once into the whole LSE
+            (`flash.merge_sink`), with their gradient; the blockwise kernel runs then.
+        return_lse: also return the LSE [H, T] (before any sink; accumulation dtype).
 
     Returns:
-        [H, T, Dv] attention output, in q's dtype.
+        [H, T, Dv] attention output, in q's dtype (and the LSE with `return_lse`).
     """
     h, t, d = q.shape
     hkv = k.shape[0]
@@ -222,7 +226,8 @@ def prefix_causal_attention(q, k, v, *, prefixes: list[KVSegment], q_start: int,
         assert seg.k.shape[0] == hkv and seg.k.shape[2] == d, (seg.k.shape, k.shape)
         assert seg.start + seg.k.shape[1] <= q_start, "a prefix segment must end before the queries"
     g = h // hkv
-    if allow_fused and torch.is_grad_enabled() and can_use_flash_autograd(q, k, v, prefixes, window):
+    needs_lse = sinks is not None or return_lse  # the fused autograd kernel returns no LSE
+    if not needs_lse and allow_fused and torch.is_grad_enabled() and can_use_flash_autograd(q, k, v, prefixes, window):
         # a shard joins whenever any rank may hold rows before the queries (even if this one holds none)
         used = [s for s in prefixes if (s.k.shape[1] > 0 if s.cp is None else q_start > s.start)]
         out = FlashAttention.apply(q, k, v, used, scale, flash.BACKWARD_BLOCK, own_rows)
@@ -260,4 +265,7 @@ def prefix_causal_attention(q, k, v, *, prefixes: list[KVSegment], q_start: int,
         else:
             out_p, lse_p = attend(rows, seg.k, seg.v, seg.start, seg.grad, False)
         out, lse = merge_partials(out_p, lse_p, out, lse), torch.logaddexp(lse_p, lse)
-    return out.to(q.dtype).reshape(h, t, -1)
+    out, lse = out.reshape(h, t, -1), lse.reshape(h, t)  # rows (Hkv, g*T) are heads (H, T)
+    if sinks is not None:  # once, over every key
+        out = merge_sink(out, lse, sinks[:, None])
+    return (out.to(q.dtype), lse) if return_lse else out.to(q.dtype)

@@ -25,7 +25,7 @@ import torch
 
 from ..tensors import accumulation_dtype
 from .attention import PrefixAttention
-from .flash import empty_partial, fused_kernel, fused_takes, merge_partials
+from .flash import empty_partial, fused_kernel, fused_takes, merge_partials, merge_sink
 
 
 def shared_partial(rows, seg_k, seg_v, seg_start: int, q_position: int, scale: float, window: int | None,
@@ -58,7 +58,7 @@ def own_partial(q, own_k, own_v, own_start: int, q_position: int, scale: float, 
 
 
 def decode_attention(q, own_k, own_v, *, own_start: int, prefixes, q_position: int, scale: float,
-                     window: int | None = None, block_size: int = 1024, reduce_shard=None):
+                     window: int | None = None, block_size: int = 1024, reduce_shard=None, sinks=None):
     """Attention of G branch queries at one position over shared prefixes plus their own tokens.
 
     Args:
@@ -71,6 +71,7 @@ def decode_attention(q, own_k, own_v, *, own_start: int, prefixes, q_position: i
             context-parallel state: its partial (o, lse) is passed through
             `reduce_shard(o, lse, segment)`, which must merge it across ranks.
         scale: softmax scale. window: sliding window or None. block_size: prompt block.
+        sinks: [H] sink logits joining each softmax denominator once (`flash.merge_sink`), or None.
 
     Returns:
         [G, H, Dv] in q's dtype.
@@ -93,7 +94,10 @@ def decode_attention(q, own_k, own_v, *, own_start: int, prefixes, q_position: i
         if seg.cp is not None:
             out_p, lse_p = reduce_shard(out_p, lse_p, seg)
         out, lse = merge_partials(out_p, lse_p, out, lse), torch.logaddexp(lse_p, lse)
-    return out.reshape(hkv, b, g, dv).permute(1, 0, 2, 3).reshape(b, h, dv).to(q.dtype)
+    out = out.reshape(hkv, b, g, dv).permute(1, 0, 2, 3).reshape(b, h, dv)
+    if sinks is not None:
+        out = merge_sink(out, lse.reshape(hkv, b, g).permute(1, 0, 2).reshape(b, h), sinks[None])
+    return out.to(q.dtype)
 
 
 def gathered_partial(q, k_rows, v_rows, valid, scale: float):

@@ -77,6 +77,15 @@ def merge_partials(out_a, lse_a, out_b, lse_b):
     return torch.exp(lse_a - lse)[..., None] * out_a + torch.exp(lse_b - lse)[..., None] * out_b
 
 
+def merge_sink(out, lse, sink):
+    """Join a learned sink logit to the softmax denominator (gpt-oss's attention sinks):
+    the sink is one more partial with no value (o = 0, lse = sink), so
+    merge_partials(0, sink, out, lse) = out * sigmoid(lse - sink). out [..., Dv], lse
+    [...] (the whole attention's, over every key), sink broadcast to lse's shape; done
+    once per query, after every key block is merged. Returns out in lse's dtype."""
+    return out * torch.sigmoid(lse - sink.to(lse.dtype))[..., None]
+
+
 FLASH_MIN_CAPABILITY = (8, 0)
 """CUDA compute capability FlashAttention-2 (torch's fused CUDA kernel) needs (Ampere)."""
 

@@ -6,12 +6,14 @@ from __future__ import annotations
 import torch
 
 
-def naive_attention(q, k, v, q_pos, k_pos, scale, window=None):
+def naive_attention(q, k, v, q_pos, k_pos, scale, window=None, sinks=None):
     """Dense masked softmax attention with GQA expanded.
 
     Args:
         q: [H, T, D] at absolute positions q_pos [T].
         k, v: [Hkv, N, D] / [Hkv, N, Dv] at absolute positions k_pos [N].
+        sinks: [H] logits of one extra column every query sees, with no value (gpt-oss's
+            attention sinks, as HF's eager attention writes them), or None.
     Returns:
         [H, T, Dv].
     """
@@ -23,6 +25,9 @@ def naive_attention(q, k, v, q_pos, k_pos, scale, window=None):
     if window is not None:
         masked = masked | ((q_pos[:, None] - k_pos[None, :]) >= window)
     scores = scores.masked_fill(masked, float("-inf"))
+    if sinks is not None:
+        column = sinks[:, None, None].to(scores.dtype).expand(-1, scores.shape[1], 1)  # (H, T, 1)
+        return torch.softmax(torch.cat([scores, column], dim=-1), dim=-1)[..., :-1] @ v
     return torch.softmax(scores, dim=-1) @ v
 
 

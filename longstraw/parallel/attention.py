@@ -31,7 +31,7 @@ from longstraw.ops.attention import PrefixAttention
 from longstraw.parallel.collectives import broadcast_from
 from longstraw.parallel.deal import Deal
 from longstraw.ops.dsa import indexer_scores, select_candidates, sparse_latent_attention
-from longstraw.ops.flash import fused_kernel, fused_takes, merge_partials
+from longstraw.ops.flash import fused_kernel, fused_takes, merge_partials, merge_sink
 
 
 def _partial(q, k, v, scale: float, causal: bool):
@@ -75,7 +75,7 @@ def shard_pieces(rows: list, *, positions: int, rank: int, deal: Deal, cp, piece
 
 @torch.no_grad()
 def divided_causal_attention(q, k, v, *, positions: int, rank: int, world: int, block: int, scale: float, cp,
-                             piece_rows: int, value_dim: int | None = None):
+                             piece_rows: int, value_dim: int | None = None, sinks: torch.Tensor | None = None):
     """Attention of this rank's own positions over all earlier positions of all ranks.
 
     Args:
@@ -87,6 +87,8 @@ def divided_causal_attention(q, k, v, *, positions: int, rank: int, world: int, 
         rank, world, block: the round-robin deal (block b on rank b % world).
         scale: softmax scale. cp: the `parallel.context.ContextParallel` (None with one rank).
         piece_rows: rows of another rank's shard fetched at a time.
+        sinks: [H] sink logits joining each softmax denominator once, after every
+            rank's keys are merged (`flash.merge_sink`), or None.
 
     Returns:
         [H, N, Dv] in q's dtype. Every rank must call it (the shards are broadcast).
@@ -116,6 +118,8 @@ def divided_causal_attention(q, k, v, *, positions: int, rank: int, world: int, 
             o, lse = parts[i]
             parts[i] = (merge_partials(o_p, lse_p, o, lse), torch.logaddexp(lse_p, lse))
     out = [o.reshape(h, b - a, -1) for (o, _), (a, b) in zip(parts, spans)]
+    if sinks is not None:
+        out = [merge_sink(o, lse.reshape(h, b - a), sinks[:, None]) for o, (_, lse), (a, b) in zip(out, parts, spans)]
     return torch.cat(out, dim=1).to(q.dtype) if out else q.new_zeros(h, 0, own_v.shape[-1])
 
 

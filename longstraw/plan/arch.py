@@ -13,10 +13,19 @@ from ..errors import ConfigError, UnsupportedModelError
 
 PRESETS_PATH = Path(__file__).with_name("presets.json")
 
-SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3", "qwen3_5", "qwen3_5_moe", "qwen3_next",
-                         "glm_moe_dsa", "deepseek_v32", "deepseek_v3")
-# nested text configs of the multimodal Qwen3.5 checkpoints
-_TEXT_TYPES = {"qwen3_5_text": "qwen3_5", "qwen3_5_moe_text": "qwen3_5_moe"}
+_DENSE_ATTENTION = ("llama", "mistral", "qwen2", "qwen3", "phi3", "olmo3", "gemma3_text", "qwen3_moe", "mixtral",
+                    "glm4_moe", "minimax_m2", "gpt_oss")
+"""Families whose layers are all GQA attention (full or sliding), with dense or MoE MLPs."""
+SUPPORTED_MODEL_TYPES = _DENSE_ATTENTION[:4] + ("qwen3_5", "qwen3_5_moe", "qwen3_next", "glm_moe_dsa", "deepseek_v32",
+                                                "deepseek_v3") + _DENSE_ATTENTION[4:]
+# nested text configs of the multimodal Qwen3.5 / Gemma 3 checkpoints
+_TEXT_TYPES = {"qwen3_5_text": "qwen3_5", "qwen3_5_moe_text": "qwen3_5_moe", "gemma3": "gemma3_text"}
+# MoE of the dense-attention families: (experts field, expert width field or None for
+# intermediate_size, shared-expert count field)
+_MOE_FIELDS = {"qwen3_moe": ("num_experts", "moe_intermediate_size", None),
+               "mixtral": ("num_local_experts", None, None), "minimax_m2": ("num_local_experts", None, None),
+               "gpt_oss": ("num_local_experts", None, None),
+               "glm4_moe": ("n_routed_experts", "moe_intermediate_size", "n_shared_experts")}
 
 DTYPE_BYTES = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2}
 _DTYPE_ALIASES = {"fp64": "float64", "f64": "float64", "double": "float64", "fp32": "float32", "f32": "float32",
@@ -214,23 +223,46 @@ def _text_config(config: dict) -> tuple[dict, str | None]:
     return cfg, dtype
 
 
+def _moe_mlps(arch: Arch, cfg: dict, n: int) -> list[str]:
+    """The MLP kind of each layer of a dense-attention family ("dense" or "moe")."""
+    fields = _MOE_FIELDS.get(arch.model_type)
+    if fields is None:
+        return ["dense"] * n
+    experts, width, shared = fields
+    _need(cfg, experts, "num_experts_per_tok", width or "intermediate_size")
+    arch.experts, arch.experts_per_token = int(cfg[experts]), int(cfg["num_experts_per_tok"])
+    arch.moe_intermediate = int(cfg[width or "intermediate_size"])
+    arch.shared_intermediate = int(_get(cfg, shared, 0)) * arch.moe_intermediate if shared else 0
+    if arch.model_type == "glm4_moe":
+        return ["dense" if i < int(_get(cfg, "first_k_dense_replace", 0)) else "moe" for i in range(n)]
+    step, dense_only = int(_get(cfg, "decoder_sparse_step", 1)), set(_get(cfg, "mlp_only_layers", []))
+    return ["dense" if (i in dense_only or (i + 1) % step) else "moe" for i in range(n)]
+
+
 def _attention_layers(arch: Arch, cfg: dict, n: int) -> None:
-    """llama / mistral / qwen2 / qwen3: full or sliding-window attention layers."""
+    """The dense-attention families (`_DENSE_ATTENTION`): full or sliding-window attention
+    layers (by `layer_types`, or each family's own default schedule), dense or MoE MLPs.
+    Attention sinks (gpt-oss: one logit per head) keep no state; parameter counts follow
+    the llama layout (biases of gpt-oss's experts, fused projections: the same sizes)."""
     mt = arch.model_type
-    arch.qk_norm = mt == "qwen3"
+    arch.qk_norm = mt in ("qwen3", "qwen3_moe", "gemma3_text") or bool(cfg.get("use_qk_norm", False))
     arch.qkv_bias = mt == "qwen2" or bool(cfg.get("attention_bias", False))
     window = cfg.get("sliding_window")
     types = cfg.get("layer_types")
     if types is None:
-        if mt == "mistral":
+        if mt == "gemma3_text":  # transformers' Gemma3TextConfig schedule: 5 local : 1 global
+            every = int(_get(cfg, "sliding_window_pattern", 6))
+            types = ["sliding_attention" if (i + 1) % every else "full_attention" for i in range(n)]
+        elif mt == "mistral":
             types = ["sliding_attention" if window else "full_attention"] * n
         elif mt in ("qwen2", "qwen3") and cfg.get("use_sliding_window") and window:
             first = int(_get(cfg, "max_window_layers", n))
             types = ["sliding_attention" if i >= first else "full_attention" for i in range(n)]
         else:
             types = ["full_attention"] * n
-    arch.layers = [LayerSpec("attention", window=int(window) if t == "sliding_attention" and window else None)
-                   for t in types]
+    mlps = _moe_mlps(arch, cfg, n)
+    arch.layers = [LayerSpec("attention", mlp=m, window=int(window) if t == "sliding_attention" and window else None)
+                   for t, m in zip(types, mlps)]
 
 
 def _gdn_layers(arch: Arch, cfg: dict, n: int) -> None:
@@ -315,7 +347,7 @@ def architecture(config: dict) -> Arch:
                 intermediate=int(_get(cfg, "intermediate_size", 0)),
                 max_positions=cfg.get("max_position_embeddings"),
                 dtype=canonical_dtype(dtype) if dtype else None)
-    if mt in ("llama", "mistral", "qwen2", "qwen3"):
+    if mt in _DENSE_ATTENTION:
         _attention_layers(arch, cfg, n)
     elif mt in ("qwen3_5", "qwen3_5_moe", "qwen3_next"):
         _gdn_layers(arch, cfg, n)

@@ -144,3 +144,25 @@ def test_two_segments_equal_one_concatenated_segment(fused):
     ga = torch.autograd.grad(prefix_causal_attention(q, k, v, prefixes=one, q_start=14, scale=0.5), q, dout)
     gb = torch.autograd.grad(prefix_causal_attention(q, k, v, prefixes=two, q_start=14, scale=0.5), q, dout)
     torch.testing.assert_close(ga[0], gb[0], rtol=1e-11, atol=1e-11)
+
+
+@pytest.mark.parametrize("window,prefixes", [(None, 2), (4, 2), (None, 0)])
+def test_sinks_join_the_denominator_once_and_get_their_gradient(window, prefixes):
+    """gpt-oss's sinks against the naive twin (one extra no-value column per query):
+    output and the gradients of q, k, v and the sinks, with the prefix split into two
+    segments (merged once over all of them, not once per segment) and blocks of 3."""
+    q, k, v, pk, pv, dout = _inputs(4, 2, 5, 13, 8, 8)
+    sinks = torch.randn(4, generator=torch.Generator().manual_seed(1), dtype=torch.float64).requires_grad_()
+    cut, q_start = 6, 13
+    segs = [KVSegment(pk[:, :cut], pv[:, :cut], 0), KVSegment(pk[:, cut:], pv[:, cut:], cut)][:prefixes]
+    out = prefix_causal_attention(q, k, v, prefixes=segs, q_start=q_start, scale=0.37, window=window, block_size=3,
+                                  sinks=sinks)
+    grads = torch.autograd.grad(out, (q, k, v, sinks), dout)
+    k_all, v_all = (torch.cat([pk, k], 1), torch.cat([pv, v], 1)) if prefixes else (k, v)
+    q_pos = torch.arange(q_start, q_start + 5)
+    k_pos = torch.cat([torch.arange(0, 13), q_pos]) if prefixes else q_pos
+    ref = naive_attention(q, k_all, v_all, q_pos, k_pos, 0.37, window, sinks=sinks)
+    torch.testing.assert_close(out, ref, rtol=1e-12, atol=1e-12)
+    for got, want in zip(grads, torch.autograd.grad(ref, (q, k, v, sinks), dout)):
+        torch.testing.assert_close(got, want, rtol=1e-11, atol=1e-11)
+    assert grads[3].abs().min() > 0

@@ -129,3 +129,25 @@ def test_step_ops_refuse_bad_shapes():
                          torch.zeros(2, 2), s)
     with pytest.raises(ValueError, match="tail must be"):
         causal_conv1d_step(torch.zeros(2, 5), torch.zeros(5, 4), tail=torch.zeros(2, 5, 2))
+
+
+@pytest.mark.parametrize("fused", [True, False])
+@pytest.mark.parametrize("window", [None, 4])
+def test_decode_attention_with_sinks_matches_naive(monkeypatch, fused, window):
+    """gpt-oss's sinks in decode: joined once after the prefix segments and the own
+    tokens are merged (the naive twin: one extra no-value column)."""
+    monkeypatch.setattr(flash, "FUSED_ENABLED", fused)
+    gen = torch.Generator().manual_seed(2)
+    b, h, hkv, s, n, d = 3, 4, 2, 9, 3, 8
+    q, sinks = _randn(gen, b, h, d), _randn(gen, h)
+    pk, pv = _randn(gen, hkv, s, d), _randn(gen, hkv, s, d)
+    own_k, own_v = _randn(gen, b, hkv, n, d), _randn(gen, b, hkv, n, d)
+    position = s + n - 1
+    segs = [KVSegment(pk[:, :4], pv[:, :4], 0), KVSegment(pk[:, 4:], pv[:, 4:], 4)]
+    got = decode_attention(q, own_k, own_v, own_start=s, prefixes=segs, q_position=position, scale=0.4,
+                           window=window, block_size=2, sinks=sinks)
+    for i in range(b):
+        k_pos = torch.arange(0, s + n)
+        want = naive_attention(q[i][:, None], torch.cat([pk, own_k[i]], 1), torch.cat([pv, own_v[i]], 1),
+                               torch.tensor([position]), k_pos, 0.4, window, sinks=sinks)[:, 0]
+        torch.testing.assert_close(got[i], want, rtol=1e-12, atol=1e-12)
