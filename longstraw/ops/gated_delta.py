@@ -103,7 +103,7 @@ def _check_shapes(q, k, v, g, beta, initial_state):
                          f"got {tuple(initial_state.shape)}")
 
 
-def _to_chunks(x: torch.Tensor, n: int, c: int) -> torch.Tensor:
+def to_chunks(x: torch.Tensor, n: int, c: int) -> torch.Tensor:
     """[T, Hv, ...] -> [Hv, N, C, ...], zero-padded at the end from T to N*C tokens."""
     x = x.movedim(0, 1)  # (Hv, T, ...)
     pad = n * c - x.shape[1]
@@ -153,8 +153,8 @@ def chunk_gated_delta_rule(q, k, v, g, beta, initial_state=None, *, chunk_size: 
 
     c = chunk_size
     n = -(-t // c)
-    qc, kc, vc = (_to_chunks(x, n, c) for x in (q, k, v.to(acc)))  # (Hv, N, C, D)
-    gc, bc = (_to_chunks(x.to(acc), n, c) for x in (g, beta))  # (Hv, N, C)
+    qc, kc, vc = (to_chunks(x, n, c) for x in (q, k, v.to(acc)))  # (Hv, N, C, D)
+    gc, bc = (to_chunks(x.to(acc), n, c) for x in (g, beta))  # (Hv, N, C)
 
     gamma = gc.cumsum(dim=-1)  # (Hv, N, C) log decay since the chunk start
     visible = torch.ones(c, c, dtype=torch.bool, device=v.device).tril()  # j <= i

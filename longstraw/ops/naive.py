@@ -174,3 +174,20 @@ def naive_select_candidates(scores, positions, topk: int):
         out = torch.cat([out, out.new_full((out.shape[0], pad), -1)], dim=1)
         kept = torch.cat([kept, kept.new_full((kept.shape[0], pad), float("-inf"))], dim=1)
     return out, kept
+
+
+def naive_ssd_scan(x, dt, a, b, c, initial_state=None):
+    """Mamba2's SSD recurrence token by token, in the inputs' dtype:
+    S_t = exp(dt_t A) S_(t-1) + dt_t x_t B_t^T, y_t = S_t C_t, per head.
+
+    x [T, H, P], dt [T, H], a [H], b, c [T, G, N] (head h reads group h // (H // G)),
+    initial_state [H, P, N] or None. Returns (y [T, H, P], final_state [H, P, N])."""
+    t, h, p = x.shape
+    b = b.repeat_interleave(h // b.shape[1], dim=1)
+    c = c.repeat_interleave(h // c.shape[1], dim=1)
+    state = x.new_zeros(h, p, b.shape[-1]) if initial_state is None else initial_state.to(x.dtype)
+    outs = []
+    for i in range(t):
+        state = torch.exp(dt[i] * a)[:, None, None] * state + (dt[i][:, None] * x[i])[:, :, None] * b[i][:, None, :]
+        outs.append(torch.einsum("hpn,hn->hp", state, c[i]))
+    return (torch.stack(outs) if outs else x.new_zeros(0, h, p)), state
