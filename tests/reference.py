@@ -464,3 +464,57 @@ def float64_internals():
     rounds each branch's share: ~1e-7 apart (measured in tests/models/test_families.py)."""
     with _Float64Internals():
         yield
+
+
+# ----------------------------------------------------------------------------
+# Mamba2 + attention hybrids: Nemotron-H, Bamba, Granite 4.0 (granitemoehybrid)
+
+MAMBA_FAMILIES = ("nemotron_h", "bamba", "granitemoehybrid")
+_MAMBA_LAYERS = ["mamba", "attention", "mamba", "mamba"]
+_MAMBA = {
+    # Nemotron-H: one mixer per block; an MLP and a MoE block in the pattern too. Its
+    # time_step_limit is (time_step_min, inf): a clamp that really bites below 1e-3.
+    "nemotron_h": ("NemotronH", dict(
+        layers_block_type=["mamba", "moe", "attention", "mamba", "mlp", "mamba"], head_dim=8, ssm_state_size=6,
+        mamba_num_heads=4, mamba_head_dim=5, n_groups=2, conv_kernel=4, chunk_size=8, n_routed_experts=4,
+        n_shared_experts=1, moe_intermediate_size=16, moe_shared_expert_intermediate_size=16, num_experts_per_tok=2,
+        n_group=1, topk_group=1, use_conv_bias=True, mamba_proj_bias=True, layer_norm_epsilon=1e-5)),
+    "bamba": ("Bamba", dict(
+        num_hidden_layers=4, attn_layer_indices=[1], mamba_n_heads=4, mamba_d_head=8, mamba_n_groups=2,
+        mamba_d_state=6, mamba_d_conv=4, mamba_expand=1, mamba_chunk_size=8, mamba_proj_bias=True)),
+    # Granite 4.0: MoE + shared MLP per layer, muP multipliers, logits_scaling
+    "granitemoehybrid": ("GraniteMoeHybrid", dict(
+        num_hidden_layers=4, layer_types=_MAMBA_LAYERS, mamba_n_heads=4, mamba_d_head=8, mamba_n_groups=1,
+        mamba_d_state=6, mamba_d_conv=4, mamba_expand=1, mamba_chunk_size=8, num_local_experts=4,
+        num_experts_per_tok=2, shared_intermediate_size=24, embedding_multiplier=3.0, logits_scaling=2.5,
+        residual_multiplier=0.7, attention_multiplier=0.3)),
+}
+
+
+def tiny_mamba(family: str, *, dtype=torch.float64, seed: int = 0, **overrides):
+    """A stock HF Mamba2 hybrid (3+ Mamba2 layers, one attention layer) from a tiny config;
+    1-D parameters (norm weights, dt_bias, A_log, D) randomised (HF starts them at constants)."""
+    prefix, extra = _MAMBA[family]
+    config = getattr(transformers, f"{prefix}Config")(**{**_BASE, **extra, **overrides})
+    config._attn_implementation = "sdpa"
+    config._experts_implementation = "eager"
+    torch.manual_seed(seed)
+    model = getattr(transformers, f"{prefix}ForCausalLM")(config).to(dtype).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 1:
+                p.add_(0.1 * torch.randn_like(p))
+    return model
+
+
+def hf_cached_logprobs_positioned(model, prompt, response, temperature=1.0):
+    """`hf_cached_logprobs` with the continuation's position ids passed explicitly:
+    Bamba's model forward numbers a cached call's tokens from 0 when given none (its
+    `generate` passes them), which would rotate the continuation's attention wrongly."""
+    with torch.no_grad():
+        cache = model(prompt[:-1][None], use_cache=True).past_key_values
+    cache = _out_of_place_linear_cache(copy.deepcopy(cache))
+    inputs = torch.cat([prompt[-1:], response[:-1]])
+    positions = torch.arange(prompt.numel() - 1, prompt.numel() - 1 + inputs.numel())[None]
+    logits = model(inputs[None], past_key_values=cache, use_cache=True, position_ids=positions).logits[0]
+    return gather_logprobs(logits, response, temperature)

@@ -198,7 +198,7 @@ def divided_recompute_gdn(module, hidden_states, call: AttentionCall):
     return _gated_output(module, out, z, (1, x.shape[0]))
 
 
-def _block_tails(mixed: torch.Tensor, d: Divided, width: int) -> torch.Tensor:
+def block_tails(mixed: torch.Tensor, d: Divided, width: int) -> torch.Tensor:
     """Every block's last `width` pre-conv rows, all ranks: [blocks, width, C] (front zero
     padded for a block shorter than `width`), via one all-gather."""
     most = len(d.deal.blocks(0, d.total))  # the most blocks any rank owns (rank 0's)
@@ -213,7 +213,7 @@ def _block_tails(mixed: torch.Tensor, d: Divided, width: int) -> torch.Tensor:
     return torch.stack([gathered[d.owner(p)][d.deal.row(p) // d.block] for p in firsts])
 
 
-def _tail_before(position: int, mixed, table, d: Divided, width: int) -> torch.Tensor:
+def tail_before(position: int, mixed, table, d: Divided, width: int) -> torch.Tensor:
     """The `width` pre-conv rows before `position`, [C, width] (zeros before the start)."""
     rows = []
     for p in range(position - width, position):
@@ -235,14 +235,14 @@ def divided_gdn(module, hidden_states, call: AttentionCall):
     mixed, z, b_logit, a_logit = _project(module, x)  # (N, C), (N, Hv, Dv), (N, Hv), (N, Hv)
     weight = module.conv1d.weight[:, 0, :]  # (C, K)
     width = weight.shape[1] - 1
-    table = _block_tails(mixed, d, width)
+    table = block_tails(mixed, d, width)
     segments = d.segments()
     transitions, links, ends, parts = [], [], {}, []
     for s, e in segments:
         r0 = d.local_row(s)
         r1 = r0 + (e - s)
         conv, tail = causal_conv1d_with_tail(mixed[r0:r1].transpose(0, 1), weight, module.conv1d.bias,
-                                             _tail_before(s, mixed, table, d, width), activation=module.activation)
+                                             tail_before(s, mixed, table, d, width), activation=module.activation)
         q, k, v = _split_heads(module, conv.transpose(0, 1))
         read, out0, a, c = gated_delta_transition(q, k, v, _log_decay(module, a_logit[r0:r1]),
                                                   b_logit[r0:r1].sigmoid())
@@ -258,20 +258,27 @@ def divided_gdn(module, hidden_states, call: AttentionCall):
     out = [finish_outputs(read, out0, start) for (read, out0), (start, _) in zip(parts, chained)]
     out = torch.cat(out).to(x.dtype) if out else x.new_zeros(0, hv, module.head_v_dim)
 
-    # the snapshots every rank keeps, from the owners of the segments that end there
-    states = torch.zeros(len(d.snapshots), hv, dk, module.head_v_dim, dtype=acc, device=x.device)
-    tails = mixed.new_zeros(len(d.snapshots), mixed.shape[1], width)
     end_state = {e: end for (_, e), (_, end) in zip(segments, chained)}
+    share_snapshots(call.states[-1].layers[module.layer_idx], d, end_state, ends, (hv, dk, module.head_v_dim), acc,
+                    mixed.new_zeros(mixed.shape[1], width))
+    return _gated_output(module, out.reshape(x.shape[0], hv, -1), z, (1, x.shape[0]))
+
+
+def share_snapshots(layer: RecurrentState, d: Divided, end_state: dict, ends: dict, shape, acc, tail_like) -> None:
+    """Put into `layer` the snapshots every rank keeps (`d.snapshots`), from the owners of
+    the segments that end there (`end_state`: position -> recurrent state, `ends`:
+    position -> conv tail, this rank's only), summed over ranks; `shape` / `acc`: a
+    recurrent state's, `tail_like` a conv tail's zeros."""
+    states = torch.zeros(len(d.snapshots), *shape, dtype=acc, device=tail_like.device)
+    tails = tail_like.new_zeros(len(d.snapshots), *tail_like.shape)
     for i, p in enumerate(d.snapshots):
         if p in end_state:
             states[i], tails[i] = end_state[p], ends[p]
     if d.world > 1:
         all_reduce_sum(states, d.cp)
         all_reduce_sum(tails, d.cp)
-    layer: RecurrentState = call.states[-1].layers[module.layer_idx]
     for i, p in enumerate(d.snapshots):
         layer.put(p, states[i], tails[i])
-    return _gated_output(module, out.reshape(x.shape[0], hv, -1), z, (1, x.shape[0]))
 
 
 def routed_gdn(modules):

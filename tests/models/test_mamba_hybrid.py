@@ -1,0 +1,126 @@
+"""Mamba2 + attention hybrids (Nemotron-H, Bamba, Granite 4.0) against the stock HF
+models, tiny random configs (`tests/reference.py: tiny_mamba`), float64.
+
+HF's float32 casts (`A_log.float()`, `x.float()`, `B.float()`, `C.float()` in
+`torch_forward`'s SSD, the RMSNorms and gated norms, MoE routers) are made float64 on
+both sides by `float64_internals`; none had to stay float32. The detached reference
+is HF's cached continuation with explicit position ids (`hf_cached_logprobs_positioned`).
+Its responses are 2+ tokens: HF's one-token cached step writes the SSM state in place
+(`selective_state_update`'s `state.copy_`), which autograd cannot differentiate; exact
+mode's full-sequence reference covers a response of one token.
+"""
+
+import pytest
+import torch
+
+import longstraw as ls
+from longstraw.state.prompt import AttentionKV, RecurrentState
+from tests.engine.test_rollout import _hf_greedy
+from tests.reference import (
+    MAMBA_FAMILIES,
+    compare_step,
+    float64_internals,
+    hf_cached_logprobs_positioned,
+    hf_full_logprobs,
+    random_group,
+    tiny_mamba,
+)
+
+LORA_TARGETS = ["in_proj", "q_proj", "k_proj", "v_proj", "o_proj", "up_proj", "down_proj", "input_linear",
+                "output_linear"]
+"""Every linear layer PEFT allows on a Mamba model (it refuses LoRA on `out_proj` and `conv1d` there)."""
+EXEC = dict(chunk_size=4, attention_block_size=3)  # chunks that divide neither P nor the SSD chunk (8)
+
+
+@pytest.mark.parametrize("mode", ["detached", "exact"])
+@pytest.mark.parametrize("family", MAMBA_FAMILIES)
+def test_step_equals_hf(family, mode):
+    model = tiny_mamba(family)
+    lens = [4, 2, 7] if mode == "detached" else [4, 1, 7]
+    group = random_group(97, 13, lens, seed=1)
+    reference = hf_cached_logprobs_positioned if mode == "detached" else hf_full_logprobs
+    with float64_internals():
+        result = compare_step(model, group, ls.ExecConfig(mode=mode, **EXEC), reference, 1e-9)
+    assert (result.metrics["state_grad_bytes"] > 0) == (mode == "exact")
+
+
+@pytest.mark.parametrize("family", MAMBA_FAMILIES)
+def test_score_equals_hf_full_sequence(family):
+    model = tiny_mamba(family)
+    group = random_group(97, 14, [6, 1], seed=2)
+    with float64_internals(), torch.no_grad():
+        got = ls.Engine(model, ls.ExecConfig(chunk_size=5)).score(group)
+        for s, r in zip(got, group.responses):
+            torch.testing.assert_close(s, hf_full_logprobs(model, group.prompt, r), rtol=0, atol=1e-10)
+
+
+@pytest.mark.parametrize("family", MAMBA_FAMILIES)
+def test_greedy_generate_equals_hf(family):
+    model = tiny_mamba(family)
+    prompt = torch.randint(0, 97, (5,), generator=torch.Generator().manual_seed(4))
+    with float64_internals():
+        greedy = ls.Engine(model, ls.ExecConfig(chunk_size=2)).generate(prompt, num_samples=2, max_new_tokens=9,
+                                                                         temperature=0)
+        hf = _hf_greedy(model, prompt, 9)
+    assert all(torch.equal(r, hf) for r in greedy.responses), ([r.tolist() for r in greedy.responses], hf.tolist())
+
+
+@pytest.mark.parametrize("family", MAMBA_FAMILIES)
+def test_lora_gradients_equal_hf(family):
+    peft = pytest.importorskip("peft")
+    torch.manual_seed(0)
+    model = peft.get_peft_model(tiny_mamba(family), peft.LoraConfig(
+        r=2, target_modules=LORA_TARGETS, init_lora_weights=False)).eval()
+    group = random_group(97, 11, [3, 5], seed=6)
+    with float64_internals():
+        compare_step(model, group, ls.ExecConfig(mode="exact", **EXEC), hf_full_logprobs, 1e-9)
+    assert all(("lora_" in n) == (p.grad is not None) for n, p in model.named_parameters())
+    assert any("in_proj.lora_A" in n for n, _ in model.named_parameters())  # the mixers' own projections
+
+
+@pytest.mark.parametrize("mode", ["detached", "exact"])
+@pytest.mark.parametrize("family", ["nemotron_h", "granitemoehybrid"])
+def test_offloaded_step_equals_on_device(family, mode):
+    from tests.state.test_offload import assert_same_step
+
+    with float64_internals():
+        assert_same_step(tiny_mamba(family), random_group(97, 13, [4, 6], seed=2), dict(mode=mode, **EXEC))
+
+
+def test_state_is_constant_in_p_for_the_mamba_layers():
+    """SSM state [H, P, N] + conv tail [conv_dim, K-1] per Mamba2 layer, whatever P;
+    K/V per position for the attention layer; nothing for Nemotron-H's MLP / MoE blocks."""
+    model = tiny_mamba("nemotron_h")
+    engine = ls.Engine(model, ls.ExecConfig(chunk_size=4))
+    sizes = []
+    for p in (9, 17):
+        state = engine.capture(torch.randint(0, 97, (p,), generator=torch.Generator().manual_seed(p)))
+        kinds = [type(s).__name__ if s is not None else None for s in state.layers]
+        assert kinds == ["RecurrentState", None, "AttentionKV", "RecurrentState", None, "RecurrentState"]
+        for s in state.layers:
+            if isinstance(s, RecurrentState):
+                (pos, (ssm, tail)), = s.snapshots.items()
+                assert pos == p - 1 and ssm.shape == (4, 5, 6) and tail.shape == (20 + 2 * 2 * 6, 3)
+            if isinstance(s, AttentionKV):
+                assert s.k.shape[1] == p - 1
+        sizes.append(sum(s.nbytes() for s in state.layers if isinstance(s, RecurrentState)))
+    assert sizes[0] == sizes[1] == 3 * 8 * (4 * 5 * 6 + 44 * 3)
+
+
+def test_granite_logits_scaling_is_applied():
+    """Granite divides its logits by `logits_scaling` (2.5 here) outside the decoder
+    stack; without it the scores would differ from HF's."""
+    model = tiny_mamba("granitemoehybrid")
+    engine = ls.Engine(model, ls.ExecConfig(chunk_size=4))
+    assert engine.adapter.lm_head.scale == pytest.approx(1 / 2.5)
+
+
+def test_falcon_h1_parallel_layers_are_refused_clearly():
+    import transformers
+
+    config = transformers.FalconH1Config(vocab_size=97, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                                         num_attention_heads=4, num_key_value_heads=2, mamba_n_heads=4,
+                                         mamba_d_head=8, mamba_d_ssm=32, mamba_d_state=6, mamba_n_groups=1)
+    model = transformers.FalconH1ForCausalLM(config).double().eval()
+    with pytest.raises(ls.UnsupportedModelError, match="falcon_h1"):
+        ls.Engine(model)
