@@ -124,3 +124,17 @@ def test_falcon_h1_parallel_layers_are_refused_clearly():
     model = transformers.FalconH1ForCausalLM(config).double().eval()
     with pytest.raises(ls.UnsupportedModelError, match="falcon_h1"):
         ls.Engine(model)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_context_parallel_equals_one_process(tmp_path, world):
+    """Divided capture (conv tails from the previous block's owner, each segment's
+    diagonal-decay transition, the relay across ranks) and divided reverse walk, gloo on
+    CPU: loss and every .grad equal one process. Blocks of 3 positions put segment
+    boundaries inside every capture chunk (6) and SSD chunk (64)."""
+    import torch.multiprocessing as mp
+
+    from tests import distributed_worker as worker
+
+    mp.spawn(worker.run_cases, args=(world, str(tmp_path / "init"), list(worker.MAMBA_CASES), ["detached", "exact"]),
+             nprocs=world, join=True)
