@@ -138,3 +138,14 @@ def test_context_parallel_equals_one_process(tmp_path, world):
 
     mp.spawn(worker.run_cases, args=(world, str(tmp_path / "init"), list(worker.MAMBA_CASES), ["detached", "exact"]),
              nprocs=world, join=True)
+
+
+def test_time_step_limits_are_applied_as_hf_does():
+    """Nemotron-H clamps dt at time_step_min from below; at 0.5 the clamp bites for
+    many tokens here, and the scores still equal HF's full-sequence forward."""
+    model = tiny_mamba("nemotron_h", time_step_min=0.5)
+    assert model.model.layers[0].mixer.time_step_limit == (0.5, float("inf"))
+    group = random_group(97, 14, [6], seed=2)
+    with float64_internals(), torch.no_grad():
+        got, = ls.Engine(model, ls.ExecConfig(chunk_size=5)).score(group)
+        torch.testing.assert_close(got, hf_full_logprobs(model, group.prompt, group.responses[0]), rtol=0, atol=1e-10)
