@@ -191,3 +191,26 @@ def naive_ssd_scan(x, dt, a, b, c, initial_state=None):
         state = torch.exp(dt[i] * a)[:, None, None] * state + (dt[i][:, None] * x[i])[:, :, None] * b[i][:, None, :]
         outs.append(torch.einsum("hpn,hn->hp", state, c[i]))
     return (torch.stack(outs) if outs else x.new_zeros(0, h, p)), state
+
+
+def naive_kda(q, k, v, g, beta, initial_state=None, use_qk_l2norm=True):
+    """Kimi Delta Attention token by token, in the inputs' dtype (HF's recurrent form):
+    S' = diag(e^g_t) S, u = beta (v - S'^T k), S = S' + k u^T, o = S^T q.
+
+    q, k, g [T, H, Dk], v [T, H, Dv], beta [T, H], initial_state [H, Dk, Dv] or None;
+    q, k L2-normalised (eps 1e-6 inside the sqrt) when use_qk_l2norm, q scaled by Dk^-1/2.
+    Returns (out [T, H, Dv], final_state [H, Dk, Dv])."""
+    t, h, dv = v.shape
+    dk = k.shape[-1]
+    if use_qk_l2norm:
+        q = q / torch.sqrt((q * q).sum(-1, keepdim=True) + 1e-6)
+        k = k / torch.sqrt((k * k).sum(-1, keepdim=True) + 1e-6)
+    q = q / dk ** 0.5
+    state = v.new_zeros(h, dk, dv) if initial_state is None else initial_state.to(v.dtype)
+    outs = []
+    for i in range(t):
+        state = state * torch.exp(g[i])[:, :, None]
+        delta = (v[i] - torch.einsum("hk,hkv->hv", k[i], state)) * beta[i][:, None]
+        state = state + k[i][:, :, None] * delta[:, None, :]
+        outs.append(torch.einsum("hk,hkv->hv", q[i], state))
+    return (torch.stack(outs) if outs else v.new_zeros(0, h, dv)), state
