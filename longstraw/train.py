@@ -52,10 +52,10 @@ from longstraw.group import BatchTotals, Group
 from longstraw.measure import peak_rss_bytes
 from longstraw.parallel.context import check_replicas
 from longstraw.tasks import KVRecall, ToolLookup, Vocab
+from longstraw.tasks.episodes import TASKS, episode_kwargs, evaluate
 from longstraw.tiny import tiny_model
 
 ARMS = ("detached", "exact")
-TASKS = ("kv_recall", "tool_lookup")
 
 # The CLI default's model, as data: a Qwen3-shaped dense model shrunk from
 # longstraw.tiny's preset so an RL step at P = 16K takes seconds on one CPU thread;
@@ -80,9 +80,8 @@ class TrainConfig:
 
     # -- the task ---------------------------------------------------------------
     task_name: str = "kv_recall"
-    """"kv_recall" (answer from the prompt) or "tool_lookup" (an agent episode: read the
-    record's id from the prompt, call the lookup tool, answer; rollouts go through
-    `environment=`). The flag is --task."""
+    """"kv_recall", or "tool_lookup" (an agent episode: read the record's id in the prompt,
+    call the lookup tool, answer; rollouts go through `environment=`). The flag is --task."""
     prompt_tokens: int = 16384
     """P of the RL prompts and of the held-out evaluation."""
     num_facts: int = 4
@@ -216,8 +215,7 @@ _AGENT_WARM_FIELDS = ("task_name", "num_answers")  # in the key only for the age
 
 
 def warm_start(model, cfg: TrainConfig) -> dict:
-    """Supervised phase at short context: cross-entropy on the ideal response (teacher
-    forcing; kv_recall: answer + EOS; tool_lookup: both turns, not the observation).
+    """Supervised phase at short context: cross-entropy on the ideal response's own tokens (teacher forcing).
 
     Returns metrics (final loss, time). Uses train-split items of the task at short
     lengths (disjoint from every held-out prompt by split, and from the RL prompts by
@@ -271,30 +269,6 @@ def warm_model(cfg: TrainConfig):
 
 # ----------------------------------------------------------------------------
 # evaluation
-
-
-def episode_kwargs(task: KVRecall | ToolLookup, item) -> dict:
-    """`engine.generate`'s keywords for one episode of `task`: its response budget and
-    eos, and for the agent task its environment (the tool) and turns."""
-    kw = dict(max_new_tokens=task.response_tokens, eos_token_id=Vocab.EOS)
-    env = task.environment(item)
-    return kw if env is None else dict(kw, environment=env, max_turns=task.max_turns)
-
-
-def evaluate(engine: Engine, task: KVRecall | ToolLookup, n: int, *, split: str = "heldout") -> dict:
-    """Greedy decoding on n items of `split`: accuracy (exact match) and mean reward.
-    Held-out: its first n items. Train (pilots only): items from 10**6 on, which no run
-    of under a million prompts trains on."""
-    hits, total = 0, 0.0
-    first = 0 if split == "heldout" else 10**6
-    for i in range(first, first + n):
-        item = task.item(split, i)
-        r = engine.generate(item.prompt, num_samples=1, temperature=0.0, **episode_kwargs(task, item)).responses[0]
-        score = task.reward(item, r)
-        hits += score == 1.0  # exact match
-        total += score
-    pre = "heldout" if split == "heldout" else f"eval_{split}"
-    return {f"{pre}_accuracy": hits / n, f"{pre}_reward": total / n, f"{pre}_n": n}
 
 
 def _save(path: str, model, optimizer, step: int, cfg: TrainConfig, nonfinite: dict) -> None:
