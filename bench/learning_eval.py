@@ -23,9 +23,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import torch  # noqa: E402
 
 import longstraw as ls  # noqa: E402
-from longstraw.tasks import Vocab, exact_match  # noqa: E402
 from bench.learning.arms import LearningConfig as TrainConfig  # noqa: E402  (the hybrid preset too)
-from longstraw.train import warm_model  # noqa: E402
+from longstraw.train import episode_kwargs, warm_model  # noqa: E402
 
 
 def sampled_eval(model, cfg: TrainConfig, n: int, first: int = 0, sampled: bool = True) -> dict:
@@ -36,14 +35,13 @@ def sampled_eval(model, cfg: TrainConfig, n: int, first: int = 0, sampled: bool 
     rewards, greedy = [], []
     for i in range(first, first + n):
         item = task.item("heldout", i)
+        kw = episode_kwargs(task, item)  # the agent task: its tool as the environment
         if sampled:
-            ro = engine.generate(item.prompt, num_samples=cfg.group_size, max_new_tokens=cfg.num_queries + 1,
-                                 temperature=cfg.temperature, eos_token_id=Vocab.EOS,
-                                 generator=torch.Generator().manual_seed(10_000 + i))
+            ro = engine.generate(item.prompt, num_samples=cfg.group_size, temperature=cfg.temperature,
+                                 generator=torch.Generator().manual_seed(10_000 + i), **kw)
             rewards += [task.reward(item, r) for r in ro.responses]
-        g = engine.generate(item.prompt, num_samples=1, max_new_tokens=cfg.num_queries + 1, temperature=0.0,
-                            eos_token_id=Vocab.EOS).responses[0]
-        greedy.append(exact_match(item.answer, g))
+        g = engine.generate(item.prompt, num_samples=1, temperature=0.0, **kw).responses[0]
+        greedy.append(task.reward(item, g) == 1.0)  # exact match
     return {"sampled_reward": sum(rewards) / len(rewards) if rewards else None, "greedy_accuracy": sum(greedy) / n,
             "first_item": first, "prompts": n, "samples_per_prompt": cfg.group_size, "temperature": cfg.temperature}
 

@@ -225,24 +225,28 @@ def field_docs(cls) -> dict[str, str]:
     return docs
 
 
+_TRAIN_ALIASES = {"task_name": ["--task"]}  # TrainConfig.task() is a method, so the field is task_name
+
+
 def _add_train_parser(sub) -> None:
     from longstraw.train import TrainConfig
 
-    p = sub.add_parser("train", help="GRPO training loop on the long-context key-value task (tiny model, no download)",
+    p = sub.add_parser("train", help="GRPO training loop on a long-context task: key-value recall, or the tool-lookup "
+                                     "agent task (--task tool_lookup) (tiny model, no download)",
                        description="Warm start, then GRPO at long P with engine.generate + engine.step; logs "
                                    "JSONL to --out-dir, checkpoints and resumes. See docs/learning.md.")
     p.add_argument("--config", default=None, help="JSON file of TrainConfig fields; flags override it")
     docs = field_docs(TrainConfig)
     for f in dataclasses.fields(TrainConfig):
         doc = docs.get(f.name, "")
-        flag = "--" + f.name.replace("_", "-")
+        flags = ["--" + f.name.replace("_", "-")] + _TRAIN_ALIASES.get(f.name, [])
         kind = f.type if isinstance(f.type, str) else f.type.__name__
         if kind == "bool":
-            p.add_argument(flag, dest=f.name, default=None, action=argparse.BooleanOptionalAction,
+            p.add_argument(*flags, dest=f.name, default=None, action=argparse.BooleanOptionalAction,
                            help=f"{doc} (default {f.default})".strip())
         else:
             cast = {"int": int, "float": float}.get(kind.split(" |")[0], str)
-            p.add_argument(flag, dest=f.name, default=None, type=cast, help=f"{doc} (default {f.default})".strip())
+            p.add_argument(*flags, dest=f.name, default=None, type=cast, help=f"{doc} (default {f.default})".strip())
 
 
 def _add_demo_parser(sub) -> None:

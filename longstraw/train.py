@@ -51,7 +51,8 @@ from longstraw.errors import NonFiniteError
 from longstraw.group import BatchTotals, Group
 from longstraw.measure import peak_rss_bytes
 from longstraw.parallel.context import check_replicas
-from longstraw.tasks import KVRecall, Vocab, exact_match
+from longstraw.tasks import KVRecall, ToolLookup, Vocab
+from longstraw.tasks.episodes import TASKS, episode_kwargs, evaluate
 from longstraw.tiny import tiny_model
 
 ARMS = ("detached", "exact")
@@ -78,6 +79,9 @@ class TrainConfig:
     presets: ClassVar[dict] = MODEL_PRESETS
 
     # -- the task ---------------------------------------------------------------
+    task_name: str = "kv_recall"
+    """"kv_recall", or "tool_lookup" (an agent episode: read the record's id in the prompt,
+    call the lookup tool, answer; rollouts go through `environment=`). The flag is --task."""
     prompt_tokens: int = 16384
     """P of the RL prompts and of the held-out evaluation."""
     num_facts: int = 4
@@ -92,6 +96,8 @@ class TrainConfig:
     num_filler: int = 80
     records: bool = True
     """One record token per fact (a one-match lookup) instead of `FACT key value` (see tasks.Vocab)."""
+    num_answers: int = 8
+    """tool_lookup: the tool's answer tokens (>= num_values; chance for a blind answer: 1/num_answers)."""
     task_seed: int = 0
     """Selects the task's data streams (train and held-out are disjoint for any seed)."""
 
@@ -161,6 +167,8 @@ class TrainConfig:
     progress: bool = True
 
     def __post_init__(self):
+        if self.task_name not in TASKS:
+            raise ValueError(f"task must be one of {TASKS}, got {self.task_name!r}")
         if self.arm not in self.arms:
             raise ValueError(f"arm must be one of {self.arms}, got {self.arm!r}")
         if self.model not in self.presets:
@@ -176,9 +184,13 @@ class TrainConfig:
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
 
-    def task(self, prompt_tokens: int | None = None) -> KVRecall:
+    def task(self, prompt_tokens: int | None = None) -> KVRecall | ToolLookup:
         vocab = Vocab(num_values=self.num_values, num_keys=self.num_keys, num_filler=self.num_filler,
                       records=self.records)
+        if self.task_name == "tool_lookup":
+            return ToolLookup(prompt_tokens or self.prompt_tokens, num_facts=self.num_facts,
+                              fact_region=self.fact_region, vocab=vocab, num_answers=self.num_answers,
+                              seed=self.task_seed)
         return KVRecall(prompt_tokens or self.prompt_tokens, num_facts=self.num_facts, num_queries=self.num_queries,
                         fact_region=self.fact_region, vocab=vocab, seed=self.task_seed)
 
@@ -191,17 +203,19 @@ def build_model(cfg: TrainConfig):
     """The preset model of cfg with random weights (seed cfg.model_seed)."""
     family, overrides = cfg.presets[cfg.model]
     dtype = getattr(torch, cfg.dtype)
-    max_pos = max(cfg.prompt_tokens, cfg.warm_prompt_tokens) + cfg.num_queries + 64
-    return tiny_model(family, dtype=dtype, seed=cfg.model_seed, vocab_size=cfg.task().vocab.size,
+    task = cfg.task()
+    max_pos = max(cfg.prompt_tokens, cfg.warm_prompt_tokens) + task.response_tokens - 1 + 64
+    return tiny_model(family, dtype=dtype, seed=cfg.model_seed, vocab_size=task.vocab_size,
                       max_position_embeddings=max_pos, **overrides)
 
 
 _WARM_FIELDS = ("model", "dtype", "model_seed", "warm_steps", "warm_prompt_tokens", "warm_min_prompt_tokens",
                 "warm_batch", "warm_lr", "num_facts", "num_queries", "fact_region", "num_values", "num_keys", "num_filler", "records", "task_seed")
+_AGENT_WARM_FIELDS = ("task_name", "num_answers")  # in the key only for the agent task (kv_recall's keys stay)
 
 
 def warm_start(model, cfg: TrainConfig) -> dict:
-    """Supervised phase at short context: cross-entropy on answer + EOS (teacher forcing).
+    """Supervised phase at short context: cross-entropy on the ideal response's own tokens (teacher forcing).
 
     Returns metrics (final loss, time). Uses train-split items of the task at short
     lengths (disjoint from every held-out prompt by split, and from the RL prompts by
@@ -213,15 +227,17 @@ def warm_start(model, cfg: TrainConfig) -> dict:
     tasks = [cfg.task(p) for p in lengths + [cfg.warm_prompt_tokens]]
     opt = torch.optim.Adam(model.parameters(), lr=cfg.warm_lr)
     t0, loss = time.perf_counter(), torch.tensor(float("nan"))
-    n = cfg.num_queries + 1
+    n = tasks[0].response_tokens
     for s in range(cfg.warm_steps):
         first = 2 * cfg.warm_steps // 3
         task = tasks[0] if s < first or len(tasks) == 1 else tasks[1 + (s - first) % (len(tasks) - 1)]
         items = [task.item("train", s * cfg.warm_batch + b) for b in range(cfg.warm_batch)]
         ids = torch.stack([torch.cat([it.prompt, it.target[:-1]]) for it in items])  # (B, P + n - 1)
         targets = torch.stack([it.target for it in items])  # (B, n)
+        mask = torch.stack([it.target_mask for it in items]).reshape(-1)  # (B * n,): the policy's tokens
         logits = model(ids, logits_to_keep=n).logits  # (B, n, V)
-        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), targets.reshape(-1))
+        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1])[mask].float(),
+                                                 targets.reshape(-1)[mask])
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
@@ -230,8 +246,8 @@ def warm_start(model, cfg: TrainConfig) -> dict:
 
 
 def _warm_key(cfg: TrainConfig) -> str:
-    blob = json.dumps({"preset": cfg.presets[cfg.model], **{k: getattr(cfg, k) for k in _WARM_FIELDS}},
-                      sort_keys=True)
+    fields = _WARM_FIELDS + (_AGENT_WARM_FIELDS if cfg.task_name != "kv_recall" else ())
+    blob = json.dumps({"preset": cfg.presets[cfg.model], **{k: getattr(cfg, k) for k in fields}}, sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
@@ -253,22 +269,6 @@ def warm_model(cfg: TrainConfig):
 
 # ----------------------------------------------------------------------------
 # evaluation
-
-
-def evaluate(engine: Engine, task: KVRecall, n: int, *, split: str = "heldout") -> dict:
-    """Greedy decoding on n items of `split`: accuracy (exact match) and mean reward.
-    Held-out: its first n items. Train (pilots only): items from 10**6 on, which no run
-    of under a million prompts trains on."""
-    hits, total = 0, 0.0
-    first = 0 if split == "heldout" else 10**6
-    for i in range(first, first + n):
-        item = task.item(split, i)
-        r = engine.generate(item.prompt, num_samples=1, max_new_tokens=task.num_queries + 1, temperature=0.0,
-                            eos_token_id=Vocab.EOS).responses[0]
-        hits += exact_match(item.answer, r)
-        total += task.reward(item, r)
-    pre = "heldout" if split == "heldout" else f"eval_{split}"
-    return {f"{pre}_accuracy": hits / n, f"{pre}_reward": total / n, f"{pre}_n": n}
 
 
 def _save(path: str, model, optimizer, step: int, cfg: TrainConfig, nonfinite: dict) -> None:
@@ -303,7 +303,7 @@ class Run:
     """What a run holds between steps (the non-finite guard's counters included)."""
 
     cfg: TrainConfig
-    task: KVRecall
+    task: KVRecall | ToolLookup
     model: torch.nn.Module
     engine: Engine
     ref_engine: Engine | None
@@ -365,12 +365,12 @@ def _rollouts(run: Run, step: int, gen: torch.Generator) -> tuple[list, list]:
     items = [run.task.item("train", step * cfg.prompts_per_step + b) for b in range(cfg.prompts_per_step)]
     rollouts, groups = [], []
     for item in items:
-        ro = run.engine.generate(item.prompt, num_samples=cfg.group_size, max_new_tokens=cfg.num_queries + 1,
-                                 temperature=cfg.temperature, top_p=1.0, top_k=0, eos_token_id=Vocab.EOS,
-                                 generator=gen)  # `ro.state` serves the update
+        ro = run.engine.generate(item.prompt, num_samples=cfg.group_size, temperature=cfg.temperature, top_p=1.0,
+                                 top_k=0, generator=gen, **episode_kwargs(run.task, item))  # `ro.state` serves the update
         rewards = torch.tensor([run.task.reward(item, r) for r in ro.responses], dtype=torch.float64)
         rollouts.append(ro)
-        groups.append(Group(prompt=item.prompt, responses=ro.responses, rewards=rewards, old_logprobs=ro.logprobs))
+        groups.append(Group(prompt=item.prompt, responses=ro.responses, rewards=rewards, old_logprobs=ro.logprobs,
+                            loss_masks=ro.loss_masks))  # observations: context, no loss
     return rollouts, groups
 
 
@@ -385,8 +385,8 @@ def _reference_kl(run: Run, groups: list, rollouts: list) -> float | None:
         ref = run.ref_engine.score(grp, temperature=cfg.temperature)  # its own capture (other weights)
         if cfg.beta > 0:
             grp.ref_logprobs = ref
-        for lp, rlp in zip(ro.logprobs, ref):
-            d = rlp.double() - lp.double()
+        for lp, rlp, mask in zip(ro.logprobs, ref, ro.loss_masks):
+            d = (rlp.double() - lp.double())[mask]  # the policy's tokens (not an agent's observations)
             kls.append(torch.exp(d) - d - 1)  # k3 estimator of KL(policy || ref), per token
     return float(torch.cat(kls).mean())
 
@@ -419,6 +419,7 @@ def _step(run: Run, step: int, update, params: list) -> dict:
     run.optimizer.zero_grad(set_to_none=True)  # 3. the update
     totals = BatchTotals.of(groups)
     metrics = [update(run, grp, ro.state, run.grpo, totals) for grp, ro in zip(groups, rollouts)]
+    calls = sum(ro.metrics["environment_calls"] for ro in rollouts)
     del rollouts  # their prompt states: nothing after the update reads them (not the next capture)
     grad_norm, finite = _optimizer_step(run, params)
     if cfg.replica_check_every and (step + 1) % cfg.replica_check_every == 0:
@@ -437,6 +438,7 @@ def _step(run: Run, step: int, update, params: list) -> dict:
         "clip_fraction": sum(m.get("clip_fraction", 0.0) for m in metrics) / len(metrics),
         "skipped_zero_advantage": sum(m.get("skipped_zero_advantage", 0.0) for m in metrics),
         "kl_ref": kl, "grad_norm": float(grad_norm), "response_tokens": resp_tokens,
+        "environment_calls": calls,
         "nonfinite_grad": float(not finite), "nonfinite_in_row": run.nonfinite["in_row"],
         "nonfinite_steps": run.nonfinite["total"],
         "tokens_per_s": (cfg.prompts_per_step * cfg.prompt_tokens + resp_tokens) / (t_upd - t_start),
@@ -495,4 +497,4 @@ def config_from_args(values: dict, config_file: str | None = None, cls: type = T
 
 
 __all__ = ["TrainConfig", "train", "warm_model", "load_checkpoint", "write_atomic", "warm_start", "build_model",
-           "evaluate", "engine_update", "config_from_args", "MODEL_PRESETS", "ARMS"]
+           "evaluate", "engine_update", "config_from_args", "episode_kwargs", "MODEL_PRESETS", "ARMS", "TASKS"]

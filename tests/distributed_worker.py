@@ -230,6 +230,43 @@ def run_generate(rank: int, world: int, init_file: str, cases: list[str]) -> Non
                 assert_grads_close(grads_of(model), grads, 1e-9)
     finally:
         dist.destroy_process_group()
+def _episode_env(branch: int, response: torch.Tensor) -> torch.Tensor:
+    """Deterministic: 2 + branch observation tokens made from the response so far."""
+    base = int(response.sum()) + 7 * branch
+    return torch.tensor([(base + 13 * j) % 97 for j in range(2 + branch)], dtype=torch.long)
+
+
+def run_episode(rank: int, world: int, init_file: str, cases: list[str]) -> None:
+    """Agent episodes under context parallelism: greedy generate with a deterministic
+    environment, and then with `prefix=` from the rollout's (sharded) state, equals one
+    process token for token, log-probs to 1e-9, masks and turns identical."""
+    _init(rank, world, init_file)
+    try:
+        prompt = random_group(97, 23, [1], seed=3).prompt
+        exec_kw = dict(chunk_size=6, attention_block_size=4, shard_block_size=3)
+        prefix = torch.tensor([11, 3, 50, 8])
+        for name in cases:
+            model = CASES[name]()
+            with float64_hybrid(model) if name == "hybrid" else _null():
+                engines = [ls.Engine(model, ls.ExecConfig(context_parallel=cp, **exec_kw)) for cp in (False, True)]
+                eos = int(engines[0].generate(prompt, num_samples=1, max_new_tokens=3, temperature=0).responses[0][-1])
+                kw = dict(num_samples=3, max_new_tokens=16, temperature=0, eos_token_id=eos)
+                single, sharded = (e.generate(prompt, environment=_episode_env, max_turns=2, **kw) for e in engines)
+                assert sum(sharded.turns) >= 3, (name, sharded.turns)  # the environment was called
+                forks = [e.generate(prompt, prefix=prefix, prefix_loss_mask=torch.tensor([True, False, True, True]),
+                                    state=ro.state, environment=_episode_env, max_turns=1, **kw)
+                         for e, ro in ((engines[0], single), (engines[1], sharded))]
+                for want, got in ((single, sharded), tuple(forks)):
+                    assert want.turns == got.turns, (name, want.turns, got.turns)
+                    for a, b, la, lb, ma, mb in zip(want.responses, got.responses, want.logprobs, got.logprobs,
+                                                    want.loss_masks, got.loss_masks):
+                        assert torch.equal(a, b), (name, rank, a.tolist(), b.tolist())
+                        assert torch.equal(ma, mb), (name, rank, ma.tolist(), mb.tolist())
+                        assert (la - lb).abs().max() <= 1e-9, (name, rank, la, lb)
+    finally:
+        dist.destroy_process_group()
+
+
 def bad_group_on_one_rank(rank: int, world: int, init_file: str, flag_dir: str) -> None:
     """Rank 1's group has an out-of-vocabulary token, so its validation fails; every rank
     must raise a LongStrawError together, without waiting out the process-group timeout."""

@@ -75,6 +75,27 @@ def test_train_flags_carry_their_fields_docstrings(capsys):
     assert "estimated on (0: all of them)" in out
 
 
+def test_train_runs_the_agent_task_through_its_environment(tmp_path, capsys):
+    """`longstraw train --task tool_lookup` trains on agent episodes: the log counts the
+    tool calls its rollouts made through engine.generate(environment=)."""
+    import json
+
+    from longstraw.cli import main
+
+    out = tmp_path / "run"
+    flags = ["--task", "tool_lookup", "--prompt-tokens", "24", "--num-facts", "2", "--num-values", "2",
+             "--num-answers", "2", "--num-keys", "2", "--num-filler", "4", "--warm-steps", "40",
+             "--warm-min-prompt-tokens", "16", "--warm-prompt-tokens", "16", "--warm-batch", "8", "--warm-lr", "0.01",
+             "--steps", "2", "--group-size", "4", "--eval-every", "2", "--eval-prompts", "2", "--chunk-size", "8",
+             "--no-log-kl", "--no-progress", "--threads", "1", "--out-dir", str(out)]
+    assert main(["train", *flags]) == 0
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    log = [json.loads(line) for line in open(out / "log.jsonl")]
+    assert json.load(open(out / "config.json"))["task_name"] == "tool_lookup"
+    assert summary["environment_calls"] == log[-1]["environment_calls"]
+    assert sum(r["environment_calls"] for r in log[1:]) > 0
+
+
 def test_plan_command_runs_without_torch():
     """`longstraw plan` imports no torch: run it with torch blocked."""
     import subprocess

@@ -10,7 +10,7 @@ import torch
 
 import longstraw as ls
 from bench.learning.arms import LearningConfig, full_sequence_step
-from longstraw.train import TrainConfig, build_model, train
+from longstraw.train import TrainConfig, build_model, engine_update, train
 
 from .reference import float64_hybrid, float64_norms
 
@@ -273,3 +273,63 @@ def test_a_restart_before_the_first_checkpoint_starts_the_log_afresh(tmp_path, m
     assert [r["step"] for r in _log(tmp_path)] == [0, 1, 2] and not (tmp_path / "checkpoint.pt").exists()
     train(TrainConfig(**base))
     assert [r["step"] for r in _log(tmp_path)] == [0, 1, 2]
+
+
+# ----------------------------------------------------------------------------
+# the agent task: rollouts go through `environment=`, observations are masked
+
+AGENT = dict(EASY, task_name="tool_lookup", prompt_tokens=24, num_facts=2, num_values=2, num_answers=2, num_keys=2,
+             group_size=4, prompts_per_step=2, log_kl=True, warm_steps=40, warm_min_prompt_tokens=16,
+             warm_prompt_tokens=16, warm_batch=8, warm_lr=1e-2)
+
+
+def test_the_agent_task_trains_through_the_environment(tmp_path, monkeypatch):
+    """Every rollout and evaluation episode calls the task's tool through
+    engine.generate(environment=); the update's groups carry the rollout's loss masks
+    (False exactly at the observation); the log counts the calls."""
+    from longstraw.tasks import ToolLookup
+
+    made, calls, groups = [], [], []
+    real = ToolLookup.environment
+
+    def environment(self, item):
+        env = real(self, item)
+        made.append(item)
+        return lambda i, r: calls.append(r.tolist()) or env(i, r)
+
+    def update(run, group, state, grpo, totals):
+        groups.append(group)
+        return engine_update(run, group, state, grpo, totals)
+
+    monkeypatch.setattr(ToolLookup, "environment", environment)
+    summary = train(TrainConfig(**AGENT, steps=2, eval_every=2, out_dir=str(tmp_path / "run")), update=update)
+    assert len(made) == 2 * 2 + 2 * 4  # 2 steps x 2 prompts, and 2 evaluations (warm start, step 2) x 4 prompts
+    log = _log(tmp_path / "run")
+    assert sum(r["environment_calls"] for r in log[1:]) > 0 and summary["environment_calls"] == log[-1]["environment_calls"]
+    assert len(calls) >= sum(r["environment_calls"] for r in log[1:])  # rollouts' calls (evaluation's besides)
+    for group in groups:
+        assert group.loss_masks is not None
+        for r, m in zip(group.responses, group.loss_masks):
+            obs = torch.zeros_like(m)
+            if r.numel() > 2 and int(r[1]) == 1 and int(r[2]) == 4:  # id EOS RESULT answer ..: the tool answered
+                obs[2:4] = True
+            assert torch.equal(m, ~obs), (r.tolist(), m.tolist())
+    assert any(not bool(m.all()) for g in groups for m in g.loss_masks)  # observations were masked
+
+
+def test_a_bad_tool_output_stops_the_agent_task_before_the_update(tmp_path, monkeypatch):
+    """A tool returning ids outside the vocabulary (or no tensor) raises EpisodeError from
+    the rollout: no update runs and no .grad is written."""
+    from longstraw.tasks import ToolLookup
+    from longstraw.train import build_model as build
+
+    for bad, match in ((torch.tensor([4, 10**6]), "outside the vocabulary"), ([4, 9], "LongTensor")):
+        monkeypatch.setattr(ToolLookup, "environment", lambda self, item, bad=bad: (lambda i, r: bad))
+        steps = []
+        cfg = TrainConfig(**dict(AGENT, warm_steps=0, log_kl=False), steps=1, out_dir=str(tmp_path / "bad"),
+                          resume=False)
+        with pytest.raises(ls.EpisodeError, match=match):
+            train(cfg, update=lambda *a: steps.append(1))
+        assert steps == []
+    model = build(cfg)
+    assert all(p.grad is None for p in model.parameters())

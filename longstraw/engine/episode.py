@@ -9,8 +9,10 @@ next token; a step samples every live branch, then
         [eos, obs...] runs the capture path into branch i's own state only, against the
         read-only prompt state (`absorb`), and its last row gives branch i's next logits
     otherwise: the branch decodes on; the live branches decode together, one token each,
-        one call per position they stand at (`decode_step`; branches stay in step until
-        one absorbs an observation)
+        in ONE call whatever positions they stand at (`decode_live`: per-branch position
+        ids, RoPE and own-cache lengths; branches drift apart when one absorbs an
+        observation). Its naive twin `decode_live_grouped` makes one call per distinct
+        position (the reference the tests compare against).
 
 A `prefix` is absorbed the same way, once, into branch 0 ([prompt[-1], prefix...]) and
 copied to every branch: its rows' logits give the prefix tokens' log-probs.
@@ -93,10 +95,42 @@ def absorb(engine, state, branches, i: int, tokens: torch.Tensor, position: int)
     return hidden
 
 
-def decode_step(engine, state, branches, tokens: torch.Tensor, rows: list[int], position: int) -> torch.Tensor:
-    """One token for each branch in `rows` (tokens [B]), all at `position`. Returns hidden [B, d]."""
+def decode_step(engine, state, branches, tokens: torch.Tensor, rows: list[int], position: int,
+                positions: list[int] | None = None) -> torch.Tensor:
+    """One token for each branch in `rows` (tokens [B]), all at `position` or each at its
+    own `positions` [B] (`position` then their least). Returns hidden [B, d]."""
     return engine.adapter.run(tokens, position, [state], phase=Phase.DECODE,
-                              block_size=engine.config.attention_block_size, branches=branches, rows=rows)
+                              block_size=engine.config.attention_block_size, branches=branches, rows=rows,
+                              positions=positions)
+
+
+def decode_live(engine, state, branches, going: list, rec: "Branches", logits: torch.Tensor) -> None:
+    """The live branches' next token, [(branch, token)], in ONE decode call, each branch at
+    its own position; writes their next logits into logits [G, V] and advances rec.fed."""
+    _decode_call(engine, state, branches, going, rec, logits)
+
+
+def _decode_call(engine, state, branches, going: list, rec: "Branches", logits: torch.Tensor) -> None:
+    if not going:
+        return
+    device = engine.adapter.device
+    rows = [i for i, _ in going]
+    positions = [branches.start + rec.fed[i] for i in rows]
+    ids = torch.tensor([t for _, t in going], dtype=torch.long, device=device)
+    hidden = decode_step(engine, state, branches, ids, rows, min(positions), positions)
+    logits[torch.tensor(rows, device=device)] = engine.adapter.lm_head(hidden).to(logits.dtype)
+    for i in rows:
+        rec.fed[i] += 1
+
+
+def decode_live_grouped(engine, state, branches, going: list, rec: "Branches", logits: torch.Tensor) -> None:
+    """`decode_live`'s naive twin: one decode call per distinct position the live branches
+    stand at (branches of one call hold the same rows)."""
+    at = {}
+    for i, token in going:
+        at.setdefault(rec.fed[i], []).append((i, token))
+    for _, group in sorted(at.items()):
+        _decode_call(engine, state, branches, group, rec, logits)
 
 
 # ----------------------------------------------------------------------------
@@ -163,9 +197,12 @@ def take_turn(engine, state, branches, i: int, sampling, episode: EpisodeConfig,
 
 
 @torch.no_grad()
-def run_episodes(engine, state, prompt, sampling, episode: EpisodeConfig, generator, progress, sample_tokens):
+def run_episodes(engine, state, prompt, sampling, episode: EpisodeConfig, generator, progress, sample_tokens,
+                 decode=None):
     """Decode G branches from a captured prompt state, with `episode`'s environment and
-    prefix. Returns (responses, logprobs, loss_masks, turns, metrics)."""
+    prefix; `decode` steps the live branches (default `decode_live`; `decode_live_grouped`
+    is its naive twin). Returns (responses, logprobs, loss_masks, turns, metrics)."""
+    decode = decode_live if decode is None else decode
     adapter, g, n = engine.adapter, sampling.num_samples, sampling.max_new_tokens
     device = adapter.device
     branches = adapter.new_branch_state(state, g, n + 1)  # row 0 is the prompt's last token
@@ -200,15 +237,7 @@ def run_episodes(engine, state, prompt, sampling, episode: EpisodeConfig, genera
                     logits[i] = after
             else:
                 going.append((i, token))
-        at = {}
-        for i, token in going:  # one call per position the live branches stand at
-            at.setdefault(rec.fed[i], []).append((i, token))
-        for position, group in sorted(at.items()):
-            ids = torch.tensor([t for _, t in group], dtype=torch.long, device=device)
-            hidden = decode_step(engine, state, branches, ids, [i for i, _ in group], branches.start + position)
-            logits[torch.tensor([i for i, _ in group], device=device)] = adapter.lm_head(hidden).to(logits.dtype)
-            for i, _ in group:
-                rec.fed[i] += 1
+        decode(engine, state, branches, going, rec, logits)  # one call, each branch at its own position
     dtype = logits.dtype if logits.dtype == torch.float64 else torch.float32
     responses = [torch.tensor(t, dtype=torch.long, device=device) for t in rec.tokens]
     logprobs = [torch.tensor(lp, dtype=dtype, device=device) for lp in rec.logps]

@@ -123,15 +123,18 @@ def merge_shard(out, lse, segment):
 def _decode_attention(module, query, key, value, call: AttentionCall, scale: float, *, sliding_window, dropout,
                       sinks=None):
     """Phase DECODE: query [B, H, 1, D], key/value [B, Hkv, 1, D] of the new tokens of
-    the B branches `call.rows` (None: all G). Returns ([B, 1, H, Dv], None)."""
+    the B branches `call.rows` (None: all G), each at its own position (`call.decode_positions`).
+    Returns ([B, 1, H, Dv], None)."""
     own: BranchKV = call.branches.layers[module.layer_idx]
     assert own.window == sliding_window, f"layer {module.layer_idx}: {own.window} != {sliding_window}"
     own.append(key, value, call.rows)
-    own_k, own_v = own.keys(call.rows)
+    own_k, own_v = own.keys(call.rows)  # (B, Hkv, n, D): n the longest branch's rows
+    lengths = torch.tensor(own.lengths_of(call.rows), device=query.device)  # (B,)
     prefixes = [layer.segment(until=own.start) for layer in staged_layers(call.states, module.layer_idx, own.start)]
     out = decode_attention(query[:, :, 0], own_k, own_v, own_start=own.start, prefixes=prefixes,
-                           q_position=call.start, scale=scale, window=sliding_window, block_size=call.block_size,
-                           reduce_shard=merge_shard, sinks=sinks)  # (G, H, Dv)
+                           q_position=call.decode_positions(), scale=scale, window=sliding_window,
+                           block_size=call.block_size, reduce_shard=merge_shard, own_lengths=lengths,
+                           sinks=sinks)  # (G, H, Dv)
     return out[:, None], None
 
 

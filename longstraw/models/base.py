@@ -192,7 +192,7 @@ class Adapter:
 
     def run(self, input_ids: torch.Tensor, start: int, states: list[PromptState], *, phase: Phase | str,
             block_size: int, branches: BranchState | None = None, rows: list[int] | None = None,
-            divided: Divided | DividedChunk | None = None) -> torch.Tensor:
+            divided: Divided | DividedChunk | None = None, positions: list[int] | None = None) -> torch.Tensor:
         """Run tokens input_ids [T] at positions start .. start+T-1 against `states`
         (stacked, earliest first: the prompt state, then any earlier branch pieces).
         `phase` is a `routing.Phase` (or its name as a string):
@@ -201,9 +201,10 @@ class Adapter:
         REPLAY: only read the states.
         RECOMPUTE: read what lies before `start` and record the chunk's own state tensors
         with their accumulated gradients in `states[-1].seeds`.
-        DECODE: input_ids [G] are one token per branch, all at position `start`; they read
-        `states` and append to `branches` (the caller holds no_grad). `rows`: the branches
-        run (input_ids then [len(rows)]), None: all G.
+        DECODE: input_ids [G] are one token per branch, all at position `start`, or each at
+        its own, `positions` [G] (`start` then their least); they read `states` and append
+        to `branches` (the caller holds no_grad). `rows`: the branches run (input_ids then
+        [len(rows)]), None: all G.
         DIVIDED: input_ids [N] are this rank's own prompt positions (`divided`, a
         `routing.Divided`), the whole prompt at once, layer by layer (the caller holds
         no_grad); they append to states[-1]. RECOMPUTE with `divided` (a
@@ -213,7 +214,11 @@ class Adapter:
         ready for the lm_head.
         """
         phase = Phase(phase)
-        positions = divided.positions(input_ids.device) if divided is not None else None
+        if divided is not None:
+            positions = divided.positions(input_ids.device)
+        elif positions is not None:
+            assert phase is Phase.DECODE and len(positions) == input_ids.shape[0], "positions: one per decoded branch"
+            positions = None if len(set(positions)) == 1 else torch.tensor(positions, device=input_ids.device)
         call = AttentionCall(states=states, start=start, phase=phase, block_size=block_size, branches=branches,
                              rows=rows, positions=positions, divided=divided)
         pieces = chunked_mlps(self.backbone.layers, divided.chunk_size) if phase is Phase.DIVIDED \

@@ -298,7 +298,7 @@ def _mla_decode(module, spec, a: Absorbed, call, prev_indices):
     indexer = getattr(module, "indexer", None)
     h, g = a.q_full.shape[0], a.x.shape[0]
     o_lat, indices = mla_decode(a.q_full.transpose(0, 1), a.k_new, call.branches.layers[module.layer_idx], layers[0],
-                                position=call.start, rows=call.rows, scale=module.scaling, rank=module.kv_lora_rank,
+                                position=call.decode_positions(), rows=call.rows, scale=module.scaling, rank=module.kv_lora_rank,
                                 block_size=call.block_size, topk=_topk(module, spec),
                                 index_inputs=_index_inputs(module, spec, a),
                                 index_topk_scale=None if indexer is None else indexer.softmax_scale,

@@ -51,13 +51,15 @@ def prompt_candidates(index_q, weights, prompt_index, until: int, topk: int, sca
 
 
 @torch.no_grad()
-def decode_topk(index_q, weights, prompt_index, own_keys, own_start: int, topk: int, scale: float):
-    """DSA selection for G branch queries at position own_start + n - 1.
+def decode_topk(index_q, weights, prompt_index, own_keys, own_start: int, topk: int, scale: float,
+                own_lengths: torch.Tensor | None = None):
+    """DSA selection for G branch queries, branch b's at position own_start + own_lengths[b] - 1.
 
     Args:
         index_q: [G, Hi, Di] indexer queries; weights: [G, Hi] (HF's n_heads**-0.5 included).
         prompt_index: the prompt's `IndexKeys` (shared by every branch).
-        own_keys: [G, n, Di] each branch's own indexer keys, the current token's last.
+        own_keys: [G, n, Di] each branch's own indexer keys, the current token's at row
+            own_lengths[b] - 1 (None: every branch holds n, the current token's last).
     Returns:
         LongTensor [G, topk] absolute positions, best first, ties to the lower position, -1 padded.
     """
@@ -66,13 +68,16 @@ def decode_topk(index_q, weights, prompt_index, own_keys, own_start: int, topk: 
     own = torch.relu(torch.einsum("ghd,gnd->ghn", q, own_keys.float()) * scale)
     own_sc = torch.einsum("gh,ghn->gn", weights.float(), own)  # (G, n)
     own_pos = torch.arange(own_start, own_start + own_keys.shape[1], device=q.device).expand(q.shape[0], -1)
+    if own_lengths is not None:  # rows past a branch's own length are empty slots (-1)
+        own_pos = torch.where(own_pos < own_start + own_lengths[:, None], own_pos, -1)
     return select_candidates(torch.cat([cand_sc, own_sc], dim=1), torch.cat([cand, own_pos], dim=1), topk)
 
 
-def _sparse_decode(q, own: BranchLatent, prompt: MLAState, indices, scale: float, rank: int, rows=None):
+def _sparse_decode(q, own: BranchLatent, prompt: MLAState, indices, scale: float, rank: int, rows=None,
+                   lengths=None):
     """Absorbed attention of q [G, H, D] over the selected rows (indices [G, K]) of the
     prompt's latent (gathered per branch; merged across ranks when sharded) and of each
-    branch's own rows. Returns [G, H, R]."""
+    branch's own rows (lengths [G] of them filled). Returns [G, H, R]."""
     kv = prompt.latent
     seg = kv.segment(until=own.start)
     rows_k = seg.k[0]  # (S_local, D)
@@ -90,6 +95,8 @@ def _sparse_decode(q, own: BranchLatent, prompt: MLAState, indices, scale: float
         out, lse = merge_shard(out, lse, seg)
     own_rows = own.filled(rows)  # (G, n, D)
     own_pos = torch.arange(own.start, own.start + own_rows.shape[1], device=q.device)
+    if lengths is not None:  # rows past a branch's length are uninitialised: never selected, and zeroed (0 * NaN)
+        own_rows = own_rows.masked_fill((own_pos[None] >= own.start + lengths[:, None])[..., None], 0)
     chosen = (indices[:, :, None] == own_pos[None, None, :]).any(1)  # (G, n)
     out_b, lse_b = gathered_partial(q, own_rows, own_rows[..., :rank], chosen, scale)
     return merge_partials(out, lse, out_b, lse_b)
@@ -104,7 +111,8 @@ def mla_decode(q, k_new, own: BranchLatent, prompt: MLAState, *, position: int, 
         q: [G, H, D] absorbed queries; k_new: [G, D] the new latent rows (latent | rope key).
         own: the branches' own rows of this layer (the new rows are appended here).
         prompt: the prompt's `MLAState` of this layer (read only).
-        position: absolute position of the new tokens. rank: kv_lora_rank R.
+        position: absolute position of the new tokens (an int, or LongTensor [G] each
+            branch's own). rank: kv_lora_rank R.
         topk: the layer's DSA top-k (None: no DSA). index_inputs: (index_q [G, Hi, Di],
             new index keys [G, Di], weights [G, Hi]) for a layer with its own indexer.
         prev_indices: the previous layer's selection [G, K] (GLM-5 "shared" layers).
@@ -113,18 +121,21 @@ def mla_decode(q, k_new, own: BranchLatent, prompt: MLAState, *, position: int, 
         (o_lat [G, H, R] in q's dtype, indices [G, K] or None).
     """
     own.append(k_new, None if index_inputs is None else index_inputs[1], rows)
+    lengths = torch.tensor(own.lengths_of(rows), device=q.device)  # (G,)
     indices = None
-    if topk is not None and topk < position + 1:  # the query sees more than top-k positions
+    last = int(position.max()) if isinstance(position, torch.Tensor) else position
+    if topk is not None and topk < last + 1:  # a query sees more than top-k positions (one that sees
+        # fewer selects every position it sees: the dense attention, gathered)
         if index_inputs is not None:
             index_q, _, weights = index_inputs
             indices = decode_topk(index_q, weights, prompt.index, own.filled_index_keys(rows), own.start, topk,
-                                  index_topk_scale)
+                                  index_topk_scale, lengths)
         else:
             indices = prev_indices
             assert indices is not None, "a shared DSA layer needs the previous layer's selection"
-        return _sparse_decode(q, own, prompt, indices, scale, rank, rows).to(q.dtype), indices
+        return _sparse_decode(q, own, prompt, indices, scale, rank, rows, lengths).to(q.dtype), indices
     own_k = own.filled(rows)[:, None]  # (G, 1, n, D): one (MQA) kv head
     out = decode_attention(q, own_k, own_k[..., :rank], own_start=own.start,
-                           prefixes=[prompt.latent.segment(until=position)], q_position=position, scale=scale,
-                           block_size=block_size, reduce_shard=merge_shard)
+                           prefixes=[prompt.latent.segment(until=own.start)], q_position=position, scale=scale,
+                           block_size=block_size, reduce_shard=merge_shard, own_lengths=lengths)
     return out, indices

@@ -69,9 +69,9 @@ class AttentionCall:
         block_size: prefix positions per attention block.
         branches: phase DECODE only: the G branches' own state.
         rows: phase DECODE only: the branches run, by index (None: all G, in order).
-            They stand at the same position `start` (so they hold the same rows).
         positions: the tokens' absolute positions [T] when they are not start.. (phase
-            DIVIDED: this rank's own positions).
+            DIVIDED: this rank's own positions; phase DECODE: each branch's [B], when
+            they do not all stand at `start`).
         divided: phase DIVIDED: a `Divided`; phase RECOMPUTE of a divided reverse walk: a
             `DividedChunk`; None otherwise.
     """
@@ -84,6 +84,11 @@ class AttentionCall:
     rows: list[int] | None = None
     positions: torch.Tensor | None = None
     divided: Divided | DividedChunk | None = None
+
+    def decode_positions(self):
+        """Phase DECODE: the branches' query positions, an int when all stand at `start`,
+        else a LongTensor [B]."""
+        return self.start if self.positions is None else self.positions
 
     def records_roots(self) -> bool:
         """Whether the chunk's own state tensors are recorded as roots of its graph
@@ -154,12 +159,13 @@ def run_backbone(backbone, config, input_ids: torch.Tensor, call: AttentionCall)
     """Run the model's own decoder stack.
 
     One sequence: input_ids [T] at positions start.. -> hidden [T, d].
-    Phase DECODE: input_ids [G], one token per branch, all at position start -> hidden [G, d].
+    Phase DECODE: input_ids [G], one token per branch, at position start (or each at
+    call.positions [G]) -> hidden [G, d].
     """
     decode = call.phase is Phase.DECODE
     if decode:
         ids = input_ids[:, None]  # (G, 1): a batch of G one-token sequences
-        positions = torch.full_like(ids, call.start)
+        positions = torch.full_like(ids, call.start) if call.positions is None else call.positions[:, None]
     elif call.positions is not None:
         ids, positions = input_ids[None], call.positions[None]  # (1, T)
     else:

@@ -14,8 +14,10 @@ position of the prompt's last token, which every branch feeds first). Branches a
 at their own pace (an agent episode absorbs an environment's observation into one branch
 as a chunk), so each keeps its own length: `lengths[i]` rows of branch i are filled.
 
-A decode step runs a subset of branches (`rows`, branch indices) that stand at the same
-position, hence hold the same number of rows. A chunk absorbed into ONE branch runs the
+A decode step runs a subset of branches (`rows`, branch indices), each at its own
+position: branch i's new token goes into its row `lengths[i]`, and readers take the
+rows up to the longest of them with each branch's `lengths` to mask the rest
+(`ops/decode_attention.py`). A chunk absorbed into ONE branch runs the
 capture path against the stacked states [prompt, `BranchState.view(i)`]: the view is a
 `PromptState` whose layers alias branch i's rows, so capture writes them in place
 (`BranchState.settle(i, view)` then records the new length and recurrent state).
@@ -51,19 +53,29 @@ class _Lengths:
 
     lengths: list
 
+    def lengths_of(self, rows: list[int] | None) -> list[int]:
+        """The rows filled by each branch in `rows` (None: all)."""
+        return [self.lengths[i] for i in (range(len(self.lengths)) if rows is None else rows)]
+
+    def longest(self, rows: list[int] | None) -> int:
+        """The most rows any branch in `rows` has filled (readers take that many, masked)."""
+        return max(self.lengths_of(rows))
+
     def length_of(self, rows: list[int] | None) -> int:
         """The rows filled by every branch in `rows` (None: all), which must agree."""
-        got = {self.lengths[i] for i in (range(len(self.lengths)) if rows is None else rows)}
+        got = set(self.lengths_of(rows))
         assert len(got) == 1, f"branches of one decode step hold different lengths: {sorted(got)}"
         return got.pop()
 
-    def grow(self, rows: list[int] | None, capacity: int, by: int = 1) -> int:
-        """Advance `rows`' lengths by `by`; returns the common length before."""
-        n = self.length_of(rows)
-        assert n + by <= capacity, f"{type(self).__name__} overflow: more tokens than its capacity {capacity}"
-        for i in range(len(self.lengths)) if rows is None else rows:
-            self.lengths[i] += by
-        return n
+    def grow(self, rows: list[int] | None, capacity: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Advance `rows`' lengths by one; returns (branch indices [B], their lengths
+        before [B]) as index tensors: where each branch's new row goes."""
+        before = self.lengths_of(rows)
+        assert max(before) < capacity, f"{type(self).__name__} overflow: more tokens than its capacity {capacity}"
+        index = list(range(len(self.lengths))) if rows is None else list(rows)
+        for i in index:
+            self.lengths[i] += 1
+        return torch.tensor(index), torch.tensor(before)
 
 
 @dataclass
@@ -97,13 +109,14 @@ class BranchKV(_Lengths):
     def append(self, k_new: torch.Tensor, v_new: torch.Tensor, rows: list[int] | None = None) -> None:
         """Write one token per branch of `rows` (None: all): k_new [B, Hkv, 1, D], v_new [B, Hkv, 1, Dv]."""
         assert k_new.shape[2] == 1, k_new.shape
-        n = self.grow(rows, self.k.shape[2])
-        put(self.k[:, :, n], rows, k_new[:, :, 0])
-        put(self.v[:, :, n], rows, v_new[:, :, 0])
+        branch, row = (t.to(self.k.device) for t in self.grow(rows, self.k.shape[2]))
+        self.k[branch, :, row] = k_new[:, :, 0].to(self.k.dtype)  # (B, Hkv, D): each branch at its own row
+        self.v[branch, :, row] = v_new[:, :, 0].to(self.v.dtype)
 
     def keys(self, rows: list[int] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """(k [B, Hkv, n, D], v [B, Hkv, n, Dv]) of the filled rows of `rows` (None: all)."""
-        n = self.length_of(rows)
+        """(k [B, Hkv, n, D], v [B, Hkv, n, Dv]) of `rows` (None: all), n the longest
+        branch's filled rows (mask a shorter branch's by `lengths_of`)."""
+        n = self.longest(rows)
         return pick(self.k[:, :, :n], rows), pick(self.v[:, :, :n], rows)
 
     def view(self, i: int) -> AttentionKV:
@@ -210,18 +223,19 @@ class BranchLatent(_Lengths):
     @torch.no_grad()
     def append(self, row: torch.Tensor, index_key: torch.Tensor | None, rows: list[int] | None = None) -> None:
         """Write one token per branch of `rows` (None: all): row [B, R + Dr], index_key [B, Di] or None."""
-        n = self.grow(rows, self.rows.shape[1])
-        put(self.rows[:, n], rows, row)
+        branch, at = (t.to(self.rows.device) for t in self.grow(rows, self.rows.shape[1]))
+        self.rows[branch, at] = row.to(self.rows.dtype)  # each branch at its own row
         if self.index_keys is not None:
-            put(self.index_keys[:, n], rows, index_key)
+            self.index_keys[branch, at] = index_key.to(self.index_keys.dtype)
 
     def filled(self, rows: list[int] | None = None) -> torch.Tensor:
-        """[B, n, R + Dr] of the filled rows of `rows` (None: all)."""
-        return pick(self.rows[:, : self.length_of(rows)], rows)
+        """[B, n, R + Dr] of `rows` (None: all), n the longest branch's filled rows (mask a
+        shorter branch's by `lengths_of`)."""
+        return pick(self.rows[:, : self.longest(rows)], rows)
 
     def filled_index_keys(self, rows: list[int] | None = None) -> torch.Tensor:
-        """[B, n, Di] of the filled indexer keys of `rows` (None: all)."""
-        return pick(self.index_keys[:, : self.length_of(rows)], rows)
+        """[B, n, Di] of the indexer keys of `rows` (None: all), as `filled`."""
+        return pick(self.index_keys[:, : self.longest(rows)], rows)
 
     def view(self, i: int) -> MLAState:
         """Branch i's rows as an `MLAState` (aliasing them: appends write in place)."""

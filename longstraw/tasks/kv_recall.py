@@ -97,6 +97,11 @@ class Item:
         """The ideal response: answer tokens then EOS. (num_queries + 1,)"""
         return torch.cat([self.answer, torch.tensor([Vocab.EOS])])
 
+    @property
+    def target_mask(self) -> torch.Tensor:
+        """The ideal response's loss mask: every token is the policy's. (num_queries + 1,) bool"""
+        return torch.ones(self.answer.numel() + 1, dtype=torch.bool)
+
 
 _SPLIT_SALT = {"train": 0x5EED_0000, "heldout": 0x5EED_8000_0000}
 
@@ -129,6 +134,23 @@ class KVRecall:
             raise ValueError(f"prompt_tokens={prompt_tokens} is too short for {num_facts} facts and the question")
         self.prompt_tokens, self.num_facts, self.num_queries = prompt_tokens, num_facts, num_queries
         self.fact_region, self.vocab, self.seed = fact_region, vocab, seed
+
+    max_turns = 0
+    """Single turn: no environment (`environment` returns None)."""
+
+    @property
+    def response_tokens(self) -> int:
+        """max_new_tokens of a response: the answer, then EOS."""
+        return self.num_queries + 1
+
+    @property
+    def vocab_size(self) -> int:
+        """The smallest vocab_size a model needs for this task."""
+        return self.vocab.size
+
+    def environment(self, item: Item):
+        """None: a single-turn task has no environment (the agent task's form, `tool_lookup.py`)."""
+        return None
 
     def _generator(self, split: str, index: int) -> torch.Generator:
         if split not in _SPLIT_SALT:

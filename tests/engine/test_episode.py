@@ -174,6 +174,70 @@ def test_prefix_continues_from_the_same_state_without_a_second_capture(name):
         _check_logprobs(model, prompt, sampled, _HF_TOL.get(name, 1e-9))
 
 
+def _poisoned(engine):
+    """Fill every fresh branch state with NaN: a decode that reads a row its branch has not
+    written (past a shorter branch's length) fails loudly."""
+    new = engine.adapter.new_branch_state
+
+    def poisoned(*args, **kwargs):
+        branches = new(*args, **kwargs)
+        for layer in branches.layers:
+            for name in ("k", "v", "rows", "index_keys"):
+                if getattr(layer, name, None) is not None:
+                    getattr(layer, name).fill_(float("nan"))
+        return branches
+    engine.adapter.new_branch_state = poisoned
+
+
+def _counted(engine, calls: list):
+    """Record each DECODE call's branch positions (all at `start` when none are given)."""
+    run = engine.adapter.run
+
+    def counting(ids, start, states, *, phase, positions=None, **kwargs):
+        if Phase(phase) is Phase.DECODE:
+            calls.append(list(positions) if positions is not None else [start] * int(ids.numel()))
+        return run(ids, start, states, phase=phase, positions=positions, **kwargs)
+    engine.adapter.run = counting
+
+
+# GLM-5 with dense MLPs: HF's float32 MoE router rounds differently for different batches
+# of tokens (1.8e-7 here), which would hide the decode's own float64 agreement
+TWIN_FAMILIES = dict(FAMILIES, glm_moe_dsa_sparse=lambda: tiny_mla("glm_moe_dsa", first_k_dense_replace=3))
+
+
+@pytest.mark.parametrize("name", list(TWIN_FAMILIES))
+def test_drifted_branches_decode_in_one_call_per_step_as_the_grouped_twin(name, monkeypatch):
+    """Observations of different lengths put the branches at different positions. The
+    episode still makes ONE decode call per step (each branch at its own position, RoPE
+    and own-cache length) and gives the tokens, log-probs and masks of its naive twin,
+    which makes one call per distinct position; branch state is NaN-poisoned."""
+    model = TWIN_FAMILIES[name]()
+    prompt, n = _prompt(seed=4), 18
+    with _context(name, model):
+        results = {}
+        for mode in ("one", "grouped"):
+            if mode == "grouped":
+                monkeypatch.setattr(episode_module, "decode_live", episode_module.decode_live_grouped)
+            engine = ls.Engine(model, ls.ExecConfig(**EXEC))
+            _poisoned(engine)
+            calls = []
+            _counted(engine, calls)
+            ro = engine.generate(prompt, num_samples=4, max_new_tokens=n, temperature=1.0,
+                                 eos_token_id=list(range(0, 97, 6)), environment=_environment([]), max_turns=3,
+                                 generator=torch.Generator().manual_seed(5))
+            results[mode] = ro, calls
+        (one, one_calls), (grouped, grouped_calls) = results["one"], results["grouped"]
+        assert any(len(set(c)) > 1 for c in one_calls), one_calls  # the branches drifted apart
+        assert len(one_calls) <= one.metrics["decode_steps"] + 1  # one call per step (+ the first logits)
+        assert len(grouped_calls) > len(one_calls)  # the twin split a drifted step
+        assert one.turns == grouped.turns and sum(one.turns) >= 3
+        for a, b, la, lb, ma, mb in zip(one.responses, grouped.responses, one.logprobs, grouped.logprobs,
+                                        one.loss_masks, grouped.loss_masks):
+            assert torch.equal(a, b) and torch.equal(ma, mb), (a.tolist(), b.tolist())
+            torch.testing.assert_close(la, lb, rtol=0, atol=1e-9)
+        _check_logprobs(model, prompt, one, 1e-9)
+
+
 def test_an_observation_is_absorbed_in_one_call_not_one_decode_step_per_token():
     model = tiny_model("qwen3")
     engine = ls.Engine(model, ls.ExecConfig(**EXEC))

@@ -49,6 +49,32 @@ def test_decode_attention_matches_naive_per_branch(monkeypatch, fused, g_branche
         torch.testing.assert_close(got[b], want, rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.parametrize("fused", [True, False])
+@pytest.mark.parametrize("window", [None, 6, 3])
+def test_decode_attention_with_per_branch_positions_matches_naive(monkeypatch, fused, window):
+    """Branches at their own positions in one call (own_lengths, q_position [G]): each
+    equals the naive attention over its own filled rows only; the rows past a shorter
+    branch's length hold garbage (NaN) that must never be read."""
+    monkeypatch.setattr(flash, "FUSED_ENABLED", fused)
+    gen = torch.Generator().manual_seed(2)
+    g_branches, h, hkv, s, n, d = 4, 4, 2, 9, 7, 8
+    lengths = torch.tensor([7, 1, 4, 6])  # (G,) rows each branch holds
+    q = _randn(gen, g_branches, h, d)
+    pk, pv = _randn(gen, hkv, s, d), _randn(gen, hkv, s, d)
+    own_k, own_v = _randn(gen, g_branches, hkv, n, d), _randn(gen, g_branches, hkv, n, d)
+    for b, m in enumerate(lengths.tolist()):
+        own_k[b, :, m:], own_v[b, :, m:] = float("nan"), float("nan")
+    p_start, own_start, scale = 1, 1 + s, d ** -0.5
+    positions = own_start + lengths - 1  # (G,)
+    got = decode_attention(q, own_k, own_v, own_start=own_start, prefixes=[KVSegment(pk, pv, p_start)],
+                           q_position=positions, scale=scale, window=window, block_size=4, own_lengths=lengths)
+    for b, m in enumerate(lengths.tolist()):
+        k, v = torch.cat([pk, own_k[b, :, :m]], dim=1), torch.cat([pv, own_v[b, :, :m]], dim=1)
+        k_pos = torch.cat([torch.arange(p_start, p_start + s), torch.arange(own_start, own_start + m)])
+        want = naive_attention(q[b][:, None], k, v, positions[b:b + 1], k_pos, scale, window)[:, 0]
+        torch.testing.assert_close(got[b], want, rtol=1e-12, atol=1e-12)
+
+
 def test_decode_attention_reads_the_prefix_in_place():
     """The shared prefix is never written to, and a view of a larger buffer works."""
     gen = torch.Generator().manual_seed(1)

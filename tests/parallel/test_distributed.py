@@ -56,6 +56,11 @@ def test_fsdp2_sharded_layers_get_matching_gradient_slices(tmp_path):
 def test_generate_under_context_parallelism_equals_single_process(tmp_path):
     mp.spawn(worker.run_generate, args=(3, str(tmp_path / "init"), ["dense", "hybrid", "glm_sparse", "dsv32_sparse"]),
              nprocs=3, join=True)
+def test_agent_episodes_under_context_parallelism_equal_single_process(tmp_path):
+    mp.spawn(worker.run_episode, args=(2, str(tmp_path / "init"), ["dense", "hybrid", "glm_sparse"]), nprocs=2,
+             join=True)
+
+
 def test_validation_that_fails_on_one_rank_fails_every_rank_fast(tmp_path):
     """Every rank raises a LongStrawError from the one agreement all-gather: rank 1 its own
     error, rank 0 one naming rank 1 (so it learned it from the collective, not a timeout)."""
