@@ -28,6 +28,7 @@ from longstraw.engine.trie import build_trie
 from longstraw.errors import ConfigError
 from longstraw.phase import Phase
 from tests.reference import (
+    TREE_LENGTHS,
     assert_grads_close,
     assert_loss_close,
     float64_hybrid,
@@ -40,10 +41,8 @@ from tests.reference import (
     tiny_hybrid,
     tiny_mla,
     tiny_model,
+    tree_group,
 )
-
-LENGTHS = dict(A=5, B=3, C=4, D=2, E=3, F=1, H=2, a=1, b=1, c=1, L=11)
-"""Segment name -> tokens; a response is a string of segment names."""
 
 TREES = {
     "two_levels": ["AB", "AC"],                      # P -> A -> {B, C}
@@ -58,19 +57,6 @@ TREES = {
 CHUNK = 4
 
 TOLERANCE = {"qwen3": 1e-9, "qwen3_5": 1e-5, "glm_moe_dsa": 1e-6}
-
-
-def tree_group(spec, *, prompt_len=13, seed=0):
-    """A `Group` whose responses are the strings of segment names in `spec` (one random
-    token run per name, shared wherever the name recurs), with random rewards (G = 1:
-    an advantage as given)."""
-    g = torch.Generator().manual_seed(seed)
-    seg = {name: torch.randint(0, 97, (n,), generator=g) for name, n in LENGTHS.items()}
-    prompt = torch.randint(0, 97, (prompt_len,), generator=g)
-    responses = [torch.cat([seg[c] for c in s]) for s in spec]
-    rewards = torch.rand(len(spec), generator=g, dtype=torch.float64)
-    advantages = torch.tensor([0.7], dtype=torch.float64) if len(spec) == 1 else None  # G = 1's own is 0: a skip
-    return ls.Group(prompt=prompt, responses=responses, rewards=rewards, advantages=advantages)
 
 
 def _model(family):
@@ -237,10 +223,10 @@ def test_a_shared_segment_runs_once(share):
     p = group.prompt.numel() - 1
     recomputed = _count_positions(engine, Phase.RECOMPUTE, p)
     result = engine.step(group, ls.GRPOConfig())
-    a = LENGTHS["A"]
+    a = TREE_LENGTHS["A"]
     if share:  # A once; B once (for 0 and 1); the children of A each once
         assert all(recomputed[p + j] == 1 for j in range(a))
-        assert sum(recomputed.values()) == a + LENGTHS["B"] + LENGTHS["C"] + LENGTHS["D"]
+        assert sum(recomputed.values()) == a + TREE_LENGTHS["B"] + TREE_LENGTHS["C"] + TREE_LENGTHS["D"]
     else:
         assert all(recomputed[p + j] == 4 for j in range(a))
         assert sum(recomputed.values()) == group.response_tokens
@@ -253,7 +239,7 @@ def test_score_runs_a_shared_segment_once():
     p = group.prompt.numel() - 1
     captured = _count_positions(engine, Phase.CAPTURE, p)
     engine.score(group)
-    assert sorted(captured) == list(range(p, p + LENGTHS["L"])) and set(captured.values()) == {1}
+    assert sorted(captured) == list(range(p, p + TREE_LENGTHS["L"])) and set(captured.values()) == {1}
 
 
 def test_share_response_prefixes_must_be_a_bool():
