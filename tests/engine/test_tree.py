@@ -246,3 +246,31 @@ def test_share_response_prefixes_must_be_a_bool():
     with pytest.raises(ConfigError, match="share_response_prefixes"):
         ls.ExecConfig(share_response_prefixes="yes")
     assert ls.ExecConfig().share_response_prefixes is True
+
+
+def test_the_tree_rollout_recipe_of_docs_trees():
+    """docs/trees.md's recipe: G at the root, a fork from each root response with
+    `prefix=` and `state=` (no second capture), per-fork advantages, one step on every
+    leaf against the root's state: equal to the flat step, and the prefixes shared."""
+    model = _model("qwen3")
+    engine = ls.Engine(model, ls.ExecConfig(chunk_size=CHUNK))
+    prompt = torch.randint(0, 97, (13,), generator=torch.Generator().manual_seed(5))
+    gen = torch.Generator().manual_seed(6)
+    root = engine.generate(prompt, num_samples=2, max_new_tokens=6, generator=gen)
+    leaves, forks = [], []
+    for i, r in enumerate(root.responses):
+        more = engine.generate(prompt, num_samples=2, max_new_tokens=6, generator=gen, prefix=r[:3], state=root.state)
+        leaves += more.responses
+        forks += [i] * len(more.responses)
+    rewards = torch.rand(len(leaves), generator=gen, dtype=torch.float64)
+    fork = torch.tensor(forks)
+    fork_mean = torch.stack([rewards[fork == f].mean() for f in fork.tolist()])
+    group = ls.Group(prompt=prompt, responses=leaves, rewards=rewards,
+                     advantages=(rewards - rewards.mean()) + (rewards - fork_mean))
+    model.zero_grad(set_to_none=True)
+    tree = engine.step(group, ls.GRPOConfig(), state=root.state)
+    tree_grads = grads_of(model)
+    flat, flat_grads = _step(model, group, ls.GRPOConfig(), share_response_prefixes=False)
+    assert_loss_close(tree.loss, flat.loss, 1e-9)
+    assert_grads_close(tree_grads, flat_grads, 1e-9)
+    assert tree.metrics["shared_segments"] >= 2 and tree.metrics["replay_tokens"] < flat.metrics["replay_tokens"]
