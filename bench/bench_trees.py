@@ -15,7 +15,9 @@ Cases (`--cases`)
 
 Both arms see the same model, prompt and responses (P = `--prompt-tokens`), and capture
 the prompt inside the step (its cost is in both). Times: the step's own phase clocks
-(`time_capture_s`, `time_replay_s`, `time_total_s`). Memory: `peak_above_model` =
+(`time_capture_s`, `time_replay_s`, `time_total_s`, wall) and `step_cpu_s`, the step's
+CPU-seconds (one thread: on a machine shared with other work this is the steadier
+measure; wall time there moves with the load, `load_avg_1m`). Memory: `peak_above_model` =
 ru_maxrss at the end - VmRSS after building the model and the group.
 
 Usage:
@@ -39,7 +41,7 @@ from proc import code_info, cpu_model, mem_total, own_cpu_s, peak_rss, status_by
 
 FIELDS = ["case", "arm", "mode", "family", "prompt_tokens", "group", "response_tokens", "replay_tokens",
           "shared_segments", "floor_tokens", "time_total_s", "time_capture_s", "time_replay_s", "time_reverse_s",
-          "trie_s", "rss_after_model", "peak_rss", "peak_above_model", "loss", "cpu_time_s", "threads",
+          "trie_s", "step_cpu_s", "rss_after_model", "peak_rss", "peak_above_model", "loss", "cpu_time_s", "threads",
           "load_avg_1m", "cpu", "mem_total", "git_rev", "longstraw_dirty", "when"]
 
 
@@ -88,11 +90,13 @@ def worker(args) -> dict:
         t0 = time.perf_counter()
         build_trie(group.responses)
         trie.append(time.perf_counter() - t0)
+    c0 = time.process_time()
     m = engine.step(group).metrics
+    step_cpu = time.process_time() - c0
     return dict(group=len(responses), response_tokens=group.response_tokens, replay_tokens=m["replay_tokens"],
                 shared_segments=m["shared_segments"], floor_tokens=floor, time_total_s=m["time_total_s"],
                 time_capture_s=m["time_capture_s"], time_replay_s=m["time_replay_s"],
-                time_reverse_s=m["time_reverse_s"], trie_s=min(trie), rss_after_model=rss0, peak_rss=peak_rss(),
+                time_reverse_s=m["time_reverse_s"], trie_s=min(trie), step_cpu_s=step_cpu, rss_after_model=rss0, peak_rss=peak_rss(),
                 peak_above_model=peak_rss() - rss0, cpu_time_s=own_cpu_s())
 
 
@@ -121,6 +125,8 @@ def ratios_of(rows) -> dict:
             continue
         out[f"{case}_time_tree_over_flat"] = tree["time_total_s"] / flat["time_total_s"]
         out[f"{case}_replay_time_tree_over_flat"] = tree["time_replay_s"] / flat["time_replay_s"]
+        if tree.get("step_cpu_s") and flat.get("step_cpu_s"):  # CPU-seconds: less sensitive to a loaded machine
+            out[f"{case}_step_cpu_tree_over_flat"] = tree["step_cpu_s"] / flat["step_cpu_s"]
         out[f"{case}_peak_tree_over_flat"] = tree["peak_above_model"] / flat["peak_above_model"]
         out[f"{case}_floor_tokens_over_flat_tokens"] = tree["floor_tokens"] / flat["response_tokens"]
         out[f"{case}_trie_s_over_tree_step"] = tree["trie_s"] / tree["time_total_s"]
@@ -160,11 +166,11 @@ def main() -> None:
             writer.writeheader()
         for row in rows:
             writer.writerow({k: row.get(k) for k in FIELDS})
-    print(f"\n{'case':>6} {'arm':>5} {'total s':>8} {'capt s':>7} {'replay s':>8} {'tokens':>7} {'floor':>6} "
-          f"{'trie ms':>8} {'peak MiB':>9}")
+    print(f"\n{'case':>6} {'arm':>5} {'total s':>8} {'capt s':>7} {'replay s':>8} {'cpu s':>7} {'tokens':>7} "
+          f"{'floor':>6} {'trie ms':>8} {'peak MiB':>9}")
     for r in rows:
         print(f"{r['case']:>6} {r['arm']:>5} {r['time_total_s']:8.2f} {r['time_capture_s']:7.2f} "
-              f"{r['time_replay_s']:8.2f} {r['replay_tokens']:7.0f} {r['floor_tokens']:6} {r['trie_s'] * 1e3:8.2f} "
+              f"{r['time_replay_s']:8.2f} {r['step_cpu_s']:7.2f} {r['replay_tokens']:7.0f} {r['floor_tokens']:6} {r['trie_s'] * 1e3:8.2f} "
               f"{r['peak_above_model'] / 2**20:9.1f}")
     print(json.dumps({"prompt_tokens": args.prompt_tokens, "mode": args.mode, "family": args.family,
                       "rows": len(rows), "ratios": ratios_of(rows)}))
