@@ -96,7 +96,8 @@ def worker(args) -> dict:
     return dict(group=len(responses), response_tokens=group.response_tokens, replay_tokens=m["replay_tokens"],
                 shared_segments=m["shared_segments"], floor_tokens=floor, time_total_s=m["time_total_s"],
                 time_capture_s=m["time_capture_s"], time_replay_s=m["time_replay_s"],
-                time_reverse_s=m["time_reverse_s"], trie_s=min(trie), step_cpu_s=step_cpu, rss_after_model=rss0, peak_rss=peak_rss(),
+                time_reverse_s=m["time_reverse_s"], trie_s=min(trie), step_cpu_s=step_cpu, rss_after_model=rss0,
+                peak_rss=peak_rss(),
                 peak_above_model=peak_rss() - rss0, cpu_time_s=own_cpu_s())
 
 
@@ -170,7 +171,8 @@ def main() -> None:
           f"{'floor':>6} {'trie ms':>8} {'peak MiB':>9}")
     for r in rows:
         print(f"{r['case']:>6} {r['arm']:>5} {r['time_total_s']:8.2f} {r['time_capture_s']:7.2f} "
-              f"{r['time_replay_s']:8.2f} {r['step_cpu_s']:7.2f} {r['replay_tokens']:7.0f} {r['floor_tokens']:6} {r['trie_s'] * 1e3:8.2f} "
+              f"{r['time_replay_s']:8.2f} {r['step_cpu_s']:7.2f} {r['replay_tokens']:7.0f} {r['floor_tokens']:6} "
+              f"{r['trie_s'] * 1e3:8.2f} "
               f"{r['peak_above_model'] / 2**20:9.1f}")
     print(json.dumps({"prompt_tokens": args.prompt_tokens, "mode": args.mode, "family": args.family,
                       "rows": len(rows), "ratios": ratios_of(rows)}))
