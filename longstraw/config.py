@@ -97,6 +97,15 @@ class ExecConfig:
     a detached sliding window) stays on the device. It changes where bytes live and
     how many cross PCIe, never the result. See docs/offload.md."""
 
+    share_response_prefixes: bool = defaults.SHARE_RESPONSE_PREFIXES
+    """Prefix trees: `step` and `score` build the trie of the group's responses below the
+    prompt (a segment is shared where two or more responses hold the same tokens and,
+    in `step`, the same loss-mask values) and run each shared segment once, on top of
+    the prompt state and the segments above it, with exact gradients through it in both
+    modes (only the root prompt follows `mode`). Loss and `.grad` are the flat group's.
+    False: every response replayed whole (the flat path, kept as the reference). See
+    docs/trees.md."""
+
     progress: bool = False
     """Show a progress bar over capture chunks and branches (stderr)."""
 
@@ -109,6 +118,9 @@ class ExecConfig:
         if isinstance(self.keep_graph_bytes, bool) or not isinstance(self.keep_graph_bytes, int) \
                 or self.keep_graph_bytes < 0:
             raise ConfigError(f"ExecConfig.keep_graph_bytes must be an int >= 0, got {self.keep_graph_bytes!r}")
+        if not isinstance(self.share_response_prefixes, bool):
+            raise ConfigError(f"ExecConfig.share_response_prefixes must be True or False, got "
+                              f"{self.share_response_prefixes!r}")
         if self.mode not in MODES:
             raise ConfigError(f"ExecConfig.mode must be one of {MODES}, got {self.mode!r}")
         if self.state_device is not None:

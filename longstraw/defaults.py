@@ -25,3 +25,6 @@ DIVIDE_WALK = True
 
 KEEP_GRAPH_BYTES = 0
 """Exact mode: bytes of capture-chunk graphs kept instead of recomputed (0: recompute every chunk)."""
+
+SHARE_RESPONSE_PREFIXES = True
+"""Compute the response tokens that several responses of a group share once (prefix trees)."""

@@ -30,6 +30,7 @@ from tests.reference import (
     tiny_mamba,
     tiny_mla,
     tiny_model,
+    tree_group,
 )
 
 CASES = {
@@ -723,3 +724,41 @@ def all_gather_tensors(x: torch.Tensor) -> list:
     out = [torch.empty_like(x) for _ in range(dist.get_world_size())]
     dist.all_gather(out, x)
     return out
+
+
+TREE_CASES = {"dense": 1e-9, "hybrid": 1e-5, "glm_sparse": 1e-6}
+"""Prefix trees under context parallelism: the cases, each with its tolerance of tree
+against flat (tests/engine/test_tree.py says why: float32 casts inside HF's GDN decay
+and MoE router round a tree's sums differently)."""
+
+
+def run_trees(rank: int, world: int, init_file: str) -> None:
+    """Prefix trees (`share_response_prefixes`) with context parallelism: the shared
+    segments run replicated on every rank, as branches do, against the sharded prompt.
+    Every rank's tree step equals the single-process tree step (1e-9; exact mode's float32
+    routers 1e-6) and the single-process flat step (the case's tolerance); its score
+    equals the single-process one."""
+    _init(rank, world, init_file)
+    try:
+        for name, rel in TREE_CASES.items():
+            model = CASES[name]() if name == "hybrid" else float64_norms(CASES[name]())
+            group = tree_group(["ABD", "ABE", "LC", "L", "AC"], prompt_len=23)
+            for mode in ("detached", "exact"):
+                kw = dict(chunk_size=6, attention_block_size=4, shard_block_size=3, mode=mode)
+                with float64_hybrid(model) if name == "hybrid" else _null():
+                    runs = {}
+                    for key, extra in (("cp", dict(context_parallel=True)), ("one", {}),
+                                       ("flat", dict(share_response_prefixes=False))):
+                        model.zero_grad(set_to_none=True)
+                        engine = ls.Engine(model, ls.ExecConfig(**kw, **extra))
+                        runs[key] = (engine.step(group).loss, grads_of(model), engine.score(group))
+                (loss, got, scores), (one_loss, one, one_scores), (flat_loss, flat, _) = runs["cp"], runs["one"], \
+                    runs["flat"]
+                assert abs(loss - one_loss) <= 1e-9 * abs(one_loss) + 1e-13, (name, mode)
+                assert_grads_close(got, one, 1e-6 if mode == "exact" and name in FLOAT32_ROUTERS else 1e-9)
+                assert abs(loss - flat_loss) <= rel * abs(flat_loss) + 1e-13, (name, mode)
+                assert_grads_close(got, flat, rel)
+                for s, o in zip(scores, one_scores):
+                    torch.testing.assert_close(s, o, rtol=1e-9, atol=1e-12)
+    finally:
+        dist.destroy_process_group()

@@ -9,6 +9,7 @@
 * `reference_grpo_loss`: the GRPO group loss written out plainly from TRL's formulas,
   independently of `longstraw.grpo`, with TRL's `tool_mask` when the group has loss masks.
 * `masked_group`: a `random_group` with loss masks (context-only runs inside responses).
+* `tree_group`: a group whose responses share segments (prefix trees).
 """
 
 from __future__ import annotations
@@ -518,3 +519,24 @@ def hf_cached_logprobs_positioned(model, prompt, response, temperature=1.0):
     positions = torch.arange(prompt.numel() - 1, prompt.numel() - 1 + inputs.numel())[None]
     logits = model(inputs[None], past_key_values=cache, use_cache=True, position_ids=positions).logits[0]
     return gather_logprobs(logits, response, temperature)
+
+
+# prefix trees: groups whose responses share segments
+
+TREE_LENGTHS = dict(A=5, B=3, C=4, D=2, E=3, F=1, H=2, a=1, b=1, c=1, L=11)
+"""Segment name -> tokens; a response is a string of segment names."""
+
+
+def tree_group(spec, *, prompt_len=13, seed=0):
+    """A `Group` whose responses are the strings of segment names in `spec` (one random
+    token run per name, shared wherever the name recurs), with random rewards (G = 1:
+    an advantage as given)."""
+    import longstraw as ls
+
+    g = torch.Generator().manual_seed(seed)
+    seg = {name: torch.randint(0, 97, (n,), generator=g) for name, n in TREE_LENGTHS.items()}
+    prompt = torch.randint(0, 97, (prompt_len,), generator=g)
+    responses = [torch.cat([seg[c] for c in s]) for s in spec]
+    rewards = torch.rand(len(spec), generator=g, dtype=torch.float64)
+    advantages = torch.tensor([0.7], dtype=torch.float64) if len(spec) == 1 else None  # G = 1's own is 0: a skip
+    return ls.Group(prompt=prompt, responses=responses, rewards=rewards, advantages=advantages)

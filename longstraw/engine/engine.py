@@ -50,6 +50,7 @@ from longstraw.engine.logprobs import token_logprobs
 from longstraw.engine.metrics import StepMetrics
 from longstraw.engine.replay import branch_logprobs, replay_branch, replay_group
 from longstraw.engine.rollout import Rollout, SamplingConfig, generate
+from longstraw.engine.tree import replay_tree, score_tree
 from longstraw.engine.validate import (agree_across_ranks, check_positions, check_runnable, sequence_length,
                                        validate)
 from longstraw.engine.walk import walk_back
@@ -262,6 +263,8 @@ class Engine:
         GRPOConfig(temperature=temperature)  # validates the temperature
         self._validate(group, needs_rewards=False, state=state)
         state = self.capture(group.prompt, rope_length=sequence_length(group)) if state is None else state
+        if self.config.share_response_prefixes:  # each shared segment once (`tree.py`)
+            return score_tree(self, state, group, temperature)
         with torch.no_grad():
             return [self.branch_logprobs(state, group.prompt, r, temperature).detach() for r in group.responses]
 
@@ -324,7 +327,8 @@ class Engine:
         state = self._reuse_or_capture(group, state, exact)
         try:
             mark()
-            stats = replay_group(self, state, group, grpo, totals, adv)
+            replay = replay_tree if self.config.share_response_prefixes else replay_group  # trie / flat
+            stats = replay(self, state, group, grpo, totals, adv)
             mark()
             divided = exact and self.divides_walk(state)
             if divided:  # each prompt token on one rank; the ranks' partial gradients summed once
@@ -349,6 +353,7 @@ class Engine:
             metrics.offload_slot_bytes = float(moved.slot_bytes)
             moved.reset()
         metrics.divided_walk, metrics.state_bytes = float(divided), float(state.nbytes())
+        metrics.replay_tokens, metrics.shared_segments = float(stats.forwarded), float(stats.shared)
         metrics.time_capture_s, metrics.time_replay_s, metrics.time_reverse_s = t1 - t0, t2 - t1, t3 - t2
         metrics.time_total_s = t4 - t0
         metrics.comm_bytes_capture, metrics.comm_bytes_replay = float(c1 - c0), float(c2 - c1)

@@ -20,6 +20,11 @@ class StepMetrics:
     response_tokens: float = 0.0
     """Loss tokens: the response tokens that `Group.loss_masks` keep (all without masks)."""
     num_branches: float = 0.0
+    replay_tokens: float = 0.0
+    """Response tokens replay ran through the model: each token of a shared segment once
+    (prefix trees, `ExecConfig.share_response_prefixes`); every response token flat."""
+    shared_segments: float = 0.0
+    """Segments of the response trie held by two or more responses (0 flat)."""
     reward_mean: float | None = 0.0
     """None (not reported) when the group gives only `advantages`."""
     reward_std: float | None = 0.0

@@ -23,6 +23,7 @@ class BranchStats:
 
     def __init__(self):
         self.loss, self.tokens, self.ratio, self.clipped, self.kl = 0.0, 0, 0.0, 0.0, 0.0
+        self.forwarded, self.shared = 0, 0  # response tokens run through the model; shared segments (`tree.py`)
 
     def add(self, loss: torch.Tensor, tok_stats: dict) -> None:
         """Add one piece: its loss and `grpo.branch_loss`'s stats (only the tokens its
@@ -74,6 +75,7 @@ def replay_group(engine, state: PromptState, group: Group, grpo: GRPOConfig, tot
     """Replay every branch of `group` (advantages adv [G]) against `state`, one at a
     time, accumulating `.grad`; returns the branches' statistics."""
     stats = BranchStats()
+    stats.forwarded = group.response_tokens
     branches = list(enumerate(group.responses))
     for i, response in progress(branches, enabled=engine.config.progress, desc="replay", total=len(branches)):
         weight = G.branch_weight(grpo, totals, group.loss_tokens_of(i))

@@ -40,6 +40,11 @@ def _not_a_timeout(text: str) -> bool:
     return "timed out" not in text.lower() and "timeout" not in text.lower()
 
 
+def test_prefix_trees_under_context_parallelism_equal_single_process(tmp_path):
+    """W = 2: dense, GDN hybrid and sparse GLM trees, both modes (`distributed_worker.run_trees`)."""
+    mp.spawn(worker.run_trees, args=(2, str(tmp_path / "init")), nprocs=2, join=True)
+
+
 def test_a_failing_rank_fails_the_job_quickly(tmp_path):
     """Rank 1 raises before its step: rank 0 ends with our DistributedError, raised because
     its collective saw the dead peer, not by waiting out the process-group timeout."""
