@@ -97,6 +97,15 @@ class ExecConfig:
     a detached sliding window) stays on the device. It changes where bytes live and
     how many cross PCIe, never the result. See docs/offload.md."""
 
+    recompute_layers: bool | None = None
+    """Replay: keep only each decoder layer's input per piece and recompute the layer's
+    forward in backward (`models/recompute.py`), so a piece's live graph holds one
+    layer's activations instead of all of them, for about one more forward per piece.
+    None: on where it pays, i.e. for pieces (`branch_chunk_size`, else the response) of
+    at least 1,024 tokens on a model of 2+ layers (`recompute.recompute_pays`; the
+    planner applies the same rule). Changes nothing in the result; `step` reports the
+    choice as the metric `recompute_layers`. See docs/planner.md."""
+
     progress: bool = False
     """Show a progress bar over capture chunks and branches (stderr)."""
 
@@ -109,6 +118,9 @@ class ExecConfig:
         if isinstance(self.keep_graph_bytes, bool) or not isinstance(self.keep_graph_bytes, int) \
                 or self.keep_graph_bytes < 0:
             raise ConfigError(f"ExecConfig.keep_graph_bytes must be an int >= 0, got {self.keep_graph_bytes!r}")
+        if self.recompute_layers is not None and not isinstance(self.recompute_layers, bool):
+            raise ConfigError(f"ExecConfig.recompute_layers must be True, False or None (on where it pays), "
+                              f"got {self.recompute_layers!r}")
         if self.mode not in MODES:
             raise ConfigError(f"ExecConfig.mode must be one of {MODES}, got {self.mode!r}")
         if self.state_device is not None:
