@@ -97,12 +97,12 @@ class ExecConfig:
     a detached sliding window) stays on the device. It changes where bytes live and
     how many cross PCIe, never the result. See docs/offload.md."""
 
-    recompute_layers: bool | None = None
+    recompute_layers: bool | None = defaults.RECOMPUTE_LAYERS
     """Replay: keep only each decoder layer's input per piece and recompute the layer's
     forward in backward (`models/recompute.py`), so a piece's live graph holds one
     layer's activations instead of all of them, for about one more forward per piece.
     None: on where it pays, i.e. for pieces (`branch_chunk_size`, else the response) of
-    at least 1,024 tokens on a model of 2+ layers (`recompute.recompute_pays`; the
+    at least 1,024 tokens on a model of 2+ layers (`defaults.recompute_pays`; the
     planner applies the same rule). Changes nothing in the result; `step` reports the
     choice as the metric `recompute_layers`. See docs/planner.md."""
 

@@ -34,26 +34,11 @@ import dataclasses
 
 from torch.utils.checkpoint import checkpoint
 
+from longstraw.defaults import RECOMPUTE_MIN_TOKENS, recompute_pays  # the rule, shared with the planner
+
 from .routing import AttentionCall, forwards_replaced, routed
 
-RECOMPUTE_MIN_TOKENS = 1024
-"""`ExecConfig(recompute_layers=None)` recomputes the layers of replay pieces of at least
-this many tokens (`recompute_pays`)."""
-
-
-def recompute_pays(setting: bool | None, piece_tokens: int, layers: int) -> bool:
-    """Whether replay pieces of `piece_tokens` tokens recompute each layer in backward.
-
-    `setting` is `ExecConfig.recompute_layers`: True / False as given; None: on when
-    the model has 2+ decoder layers and a piece holds at least `RECOMPUTE_MIN_TOKENS`
-    tokens. The price is one more forward of the piece (about a third more replay
-    compute); the gain is the graph of all but one layer (of the order of
-    tokens x layers x 10 x hidden bytes), which at a thousand tokens and more is what
-    sets a replay's peak (`docs/planner.md`). The planner applies the same rule."""
-    if setting is not None:
-        return bool(setting)
-    return layers >= 2 and piece_tokens >= RECOMPUTE_MIN_TOKENS
-
+__all__ = ["RECOMPUTE_MIN_TOKENS", "recompute_pays", "recomputed_layers"]
 
 @contextlib.contextmanager
 def recomputed_layers(adapter, call: AttentionCall):

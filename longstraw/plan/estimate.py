@@ -37,5 +37,6 @@ def estimate(model, config: PlanConfig) -> dict:
     offload = plan_offload(s, state, replay)
     peak = plan_peak(s, state, weights, replay, capture, walk, offload, score)
     timing = plan_time(s, divided=capture.divided, divided_walk=walk.divided, walk_chunk=walk.chunk,
-                       held=replay.held, chunks=walk.chunks, kept_chunks=walk.kept_chunks, offload=offload.figures)
+                       held=replay.held, chunks=walk.chunks, kept_chunks=walk.kept_chunks, offload=offload.figures,
+                       recompute=replay.recompute)
     return build_report(s, state, weights, replay, capture, walk, offload, score, peak, timing)

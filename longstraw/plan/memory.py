@@ -18,7 +18,8 @@ from .arch import DTYPE_BYTES, QUANT_BYTES, Arch, LayerSpec, indexer_parameters
 from .config import Basis
 from .offload import offload_plan
 from .traffic import divided_capture_traffic, divided_walk_traffic
-from .working import autograd_pass, graph_bytes_per_token, nograd_layer_bytes
+from ..defaults import recompute_pays
+from .working import autograd_pass, graph_bytes_per_token, nograd_layer_bytes, recompute_pass
 
 # ----------------------------------------------------------------------------
 # the prompt state
@@ -183,15 +184,20 @@ class ReplayPlan:
         T: tokens of one replayed piece; held: branch tokens held as a state while the
             pieces are walked back (0 for one piece).
         graph_tok: graph bytes per token of one pass.
-        graph / attention / logits: the piece's graph, its blockwise-attention working set,
+        recompute: each layer recomputed in backward (`ExecConfig.recompute_layers`).
+        graph / attention / logits: the piece's graph (with recompute: every layer's
+            input and the largest layer's activations), its blockwise-attention working set,
             the chunked-logits working set.
         branch_state: the earlier pieces' state (and their gradient buffers).
-        working: graph + the larger of attention and logits + branch_state.
+        working: graph + the larger of attention and logits + branch_state (with recompute:
+            the layers' inputs + the larger of one layer's backward moment and the logits,
+            `working.recompute_pass`).
     """
 
     T: int
     held: int
     graph_tok: float
+    recompute: bool
     graph: float
     attention: float
     logits: float
@@ -209,8 +215,14 @@ def plan_replay(s: Basis, state: StatePlan) -> ReplayPlan:
     logits = min(T, c.logits_chunk_size) * arch.vocab * (b + 3 * 4) + T * arch.hidden * b
     # the earlier pieces' state (and the recurrent state at each piece start), with grad buffers
     branch_state = 2 * (st["per_token"] * held + held // T * (st["recurrent_fixed"] + st["conv_tail_fixed"]))
-    return ReplayPlan(T=T, held=held, graph_tok=_graph_tok(s), graph=graph, attention=attn, logits=logits,
-                      branch_state=branch_state, working=graph + max(attn, logits) + branch_state)
+    working = graph + max(attn, logits)
+    recompute = recompute_pays(c.recompute_layers, T, len(arch.layers))
+    if recompute:  # the layers' inputs, then one layer's graph at a time (its backward), or the logits
+        kept, moment, layer_graph = recompute_pass(arch, T, s.p_rank + held, c.attention_block_size, b, s.acc,
+                                                   c.self_attention != "flash", c.gdn_kernel)
+        graph, working = kept + layer_graph, kept + max(moment, logits)
+    return ReplayPlan(T=T, held=held, graph_tok=_graph_tok(s), recompute=recompute, graph=graph, attention=attn,
+                      logits=logits, branch_state=branch_state, working=working + branch_state)
 
 
 def _gathered_walk_row_bytes(arch: Arch, layer: LayerSpec, b: int, gk: bool) -> float:
