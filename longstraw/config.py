@@ -63,9 +63,9 @@ class ExecConfig:
     divide_capture: bool = defaults.DIVIDE_CAPTURE
     """Context parallelism: compute each prompt token of capture on one rank (the owner
     of its block), layer by layer (dense attention, Gated DeltaNet hybrids and the
-    MLA/DSA families); False replicates capture's token computation on every rank (what
-    an offloaded state (`state_device="cpu"`) or kept capture graphs always get). Same result either way. See
-    docs/distributed.md."""
+    MLA/DSA families; an offloaded state (`state_device="cpu"`) too: each rank writes its
+    own rows to host); False replicates capture's token computation on every rank (what
+    kept capture graphs always get). Same result either way. See docs/distributed.md."""
 
     divide_walk: bool = defaults.DIVIDE_WALK
     """Context parallelism, exact mode: recompute and backpropagate each prompt token of

@@ -145,9 +145,9 @@ class Engine:
     def divides_capture(self, positions: int, keep_graph_bytes: int = 0) -> bool:
         """Whether a capture of `positions` tokens runs divided under context parallelism
         (each prompt token on one rank, `parallel.divided.py`): the family supports it,
-        no chunk graphs are kept, the state is not offloaded (divided capture writes its
-        rows in place on the device; an offloaded state is captured replicated), and every
-        rank owns at least one block (a shorter prompt is captured replicated)."""
+        no chunk graphs are kept, and every rank owns at least one block (a shorter prompt
+        is captured replicated). An offloaded state is captured divided too: each rank
+        writes its own rows straight to host."""
         return divides_capture(self, positions, keep_graph_bytes)
 
     def walk_back(self, ids: torch.Tensor, start: int, states: list[PromptState], size: int, *,

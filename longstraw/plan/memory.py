@@ -289,9 +289,9 @@ def plan_capture(s: Basis) -> CapturePlan:
     """Capture's working set, and whether (and at what traffic) it is divided."""
     c, W, P = s.config, s.W, s.P
     C = min(c.chunk_size, P)  # capture / recompute chunk: every rank runs every chunk's tokens
-    # the engine's rule (Engine.divides_capture): not with kept chunk graphs or an
-    # offloaded state, and only when every rank owns a block
-    divided = (c.divide_capture and W > 1 and not c.offload_state
+    # the engine's rule (Engine.divides_capture): not with kept chunk graphs, and only when
+    # every rank owns a block (an offloaded state too: each rank writes its rows to host)
+    divided = (c.divide_capture and W > 1
                and not (c.mode == "exact" and c.keep_graph_bytes > 0) and s.every_rank_owns)
     working, comm = nograd_working(s, C), 0.0
     if divided:  # layer by layer over the rank's positions: its hidden shard and one layer's projections
@@ -395,7 +395,7 @@ class OffloadPlan:
     assumptions: tuple
 
 
-def plan_offload(s: Basis, state: StatePlan, replay: ReplayPlan) -> OffloadPlan:
+def plan_offload(s: Basis, state: StatePlan, replay: ReplayPlan, capture: CapturePlan) -> OffloadPlan:
     """Per-token rows (and their gradients) in host memory, two layers' slots on the device."""
     c, st, acc, b, exact = s.config, state.sizes, s.acc, s.b, s.exact
     if not c.offload_state:
@@ -404,7 +404,8 @@ def plan_offload(s: Basis, state: StatePlan, replay: ReplayPlan) -> OffloadPlan:
     T = replay.T
     figures = offload_plan(s.arch, b=b, acc=acc, exact=exact, prompt=s.P, chunk=c.chunk_size, world=s.W,
                            block=c.attention_block_size, group=s.G, pieces=-(-s.R // T),
-                           held_pieces=replay.held // T, score_passes=c.score_passes)
+                           held_pieces=replay.held // T, score_passes=c.score_passes,
+                           divided_capture=capture.divided)
     line = (f"offload: {figures['staged_layers']} layers' per-token rows (+ exact mode's gradient rows) in host "
             "memory; on the device two slots of the largest layer's rows (+ its gradient rows) and the constant "
             "state; every pass stages each layer it visits once (traffic and its time at "
