@@ -40,6 +40,7 @@ from .routing import AttentionCall, forwards_replaced, routed
 
 __all__ = ["RECOMPUTE_MIN_TOKENS", "recompute_pays", "recomputed_layers"]
 
+
 @contextlib.contextmanager
 def recomputed_layers(adapter, call: AttentionCall):
     """Within the block, each of `adapter`'s decoder layers runs checkpointed: its
