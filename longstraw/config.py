@@ -63,9 +63,9 @@ class ExecConfig:
     divide_capture: bool = defaults.DIVIDE_CAPTURE
     """Context parallelism: compute each prompt token of capture on one rank (the owner
     of its block), layer by layer (dense attention, Gated DeltaNet hybrids and the
-    MLA/DSA families); False replicates capture's token computation on every rank (what
-    an offloaded state (`state_device="cpu"`) or kept capture graphs always get). Same result either way. See
-    docs/distributed.md."""
+    MLA/DSA families; an offloaded state (`state_device="cpu"`) too: each rank writes its
+    own rows to host); False replicates capture's token computation on every rank (what
+    kept capture graphs always get). Same result either way. See docs/distributed.md."""
 
     divide_walk: bool = defaults.DIVIDE_WALK
     """Context parallelism, exact mode: recompute and backpropagate each prompt token of
@@ -105,6 +105,14 @@ class ExecConfig:
     modes (only the root prompt follows `mode`). Loss and `.grad` are the flat group's.
     False: every response replayed whole (the flat path, kept as the reference). See
     docs/trees.md."""
+    recompute_layers: bool | None = defaults.RECOMPUTE_LAYERS
+    """Replay: keep only each decoder layer's input per piece and recompute the layer's
+    forward in backward (`models/recompute.py`), so a piece's live graph holds one
+    layer's activations instead of all of them, for about one more forward per piece.
+    None: on where it pays, i.e. for pieces (`branch_chunk_size`, else the response) of
+    at least 1,024 tokens on a model of 2+ layers (`defaults.recompute_pays`; the
+    planner applies the same rule). Changes nothing in the result; `step` reports the
+    choice as the metric `recompute_layers`. See docs/planner.md."""
 
     progress: bool = False
     """Show a progress bar over capture chunks and branches (stderr)."""
@@ -121,6 +129,9 @@ class ExecConfig:
         if not isinstance(self.share_response_prefixes, bool):
             raise ConfigError(f"ExecConfig.share_response_prefixes must be True or False, got "
                               f"{self.share_response_prefixes!r}")
+        if self.recompute_layers is not None and not isinstance(self.recompute_layers, bool):
+            raise ConfigError(f"ExecConfig.recompute_layers must be True, False or None (on where it pays), "
+                              f"got {self.recompute_layers!r}")
         if self.mode not in MODES:
             raise ConfigError(f"ExecConfig.mode must be one of {MODES}, got {self.mode!r}")
         if self.state_device is not None:

@@ -28,3 +28,24 @@ KEEP_GRAPH_BYTES = 0
 
 SHARE_RESPONSE_PREFIXES = True
 """Compute the response tokens that several responses of a group share once (prefix trees)."""
+
+RECOMPUTE_LAYERS = None
+"""Replay: recompute each decoder layer in backward; None: where it pays (`recompute_pays`)."""
+
+RECOMPUTE_MIN_TOKENS = 1024
+"""`recompute_layers=None` recomputes the layers of replay pieces of at least this many tokens."""
+
+
+def recompute_pays(setting: bool | None, piece_tokens: int, layers: int) -> bool:
+    """Whether replay pieces of `piece_tokens` tokens recompute each decoder layer in
+    backward (the engine's and the planner's one rule; kept here, torch-free, beside
+    its constants).
+
+    `setting` is `recompute_layers`: True / False as given; None: on when the model has
+    2+ decoder layers and a piece holds at least `RECOMPUTE_MIN_TOKENS` tokens. The price
+    is one more forward of the piece's layers (about a third more replay compute); the
+    gain is the graph of all but one layer (of the order of tokens x layers x 10 x hidden
+    bytes), which at a thousand tokens and more is what sets a replay's peak."""
+    if setting is not None:
+        return bool(setting)
+    return layers >= 2 and piece_tokens >= RECOMPUTE_MIN_TOKENS

@@ -365,7 +365,8 @@ def test_state_offload_on_the_command_line(capsys):
 
 
 def test_score_passes_add_time_not_replay_memory():
-    a, b = plan("qwen3.6-27b"), plan("qwen3.6-27b", score_passes=2)
+    # without layer-wise recompute, whose extra forward is not scaled by score passes (below)
+    a, b = plan("qwen3.6-27b", recompute_layers=False), plan("qwen3.6-27b", score_passes=2, recompute_layers=False)
     assert b["flops_replay_per_branch"] == pytest.approx(a["flops_replay_per_branch"] * 5 / 3)
     assert b["replay_working_bytes"] == a["replay_working_bytes"] and b["score_working_bytes"] > 0
 
@@ -400,8 +401,9 @@ def test_first_group_capture_has_no_gradients():
 
 
 def test_fla_kernel_needs_less_than_the_torch_path():
-    torch_path = plan("qwen3.6-27b", prompt_tokens=1 << 20, gdn_kernel="torch")
-    fla = plan("qwen3.6-27b", prompt_tokens=1 << 20, gdn_kernel="fla")
+    # the whole piece's graph (with recompute the full-attention layers set replay's moment, whatever the kernel)
+    torch_path = plan("qwen3.6-27b", prompt_tokens=1 << 20, gdn_kernel="torch", recompute_layers=False)
+    fla = plan("qwen3.6-27b", prompt_tokens=1 << 20, gdn_kernel="fla", recompute_layers=False)
     assert fla["capture_working_bytes"] < torch_path["capture_working_bytes"]
     assert fla["replay_working_bytes"] < torch_path["replay_working_bytes"]
     assert fla["state_bytes_total"] == torch_path["state_bytes_total"]
@@ -450,7 +452,7 @@ def test_activation_model_is_calibrated_on_hf_saved_tensors():
 TIED_DEFAULTS = {"mode": "MODE", "chunk_size": "CHUNK_SIZE", "branch_chunk_size": "BRANCH_CHUNK_SIZE",
                  "attention_block_size": "ATTENTION_BLOCK_SIZE", "logits_chunk_size": "LOGITS_CHUNK_SIZE",
                  "divide_capture": "DIVIDE_CAPTURE", "divide_walk": "DIVIDE_WALK",
-                 "keep_graph_bytes": "KEEP_GRAPH_BYTES"}
+                 "keep_graph_bytes": "KEEP_GRAPH_BYTES", "recompute_layers": "RECOMPUTE_LAYERS"}
 
 
 def test_plan_and_exec_configs_share_their_defaults():
@@ -543,3 +545,26 @@ def test_family_presets_state_bytes_by_hand(name, per_token, fixed, counts):
     assert r["layer_counts"] == counts
     published = load_presets()[name]["num_parameters"]
     assert abs(r["num_parameters"] - published) <= 0.02 * published, (r["num_parameters"], published)
+
+
+def test_layer_wise_recompute_shrinks_replay_for_one_more_forward(capsys):
+    from longstraw.plan.config import resolve
+    from longstraw.plan.timing import forward_flops
+
+    kw = dict(prompt_tokens=2088960, group=8, response_tokens=8192, gpus=8, branch_chunk_size=2048, lora_rank=16,
+              weight_dtype="nf4")
+    off, on, auto = (plan("qwen3.6-27b", recompute_layers=v, **kw) for v in (False, True, None))
+    assert not off["replay_recompute_layers"] and on["replay_recompute_layers"]
+    assert {k: v for k, v in auto.items() if k != "inputs"} == {k: v for k, v in on.items() if k != "inputs"}
+    assert on["replay_working_bytes"] < off["replay_working_bytes"] / 5
+    assert not off["fits"] and on["fits"] and on["peak_bytes_per_rank"] <= 0.85 * 96 * 2**30
+    s = resolve("qwen3.6-27b", PlanConfig(**kw))
+    extra = forward_flops(s.arch, s.params, 8192, 2088960, lm_head=False, world=8)
+    assert on["flops_replay_per_branch"] - off["flops_replay_per_branch"] == pytest.approx(extra)
+    assert not plan("qwen3.6-27b", **dict(kw, branch_chunk_size=512))["replay_recompute_layers"]  # short pieces
+    code, out, _ = run_cli(capsys, "--model", "qwen3.6-27b", "--prompt-tokens", 4096, "--group", 2,
+                           "--response-tokens", 2048, "--recompute-layers", "off",
+                           "--json")
+    assert code == 0 and json.loads(out)["replay_recompute_layers"] is False
+    with pytest.raises(ConfigError, match="recompute_layers"):
+        plan("qwen3.6-27b", recompute_layers="yes")

@@ -27,3 +27,23 @@ def test_planner_matches_live_tensors(family):
     assert plan["num_parameters"] == sum(p.numel() for p in model.parameters())
     predicted = plan["peak_bytes_per_rank"] - plan["param_bytes"] - plan["optimizer_bytes"]
     assert abs(predicted / measured - 1) <= 0.15, (family, predicted, measured, plan["peak_phase"])
+
+
+@pytest.mark.parametrize("recompute", [False, True])
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_5", "glm_moe_dsa"])
+def test_planner_matches_a_replay_bound_step_with_and_without_recompute(family, recompute):
+    """A step whose peak is replay's (a short prompt, one long piece): the planner's peak
+    with `recompute_layers` (every layer's input + one layer's backward) and without (the
+    whole piece's graph) within 10% of the live tensors."""
+    p, r, logits = 512, 1024, 256
+    torch.manual_seed(0)
+    model = tiny_model(family, dtype=torch.float32)
+    group = uniform_group(model.config.vocab_size, p, G, r, seed=0)
+    engine = ls.Engine(model, ls.ExecConfig(chunk_size=p, recompute_layers=recompute, logits_chunk_size=logits))
+    measured = live_tensor_peak(lambda: engine.step(group, ls.GRPOConfig()))
+    plan = estimate(model.config.to_dict(), PlanConfig(prompt_tokens=p, group=G, response_tokens=r, dtype="float32",
+                                                       chunk_size=p, grads_during_capture=False,
+                                                       recompute_layers=recompute, logits_chunk_size=logits))
+    assert plan["peak_phase"] == "replay" and plan["replay_recompute_layers"] is recompute
+    predicted = plan["peak_bytes_per_rank"] - plan["param_bytes"] - plan["optimizer_bytes"]
+    assert abs(predicted / measured - 1) <= 0.10, (family, recompute, predicted, measured)

@@ -100,6 +100,4 @@ def divides_capture(engine, positions: int, keep_graph_bytes: int = 0) -> bool:
     """Whether a capture of `positions` tokens runs divided (see `Engine.divides_capture`)."""
     if engine.cp is None or not (engine.config.divide_capture and engine.adapter.divides_capture):
         return False
-    if engine.config.offloads_state():
-        return False
     return keep_graph_bytes == 0 and every_rank_owns_a_block(engine, positions)

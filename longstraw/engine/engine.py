@@ -58,6 +58,7 @@ from longstraw.errors import ConfigError
 from longstraw.group import BatchTotals, Group, StepResult
 from longstraw.models import adapter_for
 from longstraw.models.placement import check_placement
+from longstraw.models.recompute import recompute_pays
 from longstraw.parallel.collectives import Traffic
 from longstraw.parallel.context import ContextParallel
 from longstraw.parallel.fsdp import summed_walk_gradients
@@ -145,13 +146,14 @@ class Engine:
     def divides_capture(self, positions: int, keep_graph_bytes: int = 0) -> bool:
         """Whether a capture of `positions` tokens runs divided under context parallelism
         (each prompt token on one rank, `parallel.divided.py`): the family supports it,
-        no chunk graphs are kept, the state is not offloaded (divided capture writes its
-        rows in place on the device; an offloaded state is captured replicated), and every
-        rank owns at least one block (a shorter prompt is captured replicated)."""
+        no chunk graphs are kept, and every rank owns at least one block (a shorter prompt
+        is captured replicated). An offloaded state is captured divided too: each rank
+        writes its own rows straight to host."""
         return divides_capture(self, positions, keep_graph_bytes)
 
     def walk_back(self, ids: torch.Tensor, start: int, states: list[PromptState], size: int, *,
-                  piece_loss=None, desc: str | None = "reverse", shard: Shard | None = None) -> None:
+                  piece_loss=None, desc: str | None = "reverse", shard: Shard | None = None,
+                  recompute_layers: bool = False) -> None:
         """Recompute the chunks of ids [T] (positions start..) last to first, with
         autograd, and backpropagate through each before the next.
 
@@ -167,8 +169,16 @@ class Engine:
         from their snapshots (`parallel.divided.walk_chunks`), and this rank
         recomputes and backpropagates only its own positions of each; its parameter
         gradients are partial (the caller sums them over ranks: `summed_walk_gradients`).
+        `recompute_layers`: each chunk keeps only its decoder layers' inputs, and each
+        layer is recomputed in backward (`models/recompute.py`; replay's pieces).
         """
-        walk_back(self, ids, start, states, size, piece_loss=piece_loss, desc=desc, shard=shard)
+        walk_back(self, ids, start, states, size, piece_loss=piece_loss, desc=desc, shard=shard,
+                  recompute_layers=recompute_layers)
+
+    def recomputes_layers(self, piece_tokens: int) -> bool:
+        """Whether replay pieces of `piece_tokens` tokens recompute each decoder layer in
+        backward (`ExecConfig.recompute_layers`; None: `recompute.recompute_pays`)."""
+        return recompute_pays(self.config.recompute_layers, piece_tokens, len(self.adapter.backbone.layers))
 
     def replay_branch(self, state: PromptState, prompt: torch.Tensor, response: torch.Tensor, piece_loss) -> None:
         """Backpropagate one branch's loss against the read-only prompt state.
@@ -176,7 +186,8 @@ class Engine:
         The branch `[prompt[-1]] + response[:-1]` runs at positions P-1.. in pieces
         of `branch_chunk_size` (default: one piece): earlier pieces are captured
         under no_grad into a branch state, then walked back last to first, so the
-        branch's peak is set by one piece, not by R.
+        branch's peak is set by one piece, not by R. Each piece recomputes its decoder
+        layers in backward where `recomputes_layers` says so.
         """
         replay_branch(self, state, prompt, response, piece_loss)
 
@@ -294,6 +305,7 @@ class Engine:
 
         t0, c0 = clock(self.adapter.device), Traffic.received
         adv, skip = G.step_advantages(group, rewards, grpo)
+        longest = max(int(r.numel()) for r in group.responses)  # replay's longest piece decides the metric
         metrics = StepMetrics(
             context_parallel_world=float(self.cp.world if self.cp is not None else 1),
             divided_capture=float(state is None and self.divides_capture(
@@ -307,6 +319,7 @@ class Engine:
             advantage_std=float(adv.std()) if group.size > 1 else 0.0,
             advantage_min=float(adv.min()),
             advantage_max=float(adv.max()),
+            recompute_layers=float(self.recomputes_layers(min(self.config.branch_chunk_size or longest, longest))),
         )
         if skip or group.loss_tokens == 0:  # zero advantage and no KL term, or no loss token: loss, gradient 0
             metrics.skipped_zero_advantage, metrics.skipped_no_loss_tokens = float(skip), float(not skip)

@@ -36,6 +36,9 @@ class StepMetrics:
     """1 when every advantage is 0 and beta is 0: the loss and its gradient are exactly 0."""
     skipped_no_loss_tokens: float = 0.0
     """1 when every loss mask of the group is all False: nothing to learn, loss 0, no work."""
+    recompute_layers: float = 0.0
+    """1 when replay recomputed each decoder layer in backward (`ExecConfig.recompute_layers`;
+    decided for the group's longest piece)."""
     offload_h2d_bytes: float | None = None
     """State offload only: bytes staged host -> device since the capture (or the last step)."""
     offload_d2h_bytes: float | None = None

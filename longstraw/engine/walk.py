@@ -15,7 +15,8 @@ from longstraw.state.prompt import PromptState, Shard
 
 
 def walk_back(engine, ids: torch.Tensor, start: int, states: list[PromptState], size: int, *,
-              piece_loss=None, desc: str | None = "reverse", shard: Shard | None = None) -> None:
+              piece_loss=None, desc: str | None = "reverse", shard: Shard | None = None,
+              recompute_layers: bool = False) -> None:
     """Recompute the chunks of ids [T] (positions start..) last to first and
     backpropagate through each (see `Engine.walk_back`)."""
     n = ids.shape[0]
@@ -32,7 +33,8 @@ def walk_back(engine, ids: torch.Tensor, start: int, states: list[PromptState], 
             tokens = ids[a:b] if divided is None else ids[divided.positions(ids.device)]
             with torch.enable_grad():
                 hidden = engine.adapter.run(tokens, start + a, states, phase=Phase.RECOMPUTE,
-                                            block_size=engine.config.attention_block_size, divided=divided)
+                                            block_size=engine.config.attention_block_size, divided=divided,
+                                            recompute_layers=recompute_layers)
             kept, states[-1].seeds = states[-1].seeds, []
         roots = [(t, g.to(device=t.device, dtype=t.dtype)) for tensors, read in kept for t, g in zip(tensors, read())
                  if g is not None and t.requires_grad]

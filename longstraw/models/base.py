@@ -19,6 +19,7 @@ from longstraw.state.offload import settle
 from longstraw.state.prompt import PromptState
 
 from .peft_layers import check_peft
+from .recompute import recomputed_layers
 from .rope import pinned_rope, rotary_of
 from .routing import AttentionCall, Divided, DividedChunk, Phase, forwards_replaced, run_backbone
 
@@ -192,7 +193,8 @@ class Adapter:
 
     def run(self, input_ids: torch.Tensor, start: int, states: list[PromptState], *, phase: Phase | str,
             block_size: int, branches: BranchState | None = None, rows: list[int] | None = None,
-            divided: Divided | DividedChunk | None = None, positions: list[int] | None = None) -> torch.Tensor:
+            divided: Divided | DividedChunk | None = None, positions: list[int] | None = None,
+            recompute_layers: bool = False) -> torch.Tensor:
         """Run tokens input_ids [T] at positions start .. start+T-1 against `states`
         (stacked, earliest first: the prompt state, then any earlier branch pieces).
         `phase` is a `routing.Phase` (or its name as a string):
@@ -210,6 +212,9 @@ class Adapter:
         no_grad); they append to states[-1]. RECOMPUTE with `divided` (a
         `routing.DividedChunk`): input_ids [n] are this rank's positions of the chunk
         from `start` (a divided reverse walk).
+        `recompute_layers` (a run with autograd of consecutive positions: replay's
+        pieces): each decoder layer keeps only its input and is recomputed in backward
+        (`recompute.py`).
         Returns final hidden states [T, d] ([G, d] for decode), after the final norm,
         ready for the lm_head.
         """
@@ -223,6 +228,8 @@ class Adapter:
                              rows=rows, positions=positions, divided=divided)
         pieces = chunked_mlps(self.backbone.layers, divided.chunk_size) if phase is Phase.DIVIDED \
             else contextlib.nullcontext()
+        if recompute_layers and torch.is_grad_enabled() and divided is None:
+            pieces = recomputed_layers(self, call)
         with self.routing(), pieces, pinned_rope(self.backbone, states[0].rope_length):
             hidden = run_backbone(self.backbone, self.config, input_ids, call)
         settle(states)  # offloaded states: capture's rows are on host before anyone reads them there

@@ -74,6 +74,8 @@ class AttentionCall:
             they do not all stand at `start`).
         divided: phase DIVIDED: a `Divided`; phase RECOMPUTE of a divided reverse walk: a
             `DividedChunk`; None otherwise.
+        recomputing: the run is a layer's recompute inside backward (`recompute.py`):
+            it records no roots (the first forward did).
     """
 
     states: list[PromptState]
@@ -84,6 +86,7 @@ class AttentionCall:
     rows: list[int] | None = None
     positions: torch.Tensor | None = None
     divided: Divided | DividedChunk | None = None
+    recomputing: bool = False
 
     def decode_positions(self):
         """Phase DECODE: the branches' query positions, an int when all stand at `start`,
@@ -93,7 +96,9 @@ class AttentionCall:
     def records_roots(self) -> bool:
         """Whether the chunk's own state tensors are recorded as roots of its graph
         (`PromptState.seeds`): in a recompute, and in a capture that keeps its graph
-        (run with autograd on)."""
+        (run with autograd on); never in a layer's recompute inside backward."""
+        if self.recomputing:
+            return False
         return self.phase is Phase.RECOMPUTE or (self.phase is Phase.CAPTURE and torch.is_grad_enabled())
 
     def route(self, *, chunk, decode, divided, divided_walk):

@@ -32,7 +32,10 @@ def snapshot_positions(positions: int, chunk_size: int, exact: bool) -> tuple[in
 def divided_capture(adapter, ids: torch.Tensor, state: PromptState, shard: Shard, *, chunk_size: int, exact: bool,
                     block_size: int) -> None:
     """Capture ids [n] (positions 0 .. n-1) into the sharded `state`, each token computed
-    on the rank that owns it. Every rank calls it with the same ids."""
+    on the rank that owns it. Every rank calls it with the same ids. An offloaded state
+    (`state.offload`): each rank writes its own rows straight into their host rows (the
+    layer's attention reads the rows computed in this pass, exchanged between ranks, never
+    the state), so nothing is staged in."""
     n = ids.shape[0]
     divided = Divided(total=n, rank=shard.rank, world=shard.world, block=shard.block, cp=shard.cp,
                       snapshots=snapshot_positions(n, chunk_size, exact), chunk_size=chunk_size)
@@ -40,6 +43,8 @@ def divided_capture(adapter, ids: torch.Tensor, state: PromptState, shard: Shard
     with torch.no_grad():
         adapter.run(own, 0, [state], phase=Phase.DIVIDED, block_size=block_size, divided=divided)
     state.length = n
+    if state.offload is not None:
+        state.offload.count_written()
 
 
 # ----------------------------------------------------------------------------

@@ -80,6 +80,12 @@ class PlanConfig:
     attention_block_size: int = defaults.ATTENTION_BLOCK_SIZE
     """Prompt positions per block of the blockwise attention (ExecConfig)."""
 
+    recompute_layers: bool | None = defaults.RECOMPUTE_LAYERS
+    """Replay recomputes each decoder layer in backward (ExecConfig.recompute_layers): a
+    piece's graph is every layer's input plus one layer's activations, for one more
+    forward of the piece's layers. None: the engine's rule (`defaults.recompute_pays`:
+    pieces of 1,024+ tokens)."""
+
     logits_chunk_size: int = defaults.LOGITS_CHUNK_SIZE
     """Response tokens per lm_head + log-softmax chunk (ExecConfig)."""
 
@@ -156,6 +162,8 @@ class PlanConfig:
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise ConfigError(f"PlanConfig.{name} must be a positive int or None, got {value!r}")
+        if self.recompute_layers is not None and not isinstance(self.recompute_layers, bool):
+            raise ConfigError(f"PlanConfig.recompute_layers must be True, False or None, got {self.recompute_layers!r}")
         if isinstance(self.score_passes, bool) or not isinstance(self.score_passes, int) or self.score_passes < 0:
             raise ConfigError(f"PlanConfig.score_passes must be an int >= 0, got {self.score_passes!r}")
         if not (isinstance(self.host_bandwidth_gbs, (int, float)) and math.isfinite(self.host_bandwidth_gbs)

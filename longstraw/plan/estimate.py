@@ -34,8 +34,9 @@ def estimate(model, config: PlanConfig) -> dict:
     capture = plan_capture(s)
     walk = plan_walk(s, capture, replay.graph_tok)
     score = score_working(s)
-    offload = plan_offload(s, state, replay)
+    offload = plan_offload(s, state, replay, capture)
     peak = plan_peak(s, state, weights, replay, capture, walk, offload, score)
     timing = plan_time(s, divided=capture.divided, divided_walk=walk.divided, walk_chunk=walk.chunk,
-                       held=replay.held, chunks=walk.chunks, kept_chunks=walk.kept_chunks, offload=offload.figures)
+                       held=replay.held, chunks=walk.chunks, kept_chunks=walk.kept_chunks, offload=offload.figures,
+                       recompute=replay.recompute)
     return build_report(s, state, weights, replay, capture, walk, offload, score, peak, timing)

@@ -18,7 +18,8 @@ from .arch import DTYPE_BYTES, QUANT_BYTES, Arch, LayerSpec, indexer_parameters
 from .config import Basis
 from .offload import offload_plan
 from .traffic import divided_capture_traffic, divided_walk_traffic
-from .working import autograd_pass, graph_bytes_per_token, nograd_layer_bytes
+from ..defaults import recompute_pays
+from .working import autograd_pass, graph_bytes_per_token, nograd_layer_bytes, recompute_pass
 
 # ----------------------------------------------------------------------------
 # the prompt state
@@ -183,15 +184,20 @@ class ReplayPlan:
         T: tokens of one replayed piece; held: branch tokens held as a state while the
             pieces are walked back (0 for one piece).
         graph_tok: graph bytes per token of one pass.
-        graph / attention / logits: the piece's graph, its blockwise-attention working set,
+        recompute: each layer recomputed in backward (`ExecConfig.recompute_layers`).
+        graph / attention / logits: the piece's graph (with recompute: every layer's
+            input and the largest layer's activations), its blockwise-attention working set,
             the chunked-logits working set.
         branch_state: the earlier pieces' state (and their gradient buffers).
-        working: graph + the larger of attention and logits + branch_state.
+        working: graph + the larger of attention and logits + branch_state (with recompute:
+            the layers' inputs + the larger of one layer's backward moment and the logits,
+            `working.recompute_pass`).
     """
 
     T: int
     held: int
     graph_tok: float
+    recompute: bool
     graph: float
     attention: float
     logits: float
@@ -209,8 +215,14 @@ def plan_replay(s: Basis, state: StatePlan) -> ReplayPlan:
     logits = min(T, c.logits_chunk_size) * arch.vocab * (b + 3 * 4) + T * arch.hidden * b
     # the earlier pieces' state (and the recurrent state at each piece start), with grad buffers
     branch_state = 2 * (st["per_token"] * held + held // T * (st["recurrent_fixed"] + st["conv_tail_fixed"]))
-    return ReplayPlan(T=T, held=held, graph_tok=_graph_tok(s), graph=graph, attention=attn, logits=logits,
-                      branch_state=branch_state, working=graph + max(attn, logits) + branch_state)
+    working = graph + max(attn, logits)
+    recompute = recompute_pays(c.recompute_layers, T, len(arch.layers))
+    if recompute:  # the layers' inputs, then one layer's graph at a time (its backward), or the logits
+        kept, moment, layer_graph = recompute_pass(arch, T, s.p_rank + held, c.attention_block_size, b, s.acc,
+                                                   c.self_attention != "flash", c.gdn_kernel)
+        graph, working = kept + layer_graph, kept + max(moment, logits)
+    return ReplayPlan(T=T, held=held, graph_tok=_graph_tok(s), recompute=recompute, graph=graph, attention=attn,
+                      logits=logits, branch_state=branch_state, working=working + branch_state)
 
 
 def _gathered_walk_row_bytes(arch: Arch, layer: LayerSpec, b: int, gk: bool) -> float:
@@ -277,9 +289,9 @@ def plan_capture(s: Basis) -> CapturePlan:
     """Capture's working set, and whether (and at what traffic) it is divided."""
     c, W, P = s.config, s.W, s.P
     C = min(c.chunk_size, P)  # capture / recompute chunk: every rank runs every chunk's tokens
-    # the engine's rule (Engine.divides_capture): not with kept chunk graphs or an
-    # offloaded state, and only when every rank owns a block
-    divided = (c.divide_capture and W > 1 and not c.offload_state
+    # the engine's rule (Engine.divides_capture): not with kept chunk graphs, and only when
+    # every rank owns a block (an offloaded state too: each rank writes its rows to host)
+    divided = (c.divide_capture and W > 1
                and not (c.mode == "exact" and c.keep_graph_bytes > 0) and s.every_rank_owns)
     working, comm = nograd_working(s, C), 0.0
     if divided:  # layer by layer over the rank's positions: its hidden shard and one layer's projections
@@ -383,7 +395,7 @@ class OffloadPlan:
     assumptions: tuple
 
 
-def plan_offload(s: Basis, state: StatePlan, replay: ReplayPlan) -> OffloadPlan:
+def plan_offload(s: Basis, state: StatePlan, replay: ReplayPlan, capture: CapturePlan) -> OffloadPlan:
     """Per-token rows (and their gradients) in host memory, two layers' slots on the device."""
     c, st, acc, b, exact = s.config, state.sizes, s.acc, s.b, s.exact
     if not c.offload_state:
@@ -392,7 +404,8 @@ def plan_offload(s: Basis, state: StatePlan, replay: ReplayPlan) -> OffloadPlan:
     T = replay.T
     figures = offload_plan(s.arch, b=b, acc=acc, exact=exact, prompt=s.P, chunk=c.chunk_size, world=s.W,
                            block=c.attention_block_size, group=s.G, pieces=-(-s.R // T),
-                           held_pieces=replay.held // T, score_passes=c.score_passes)
+                           held_pieces=replay.held // T, score_passes=c.score_passes,
+                           divided_capture=capture.divided)
     line = (f"offload: {figures['staged_layers']} layers' per-token rows (+ exact mode's gradient rows) in host "
             "memory; on the device two slots of the largest layer's rows (+ its gradient rows) and the constant "
             "state; every pass stages each layer it visits once (traffic and its time at "

@@ -10,6 +10,7 @@ per rank:
                           rows in exact mode)
     a forward pass        H2D: every staged layer's rows before the pass's first query
     capture chunk k       + D2H: the chunk's new rows (write-back)
+    a divided capture     D2H only: each rank's own rows, written once (nothing staged in)
     a backward pass       H2D: the rows of every staged layer autograd reaches (replay:
                           all; the reverse walk: all but the model's last layer, whose
                           attention output feeds no state), and in exact mode their
@@ -89,7 +90,8 @@ def host_bytes(arch, *, b: int, acc: int, exact: bool, rows: int) -> int:
 
 
 def offload_plan(arch, *, b: int, acc: int, exact: bool, prompt: int, chunk: int, world: int, block: int,
-                 group: int, pieces: int, held_pieces: int, score_passes: int) -> dict:
+                 group: int, pieces: int, held_pieces: int, score_passes: int,
+                 divided_capture: bool = False) -> dict:
     """Bytes on the device (slots), in host memory, and moved per step, for one rank.
 
     Args:
@@ -97,6 +99,8 @@ def offload_plan(arch, *, b: int, acc: int, exact: bool, prompt: int, chunk: int
         chunk: capture chunk C. world / block: context-parallel ranks and shard block.
         group: G branches; pieces / held_pieces: pieces per branch and those captured
         before the walk; score_passes: no-grad forwards per branch.
+        divided_capture: capture runs divided over the ranks (each rank writes its own
+            rows straight to host and stages nothing in).
     """
     layers = staged_layers(arch, b, acc, exact)
     rows = [r for _, r, _ in layers]
@@ -111,7 +115,7 @@ def offload_plan(arch, *, b: int, acc: int, exact: bool, prompt: int, chunk: int
     starts = range(0, n, chunk)
     prefix_rows = sum(deal.fullest(a) for a in starts)  # rows read by each chunk, summed
 
-    h2d = {"capture": r_all * prefix_rows}
+    h2d = {"capture": 0 if divided_capture else r_all * prefix_rows}
     d2h = {"capture": r_all * S}
     # each branch: held pieces captured, then every piece recomputed forward and backward
     forwards = held_pieces + pieces + score_passes

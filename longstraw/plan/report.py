@@ -15,7 +15,7 @@ from .timing import Timing
 # assumptions
 
 
-def step_assumptions(s: Basis, capture: CapturePlan, walk: WalkPlan) -> list[str]:
+def step_assumptions(s: Basis, capture: CapturePlan, walk: WalkPlan, replay: ReplayPlan) -> list[str]:
     """The assumptions about state, passes, FLOPs and time (after those of the weights and offload)."""
     c, P, p_rank, exact, dtype, rb, acc = s.config, s.P, s.p_rank, s.exact, s.dtype, s.rb, s.acc
     divided, divided_walk, walk_chunk, gk = capture.divided, walk.divided, walk.chunk, c.gdn_kernel
@@ -27,8 +27,10 @@ def step_assumptions(s: Basis, capture: CapturePlan, walk: WalkPlan) -> list[str
                                                    if exact else ""),
         f"state in {dtype}; GDN recurrent state in {'fp64' if rb == 8 else 'fp32'}"
         + ("; state gradients in fp32" if exact and acc == 4 else ""),
-        "replay working = one piece's autograd graph (T tokens x activation bytes per token, all layers) "
-        "+ the larger of the blockwise-attention and chunked-logits working sets",
+        ("replay working = one piece's graph with each layer recomputed in backward (T tokens x hidden bytes per "
+         "layer, kept through the forward, + one layer's activations) " if replay.recompute else
+         "replay working = one piece's autograd graph (T tokens x activation bytes per token, all layers) ")
+        + "+ the larger of the blockwise-attention and chunked-logits working sets",
         "self-attention of a piece / chunk: " + {
             "dense": "plain torch everywhere ([heads, T, T] fp32 scores + probs per attention layer; today's code "
                      "on CUDA)",
@@ -103,6 +105,7 @@ def _memory_keys(s: Basis, state: StatePlan, weights: WeightPlan, replay: Replay
         "optimizer_bytes": int(weights.optimizer_bytes),
         "gathered_param_bytes": int(weights.gathered),
         "replay_working_bytes": int(replay.working),
+        "replay_recompute_layers": replay.recompute,
         "capture_working_bytes": int(capture.working),
         "recompute_working_bytes": int(walk.working),
         "chunk_graph_bytes": int(walk.chunk_graph) if exact else 0,
@@ -146,6 +149,7 @@ def build_report(s: Basis, state: StatePlan, weights: WeightPlan, replay: Replay
         "breakdown": {
             "state": {k: v for k, v in state.sizes.items() if k not in ("per_token", "fixed")},
             "replay": {"piece_tokens": replay.T, "held_branch_tokens": replay.held,
+                       "recompute_layers": replay.recompute,
                        "graph_bytes_per_token": replay.graph_tok, "graph_bytes": replay.graph,
                        "attention_working_bytes": replay.attention, "logits_working_bytes": replay.logits,
                        "branch_state_bytes": replay.branch_state},
@@ -156,7 +160,7 @@ def build_report(s: Basis, state: StatePlan, weights: WeightPlan, replay: Replay
         },
         "offload": figures,
         "inputs": {**asdict(c), "dtype": s.dtype, "weight_dtype": s.wdt},
-        "assumptions": [*weights.assumptions, *offload.assumptions, *step_assumptions(s, capture, walk)],
+        "assumptions": [*weights.assumptions, *offload.assumptions, *step_assumptions(s, capture, walk, replay)],
     }
 
 

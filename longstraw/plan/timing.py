@@ -114,11 +114,13 @@ class Timing:
 
 
 def plan_time(s: Basis, *, divided: bool, divided_walk: bool, walk_chunk: int, held: int, chunks: int,
-              kept_chunks: int, offload: dict | None) -> Timing:
+              kept_chunks: int, offload: dict | None, recompute: bool = False) -> Timing:
     """The step's FLOPs and seconds on one rank. divided / divided_walk: capture / the
     exact walk is divided over the ranks (walk chunks of `walk_chunk` tokens); held:
     branch tokens held as a state while pieces are walked back; chunks / kept_chunks:
-    capture chunks, and those whose graphs are kept (not recomputed)."""
+    capture chunks, and those whose graphs are kept (not recomputed); recompute: replay
+    recomputes each decoder layer in backward (one more forward of the branch's layers,
+    not of its lm_head)."""
     c, arch, params, P, R, G, W = s.config, s.arch, s.params, s.P, s.R, s.G, s.W
     thr = c.throughput_tflops * 1e12
     flops_prompt = forward_flops(arch, params, P, 0, lm_head=False, world=W)  # one replicated prompt forward
@@ -126,6 +128,8 @@ def plan_time(s: Basis, *, divided: bool, divided_walk: bool, walk_chunk: int, h
     branch_fwd = forward_flops(arch, params, R, P, lm_head=True, world=W)
     held_fwd = forward_flops(arch, params, held, P, lm_head=False, world=W) if held else 0.0
     flops_branch = (1 + BACKWARD_FACTOR + c.score_passes) * branch_fwd + held_fwd
+    if recompute:
+        flops_branch += forward_flops(arch, params, R, P, lm_head=False, world=W)
     # exact: a backward of every chunk, and a recomputed forward of those not kept; replicated,
     # every rank recomputes and backpropagates every chunk; divided, its own tokens of each
     if divided_walk:

@@ -77,12 +77,16 @@ def graph_bytes_per_token(arch: Arch, layer: LayerSpec, ab: int, gdn_kernel: str
         H, kl, r = arch.heads, arch.kv_lora_rank, arch.rope_dim
         e += 4 * (arch.q_lora_rank or 0) + H * (arch.nope_dim + r) + H * (kl + r) + 4 * (kl + r) + H * kl
         e += H * arch.v_head_dim
+    return e * ab + extra + mlp_graph_bytes_per_token(arch, layer, ab)
+
+
+def mlp_graph_bytes_per_token(arch: Arch, layer: LayerSpec, ab: int) -> float:
+    """The MLP's share of `graph_bytes_per_token`: SwiGLU's gate, up, act and act*up
+    (4 x width); MoE: router scores, each token's k expert rows, the shared expert."""
     if layer.mlp == "dense":
-        e += 4 * arch.intermediate
-    else:
-        e += 2 * arch.experts + arch.experts_per_token * (4 * arch.moe_intermediate + 2 * h)
-        e += 4 * arch.shared_intermediate
-    return e * ab + extra
+        return 4 * arch.intermediate * ab
+    return (2 * arch.experts + arch.experts_per_token * (4 * arch.moe_intermediate + 2 * arch.hidden)
+            + 4 * arch.shared_intermediate) * ab
 
 
 def dsa_selection_bytes(arch: Arch, queries: int, keys: int, b: int, acc: int) -> float:
@@ -158,6 +162,34 @@ def autograd_pass(arch: Arch, tokens: int, keys: int, block: int, b: int, acc: i
         graph += sum(self_scores(arch, l, tokens, acc) for l in arch.layers)
         attn = max(attn, max(self_scores(arch, l, tokens, acc) for l in arch.layers))
     return graph, attn
+
+
+def recompute_pass(arch: Arch, tokens: int, keys: int, block: int, b: int, acc: int, dense_self: bool,
+                   gdn_kernel: str):
+    """(kept, layer moment, layer graph) bytes of `tokens` queries run with autograd, each
+    decoder layer recomputed in backward (`models/recompute.py`).
+
+    kept: every layer's input [T, d] (the checkpoints), the final norm's rows (3 x
+    [T, d]) and the gradient of the running layer's input, alive through the backward.
+    Layer moment: the largest of one layer's backward moments: just after its recompute
+    (its whole graph), or in its mixer's backward: attention with the MLP's part already
+    freed and the blockwise attention's backward transient (`attention_working`); GDN
+    with its whole graph and the chunked kernel's transient (`gdn_kernel_bytes_per_token`,
+    no-grad figure). Layer graph: the largest layer's graph. Dense self part: a layer's
+    [heads, T, T] scores join both. Check (one detached step, P = 512, R = 1,024 in one
+    piece, logits chunk 256, fp32; planner / live tensors): tiny qwen3 1.04, qwen3_5
+    1.08, glm_moe_dsa 1.07 (`tests/test_plan_live.py`)."""
+    kept = tokens * (len(arch.layers) + 3 + 1) * arch.hidden * b
+    moment = graph = 0.0
+    for layer in arch.layers:
+        g = tokens * graph_bytes_per_token(arch, layer, b, gdn_kernel)
+        g += self_scores(arch, layer, tokens, acc) if dense_self else 0.0
+        attn = attention_working(arch, layer, tokens, keys, block, acc, backward=True, b=b)
+        mixer = g - tokens * mlp_graph_bytes_per_token(arch, layer, b) + attn
+        if layer.mixer == "gdn":  # the chunked kernel's backward transient, with the layer's graph alive
+            mixer = g + tokens * gdn_kernel_bytes_per_token(arch, b, gdn_kernel, graph=False)
+        moment, graph = max(moment, g, mixer), max(graph, g)
+    return kept, moment, graph
 
 
 def mixer_nograd_bytes_per_token(arch: Arch, layer: LayerSpec, b: int, gdn_kernel: str) -> float:

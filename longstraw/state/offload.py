@@ -348,6 +348,14 @@ class Stager:
                     self.pending_d2h = True
                 h.length, h.consumed = v.length, v.consumed
 
+    def count_written(self) -> None:
+        """A divided capture wrote this rank's rows of every staged layer straight into
+        their host rows (`parallel.divided.divided_capture`): count them as moved to host."""
+        for idx in self.order:
+            for h in _holders(self.state.layers[idx]):
+                for f in _row_fields(h):
+                    self.stats.d2h_bytes += nbytes(_rows(getattr(h, f), 0, h.length))
+
     def restage(self, idx: int, until: int) -> None:
         """Backward of layer idx's attention is next: stage its rows (and gradient sinks)
         again, and prefetch its predecessor's."""

@@ -1,0 +1,17 @@
+#!/bin/sh
+# The planned paper runs (docs/planner.md "The paper's runs"); run from the repository root:
+#   sh bench/results/planned/run.sh   (writes the JSON next to this script)
+set -e
+D=bench/results/planned
+PLAN="${PYTHON:-.venv/bin/python} -m longstraw.cli plan"
+Q="--model qwen3.6-27b --prompt-tokens 2088960 --group 8 --response-tokens 8192 --gpus 8 --lora-rank 16 --weight-dtype nf4"
+for mode in detached exact; do
+  for pieces in 2048 8192; do
+    $PLAN $Q --branch-chunk-size $pieces --mode $mode --json > $D/qwen36_27b_8xh20_p${pieces}_${mode}.json
+  done
+  $PLAN --model qwen3.6-27b --prompt-tokens 2097152 --group 8 --response-tokens 8192 --gpus 1 --lora-rank 16 \
+    --gpu-memory 141GB --offload-state --branch-chunk-size 2048 --mode $mode --json \
+    > $D/qwen36_27b_1xh200_offload_${mode}.json
+done
+$PLAN --model glm-5.2 --prompt-tokens 2088960 --group 8 --response-tokens 8192 --gpus 32 --branch-chunk-size 1024 \
+  --lora-rank 8 --offload-state --shard-params --json > $D/glm52_32xh20_p1024_offload.json

@@ -1,0 +1,28 @@
+"""Worker processes for tests/models/test_recompute.py's context-parallel case (spawned,
+gloo, CPU, float64): under context parallelism, where the recompute re-runs each
+layer's collectives inside backward, replay with layer-wise recompute gives every rank
+the loss and `.grad` of replay without it, for each family kind, detached and exact
+(divided capture and walk), in pieces and with an offloaded state."""
+
+from __future__ import annotations
+
+import torch.distributed as dist
+
+from tests.distributed_worker import _init
+from tests.models.test_recompute import EXEC, GROUP, MODELS, assert_recompute_changes_nothing
+from tests.reference import random_group
+
+
+def run(rank: int, world: int, init_file: str) -> None:
+    _init(rank, world, init_file)
+    try:
+        group = random_group(GROUP["vocab"], GROUP["prompt_len"], GROUP["response_lens"], seed=3)
+        for name, make in MODELS.items():
+            model = make()
+            for mode in ("detached", "exact"):
+                for extra in ({}, {"state_device": "cpu"}):
+                    kw = dict(EXEC, mode=mode, branch_chunk_size=3, shard_block_size=3, context_parallel=True, **extra)
+                    metrics = assert_recompute_changes_nothing(model, group, kw)
+                    assert metrics["comm_bytes_replay"] > 0, (name, mode)
+    finally:
+        dist.destroy_process_group()
