@@ -23,3 +23,26 @@ def progress(iterable, *, enabled: bool, desc: str | None, total: int):
     if not enabled or desc is None:
         return iterable
     return tqdm(iterable, desc=desc, total=total, leave=False)
+
+
+class ProgressCounter:
+    """A progress bar advanced by hand (`advance(n)`), for a phase whose units finish
+    out of a loop's order (a prefix tree's leaves); a no-op when disabled. Close it
+    with `close()` or use it as a context manager."""
+
+    def __init__(self, *, enabled: bool, desc: str, total: int):
+        self.bar = tqdm(desc=desc, total=total, leave=False) if enabled else None
+
+    def advance(self, n: int = 1) -> None:
+        if self.bar is not None:
+            self.bar.update(n)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

@@ -38,6 +38,7 @@ import torch
 from longstraw.config import GRPOConfig
 from longstraw.engine import grpo as G
 from longstraw.engine.capture import capture_chunks
+from longstraw.engine.clock import ProgressCounter
 from longstraw.engine.replay import BranchStats
 from longstraw.engine.trie import Segment, build_trie
 from longstraw.group import BatchTotals, Group
@@ -98,8 +99,10 @@ def replay_tree(engine, state: PromptState, group: Group, grpo: GRPOConfig, tota
         for child in seg.children:  # each adds its dLoss/dState into `own` (and above)
             visit(child, stack + [own])
         engine.walk_back(inputs, start, stack + [own], size, piece_loss=piece_loss, desc=None)
+        bar.advance(sum(group.responses[i].shape[0] == seg.end for i in seg.members))  # responses ending here
 
-    visit(root, [state])
+    with ProgressCounter(enabled=engine.config.progress, desc="replay", total=group.size) as bar:  # per response
+        visit(root, [state])
     return stats
 
 
