@@ -50,6 +50,8 @@ Anything TRL offers that cannot run here is refused at construction with a
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import logging
 import time
 from collections import defaultdict
@@ -65,6 +67,10 @@ from ..errors import ConfigError, ModelStateError, StaleStateError
 from ..group import BatchTotals, Group
 from ..measure import peak_rss_bytes
 from longstraw.engine.rollout import check_state
+from longstraw.parallel.mesh import Mesh, mesh_groups
+from longstraw.integrations.trl_parallel import (DataParallelView, check_mesh_settings, global_totals,
+                                                 process_group_view, reduce_gradients, reduce_metrics,
+                                                 sampling_generator, seen_per_data_parallel_group)
 
 try:
     import trl
@@ -76,6 +82,10 @@ logger = logging.getLogger(__name__)
 
 LOSS_TYPES = ("dapo", "grpo", "dr_grpo")
 """TRL loss types LongStraw computes (same names and meanings as `longstraw.GRPOConfig`)."""
+
+WINDOW_KEYS = ("captures", "tool_continuations", "time_capture_s", "time_generate_s", "time_replay_s",
+               "time_reverse_s", "state_bytes", "state_grad_bytes", "peak_memory_bytes")
+"""The `longstraw/...` metrics logged per optimizer step (every rank reduces the same keys)."""
 
 
 # ----------------------------------------------------------------------------
@@ -125,9 +135,9 @@ def unsupported_settings(args, *, eval_dataset=None, processing_class=None, roll
                                    "in bfloat16 instead and set bf16=False, fp16=False")
     refuse(args.cast_lm_head_to_fp32, "cast_lm_head_to_fp32=True is not supported; set it to False")
     refuse(args.use_liger_kernel, "use_liger_kernel=True is not supported; set it to False")
-    refuse(args.world_size > 1 or args.deepspeed is not None or bool(args.fsdp),
-           "more than one process (DDP, DeepSpeed, FSDP) is not supported by the trainer yet; run one process "
-           "(LongStraw's own context parallelism is separate: docs/distributed.md)")
+    refuse(args.deepspeed is not None or bool(args.fsdp),
+           "DeepSpeed and the Trainer's FSDP are not supported: LongStraw reduces the gradients itself; launch plain "
+           "processes (torchrun / accelerate launch without a DeepSpeed or FSDP config: docs/distributed.md)")
     refuse(rollout_func is not None,
            "rollout_func is not supported: it generates outside LongStraw (typically on a vLLM server), so there is "
            "no prompt state to sample from and reuse, and its sampling log-probs feed an importance-sampling "
@@ -136,7 +146,8 @@ def unsupported_settings(args, *, eval_dataset=None, processing_class=None, roll
            "evaluation (eval_dataset / eval_strategy) is not supported yet; set eval_strategy='no'")
     refuse(isinstance(processing_class, ProcessorMixin), "multimodal processors are not supported (text only)")
     refuse(longstraw_config is not None and longstraw_config.context_parallel,
-           "ExecConfig(context_parallel=True) is not supported by the trainer")
+           "ExecConfig(context_parallel=True): the trainer sets up context parallelism itself; pass "
+           "longstraw_context_parallel_size=C (ranks per prompt) and leave context_parallel=False")
     return bad
 
 
@@ -202,12 +213,17 @@ class LongStrawGRPOTrainer(trl.GRPOTrainer):
             holds bitwise the same weights (`parallel.context.check_replicas` over the default
             group; a `DistributedError` stops training if they drifted apart). 0: off; one
             process: nothing to compare.
+        longstraw_context_parallel_size: C, the ranks that share one prompt (context
+            parallelism, `ExecConfig(context_parallel=True)` over their process group). W
+            processes (torchrun / accelerate launch) form W / C data-parallel groups; C
+            must divide W. 1 (default): plain data parallelism; W: every rank on one
+            prompt. `per_device_train_batch_size` counts rows per data-parallel group.
     """
 
     def __init__(self, model, reward_funcs=None, args=None, train_dataset=None, eval_dataset=None,
                  processing_class=None, reward_processing_classes=None, callbacks=None, optimizers=(None, None),
                  peft_config=None, *, longstraw_config: ExecConfig | None = None, longstraw_keep_states: bool = True,
-                 longstraw_replica_check_every: int = 0, **kwargs):
+                 longstraw_replica_check_every: int = 0, longstraw_context_parallel_size: int = 1, **kwargs):
         longstraw_config = ExecConfig() if longstraw_config is None else longstraw_config
         if not isinstance(longstraw_replica_check_every, int) or longstraw_replica_check_every < 0:
             raise ConfigError(f"longstraw_replica_check_every must be an int >= 0 (0: off), got "
@@ -219,6 +235,8 @@ class LongStrawGRPOTrainer(trl.GRPOTrainer):
             args = trl.GRPOConfig(f"{name.split('/')[-1]}-GRPO")
         bad = unsupported_settings(args, eval_dataset=eval_dataset, processing_class=processing_class,
                                    rollout_func=kwargs.get("rollout_func"), longstraw_config=longstraw_config)
+        mesh = Mesh(world=args.world_size, context=longstraw_context_parallel_size)  # ConfigError unless C divides W
+        bad += check_mesh_settings(args, mesh)
         if bad:
             raise ConfigError("LongStrawGRPOTrainer cannot run these TRL settings:\n  - " + "\n  - ".join(bad))
         if args.gradient_checkpointing or getattr(args, "activation_checkpointing", False):
@@ -227,6 +245,8 @@ class LongStrawGRPOTrainer(trl.GRPOTrainer):
             args.gradient_checkpointing = False
             if hasattr(args, "activation_checkpointing"):  # its newer name (transformers >= 5.x)
                 args.activation_checkpointing = False
+        if mesh.context > 1:  # TRL sized it for W processes; the C ranks of a group share its rows
+            args.generation_batch_size = args.per_device_train_batch_size * mesh.data * args.steps_per_generation
 
         super().__init__(model=model, reward_funcs=reward_funcs, args=args, train_dataset=train_dataset,
                          eval_dataset=eval_dataset, processing_class=processing_class,
@@ -237,9 +257,18 @@ class LongStrawGRPOTrainer(trl.GRPOTrainer):
             raise ConfigError("the MoE load-balancing loss is not supported by LongStrawGRPOTrainer; "
                               "set GRPOConfig(router_aux_loss_coef=0.0)")
         policy = self.accelerator.unwrap_model(self.model)
-        self.longstraw_engine = Engine(policy, longstraw_config)
+        groups = mesh_groups(mesh)
+        self.longstraw_mesh = groups
+        if mesh.context > 1:
+            longstraw_config = dataclasses.replace(longstraw_config, context_parallel=True)
+        engine_kw = dict(process_group=groups.context_group)
+        self.longstraw_engine = Engine(policy, longstraw_config, **engine_kw)
         self.longstraw_ref_engine = (None if self.ref_model is None
-                                     else Engine(self.accelerator.unwrap_model(self.ref_model), longstraw_config))
+                                     else Engine(self.accelerator.unwrap_model(self.ref_model), longstraw_config,
+                                                 **engine_kw))
+        self._data = process_group_view(groups.data_group)  # gradients and totals across data-parallel groups
+        self._data_view = (DataParallelView(self.accelerator, groups.dp, self._data, mesh.data)
+                           if mesh.context > 1 else None)  # with C = 1, accelerate's processes are the groups
         was_training = policy.training
         policy.train()  # the Trainer trains in train mode: refuse dropout now, not at the first step
         try:
@@ -259,6 +288,27 @@ class LongStrawGRPOTrainer(trl.GRPOTrainer):
         self._window = defaultdict(float)  # LongStraw metrics of the current optimizer step
 
     # ------------------------------------------------------------------------
+    # many processes: TRL's data and generation code sees the data-parallel groups
+
+    def _per_data_parallel_group(self):
+        if self._data_view is None:
+            return contextlib.nullcontext()
+        return seen_per_data_parallel_group(self, self._data_view)
+
+    def get_train_dataloader(self):
+        """TRL's loader, dealt per data-parallel group (the C ranks of one get the same rows)."""
+        with self._per_data_parallel_group():
+            return super().get_train_dataloader()
+
+    def _generate_and_score_completions(self, inputs):
+        """TRL's, with its gathers (rewards, advantages, metrics) over the data-parallel groups."""
+        with self._per_data_parallel_group():
+            return super()._generate_and_score_completions(inputs)
+
+    def _sampler(self, ids: torch.Tensor) -> torch.Generator:
+        return sampling_generator(self.args.seed, self.state.global_step, ids)
+
+    # ------------------------------------------------------------------------
     # rollouts and scoring (called from TRL's _generate_and_score_completions)
 
     def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
@@ -276,7 +326,8 @@ class LongStrawGRPOTrainer(trl.GRPOTrainer):
             prompt = torch.tensor(rows[0], dtype=torch.long)
             rollout = self.longstraw_engine.generate(
                 prompt, num_samples=num_generations, max_new_tokens=self.max_completion_length,
-                temperature=self.temperature, top_p=self.top_p, top_k=self.top_k or 0, eos_token_id=self.eos_token_ids)
+                temperature=self.temperature, top_p=self.top_p, top_k=self.top_k or 0, eos_token_id=self.eos_token_ids,
+                generator=self._sampler(prompt))
             completions += [r.tolist() for r in rollout.responses]
             held = self.longstraw_keep_states or bool(self.tools)  # the tool loop continues from it
             self._pending.append(_Pending(prompt, rollout.state if held else None))
@@ -316,7 +367,7 @@ class LongStrawGRPOTrainer(trl.GRPOTrainer):
             rollout = self.longstraw_engine.generate(
                 pending.prompt, num_samples=1, max_new_tokens=self.max_completion_length, temperature=self.temperature,
                 top_p=self.top_p, top_k=self.top_k or 0, eos_token_id=self.eos_token_ids, prefix=prefix,
-                state=pending.state)
+                state=pending.state, generator=self._sampler(torch.tensor(row, dtype=torch.long)))
             out.append(rollout.responses[0][prefix.numel():].tolist())
             self._window["tool_continuations"] += 1
             self._window["time_generate_s"] += rollout.metrics["time_generate_s"]
@@ -392,7 +443,7 @@ class LongStrawGRPOTrainer(trl.GRPOTrainer):
                                   rewards=batch["advantages"][rows].detach().to("cpu", torch.float64),
                                   old_logprobs=per_row("old_per_token_logps"), ref_logprobs=per_row("ref_per_token_logps"))
         items, self._pending = self._pending, []
-        totals = BatchTotals.of(item.group for item in items)
+        totals = global_totals((item.group for item in items), self._data)  # over the whole global batch
         steps = self.args.steps_per_generation
         return [_MicroBatch(items[m::steps], totals) for m in range(steps)]
 
@@ -416,6 +467,9 @@ class LongStrawGRPOTrainer(trl.GRPOTrainer):
                 tokens += m["response_tokens"]
                 clipped += m["clip_fraction"] * m["response_tokens"]
                 kl += m.get("kl_mean", 0.0) * m["response_tokens"]
+        if self._data is not None:  # token-weighted over every data-parallel group
+            both = reduce_metrics(dict(tokens=tokens, clipped=clipped, kl=kl), ("tokens", "clipped", "kl"), self._data)
+            tokens, clipped, kl = both["tokens"], both["clipped"], both["kl"]
         if tokens:
             self._metrics["train"]["clip_ratio/region_mean"].append(clipped / tokens)
             if self.beta != 0.0:
@@ -431,12 +485,17 @@ class LongStrawGRPOTrainer(trl.GRPOTrainer):
             self.optimizer.train()
         loss = self._step_groups(self._prepare_inputs(inputs))
         self._step += 1
-        self._current_train_step_time += time.perf_counter() - start
         if self._step % self.current_gradient_accumulation_steps == 0:
+            # the last micro-step: every data-parallel group's gradient added up (their divisors are the global batch's)
+            reduce_gradients(self.longstraw_engine.model.parameters(), self._data)
+            self._current_train_step_time += time.perf_counter() - start
             self._metrics["train"]["step_time"].append(self._current_train_step_time)
             self._current_train_step_time = 0.0
             self._flush_window()
-        return torch.tensor(loss, device=self.args.device)
+        else:
+            self._current_train_step_time += time.perf_counter() - start
+        # the Trainer logs the mean over W processes: each group's share x D makes that the global batch's loss
+        return torch.tensor(loss * self.longstraw_mesh.mesh.data, device=self.args.device)
 
     def _flush_window(self) -> None:
         """Log this optimizer step's LongStraw metrics (TRL averages them per logging step)."""
@@ -445,6 +504,11 @@ class LongStrawGRPOTrainer(trl.GRPOTrainer):
         else:
             peak = peak_rss_bytes()
         self._window["peak_memory_bytes"] = float(peak)
+        if self._data is not None:  # captures added up over the groups, times and bytes their max
+            for key in WINDOW_KEYS:
+                self._window.setdefault(key, 0.0)
+            self._window = defaultdict(float, reduce_metrics(self._window, ("captures", "tool_continuations"),
+                                                             self._data))
         for key, value in self._window.items():
             self._metrics["train"][f"longstraw/{key}"].append(float(value))
         self._window.clear()

@@ -1,0 +1,88 @@
+"""`LongStrawGRPOTrainer` on many processes (gloo, CPU, float64) equals one process over
+the same global batch: one SGD step (lr 1), to 1e-9 on the logged loss, every gradient the
+step applied and every updated parameter, on every rank. The ranks are spawned with the
+env torchrun sets (accelerate's PartialState picks it up); the reference runs in this
+process. Sampling is real: the completions (and so the rewards) must match too.
+
+W = 2 with C = 2 (one prompt over both ranks) and C = 1 (plain data parallelism) run by
+default; W = 4, C = 2 (two data-parallel groups of two) is opt-in (`-m slow`).
+"""
+
+import socket
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from tests.reference import assert_grads_close, assert_loss_close
+
+pytest.importorskip("trl")
+pytest.importorskip("datasets")
+from tests.integrations import trl_worker as worker  # noqa: E402
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _spawn(case: str, world: int, context: int, out_dir) -> list[dict]:
+    """Run `case` on `world` ranks; return each rank's record (a rank's error in the failure)."""
+    ctx = mp.spawn(worker.rank_main, args=(world, _free_port(), str(out_dir), case, context), nprocs=world,
+                   join=False)
+    for proc in ctx.processes:
+        proc.join(timeout=worker.PG_TIMEOUT_S + 300)
+    for proc in ctx.processes:
+        if proc.is_alive():
+            proc.kill()
+    errors = [p.read_text() for p in sorted(out_dir.glob("rank*.err"))]
+    assert not errors and all(p.exitcode == 0 for p in ctx.processes), errors
+    return [torch.load(out_dir / f"rank{r}.pt", weights_only=False) for r in range(world)]
+
+
+@pytest.fixture
+def float64_default():
+    saved = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    yield
+    torch.set_default_dtype(saved)
+
+
+def _assert_equal_runs(ours: dict, want: dict, rel: float = 1e-9) -> None:
+    assert all(torch.equal(ours["before"][n], want["before"][n]) for n in want["before"])
+    assert len(ours["logs"]) == len(want["logs"]) == 1
+    got_log, want_log = ours["logs"][0], want["logs"][0]
+    for key in ("reward", "reward_std", "completions/mean_length"):  # the same completions, each seen once
+        assert got_log[key] == pytest.approx(want_log[key], rel=1e-12, abs=1e-12), key
+    assert_loss_close(got_log["loss"], want_log["loss"], rel)
+    assert set(ours["grads"]) == set(want["grads"]) and any(g.abs().sum() > 0 for g in want["grads"].values())
+    assert_grads_close(ours["grads"], want["grads"], rel)
+    for name, w in want["after"].items():  # SGD lr 1: after = before - grad
+        assert (ours["after"][name] - w).abs().max() <= rel * w.abs().max() + 1e-12, name
+
+
+def _check(case, world, context, tmp_path):
+    ranks = _spawn(case, world, context, tmp_path / "ranks")
+    want = worker.record_run(case, str(tmp_path / "one"), data_groups=world // context)
+    for record in ranks:
+        assert record["context"] == context  # the engine's context parallelism over C ranks
+        _assert_equal_runs(record, want)
+
+
+@pytest.mark.parametrize("case", ["detached", "exact"])
+def test_two_ranks_one_prompt_each_step_equals_one_process(tmp_path, float64_default, case):
+    """W = 2, C = 2: every prompt divided over both ranks."""
+    _check(case, 2, 2, tmp_path)
+
+
+@pytest.mark.parametrize("case", ["detached", "lora_beta"])
+def test_two_data_parallel_ranks_equal_one_process_over_the_global_batch(tmp_path, float64_default, case):
+    """W = 2, C = 1: two prompts per rank, four in the global batch ("batch" scaling over all)."""
+    _check(case, 2, 1, tmp_path)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", ["detached", "exact", "lora_beta"])
+def test_four_ranks_two_groups_of_two_equal_one_process(tmp_path, float64_default, case):
+    _check(case, 4, 2, tmp_path)
