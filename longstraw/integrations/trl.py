@@ -68,87 +68,23 @@ from ..group import BatchTotals, Group
 from ..measure import peak_rss_bytes
 from longstraw.engine.rollout import check_state
 from longstraw.parallel.mesh import Mesh, mesh_groups
-from longstraw.integrations.trl_parallel import (DataParallelView, check_mesh_settings, global_totals,
-                                                 process_group_view, reduce_gradients, reduce_metrics,
-                                                 sampling_generator, seen_per_data_parallel_group)
+from longstraw.integrations.trl_settings import LOSS_TYPES, unsupported_settings  # noqa: F401 (public here too)
+from longstraw.parallel.data import agreed, global_totals, process_group_view, reduce_gradients, sampling_generator
+from longstraw.integrations.trl_parallel import (DataParallelView, check_mesh_settings, reduce_metrics,
+                                                 seen_per_data_parallel_group)
 
 try:
     import trl
-    from transformers import PreTrainedTokenizerFast, ProcessorMixin, TrainerCallback
+    from transformers import PreTrainedTokenizerFast, TrainerCallback
 except ImportError as exc:  # pragma: no cover - depends on the environment
     raise ImportError("longstraw.integrations.trl needs TRL: pip install 'longstraw[trl]'") from exc
 
 logger = logging.getLogger(__name__)
 
-LOSS_TYPES = ("dapo", "grpo", "dr_grpo")
-"""TRL loss types LongStraw computes (same names and meanings as `longstraw.GRPOConfig`)."""
-
 WINDOW_KEYS = ("captures", "tool_continuations", "time_capture_s", "time_generate_s", "time_replay_s",
                "time_reverse_s", "state_bytes", "state_grad_bytes", "peak_memory_bytes")
 """The `longstraw/...` metrics logged per optimizer step (every rank reduces the same keys)."""
 
-
-# ----------------------------------------------------------------------------
-# what cannot run here
-
-
-def unsupported_settings(args, *, eval_dataset=None, processing_class=None, rollout_func=None,
-                         longstraw_config: ExecConfig | None = None) -> list[str]:
-    """The TRL settings LongStrawGRPOTrainer refuses, one message each (empty: all fine)."""
-    bad = []
-
-    def refuse(condition, message):
-        if condition:
-            bad.append(message)
-
-    refuse(args.use_vllm, "use_vllm=True: rollouts come from engine.generate, which samples from the one prompt "
-                          "capture the update reuses; set use_vllm=False")
-    refuse(args.use_transformers_continuous_batching,
-           "use_transformers_continuous_batching=True: rollouts come from engine.generate; set it to False")
-    refuse(args.loss_type not in LOSS_TYPES,
-           f"loss_type={args.loss_type!r}: supported are {LOSS_TYPES} (bnpo normalises per shuffled micro-batch, "
-           "cispo/sapo/luspo/vespo use other objectives)")
-    refuse(args.importance_sampling_level != "token",
-           f"importance_sampling_level={args.importance_sampling_level!r}: only 'token' is supported")
-    refuse(args.delta is not None, "delta (two-sided clipping of the ratio) is not supported; set delta=None")
-    refuse(args.entropy_coef != 0 or args.use_adaptive_entropy,
-           "the entropy bonus (entropy_coef / use_adaptive_entropy) is not supported; set entropy_coef=0")
-    refuse(args.top_entropy_quantile < 1.0, "top_entropy_quantile < 1 is not supported; set it to 1.0")
-    refuse(args.off_policy_mask_threshold is not None,
-           "off_policy_mask_threshold is not supported; set it to None")
-    refuse(args.mask_truncated_completions, "mask_truncated_completions=True is not supported; set it to False")
-    refuse(args.beta != 0 and args.use_bias_correction_kl,
-           "beta > 0 with use_bias_correction_kl=True (the KL weighted by the importance ratio) is not supported; "
-           "set use_bias_correction_kl=False for the plain k3 KL")
-    refuse(args.multi_objective_aggregation != "sum_then_normalize",
-           f"multi_objective_aggregation={args.multi_objective_aggregation!r}: only 'sum_then_normalize' "
-           "(its advantages are centred per group)")
-    refuse(args.min_p is not None, "min_p sampling is not supported by engine.generate; set min_p=None")
-    refuse(args.repetition_penalty != 1.0, "repetition_penalty is not supported by engine.generate; set it to 1.0")
-    refuse(args.generation_kwargs, "generation_kwargs are not supported; engine.generate takes temperature, "
-                                   "top_p, top_k and eos (from GRPOConfig and the tokenizer)")
-    refuse(args.steps_per_generation != args.gradient_accumulation_steps,
-           f"steps_per_generation={args.steps_per_generation} != gradient_accumulation_steps="
-           f"{args.gradient_accumulation_steps}: one generation batch must be one optimizer step (whole prompt "
-           "groups are stepped); leave steps_per_generation and generation_batch_size unset")
-    refuse(args.fp16 or args.bf16, "fp16/bf16 autocast: LongStraw runs the model in its own dtype; load the model "
-                                   "in bfloat16 instead and set bf16=False, fp16=False")
-    refuse(args.cast_lm_head_to_fp32, "cast_lm_head_to_fp32=True is not supported; set it to False")
-    refuse(args.use_liger_kernel, "use_liger_kernel=True is not supported; set it to False")
-    refuse(args.deepspeed is not None or bool(args.fsdp),
-           "DeepSpeed and the Trainer's FSDP are not supported: LongStraw reduces the gradients itself; launch plain "
-           "processes (torchrun / accelerate launch without a DeepSpeed or FSDP config: docs/distributed.md)")
-    refuse(rollout_func is not None,
-           "rollout_func is not supported: it generates outside LongStraw (typically on a vLLM server), so there is "
-           "no prompt state to sample from and reuse, and its sampling log-probs feed an importance-sampling "
-           "correction LongStraw does not apply; use tools= or environment_factory= for multi-turn rollouts")
-    refuse(eval_dataset is not None or args.eval_strategy != "no",
-           "evaluation (eval_dataset / eval_strategy) is not supported yet; set eval_strategy='no'")
-    refuse(isinstance(processing_class, ProcessorMixin), "multimodal processors are not supported (text only)")
-    refuse(longstraw_config is not None and longstraw_config.context_parallel,
-           "ExecConfig(context_parallel=True): the trainer sets up context parallelism itself; pass "
-           "longstraw_context_parallel_size=C (ranks per prompt) and leave context_parallel=False")
-    return bad
 
 
 def token_id_tokenizer(vocab_size: int, *, eos_token_id: int = 0, pad_token_id: int | None = None):
@@ -267,6 +203,7 @@ class LongStrawGRPOTrainer(trl.GRPOTrainer):
                                      else Engine(self.accelerator.unwrap_model(self.ref_model), longstraw_config,
                                                  **engine_kw))
         self._data = process_group_view(groups.data_group)  # gradients and totals across data-parallel groups
+        self._world = process_group_view(torch.distributed.group.WORLD) if mesh.world > 1 else None  # failures
         self._data_view = (DataParallelView(self.accelerator, groups.dp, self._data, mesh.data)
                            if mesh.context > 1 else None)  # with C = 1, accelerate's processes are the groups
         was_training = policy.training
@@ -316,8 +253,12 @@ class LongStrawGRPOTrainer(trl.GRPOTrainer):
         inside TRL's tool loop, each post-tool continuation from its prompt's held state."""
         if images is not None or multimodal_fields or has_tool_images:
             raise ConfigError("LongStrawGRPOTrainer takes text-only prompts")
-        if self._in_tool_loop:
+        if self._in_tool_loop:  # as many calls as this rank's tool rounds: no agreement across ranks here
             return self._continue_after_tools(prompt_ids), None
+        return agreed(lambda: self._rollouts(prompt_ids, num_generations), self._world, "generation"), None
+
+    def _rollouts(self, prompt_ids, num_generations) -> list[list[int]]:
+        """One `engine.generate` per prompt group; the completions, row by row."""
         completions, self._pending = [], []
         for start in range(0, len(prompt_ids), num_generations):
             rows = [list(r) for r in prompt_ids[start:start + num_generations]]
@@ -336,7 +277,7 @@ class LongStrawGRPOTrainer(trl.GRPOTrainer):
             self._window["time_capture_s"] += m["time_capture_s"]
             self._window["time_generate_s"] += m["time_generate_s"]
             self._window["state_bytes"] = max(self._window["state_bytes"], m["state_bytes"])
-        return completions, None  # sampling log-probs are only used for vLLM's importance sampling
+        return completions  # sampling log-probs are only used for vLLM's importance sampling
 
     def _tool_call_loop(self, *args, **kwargs):
         """TRL's own tool loop (parsing, tool calls, tool_mask); its regenerations come back
@@ -447,8 +388,9 @@ class LongStrawGRPOTrainer(trl.GRPOTrainer):
         steps = self.args.steps_per_generation
         return [_MicroBatch(items[m::steps], totals) for m in range(steps)]
 
-    def _step_groups(self, micro: _MicroBatch) -> float:
-        """engine.step for each group of a micro-step; returns their summed loss."""
+    def _step_groups(self, micro: _MicroBatch) -> tuple[float, dict]:
+        """engine.step for each group of a micro-step, no collective but the engine's own;
+        returns their summed loss and token-weighted sums (tokens, clipped, kl)."""
         loss = tokens = clipped = kl = 0.0
         for item in micro.items:
             state = self._fresh_state(item.state, item.group.prompt)
@@ -467,14 +409,16 @@ class LongStrawGRPOTrainer(trl.GRPOTrainer):
                 tokens += m["response_tokens"]
                 clipped += m["clip_fraction"] * m["response_tokens"]
                 kl += m.get("kl_mean", 0.0) * m["response_tokens"]
-        if self._data is not None:  # token-weighted over every data-parallel group
-            both = reduce_metrics(dict(tokens=tokens, clipped=clipped, kl=kl), ("tokens", "clipped", "kl"), self._data)
-            tokens, clipped, kl = both["tokens"], both["clipped"], both["kl"]
-        if tokens:
-            self._metrics["train"]["clip_ratio/region_mean"].append(clipped / tokens)
+        return loss, dict(tokens=tokens, clipped=clipped, kl=kl)
+
+    def _log_micro_step(self, sums: dict) -> None:
+        """Clip ratio and KL of a micro-step, token-weighted over every data-parallel group."""
+        if self._data is not None:
+            sums = reduce_metrics(sums, tuple(sums), self._data)
+        if sums["tokens"]:
+            self._metrics["train"]["clip_ratio/region_mean"].append(sums["clipped"] / sums["tokens"])
             if self.beta != 0.0:
-                self._metrics["train"]["kl"].append(kl / tokens)
-        return loss
+                self._metrics["train"]["kl"].append(sums["kl"] / sums["tokens"])
 
     def training_step(self, model, inputs, num_items_in_batch=None):
         """One micro-step: `engine.step` per group accumulates `.grad` (no Trainer backward).
@@ -483,7 +427,9 @@ class LongStrawGRPOTrainer(trl.GRPOTrainer):
         model.train()
         if hasattr(self.optimizer, "train") and callable(self.optimizer.train):
             self.optimizer.train()
-        loss = self._step_groups(self._prepare_inputs(inputs))
+        micro = self._prepare_inputs(inputs)
+        loss, sums = agreed(lambda: self._step_groups(micro), self._world, "the update")  # all fail together
+        self._log_micro_step(sums)
         self._step += 1
         if self._step % self.current_gradient_accumulation_steps == 0:
             # the last micro-step: every data-parallel group's gradient added up (their divisors are the global batch's)

@@ -11,43 +11,30 @@ data-parallel groups of C context-parallel ranks (`parallel.mesh`). The trainer 
   `_generate_and_score_completions` the trainer sees the accelerator through
   `DataParallelView`: its gathers run over the data-parallel group only, so each
   completion is seen once, not once per context-parallel replica.
-* Gradients. Each group's `engine.step`s use the batch-wide divisors of the whole global
-  batch (`global_totals`), so the data-parallel groups' gradients add up to the one-process
-  gradient: `reduce_gradients` sums them (one bucketed all-reduce over the data-parallel
-  group; TRL's DDP averaging is never engaged, the Trainer's backward is skipped).
-* Sampling. `sampling_generator(seed, step, prompt)`: a generator seeded by the run's
-  seed, the optimizer step and the prompt ids, so a run samples the same completions at
-  any W and C.
+* Gradients (`parallel.data`). Each group's `engine.step`s use the batch-wide divisors of
+  the whole global batch (`global_totals`), so the data-parallel groups' gradients add up
+  to the one-process gradient: `reduce_gradients` sums them (one bucketed all-reduce over
+  the data-parallel group; TRL's DDP averaging is never engaged, the Trainer's backward is
+  skipped).
+* Sampling (`parallel.data.sampling_generator`): seeded by the run's seed, the optimizer
+  step and the prompt ids, so a run samples the same completions at any W and C.
+* Failures (`parallel.data.agreed`): a generation or an update that fails a LongStraw
+  check on one rank raises a `DistributedError` naming that rank and its error on every
+  rank.
+* Metrics (`reduce_metrics`): the `longstraw/` metrics of an optimizer step reduced over
+  the data-parallel groups (captures added up, times and bytes their max), so rank 0
+  logs the whole run's.
 """
 
 from __future__ import annotations
 
 import contextlib
-import hashlib
 
 import torch
 import torch.distributed as dist
 
-from longstraw.errors import DistributedError
-from longstraw.group import BatchTotals
-from longstraw.parallel.collectives import all_gather, all_reduce_max, all_reduce_sum, in_buckets
+from longstraw.parallel.collectives import all_gather, all_reduce_max, all_reduce_sum
 from longstraw.parallel.context import ContextParallel
-from longstraw.parallel.gradients import same_gradient_layout
-
-
-def sampling_generator(seed: int, step: int, prompt: torch.Tensor) -> torch.Generator:
-    """A CPU generator seeded by (run seed, optimizer step, prompt ids [P]): the same
-    completions for this prompt at this step at any W and C (a prompt twice in one
-    generation batch samples the same group twice)."""
-    digest = hashlib.blake2b(digest_size=8)
-    digest.update(f"{int(seed)}:{int(step)}:".encode())
-    digest.update(prompt.detach().to("cpu", torch.int64).contiguous().numpy().tobytes())
-    return torch.Generator().manual_seed(int.from_bytes(digest.digest(), "little") >> 1)
-
-
-def process_group_view(group) -> ContextParallel | None:
-    """A `ContextParallel` over `group` (what the collectives take), None for no group."""
-    return None if group is None else ContextParallel.from_default_group(group)
 
 
 # ----------------------------------------------------------------------------
@@ -133,43 +120,6 @@ def seen_per_data_parallel_group(trainer, view: DataParallelView):
         trainer.accelerator, grpo_module.gather, grpo_module.gather_object = saved
 
 
-# ----------------------------------------------------------------------------
-# divisors and gradients across data-parallel groups
-
-
-def global_totals(groups, data: ContextParallel | None) -> BatchTotals:
-    """`BatchTotals` of the whole global batch: this rank's `groups` and every other
-    data-parallel group's (sums of sequences and loss tokens, max of response lengths)."""
-    groups = list(groups)
-    local = BatchTotals.of(groups)
-    if data is None:
-        return local
-    tokens = sum(g.loss_tokens for g in groups)  # unclamped: the batch's clamp is applied once
-    sums = all_reduce_sum(torch.tensor([float(local.num_sequences), float(tokens)], dtype=torch.float64), data)
-    longest = all_reduce_max(torch.tensor([float(local.max_response_tokens)], dtype=torch.float64), data)
-    return BatchTotals(num_sequences=int(sums[0]), num_tokens=max(1, int(sums[1])),
-                       max_response_tokens=int(longest[0]))
-
-
-def reduce_gradients(params, data: ContextParallel | None, bucket_bytes: int = 32 << 20) -> None:
-    """Sum every trainable parameter's `.grad` over the data-parallel group, in place.
-
-    A parameter with a gradient on some rank but not on this one (all its groups skipped
-    here) joins with zeros; one with no gradient on any rank keeps `.grad = None`, as one
-    process would. One all-gather of the presence flags, then bucketed all-reduces."""
-    if data is None:
-        return
-    params = [p for p in params if p.requires_grad]
-    have = torch.tensor([p.grad is not None for p in params], dtype=torch.float64)
-    anywhere = torch.stack(all_gather(have, data)).amax(0)  # (n,)
-    for p, any_rank in zip(params, anywhere.tolist()):
-        if any_rank and p.grad is None:
-            p.grad = torch.zeros_like(p)
-    grads = [p.grad for p in params if p.grad is not None]
-    same_gradient_layout(grads, data, "the data-parallel gradient sum")
-    in_buckets(grads, lambda flat: all_reduce_sum(flat, data), bucket_bytes)
-
-
 def reduce_metrics(values: dict, sums: tuple, data: ContextParallel | None) -> dict:
     """A metrics dict reduced over the data-parallel group: keys in `sums` added, the rest
     their max (times, bytes). Every rank must pass the same keys."""
@@ -194,5 +144,8 @@ def check_mesh_settings(args, mesh) -> list[str]:
     return bad
 
 
-__all__ = ["DataParallelView", "DistributedError", "check_mesh_settings", "global_totals", "process_group_view",
-           "reduce_gradients", "reduce_metrics", "sampling_generator", "seen_per_data_parallel_group"]
+
+
+
+__all__ = ["DataParallelView", "check_mesh_settings", "reduce_metrics",
+           "seen_per_data_parallel_group"]

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch.distributed as dist
+
 from longstraw.errors import ConfigError
 
 
@@ -88,8 +90,6 @@ def mesh_groups(mesh: Mesh, backend: str | None = None) -> MeshGroups:
         mesh: the mesh; `mesh.world` must equal the default group's size.
         backend: the groups' backend (default: the default group's).
     """
-    import torch.distributed as dist  # the mesh arithmetic above needs no torch
-
     if not dist.is_available() or not dist.is_initialized():
         if mesh.world == 1:
             return MeshGroups(mesh=mesh, rank=0, dp=0, cp=0)
