@@ -6,13 +6,14 @@
 W processes form W / C data-parallel groups of C context-parallel ranks (`parallel.mesh`):
 the C ranks of a group run each prompt together (`ExecConfig(context_parallel=True)` on
 their process group), the groups take different prompts. The decoder layers are FSDP2
-(`fully_shard`) over all W ranks; under exact mode the divided reverse walk then sums the
-ranks' partial gradients through FSDP2's own reduce-scatter (`parallel/fsdp.py`). FSDP2
-averages over the data-parallel groups, and so does the one all-reduce of the few
-replicated parameters (embeddings, final norm, lm_head): each group uses its own batch's
-divisors, so the update is the mean of the groups' GRPO gradients (equal to one process
-over the global batch for "grpo" and "dr_grpo", whose divisors count sequences). Then AdamW.
-Checkpoints are torch.distributed.checkpoint (DCP), sharded, and load at any W.
+(`fully_shard`) over the C ranks of a group (the ranks that run the same sequences, so
+their FSDP2 collectives pair up; in exact mode the divided reverse walk sums their
+partial gradients through FSDP2's own reduce-scatter, `parallel/fsdp.py`). Every group
+steps with the divisors of the whole global batch (`parallel.data.global_totals`), and
+one bucketed all-reduce across the groups (`reduce_gradients`: FSDP2 shards and the
+replicated embeddings, norm and lm_head alike) gives every rank the gradient one process
+would compute over that batch. Then AdamW. Checkpoints are torch.distributed.checkpoint
+(DCP), sharded, and load at any W.
 
 The model: `--model tiny:<family>` (longstraw.tiny, random weights) or a path to an HF
 config (config.json or its folder; random weights). The task: longstraw.tasks.KVRecall.
@@ -34,8 +35,7 @@ from tqdm import tqdm
 
 import longstraw as ls
 from longstraw.parallel.collectives import all_reduce_sum
-from longstraw.parallel.context import ContextParallel
-from longstraw.parallel.gradients import replicated_parameters
+from longstraw.parallel.data import global_totals, process_group_view, reduce_gradients
 from longstraw.parallel.mesh import Mesh, mesh_groups
 from longstraw.tasks import KVRecall, Vocab
 from longstraw.tiny import tiny_model
@@ -84,6 +84,10 @@ def main(argv=None):
     ap.add_argument("--prompts", type=int, default=2, help="prompts per data-parallel group per step")
     ap.add_argument("--group-size", type=int, default=4)
     ap.add_argument("--prompt-tokens", type=int, default=1024)
+    ap.add_argument("--facts", type=int, default=4, help="key-value facts per prompt (KVRecall)")
+    ap.add_argument("--values", type=int, default=8, help="distinct answer values (fewer: easier)")
+    ap.add_argument("--keys", type=int, default=32)
+    ap.add_argument("--filler", type=int, default=80, help="distinct filler tokens")
     ap.add_argument("--mode", default="detached", choices=("detached", "exact"))
     ap.add_argument("--chunk-size", type=int, default=512)
     ap.add_argument("--lr", type=float, default=1e-4)
@@ -100,18 +104,20 @@ def main(argv=None):
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
     world, rank = dist.get_world_size(), dist.get_rank()
-    groups = mesh_groups(Mesh(world=world, context=args.context_parallel or world))  # (dp, cp) and their groups
-    data = ContextParallel.from_default_group(groups.data_group) if groups.data_group is not None else None
+    mesh = Mesh(world=world, context=args.context_parallel or world)
+    groups = mesh_groups(mesh)  # this rank's (dp, cp) and its process groups
+    data = process_group_view(groups.data_group)  # across data-parallel groups (None: one group)
 
-    task = KVRecall(args.prompt_tokens, vocab=Vocab())
+    task = KVRecall(args.prompt_tokens, num_facts=args.facts, vocab=Vocab(num_values=args.values, num_keys=args.keys,
+                                                                      num_filler=args.filler))
     model = build_model(args.model, task.vocab.size, args.prompt_tokens + 64, getattr(torch, args.dtype)).to(device)
-    fsdp_mesh = init_device_mesh(device.type, (world,))
-    for layer in model.model.layers:  # FSDP2 per decoder layer; the rest stays replicated
+    fsdp_mesh = init_device_mesh(device.type, (mesh.data, mesh.context), mesh_dim_names=("dp", "cp"))["cp"]
+    for layer in model.model.layers:  # FSDP2 per decoder layer over the group's C ranks; the rest replicated
         fully_shard(layer, mesh=fsdp_mesh)
     engine = ls.Engine(model, ls.ExecConfig(mode=args.mode, chunk_size=args.chunk_size,
-                                            context_parallel=groups.mesh.context > 1),
+                                            context_parallel=mesh.context > 1),
                        process_group=groups.context_group)
-    grpo = ls.GRPOConfig(loss_type="grpo")
+    grpo = ls.GRPOConfig(loss_type="dapo")
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
     start = 0
     if args.resume:
@@ -121,9 +127,9 @@ def main(argv=None):
                 target = f.read().strip()
         start = load(target, model, optimizer)
 
-    bar = tqdm(range(start, args.steps), disable=rank != 0, desc=f"GRPO W={world} C={groups.mesh.context}")
+    bar = tqdm(range(start, args.steps), disable=rank != 0, desc=f"GRPO W={world} C={mesh.context}")
     for step in bar:
-        first = (step * groups.mesh.data + groups.dp) * args.prompts  # this group's prompts of the global batch
+        first = (step * mesh.data + groups.dp) * args.prompts  # this group's prompts of the global batch
         items = [task.item("train", first + b) for b in range(args.prompts)]
         rollouts, batch = [], []
         for b, item in enumerate(items):
@@ -133,19 +139,16 @@ def main(argv=None):
             rewards = torch.tensor([task.reward(item, r) for r in ro.responses], dtype=torch.float64)
             rollouts.append(ro)
             batch.append(ls.Group(prompt=item.prompt, responses=ro.responses, rewards=rewards))
-        totals = ls.BatchTotals.of(batch)
+        totals = global_totals(batch, data)  # the global batch's divisors: the groups' gradients add up
         loss = sum(engine.step(g, grpo, totals=totals, state=ro.state).loss for g, ro in zip(batch, rollouts))
-        if data is not None:  # FSDP2 averaged the sharded layers' gradients over the groups; the rest here
-            for p in replicated_parameters(model):
-                if p.grad is not None:
-                    all_reduce_sum(p.grad, data).div_(data.world)
+        reduce_gradients(model.parameters(), data)  # every group's share, summed: one process's gradient
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         stats = torch.tensor([loss, float(sum(g.rewards.mean() for g in batch)), float(len(batch))],
                              dtype=torch.float64)
         if data is not None:
             all_reduce_sum(stats, data)
-        bar.set_postfix(loss=f"{stats[0] / groups.mesh.data:.4f}", reward=f"{stats[1] / stats[2]:.3f}")
+        bar.set_postfix(loss=f"{stats[0]:.4f}", reward=f"{stats[1] / stats[2]:.3f}")
         if args.checkpoint_dir and args.save_every and (step + 1) % args.save_every == 0:
             save(args.checkpoint_dir, model, optimizer, step + 1)
     if args.checkpoint_dir and not args.save_every:
