@@ -109,3 +109,11 @@ def test_a_rank_that_fails_a_check_fails_every_rank_together(tmp_path, context, 
         report = (out / f"rank{rank}.err").read_text()
         assert report.startswith("DistributedError") and "rank 1" in report and cause in report, report
         assert "timed out" not in report.lower() and "timeout" not in report.lower(), report
+
+
+def test_a_context_parallel_size_that_does_not_divide_the_processes_is_refused(tmp_path):
+    """One process, C = 2: refused at construction, before TRL builds anything."""
+    import longstraw as ls
+
+    with pytest.raises(ls.ConfigError, match="context-parallel size 2 does not divide the 1 processes"):
+        worker.record_run("detached", str(tmp_path), data_groups=1, context=2)
