@@ -12,8 +12,7 @@ import socket
 
 import pytest
 import torch
-import torch.multiprocessing as mp
-
+from tests.distributed_worker import spawn_each
 from tests.reference import assert_grads_close, assert_loss_close
 
 pytest.importorskip("trl")
@@ -29,13 +28,7 @@ def _free_port() -> int:
 
 def _run_ranks(world: int, *args) -> list[int]:
     """Spawn `world` ranks of `worker.rank_main` and join each by itself; their exit codes."""
-    ctx = mp.spawn(worker.rank_main, args=(world, _free_port(), *args), nprocs=world, join=False)
-    for proc in ctx.processes:
-        proc.join(timeout=worker.PG_TIMEOUT_S + 300)
-    for proc in ctx.processes:
-        if proc.is_alive():
-            proc.kill()
-    return [proc.exitcode for proc in ctx.processes]
+    return spawn_each(worker.rank_main, world, (world, _free_port(), *args), worker.PG_TIMEOUT_S + 300)
 
 
 def _spawn(case: str, world: int, context: int, out_dir, steps: int) -> list[dict]:
