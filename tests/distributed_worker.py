@@ -71,6 +71,22 @@ PG_TIMEOUT_S = 300
 never aborts a test (the failure tests check which error each rank raised, not its time)."""
 
 
+def spawn_each(fn, nprocs: int, args: tuple, timeout_s: float) -> list[int]:
+    """Spawn `nprocs` ranks of fn(rank, *args) and join each one by itself (up to
+    `timeout_s`, then killed); return their exit codes. (mp.spawn's own join terminates the
+    other ranks as soon as one fails, which races the report a surviving rank is about
+    to write.)"""
+    import torch.multiprocessing as mp
+
+    ctx = mp.spawn(fn, args=args, nprocs=nprocs, join=False)
+    for proc in ctx.processes:
+        proc.join(timeout=timeout_s)
+    for proc in ctx.processes:
+        if proc.is_alive():
+            proc.kill()
+    return [proc.exitcode for proc in ctx.processes]
+
+
 def _init(rank: int, world: int, init_file: str) -> None:
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world,
                            timeout=datetime.timedelta(seconds=PG_TIMEOUT_S))

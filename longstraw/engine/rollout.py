@@ -33,6 +33,7 @@ from longstraw.engine.logprobs import scaled_logits
 from longstraw.errors import ConfigError, StaleStateError, StateMismatchError
 from longstraw.group import check_token_ids
 from longstraw.models.rope import rotary_of
+from longstraw.parallel.fsdp import fsdp_sharded_parameters
 
 
 @dataclass
@@ -109,8 +110,10 @@ def weights_stamp(model) -> tuple:
     """A cheap fingerprint of the weights a state is computed from: every parameter's
     version counter (bumped by any in-place update, e.g. `optimizer.step()`) and storage,
     a checksum of a strided sample of its values (catches updates through `.data`), and
-    the active / disabled / merged adapters of PEFT layers."""
-    params = list(model.parameters())
+    the active / disabled / merged adapters of PEFT layers. An FSDP2 parameter is stamped
+    by its sharded DTensor, whether the module is sharded or unsharded just now."""
+    shards = fsdp_sharded_parameters(model)  # FSDP2 swaps sharded and full tensors: stamp the shards
+    params = list({id(q): q for q in (shards.get(id(p), p) for p in model.parameters())}.values())
     versions = []
     samples = []
     for p in params:

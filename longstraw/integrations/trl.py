@@ -44,12 +44,19 @@ update (`longstraw_keep_states=False` drops it and captures again at the update:
 state alive at a time, one more capture per prompt; with tools the batch's states are
 held until the tool loop ends, since its continuations interleave the prompts).
 
+Many processes (`longstraw_context_parallel_size=C` under torchrun / accelerate launch):
+W processes form W / C data-parallel groups of C context-parallel ranks; what changes is
+in `trl_parallel.py` (data dealt per group, gathers over the groups, global divisors, the
+gradient sum, failures agreed across ranks) and docs/distributed.md.
+
 Anything TRL offers that cannot run here is refused at construction with a
 `longstraw.ConfigError` naming the setting and the fix (`unsupported_settings`).
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import logging
 import time
 from collections import defaultdict
@@ -65,79 +72,24 @@ from ..errors import ConfigError, ModelStateError, StaleStateError
 from ..group import BatchTotals, Group
 from ..measure import peak_rss_bytes
 from longstraw.engine.rollout import check_state
+from longstraw.parallel.mesh import Mesh, mesh_groups
+from longstraw.integrations.trl_settings import LOSS_TYPES, unsupported_settings  # noqa: F401 (public here too)
+from longstraw.parallel.data import agreed, global_totals, process_group_view, reduce_gradients, sampling_generator
+from longstraw.integrations.trl_parallel import (DataParallelView, check_mesh_settings, reduce_metrics,
+                                                 seen_per_data_parallel_group)
 
 try:
     import trl
-    from transformers import PreTrainedTokenizerFast, ProcessorMixin, TrainerCallback
+    from transformers import PreTrainedTokenizerFast, TrainerCallback
 except ImportError as exc:  # pragma: no cover - depends on the environment
     raise ImportError("longstraw.integrations.trl needs TRL: pip install 'longstraw[trl]'") from exc
 
 logger = logging.getLogger(__name__)
 
-LOSS_TYPES = ("dapo", "grpo", "dr_grpo")
-"""TRL loss types LongStraw computes (same names and meanings as `longstraw.GRPOConfig`)."""
+WINDOW_KEYS = ("captures", "tool_continuations", "time_capture_s", "time_generate_s", "time_replay_s",
+               "time_reverse_s", "state_bytes", "state_grad_bytes", "peak_memory_bytes")
+"""The `longstraw/...` metrics logged per optimizer step (every rank reduces the same keys)."""
 
-
-# ----------------------------------------------------------------------------
-# what cannot run here
-
-
-def unsupported_settings(args, *, eval_dataset=None, processing_class=None, rollout_func=None,
-                         longstraw_config: ExecConfig | None = None) -> list[str]:
-    """The TRL settings LongStrawGRPOTrainer refuses, one message each (empty: all fine)."""
-    bad = []
-
-    def refuse(condition, message):
-        if condition:
-            bad.append(message)
-
-    refuse(args.use_vllm, "use_vllm=True: rollouts come from engine.generate, which samples from the one prompt "
-                          "capture the update reuses; set use_vllm=False")
-    refuse(args.use_transformers_continuous_batching,
-           "use_transformers_continuous_batching=True: rollouts come from engine.generate; set it to False")
-    refuse(args.loss_type not in LOSS_TYPES,
-           f"loss_type={args.loss_type!r}: supported are {LOSS_TYPES} (bnpo normalises per shuffled micro-batch, "
-           "cispo/sapo/luspo/vespo use other objectives)")
-    refuse(args.importance_sampling_level != "token",
-           f"importance_sampling_level={args.importance_sampling_level!r}: only 'token' is supported")
-    refuse(args.delta is not None, "delta (two-sided clipping of the ratio) is not supported; set delta=None")
-    refuse(args.entropy_coef != 0 or args.use_adaptive_entropy,
-           "the entropy bonus (entropy_coef / use_adaptive_entropy) is not supported; set entropy_coef=0")
-    refuse(args.top_entropy_quantile < 1.0, "top_entropy_quantile < 1 is not supported; set it to 1.0")
-    refuse(args.off_policy_mask_threshold is not None,
-           "off_policy_mask_threshold is not supported; set it to None")
-    refuse(args.mask_truncated_completions, "mask_truncated_completions=True is not supported; set it to False")
-    refuse(args.beta != 0 and args.use_bias_correction_kl,
-           "beta > 0 with use_bias_correction_kl=True (the KL weighted by the importance ratio) is not supported; "
-           "set use_bias_correction_kl=False for the plain k3 KL")
-    refuse(args.multi_objective_aggregation != "sum_then_normalize",
-           f"multi_objective_aggregation={args.multi_objective_aggregation!r}: only 'sum_then_normalize' "
-           "(its advantages are centred per group)")
-    refuse(args.min_p is not None, "min_p sampling is not supported by engine.generate; set min_p=None")
-    refuse(args.repetition_penalty != 1.0, "repetition_penalty is not supported by engine.generate; set it to 1.0")
-    refuse(args.generation_kwargs, "generation_kwargs are not supported; engine.generate takes temperature, "
-                                   "top_p, top_k and eos (from GRPOConfig and the tokenizer)")
-    refuse(args.steps_per_generation != args.gradient_accumulation_steps,
-           f"steps_per_generation={args.steps_per_generation} != gradient_accumulation_steps="
-           f"{args.gradient_accumulation_steps}: one generation batch must be one optimizer step (whole prompt "
-           "groups are stepped); leave steps_per_generation and generation_batch_size unset")
-    refuse(args.fp16 or args.bf16, "fp16/bf16 autocast: LongStraw runs the model in its own dtype; load the model "
-                                   "in bfloat16 instead and set bf16=False, fp16=False")
-    refuse(args.cast_lm_head_to_fp32, "cast_lm_head_to_fp32=True is not supported; set it to False")
-    refuse(args.use_liger_kernel, "use_liger_kernel=True is not supported; set it to False")
-    refuse(args.world_size > 1 or args.deepspeed is not None or bool(args.fsdp),
-           "more than one process (DDP, DeepSpeed, FSDP) is not supported by the trainer yet; run one process "
-           "(LongStraw's own context parallelism is separate: docs/distributed.md)")
-    refuse(rollout_func is not None,
-           "rollout_func is not supported: it generates outside LongStraw (typically on a vLLM server), so there is "
-           "no prompt state to sample from and reuse, and its sampling log-probs feed an importance-sampling "
-           "correction LongStraw does not apply; use tools= or environment_factory= for multi-turn rollouts")
-    refuse(eval_dataset is not None or args.eval_strategy != "no",
-           "evaluation (eval_dataset / eval_strategy) is not supported yet; set eval_strategy='no'")
-    refuse(isinstance(processing_class, ProcessorMixin), "multimodal processors are not supported (text only)")
-    refuse(longstraw_config is not None and longstraw_config.context_parallel,
-           "ExecConfig(context_parallel=True) is not supported by the trainer")
-    return bad
 
 
 def token_id_tokenizer(vocab_size: int, *, eos_token_id: int = 0, pad_token_id: int | None = None):
@@ -202,12 +154,17 @@ class LongStrawGRPOTrainer(trl.GRPOTrainer):
             holds bitwise the same weights (`parallel.context.check_replicas` over the default
             group; a `DistributedError` stops training if they drifted apart). 0: off; one
             process: nothing to compare.
+        longstraw_context_parallel_size: C, the ranks that share one prompt (context
+            parallelism, `ExecConfig(context_parallel=True)` over their process group). W
+            processes (torchrun / accelerate launch) form W / C data-parallel groups; C
+            must divide W. 1 (default): plain data parallelism; W: every rank on one
+            prompt. `per_device_train_batch_size` counts rows per data-parallel group.
     """
 
     def __init__(self, model, reward_funcs=None, args=None, train_dataset=None, eval_dataset=None,
                  processing_class=None, reward_processing_classes=None, callbacks=None, optimizers=(None, None),
                  peft_config=None, *, longstraw_config: ExecConfig | None = None, longstraw_keep_states: bool = True,
-                 longstraw_replica_check_every: int = 0, **kwargs):
+                 longstraw_replica_check_every: int = 0, longstraw_context_parallel_size: int = 1, **kwargs):
         longstraw_config = ExecConfig() if longstraw_config is None else longstraw_config
         if not isinstance(longstraw_replica_check_every, int) or longstraw_replica_check_every < 0:
             raise ConfigError(f"longstraw_replica_check_every must be an int >= 0 (0: off), got "
@@ -219,6 +176,8 @@ class LongStrawGRPOTrainer(trl.GRPOTrainer):
             args = trl.GRPOConfig(f"{name.split('/')[-1]}-GRPO")
         bad = unsupported_settings(args, eval_dataset=eval_dataset, processing_class=processing_class,
                                    rollout_func=kwargs.get("rollout_func"), longstraw_config=longstraw_config)
+        mesh = Mesh(world=args.world_size, context=longstraw_context_parallel_size)  # ConfigError unless C divides W
+        bad += check_mesh_settings(args, mesh)
         if bad:
             raise ConfigError("LongStrawGRPOTrainer cannot run these TRL settings:\n  - " + "\n  - ".join(bad))
         if args.gradient_checkpointing or getattr(args, "activation_checkpointing", False):
@@ -227,6 +186,8 @@ class LongStrawGRPOTrainer(trl.GRPOTrainer):
             args.gradient_checkpointing = False
             if hasattr(args, "activation_checkpointing"):  # its newer name (transformers >= 5.x)
                 args.activation_checkpointing = False
+        if mesh.context > 1:  # TRL sized it for W processes; the C ranks of a group share its rows
+            args.generation_batch_size = args.per_device_train_batch_size * mesh.data * args.steps_per_generation
 
         super().__init__(model=model, reward_funcs=reward_funcs, args=args, train_dataset=train_dataset,
                          eval_dataset=eval_dataset, processing_class=processing_class,
@@ -237,9 +198,19 @@ class LongStrawGRPOTrainer(trl.GRPOTrainer):
             raise ConfigError("the MoE load-balancing loss is not supported by LongStrawGRPOTrainer; "
                               "set GRPOConfig(router_aux_loss_coef=0.0)")
         policy = self.accelerator.unwrap_model(self.model)
-        self.longstraw_engine = Engine(policy, longstraw_config)
+        groups = mesh_groups(mesh)
+        self.longstraw_mesh = groups
+        if mesh.context > 1:
+            longstraw_config = dataclasses.replace(longstraw_config, context_parallel=True)
+        engine_kw = dict(process_group=groups.context_group)
+        self.longstraw_engine = Engine(policy, longstraw_config, **engine_kw)
         self.longstraw_ref_engine = (None if self.ref_model is None
-                                     else Engine(self.accelerator.unwrap_model(self.ref_model), longstraw_config))
+                                     else Engine(self.accelerator.unwrap_model(self.ref_model), longstraw_config,
+                                                 **engine_kw))
+        self._data = process_group_view(groups.data_group)  # gradients and totals across data-parallel groups
+        self._world = process_group_view(torch.distributed.group.WORLD) if mesh.world > 1 else None  # failures
+        self._data_view = (DataParallelView(self.accelerator, groups.dp, self._data, mesh.data)
+                           if mesh.context > 1 else None)  # with C = 1, accelerate's processes are the groups
         was_training = policy.training
         policy.train()  # the Trainer trains in train mode: refuse dropout now, not at the first step
         try:
@@ -259,6 +230,27 @@ class LongStrawGRPOTrainer(trl.GRPOTrainer):
         self._window = defaultdict(float)  # LongStraw metrics of the current optimizer step
 
     # ------------------------------------------------------------------------
+    # many processes: TRL's data and generation code sees the data-parallel groups
+
+    def _per_data_parallel_group(self):
+        if self._data_view is None:
+            return contextlib.nullcontext()
+        return seen_per_data_parallel_group(self, self._data_view)
+
+    def get_train_dataloader(self):
+        """TRL's loader, dealt per data-parallel group (the C ranks of one get the same rows)."""
+        with self._per_data_parallel_group():
+            return super().get_train_dataloader()
+
+    def _generate_and_score_completions(self, inputs):
+        """TRL's, with its gathers (rewards, advantages, metrics) over the data-parallel groups."""
+        with self._per_data_parallel_group():
+            return super()._generate_and_score_completions(inputs)
+
+    def _sampler(self, ids: torch.Tensor) -> torch.Generator:
+        return sampling_generator(self.args.seed, self.state.global_step, ids)
+
+    # ------------------------------------------------------------------------
     # rollouts and scoring (called from TRL's _generate_and_score_completions)
 
     def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
@@ -266,8 +258,12 @@ class LongStrawGRPOTrainer(trl.GRPOTrainer):
         inside TRL's tool loop, each post-tool continuation from its prompt's held state."""
         if images is not None or multimodal_fields or has_tool_images:
             raise ConfigError("LongStrawGRPOTrainer takes text-only prompts")
-        if self._in_tool_loop:
+        if self._in_tool_loop:  # as many calls as this rank's tool rounds: no agreement across ranks here
             return self._continue_after_tools(prompt_ids), None
+        return agreed(lambda: self._rollouts(prompt_ids, num_generations), self._world, "generation"), None
+
+    def _rollouts(self, prompt_ids, num_generations) -> list[list[int]]:
+        """One `engine.generate` per prompt group; the completions, row by row."""
         completions, self._pending = [], []
         for start in range(0, len(prompt_ids), num_generations):
             rows = [list(r) for r in prompt_ids[start:start + num_generations]]
@@ -276,7 +272,8 @@ class LongStrawGRPOTrainer(trl.GRPOTrainer):
             prompt = torch.tensor(rows[0], dtype=torch.long)
             rollout = self.longstraw_engine.generate(
                 prompt, num_samples=num_generations, max_new_tokens=self.max_completion_length,
-                temperature=self.temperature, top_p=self.top_p, top_k=self.top_k or 0, eos_token_id=self.eos_token_ids)
+                temperature=self.temperature, top_p=self.top_p, top_k=self.top_k or 0, eos_token_id=self.eos_token_ids,
+                generator=self._sampler(prompt))
             completions += [r.tolist() for r in rollout.responses]
             held = self.longstraw_keep_states or bool(self.tools)  # the tool loop continues from it
             self._pending.append(_Pending(prompt, rollout.state if held else None))
@@ -285,7 +282,7 @@ class LongStrawGRPOTrainer(trl.GRPOTrainer):
             self._window["time_capture_s"] += m["time_capture_s"]
             self._window["time_generate_s"] += m["time_generate_s"]
             self._window["state_bytes"] = max(self._window["state_bytes"], m["state_bytes"])
-        return completions, None  # sampling log-probs are only used for vLLM's importance sampling
+        return completions  # sampling log-probs are only used for vLLM's importance sampling
 
     def _tool_call_loop(self, *args, **kwargs):
         """TRL's own tool loop (parsing, tool calls, tool_mask); its regenerations come back
@@ -316,7 +313,7 @@ class LongStrawGRPOTrainer(trl.GRPOTrainer):
             rollout = self.longstraw_engine.generate(
                 pending.prompt, num_samples=1, max_new_tokens=self.max_completion_length, temperature=self.temperature,
                 top_p=self.top_p, top_k=self.top_k or 0, eos_token_id=self.eos_token_ids, prefix=prefix,
-                state=pending.state)
+                state=pending.state, generator=self._sampler(torch.tensor(row, dtype=torch.long)))
             out.append(rollout.responses[0][prefix.numel():].tolist())
             self._window["tool_continuations"] += 1
             self._window["time_generate_s"] += rollout.metrics["time_generate_s"]
@@ -392,12 +389,13 @@ class LongStrawGRPOTrainer(trl.GRPOTrainer):
                                   rewards=batch["advantages"][rows].detach().to("cpu", torch.float64),
                                   old_logprobs=per_row("old_per_token_logps"), ref_logprobs=per_row("ref_per_token_logps"))
         items, self._pending = self._pending, []
-        totals = BatchTotals.of(item.group for item in items)
+        totals = global_totals((item.group for item in items), self._data)  # over the whole global batch
         steps = self.args.steps_per_generation
         return [_MicroBatch(items[m::steps], totals) for m in range(steps)]
 
-    def _step_groups(self, micro: _MicroBatch) -> float:
-        """engine.step for each group of a micro-step; returns their summed loss."""
+    def _step_groups(self, micro: _MicroBatch) -> tuple[float, dict]:
+        """engine.step for each group of a micro-step, no collective but the engine's own;
+        returns their summed loss and token-weighted sums (tokens, clipped, kl)."""
         loss = tokens = clipped = kl = 0.0
         for item in micro.items:
             state = self._fresh_state(item.state, item.group.prompt)
@@ -416,11 +414,16 @@ class LongStrawGRPOTrainer(trl.GRPOTrainer):
                 tokens += m["response_tokens"]
                 clipped += m["clip_fraction"] * m["response_tokens"]
                 kl += m.get("kl_mean", 0.0) * m["response_tokens"]
-        if tokens:
-            self._metrics["train"]["clip_ratio/region_mean"].append(clipped / tokens)
+        return loss, dict(tokens=tokens, clipped=clipped, kl=kl)
+
+    def _log_micro_step(self, sums: dict) -> None:
+        """Clip ratio and KL of a micro-step, token-weighted over every data-parallel group."""
+        if self._data is not None:
+            sums = reduce_metrics(sums, tuple(sums), self._data)
+        if sums["tokens"]:
+            self._metrics["train"]["clip_ratio/region_mean"].append(sums["clipped"] / sums["tokens"])
             if self.beta != 0.0:
-                self._metrics["train"]["kl"].append(kl / tokens)
-        return loss
+                self._metrics["train"]["kl"].append(sums["kl"] / sums["tokens"])
 
     def training_step(self, model, inputs, num_items_in_batch=None):
         """One micro-step: `engine.step` per group accumulates `.grad` (no Trainer backward).
@@ -429,14 +432,21 @@ class LongStrawGRPOTrainer(trl.GRPOTrainer):
         model.train()
         if hasattr(self.optimizer, "train") and callable(self.optimizer.train):
             self.optimizer.train()
-        loss = self._step_groups(self._prepare_inputs(inputs))
+        micro = self._prepare_inputs(inputs)
+        loss, sums = agreed(lambda: self._step_groups(micro), self._world, "the update")  # all fail together
+        self._log_micro_step(sums)
         self._step += 1
-        self._current_train_step_time += time.perf_counter() - start
         if self._step % self.current_gradient_accumulation_steps == 0:
+            # the last micro-step: every data-parallel group's gradient added up (their divisors are the global batch's)
+            reduce_gradients(self.longstraw_engine.model.parameters(), self._data)
+            self._current_train_step_time += time.perf_counter() - start
             self._metrics["train"]["step_time"].append(self._current_train_step_time)
             self._current_train_step_time = 0.0
             self._flush_window()
-        return torch.tensor(loss, device=self.args.device)
+        else:
+            self._current_train_step_time += time.perf_counter() - start
+        # the Trainer logs the mean over W processes: each group's share x D makes that the global batch's loss
+        return torch.tensor(loss * self.longstraw_mesh.mesh.data, device=self.args.device)
 
     def _flush_window(self) -> None:
         """Log this optimizer step's LongStraw metrics (TRL averages them per logging step)."""
@@ -445,6 +455,11 @@ class LongStrawGRPOTrainer(trl.GRPOTrainer):
         else:
             peak = peak_rss_bytes()
         self._window["peak_memory_bytes"] = float(peak)
+        if self._data is not None:  # captures added up over the groups, times and bytes their max
+            for key in WINDOW_KEYS:
+                self._window.setdefault(key, 0.0)
+            self._window = defaultdict(float, reduce_metrics(self._window, ("captures", "tool_continuations"),
+                                                             self._data))
         for key, value in self._window.items():
             self._metrics["train"][f"longstraw/{key}"].append(float(value))
         self._window.clear()

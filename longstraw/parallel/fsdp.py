@@ -25,6 +25,25 @@ def _fsdp_groups(module):
     return groups
 
 
+def fsdp_sharded_parameters(model) -> dict:
+    """id(parameter) -> its FSDP2 sharded DTensor, for every parameter FSDP2 manages in
+    `model`: the sharded parameter itself and, once made, the full tensor FSDP2 registers
+    in its place while the module is unsharded (between a forward and the reshard). Empty
+    without FSDP2 (or where a torch lays its internals out differently)."""
+    out = {}
+    for module in model.modules():
+        for group in _fsdp_groups(module) or ():
+            for param in getattr(group, "fsdp_params", ()):
+                sharded = getattr(param, "sharded_param", None)
+                if sharded is None:
+                    continue
+                out[id(sharded)] = sharded
+                full = getattr(param, "_unsharded_param", None)
+                if full is not None:
+                    out[id(full)] = sharded
+    return out
+
+
 def fsdp_sum_factor(modules, cp) -> float | None:
     """The divide factor with which FSDP2's reduce-scatter turns a divided walk's partial
     gradients into the right shard: its group's size / W (1: a plain sum when FSDP2 shards

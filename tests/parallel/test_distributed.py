@@ -27,13 +27,7 @@ def _run_each(fn, nprocs: int, *args) -> list[int]:
     (mp.spawn's own join terminates the other ranks as soon as one fails, which races the
     report a surviving rank is about to write.) A generous wait: these tests check what the
     ranks did, never how fast, and a loaded machine may take minutes to import torch."""
-    ctx = mp.spawn(fn, args=(nprocs, *args), nprocs=nprocs, join=False)
-    for proc in ctx.processes:
-        proc.join(timeout=worker.PG_TIMEOUT_S + 120)
-    for proc in ctx.processes:
-        if proc.is_alive():
-            proc.kill()
-    return [proc.exitcode for proc in ctx.processes]
+    return worker.spawn_each(fn, nprocs, (nprocs, *args), worker.PG_TIMEOUT_S + 120)
 
 
 def _not_a_timeout(text: str) -> bool:

@@ -1,0 +1,112 @@
+"""`LongStrawGRPOTrainer` on many processes (gloo, CPU, float64) equals one process over
+the same global batch: one SGD step (lr 1), to 1e-9 on the logged loss, every gradient the
+step applied and every updated parameter, on every rank. The ranks are spawned with the
+env torchrun sets (accelerate's PartialState picks it up); the reference runs in this
+process. Sampling is real: the completions (and so the rewards) must match too.
+
+W = 2 with C = 2 (one prompt over both ranks) and C = 1 (plain data parallelism) run by
+default; W = 4, C = 2 (two data-parallel groups of two) is opt-in (`-m slow`).
+"""
+
+import socket
+
+import pytest
+import torch
+from tests.distributed_worker import spawn_each
+from tests.reference import assert_grads_close, assert_loss_close
+
+pytest.importorskip("trl")
+pytest.importorskip("datasets")
+from tests.integrations import trl_worker as worker  # noqa: E402
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _run_ranks(world: int, *args) -> list[int]:
+    """Spawn `world` ranks of `worker.rank_main` and join each by itself; their exit codes."""
+    return spawn_each(worker.rank_main, world, (world, _free_port(), *args), worker.PG_TIMEOUT_S + 300)
+
+
+def _spawn(case: str, world: int, context: int, out_dir, steps: int) -> list[dict]:
+    """Run `case` on `world` ranks; return each rank's record (a rank's error in the failure)."""
+    codes = _run_ranks(world, str(out_dir), case, context, "", steps)
+    errors = [p.read_text() for p in sorted(out_dir.glob("rank*.err"))]
+    assert not errors and codes == [0] * world, (errors, codes)
+    return [torch.load(out_dir / f"rank{r}.pt", weights_only=False) for r in range(world)]
+
+
+@pytest.fixture
+def float64_default():
+    saved = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    yield
+    torch.set_default_dtype(saved)
+
+
+def _assert_equal_runs(ours: dict, want: dict, rel: float = 1e-9) -> None:
+    assert all(torch.equal(ours["before"][n], want["before"][n]) for n in want["before"])
+    assert len(ours["logs"]) == len(want["logs"]) == len(want["grads"]) == len(ours["grads"]) >= 1
+    for got_log, want_log in zip(ours["logs"], want["logs"]):
+        for key in ("reward", "reward_std", "completions/mean_length"):  # the same completions, each seen once
+            assert got_log[key] == pytest.approx(want_log[key], rel=1e-12, abs=1e-12), key
+        assert_loss_close(got_log["loss"], want_log["loss"], rel)
+    for got, grads in zip(ours["grads"], want["grads"]):
+        assert set(got) == set(grads) and any(g.abs().sum() > 0 for g in grads.values())
+        assert_grads_close(got, grads, rel)
+    for name, w in want["after"].items():  # SGD lr 1 (one step: after = before - grad)
+        assert (ours["after"][name] - w).abs().max() <= rel * w.abs().max() + 1e-12, name
+
+
+def _check(case, world, context, tmp_path, steps=1):
+    ranks = _spawn(case, world, context, tmp_path / "ranks", steps)
+    want = worker.record_run(case, str(tmp_path / "one"), data_groups=world // context, steps=steps)
+    for record in ranks:
+        assert record["context"] == context  # the engine's context parallelism over C ranks
+        _assert_equal_runs(record, want)
+
+
+@pytest.mark.parametrize("case,steps", [("detached", 2), ("exact", 1)])
+def test_two_ranks_one_prompt_each_step_equals_one_process(tmp_path, float64_default, case, steps):
+    """W = 2, C = 2: every prompt divided over both ranks. Two optimizer steps: the second
+    generation batch must be the one a single process takes (the loader dealt per group)."""
+    _check(case, 2, 2, tmp_path, steps)
+
+
+@pytest.mark.parametrize("case", ["detached", "lora_beta"])
+def test_two_data_parallel_ranks_equal_one_process_over_the_global_batch(tmp_path, float64_default, case):
+    """W = 2, C = 1: two prompts per rank, four in the global batch ("batch" scaling over all)."""
+    _check(case, 2, 1, tmp_path)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", ["detached", "exact", "lora_beta"])
+def test_four_ranks_two_groups_of_two_equal_one_process(tmp_path, float64_default, case):
+    _check(case, 4, 2, tmp_path)
+
+
+@pytest.mark.parametrize("context,where,cause", [(1, "update", "500"), (2, "update", "500"),
+                                                 (1, "generation", "PositionLimitError")])
+def test_a_rank_that_fails_a_check_fails_every_rank_together(tmp_path, context, where, cause):
+    """Rank 1 alone fails a LongStraw check (its update's group holds token 500; its
+    generation refuses a prompt): every rank raises a DistributedError naming rank 1 and
+    the cause, learnt from one all-gather (no rank waits out the process-group timeout)."""
+    out = tmp_path / "ranks"
+    out.mkdir()
+    codes = _run_ranks(2, str(out), "detached", context, where)
+    assert all(code != 0 for code in codes), codes
+    for rank in (0, 1):
+        report = (out / f"rank{rank}.err").read_text()
+        assert report.startswith("DistributedError") and "rank 1" in report and cause in report, report
+        assert "timed out" not in report.lower() and "timeout" not in report.lower(), report
+
+
+def test_a_context_parallel_size_that_does_not_divide_the_processes_is_refused(tmp_path):
+    """One process, C = 2: refused at construction, before TRL builds anything."""
+    import longstraw as ls
+
+    with pytest.raises(ls.ConfigError, match="context-parallel size 2 does not divide the 1 processes"):
+        worker.record_run("detached", str(tmp_path), data_groups=1, context=2)

@@ -1,0 +1,128 @@
+"""`LongStrawGRPOTrainer` runs for tests/integrations/test_trl_distributed.py: one optimizer
+step (SGD, lr 1) of a float64 tiny model, recorded. `record_run` runs in the test process
+(one process, the reference) and in each spawned rank (`rank_main`: the env torchrun would
+set, gloo on CPU through accelerate's PartialState), with the same global batch.
+
+Sampling is real (`engine.generate` with the trainer's per-(seed, step, prompt)
+generators), so the comparison also shows that W processes sample what one does.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+
+import torch
+
+VOCAB, EOS, G = 97, 1, 4
+PG_TIMEOUT_S = 300  # generous: the tests check what the ranks did, never how fast
+
+
+def _prompts(n, length=9, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [" ".join(str(int(t)) for t in torch.randint(2, VOCAB, (length,), generator=g)) for _ in range(n)]
+
+
+def _reward(completion_ids, **kwargs):
+    """Depends on every completion token."""
+    return [float(sum((k + 1) * t for k, t in enumerate(c)) % 11) / 11 for c in completion_ids]
+
+
+CASES = {
+    # name: (model family, trainer overrides, ExecConfig overrides, LoRA)
+    "detached": ("qwen3", dict(scale_rewards="batch"), dict(), False),
+    "exact": ("qwen3", dict(loss_type="grpo"), dict(mode="exact"), False),
+    "lora_beta": ("qwen3", dict(beta=0.1, loss_type="dr_grpo"), dict(mode="exact"), True),
+}
+
+
+def record_run(case: str, out_dir: str, *, data_groups: int, context: int = 1, prompts_per_group: int = 2,
+               steps: int = 1, prepare=lambda trainer: None) -> dict:
+    """Train `steps` optimizer steps of `case`; return the logs, the gradient each step
+    applied and the parameters before and after. `data_groups` x `prompts_per_group`
+    prompts make the global batch (per data-parallel group: `prompts_per_group` groups of
+    G, one per accumulation micro-step)."""
+    import datasets
+    import trl
+
+    import longstraw as ls
+    from longstraw.integrations.trl import LongStrawGRPOTrainer, token_id_tokenizer
+    from tests.reference import float64_norms, tiny_model
+
+    family, overrides, exec_kw, lora = CASES[case]
+    model = tiny_model(family)
+    float64_norms(model)
+    peft_config = None
+    if lora:
+        import peft
+
+        peft_config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rows = G * prompts_per_group * data_groups * context // world  # per process: whole groups
+    args = dict(output_dir=os.path.join(out_dir, "run"), per_device_train_batch_size=G,
+                gradient_accumulation_steps=rows // G, num_generations=G, max_completion_length=5, max_steps=steps,
+                optim="sgd", learning_rate=1.0, lr_scheduler_type="constant", weight_decay=0.0, max_grad_norm=0.0,
+                use_cpu=True, bf16=False, report_to=[], save_strategy="no", logging_steps=1, seed=0, temperature=0.9,
+                disable_dropout=True, use_bias_correction_kl=False, ddp_timeout=PG_TIMEOUT_S)
+    grads = []
+
+    class Grads(trl.trainer.grpo_trainer.TrainerCallback):
+        def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
+            grads.append({n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None})
+
+    config = ls.ExecConfig(chunk_size=4, attention_block_size=4, shard_block_size=2, **exec_kw)
+    trainer = LongStrawGRPOTrainer(
+        model=copy.deepcopy(model), reward_funcs=[_reward], args=trl.GRPOConfig(**{**args, **overrides}),
+        train_dataset=datasets.Dataset.from_dict({"prompt": _prompts(16)}),
+        processing_class=token_id_tokenizer(VOCAB, eos_token_id=EOS), callbacks=[Grads()], peft_config=peft_config,
+        longstraw_config=config, longstraw_context_parallel_size=context)
+    prepare(trainer)
+    before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    trainer.train()
+    after = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    logs = [h for h in trainer.state.log_history if "loss" in h]
+    cp = trainer.longstraw_engine.cp
+    return dict(before=before, after=after, grads=grads, logs=logs, context=1 if cp is None else cp.world)
+
+
+def _break_rank_one(where: str):
+    """A `prepare` that makes rank 1 alone fail a LongStraw check: a response token outside
+    the vocabulary at its update, or a prompt past the position limit at its generation."""
+    import longstraw as ls
+
+    def prepare(trainer):
+        if int(os.environ["RANK"]) != 1:
+            return
+        engine = trainer.longstraw_engine
+        real_step = engine.step
+
+        def step(group, *args, **kwargs):
+            group.responses[0] = torch.full_like(group.responses[0], 500)
+            return real_step(group, *args, **kwargs)
+
+        def generate(*args, **kwargs):
+            raise ls.PositionLimitError("prompt of 9 tokens past the limit on purpose")
+
+        if where == "update":
+            engine.step = step
+        else:
+            engine.generate = generate
+    return prepare
+
+
+def rank_main(rank: int, world: int, port: int, out_dir: str, case: str, context: int, break_at: str = "",
+              steps: int = 1) -> None:
+    """One torchrun-style process: env, float64, one thread, `record_run`, saved (its error
+    to rank{rank}.err). `break_at` ("update", "generation"): rank 1 fails a check there."""
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
+                      MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    torch.set_default_dtype(torch.float64)  # TRL builds rewards and advantages in the default dtype
+    try:
+        result = record_run(case, out_dir, data_groups=world // context, context=context, steps=steps,
+                            prepare=_break_rank_one(break_at) if break_at else lambda trainer: None)
+    except BaseException as exc:
+        with open(os.path.join(out_dir, f"rank{rank}.err"), "w") as f:
+            f.write(f"{type(exc).__name__}: {exc}")
+        raise
+    torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
