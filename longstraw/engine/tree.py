@@ -38,6 +38,7 @@ import torch
 from longstraw.config import GRPOConfig
 from longstraw.engine import grpo as G
 from longstraw.engine.capture import capture_chunks
+from longstraw.engine.clock import progress
 from longstraw.engine.replay import BranchStats
 from longstraw.engine.trie import Segment, build_trie
 from longstraw.group import BatchTotals, Group
@@ -71,6 +72,8 @@ def replay_tree(engine, state: PromptState, group: Group, grpo: GRPOConfig, tota
     stats.forwarded, stats.shared = root.forwarded_tokens(), root.shared_segments()  # (flat: every token, 0)
     weights = [G.branch_weight(grpo, totals, group.loss_tokens_of(i)) for i in range(group.size)]
     device = engine.adapter.device
+    segments = sum(1 for seg in root.walk() if seg.tokens)
+    ticks = iter(progress(range(segments), enabled=engine.config.progress, desc="replay", total=segments))
 
     def visit(seg: Segment, stack: list[PromptState]) -> None:
         if seg.tokens == 0:  # the empty root: the responses differ from their first token
@@ -98,8 +101,10 @@ def replay_tree(engine, state: PromptState, group: Group, grpo: GRPOConfig, tota
         for child in seg.children:  # each adds its dLoss/dState into `own` (and above)
             visit(child, stack + [own])
         engine.walk_back(inputs, start, stack + [own], size, piece_loss=piece_loss, desc=None)
+        next(ticks, None)  # the replay bar counts segments, each when walked back
 
     visit(root, [state])
+    next(ticks, None)  # close the bar
     return stats
 
 
