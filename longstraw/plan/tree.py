@@ -107,8 +107,7 @@ def plan_tree_replay(s: "Basis", state: "StatePlan") -> "ReplayPlan":
     for lv in all_levels:
         L, above = lv.tokens, [x for x in all_levels if x.above < lv.above]
         if lv.leaf:  # a branch of L tokens, pieced like a flat one: its earlier pieces are held
-            T = min(L, c.branch_chunk_size or L)
-            own = (L - 1) // T * T if T < L else 0
+            T, own = leaf_pieces(c, L)
             held, own_tokens, own_snaps = lv.above + own, own, own // T
         else:  # its last walk chunk runs while the whole segment's state is held
             T = _chunk(c, L)
@@ -121,6 +120,13 @@ def plan_tree_replay(s: "Basis", state: "StatePlan") -> "ReplayPlan":
                           branch_state=branch_state, working=graph + max(attn, logits) + branch_state)
         best = plan if best is None or plan.working > best.working else best
     return best
+
+
+def leaf_pieces(c, tokens: int) -> tuple[int, int]:
+    """(piece, held) of a leaf of `tokens`: pieces of branch_chunk_size, as `memory.plan_replay`
+    pieces a flat branch; held: the tokens of its earlier pieces (0 for one piece)."""
+    T = min(tokens, c.branch_chunk_size or tokens)
+    return T, ((tokens - 1) // T * T if T < tokens else 0)
 
 
 def _chunk(c, tokens: int) -> int:
@@ -143,8 +149,7 @@ def tree_replay_flops(s: "Basis") -> float:
         L, prefix = lv.tokens, P + lv.above
         fwd = forward_flops(arch, params, L, prefix, lm_head=True, world=W)
         if lv.leaf:  # as timing.plan_time's branch: replay, score passes, held pieces' no-grad forward
-            T = min(L, c.branch_chunk_size or L)
-            held = (L - 1) // T * T if T < L else 0
+            held = leaf_pieces(c, L)[1]
             extra = forward_flops(arch, params, held, prefix, lm_head=False, world=W) if held else 0.0
         else:  # its capture before the children, then the walk's recompute
             extra = forward_flops(arch, params, L, prefix, lm_head=False, world=W)
