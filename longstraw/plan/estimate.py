@@ -5,7 +5,7 @@ that each return a dataclass:
     config.resolve   -> Basis        the model's architecture, dtype bytes, the deal
     memory.plan_*    -> StatePlan, WeightPlan, ReplayPlan, CapturePlan, WalkPlan,
                         OffloadPlan, Peak
-    timing.plan_time -> Timing       (tree.tree_timing, tree.plan_tree_replay: PlanConfig.tree)
+    timing.plan_time -> Timing       (tree_cost.tree_timing, .plan_tree_replay: PlanConfig.tree)
     report           -> the flat dict (and `format_report`, its table)
 
 The architecture side (configs, presets, parameter counts) is in `arch.py`; communication
@@ -18,7 +18,7 @@ from .memory import (plan_capture, plan_offload, plan_peak, plan_replay, plan_st
                      score_working)
 from .report import build_report
 from .timing import plan_time
-from .tree import plan_tree_replay, tree_report, tree_timing
+from .tree_cost import plan_tree_replay, tree_report, tree_timing
 
 
 def estimate(model, config: PlanConfig) -> dict:
