@@ -1,5 +1,6 @@
 """bench/learning's "tree" arm: TreeRL-style tree rollouts on the agent task."""
 
+import pytest
 import torch
 
 import longstraw as ls
@@ -52,3 +53,9 @@ def test_the_tree_arm_forks_after_the_observation_and_steps_with_one_capture(tmp
         forks = torch.arange(T.TREE_ROOTS).repeat_interleave(k)
         torch.testing.assert_close(g.advantages, T.tree_advantages(g.rewards, forks))
     assert len(captures) == 2 * 2 + 2 * 4  # 2 steps x 2 prompts (forks and update reuse it); 2 evaluations x 4
+
+
+def test_a_group_size_the_roots_do_not_divide_is_refused_at_config_time():
+    with pytest.raises(ValueError, match="multiple of 4, got 6"):
+        LearningConfig(**{**AGENT, "group_size": 6}, arm="tree")
+    LearningConfig(**{**AGENT, "group_size": 6}, arm="detached")  # only the tree arm forks

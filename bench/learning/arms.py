@@ -24,7 +24,7 @@ from longstraw.config import GRPOConfig
 from longstraw.engine import grpo as G
 from longstraw.engine.logprobs import scaled_log_softmax
 from longstraw.group import BatchTotals, Group
-from bench.learning.tree import tree_rollouts
+from bench.learning.tree import TREE_ROOTS, tree_rollouts
 from longstraw.train import ARMS, MODEL_PRESETS, TrainConfig, train
 
 # The dense preset's large RoPE base (see longstraw.train.MODEL_PRESETS): at long P the
@@ -49,6 +49,12 @@ class LearningConfig(TrainConfig):
 
     arms: ClassVar[tuple] = ARMS + ("full", "tree")
     presets: ClassVar[dict] = PRESETS
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.arm == "tree" and self.group_size % TREE_ROOTS:
+            raise ValueError(f"the tree arm forks {TREE_ROOTS} root episodes equally: group_size must be a "
+                             f"multiple of {TREE_ROOTS}, got {self.group_size}")
 
 
 def full_sequence_logprobs(model, prompt: torch.Tensor, response: torch.Tensor, temperature: float = 1.0):

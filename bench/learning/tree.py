@@ -60,8 +60,6 @@ def _fork(run, item, ro, i: int, k: int, gen) -> tuple[list, list, list]:
 def tree_rollouts(run, step: int, gen: torch.Generator) -> tuple[list, list]:
     """`train(rollouts=)` for the tree arm: per prompt, a two-level tree of group_size leaves."""
     cfg = run.cfg
-    if cfg.group_size % TREE_ROOTS:
-        raise ValueError(f"the tree arm needs group_size divisible by {TREE_ROOTS}, got {cfg.group_size}")
     k = cfg.group_size // TREE_ROOTS
     items = [run.task.item("train", step * cfg.prompts_per_step + b) for b in range(cfg.prompts_per_step)]
     rollouts, groups = [], []
