@@ -1,6 +1,6 @@
 """Plots of the learning experiment from bench/results/learning/<model>-<arm>-s<seed>/log.jsonl.
 
-    python bench/plot_learning.py [--results bench/results/learning] [--out docs]
+    python bench/plot_learning.py [--results bench/results/learning [more dirs]] [--out docs]
 
 Writes, per model: learning_<model>_reward.png (training reward against step, a moving
 average of 5 steps; the band is the min..max over seeds when there are several) and
@@ -19,13 +19,14 @@ import json
 import os
 from collections import defaultdict
 
-COLORS = {"exact": "tab:blue", "detached": "tab:orange", "full": "tab:green"}
-LABELS = {"exact": "LongStraw exact", "detached": "LongStraw detached", "full": "full-sequence HF"}
+COLORS = {"exact": "tab:blue", "detached": "tab:orange", "full": "tab:green", "tree": "tab:red"}
+LABELS = {"exact": "LongStraw exact", "detached": "LongStraw detached", "full": "full-sequence HF",
+          "tree": "tree rollouts (detached)"}
 
 
-def load(results: str) -> dict:
+def load(results: list[str]) -> dict:
     runs = defaultdict(dict)  # (model, arm) -> seed -> records
-    for path in sorted(glob.glob(os.path.join(results, "*-*-s*", "log.jsonl"))):
+    for path in sorted(p for r in results for p in glob.glob(os.path.join(r, "*-*-s*", "log.jsonl"))):
         model, arm, seed = os.path.basename(os.path.dirname(path)).rsplit("-", 2)
         with open(path) as f:
             runs[(model, arm)][int(seed[1:])] = [json.loads(line) for line in f]
@@ -42,7 +43,7 @@ def smooth(xs, k=5):
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--results", default="bench/results/learning")
+    ap.add_argument("--results", nargs="+", default=["bench/results/learning"], help="one or more results dirs")
     ap.add_argument("--out", default="docs")
     args = ap.parse_args()
     import matplotlib
@@ -53,7 +54,7 @@ def main() -> None:
     runs = load(args.results)
     summary = []
     for model in sorted({m for m, _ in runs}):
-        arms = [a for a in ("exact", "detached", "full") if (model, a) in runs]
+        arms = [a for a in ("exact", "detached", "full", "tree") if (model, a) in runs]
         fig_r, ax_r = plt.subplots(figsize=(6.4, 4))
         fig_h, ax_h = plt.subplots(figsize=(6.4, 4))
         for arm in arms:

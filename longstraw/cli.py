@@ -145,10 +145,12 @@ _PLAN_FIELDS = ("prompt_tokens", "group", "response_tokens", "mode", "gpus", "gp
                 "weight_dtype", "lora_rank", "lora_targets", "chunk_size", "branch_chunk_size", "attention_block_size",
                 "logits_chunk_size", "self_attention", "gdn_kernel", "grads_during_capture", "shard_params",
                 "offload_state", "host_bandwidth_gbs", "score_passes", "keep_graph_bytes", "throughput_tflops",
-                "recompute_layers", "divide_capture", "divide_walk")
+                "recompute_layers", "divide_capture", "divide_walk", "tree")
 
 
 def plan(args) -> int:
+    if args.tree is None and (args.group is None or args.response_tokens is None):
+        raise SystemExit("longstraw plan: give --group and --response-tokens, or --tree (e.g. --tree 2048x1,256x8)")
     report = estimate(args.model, PlanConfig(**{name: getattr(args, name) for name in _PLAN_FIELDS}))
     print(json.dumps(report) if args.json else format_report(report))
     return 0
@@ -161,8 +163,11 @@ def _add_plan_parser(sub) -> None:
     p.add_argument("--model", required=True, help="preset name (e.g. qwen3.6-27b, glm-5.2, tiny-qwen3) or a path "
                                                   "to an HF config.json")
     p.add_argument("--prompt-tokens", type=int, required=True, help="P, shared prompt tokens")
-    p.add_argument("--group", type=int, required=True, help="G, responses per group")
-    p.add_argument("--response-tokens", type=int, required=True, help="R, tokens per response")
+    p.add_argument("--group", type=int, default=None, help="G, responses per group (or --tree)")
+    p.add_argument("--response-tokens", type=int, default=None, help="R, tokens per response (or --tree)")
+    p.add_argument("--tree", default=None, help="a prefix tree of the responses, levels LENGTHxFANOUT from the "
+                                                "prompt down, e.g. 2048x1,256x8 or 1024x2,512x4,128x2 (sets G "
+                                                "and R; each shared segment replayed once; docs/planner.md)")
     p.add_argument("--mode", default="detached", choices=["detached", "exact"])
     p.add_argument("--gpus", type=int, default=1, help="W, context-parallel ranks (default 1)")
     p.add_argument("--gpu-memory", default="96GiB", help="memory per rank: 96GB = 96e9 B, 96GiB = 96*2^30 B "

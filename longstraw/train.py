@@ -315,15 +315,15 @@ class Run:
     nonfinite: dict
 
 
-def train(cfg: TrainConfig, *, update=None) -> dict:
-    """Run (or resume) one GRPO training run. Returns the final summary dict (also the
-    last line of the log). `update(run, group, state, grpo, totals) -> dict` replaces the
-    engine's update of each group (default `engine_update`; bench/learning's "full" arm)."""
+def train(cfg: TrainConfig, *, update=None, rollouts=None) -> dict:
+    """Run (or resume) one GRPO run; returns the final summary dict (the log's last line). Hooks of bench/learning's
+    arms: `update(run, group, state, grpo, totals) -> dict` replaces each group's update (default `engine_update`),
+    `rollouts(run, step, gen) -> (rollouts, groups)` the sampling (default `_rollouts`)."""
     threads = torch.get_num_threads()
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     try:
-        return _train(cfg, engine_update if update is None else update)
+        return _train(cfg, engine_update if update is None else update, rollouts or _rollouts)
     finally:
         torch.set_num_threads(threads)
 
@@ -407,12 +407,12 @@ def _optimizer_step(run: Run, params: list) -> tuple[torch.Tensor, bool]:
     return grad_norm, finite
 
 
-def _step(run: Run, step: int, update, params: list) -> dict:
+def _step(run: Run, step: int, update, params: list, rollout_fn) -> dict:
     """One RL step: rollouts, the reference's KL, the update, held-out evaluation; its
     log line is written and returned."""
     cfg = run.cfg
     t_start = time.perf_counter()
-    rollouts, groups = _rollouts(run, step, _step_generator(cfg, step))  # 1. G samples per prompt
+    rollouts, groups = rollout_fn(run, step, _step_generator(cfg, step))  # 1. G samples per prompt
     t_gen = time.perf_counter()
     kl = _reference_kl(run, groups, rollouts)  # 2. KL to the warm start (the loss's KL term when beta > 0)
     t_ref = time.perf_counter()
@@ -452,7 +452,7 @@ def _step(run: Run, step: int, update, params: list) -> dict:
     return record
 
 
-def _train(cfg: TrainConfig, update) -> dict:
+def _train(cfg: TrainConfig, update, rollout_fn) -> dict:
     run, warm_info = _start(cfg)
     if run.start == 0:
         t0 = time.perf_counter()
@@ -464,7 +464,7 @@ def _train(cfg: TrainConfig, update) -> dict:
         bar = tqdm(bar, desc=f"train {cfg.arm}", initial=run.start, total=cfg.steps)
     record: dict = {}
     for step in bar:
-        record = _step(run, step, update, params)
+        record = _step(run, step, update, params, rollout_fn)
         if cfg.progress:
             ev = {k: v for k, v in record.items() if k.endswith("_accuracy")}
             bar.set_postfix(reward=f"{record['reward_mean']:.2f}", **({"acc": f"{next(iter(ev.values())):.2f}"} if ev else {}))

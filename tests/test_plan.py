@@ -568,3 +568,72 @@ def test_layer_wise_recompute_shrinks_replay_for_one_more_forward(capsys):
     assert code == 0 and json.loads(out)["replay_recompute_layers"] is False
     with pytest.raises(ConfigError, match="recompute_layers"):
         plan("qwen3.6-27b", recompute_layers="yes")
+
+
+# ---------------------------------------------------------------------------- prefix trees (plan/tree.py)
+
+from longstraw.plan.arch import BACKWARD_FACTOR  # noqa: E402
+from longstraw.plan.timing import forward_flops  # noqa: E402
+
+
+@pytest.mark.parametrize("model,kw", [("qwen3-8b", {}), ("qwen3-8b", {"mode": "exact", "branch_chunk_size": 300}),
+                                      ("qwen3.6-27b", {"score_passes": 2, "gpus": 2}),
+                                      ("glm-5.2", {"mode": "exact", "offload_state": True})])
+def test_a_flat_tree_is_todays_plan(model, kw):
+    """tree=[(R, G)] is the flat group: every figure of the report equals group=G, response_tokens=R."""
+    flat = plan(model, group=8, response_tokens=1000, **kw)
+    tree = plan(model, group=1, response_tokens=1, tree=[(1000, 8)], **kw)
+    assert tree["tree"]["replay_tokens"] == tree["tree"]["flat_tokens"] == 8000
+    for key in set(flat) - {"inputs"}:
+        assert tree[key] == flat[key], key
+
+
+def test_a_tree_replays_each_segment_once_by_hand():
+    """Three levels 2 x 4 x 2 of 1,024 / 512 / 128 tokens after P: replay tokens 2*1024 + 8*512 + 16*128;
+    time = capture + the two internal levels' (capture forward + forward + backward) per node + 16 leaf
+    branches of 128 tokens after P + 1,536 positions."""
+    P, kw = 16384, dict(prompt_tokens=16384, dtype="fp32", throughput_tflops=1.0, recompute_layers=False)
+    r = estimate("tiny-qwen3", PlanConfig(tree="1024x2,512x4,128x2", **kw))
+    flat = estimate("tiny-qwen3", PlanConfig(group=16, response_tokens=1664, **kw))
+    assert r["inputs"]["group"] == 16 and r["inputs"]["response_tokens"] == 1664
+    assert r["tree"]["replay_tokens"] == 2 * 1024 + 8 * 512 + 16 * 128 == 8192 and r["tree"]["flat_tokens"] == 26624
+    from longstraw.plan.config import resolve
+    s = resolve("tiny-qwen3", PlanConfig(tree="1024x2,512x4,128x2", **kw))
+
+    def fwd(n, prefix, lm):
+        return forward_flops(s.arch, s.params, n, prefix, lm_head=lm, world=1)
+
+    def internal(n, prefix):
+        return fwd(n, prefix, False) + (1 + BACKWARD_FACTOR) * fwd(n, prefix, True)
+
+    tree_flops = (2 * internal(1024, P) + 8 * internal(512, P + 1024)
+                  + 16 * (1 + BACKWARD_FACTOR) * fwd(128, P + 1536, True))
+    assert r["tree"]["flops_replay_tree"] == pytest.approx(tree_flops, rel=1e-12)
+    assert r["estimated_time_s_detached"] == pytest.approx((r["flops_capture"] + tree_flops) / 1e12, rel=1e-12)
+    assert r["estimated_time_s_detached"] < flat["estimated_time_s_detached"]
+    # layer-wise recompute (as the engine's tree walk applies it): one more forward of every segment's layers
+    on = estimate("tiny-qwen3", PlanConfig(tree="1024x2,512x4,128x2", **dict(kw, recompute_layers=True)))
+    more = 2 * fwd(1024, P, False) + 8 * fwd(512, P + 1024, False) + 16 * fwd(128, P + 1536, False)
+    assert on["tree"]["flops_replay_tree"] - tree_flops == pytest.approx(more, rel=1e-9)
+
+
+def test_a_trees_memory_is_the_path_not_the_leaves():
+    """The replay working set is the prompt state + the path's segment states (with gradient buffers) + one
+    piece's graph: G = 8 or 64 leaves under one 2,048-token segment need the same; the held state is that
+    segment's rows, twice (state + gradient; dense: no recurrent snapshots)."""
+    kw = dict(prompt_tokens=16384, dtype="fp32")
+    a, b = (estimate("tiny-qwen3", PlanConfig(tree=[(2048, 1), (256, g)], **kw)) for g in (8, 64))
+    assert a["replay_working_bytes"] == b["replay_working_bytes"] and a["peak_bytes_per_rank"] == b["peak_bytes_per_rank"]
+    assert a["breakdown"]["replay"]["branch_state_bytes"] == 2 * a["state_bytes_per_token"] * 2048
+    flat = estimate("tiny-qwen3", PlanConfig(group=8, response_tokens=2304, **kw))
+    assert a["replay_working_bytes"] < flat["replay_working_bytes"]  # a 2,048-token walk chunk < a 2,304 branch
+
+
+def test_tree_levels_of_fan_out_one_merge_and_bad_trees_are_clear_errors(capsys):
+    r = plan(tree=[(100, 2), (50, 1), (30, 3)])
+    assert r["tree"]["merged_levels"] == [[150, 2], [30, 6]] and r["inputs"]["group"] == 6
+    for bad in ([], [(0, 2)], [(2, 2, 2)], [(True, 2)], "2048y1", "12x", 5):
+        with pytest.raises(ConfigError, match="tree"):
+            plan(tree=bad)
+    code, out, _ = run_cli(capsys, "--model", "qwen3-8b", "--prompt-tokens", 4096, "--tree", "2048x1,256x8", "--json")
+    assert code == 0 and json.loads(out)["tree"]["levels"] == [[2048, 1], [256, 8]]

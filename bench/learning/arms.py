@@ -6,6 +6,9 @@
           (engine.generate from the captured state, same per-step generator), so with
           one seed exact and full follow the same curve up to float rounding.
 
+    tree  detached mode on TreeRL-style tree rollouts with fork-level advantages
+          (`bench/learning/tree.py`)
+
 and the experiment's second model preset, "hybrid" (Qwen3.6-shaped). `LearningConfig`
 is `TrainConfig` with both; `run(cfg)` runs one arm through `longstraw.train.train`.
 """
@@ -21,6 +24,7 @@ from longstraw.config import GRPOConfig
 from longstraw.engine import grpo as G
 from longstraw.engine.logprobs import scaled_log_softmax
 from longstraw.group import BatchTotals, Group
+from bench.learning.tree import TREE_ROOTS, tree_rollouts
 from longstraw.train import ARMS, MODEL_PRESETS, TrainConfig, train
 
 # The dense preset's large RoPE base (see longstraw.train.MODEL_PRESETS): at long P the
@@ -41,10 +45,16 @@ PRESETS = {
 
 @dataclass(kw_only=True)
 class LearningConfig(TrainConfig):
-    """`TrainConfig` with the experiment's "full" arm and "hybrid" preset."""
+    """`TrainConfig` with the experiment's "full" and "tree" arms and "hybrid" preset."""
 
-    arms: ClassVar[tuple] = ARMS + ("full",)
+    arms: ClassVar[tuple] = ARMS + ("full", "tree")
     presets: ClassVar[dict] = PRESETS
+
+    def __post_init__(self):
+        super().__post_init__()
+        if self.arm == "tree" and self.group_size % TREE_ROOTS:
+            raise ValueError(f"the tree arm forks {TREE_ROOTS} root episodes equally: group_size must be a "
+                             f"multiple of {TREE_ROOTS}, got {self.group_size}")
 
 
 def full_sequence_logprobs(model, prompt: torch.Tensor, response: torch.Tensor, temperature: float = 1.0):
@@ -80,5 +90,7 @@ def full_update(run, group: Group, state, grpo: GRPOConfig, totals: BatchTotals)
 
 
 def run(cfg: TrainConfig) -> dict:
-    """One arm's training run (`longstraw.train.train`, the full arm with its own update)."""
-    return train(cfg, update=full_update if cfg.arm == "full" else None)
+    """One arm's training run (`longstraw.train.train`; the full arm with its own update, the tree arm
+    with its own rollouts)."""
+    return train(cfg, update=full_update if cfg.arm == "full" else None,
+                 rollouts=tree_rollouts if cfg.arm == "tree" else None)

@@ -25,6 +25,7 @@ from .arch import (
     load_model_config,
     parse_bytes,
 )
+from .tree import parse_tree
 
 @dataclass(kw_only=True, slots=True)
 class PlanConfig:
@@ -152,7 +153,16 @@ class PlanConfig:
     """Effective dense throughput per rank, TFLOP/s (default 400: an H100/H200-class GPU
     at ~40-50% of its bf16 peak; an H20 is ~148 peak)."""
 
+    tree: object = None
+    """A prefix tree of the responses (`plan/tree.py`): levels [(segment_tokens, fan_out), ...]
+    below the prompt, e.g. [(2048, 1), (256, 8)] (8 responses share 2,048 tokens, then 256
+    each), or the CLI's "2048x1,256x8". Sets `group` (the leaves) and `response_tokens` (the
+    segments' sum); each shared segment is replayed once. None: G flat responses."""
+
     def __post_init__(self):
+        if self.tree is not None:
+            self.tree = parse_tree(self.tree)
+            self.group, self.response_tokens = math.prod(f for _, f in self.tree), sum(n for n, _ in self.tree)
         for name in ("prompt_tokens", "group", "response_tokens", "gpus", "chunk_size", "attention_block_size",
                      "logits_chunk_size"):
             value = getattr(self, name)

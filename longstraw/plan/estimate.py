@@ -5,7 +5,7 @@ that each return a dataclass:
     config.resolve   -> Basis        the model's architecture, dtype bytes, the deal
     memory.plan_*    -> StatePlan, WeightPlan, ReplayPlan, CapturePlan, WalkPlan,
                         OffloadPlan, Peak
-    timing.plan_time -> Timing
+    timing.plan_time -> Timing       (tree_cost.tree_timing, .plan_tree_replay: PlanConfig.tree)
     report           -> the flat dict (and `format_report`, its table)
 
 The architecture side (configs, presets, parameter counts) is in `arch.py`; communication
@@ -18,6 +18,7 @@ from .memory import (plan_capture, plan_offload, plan_peak, plan_replay, plan_st
                      score_working)
 from .report import build_report
 from .timing import plan_time
+from .tree_cost import plan_tree_replay, tree_report, tree_timing
 
 
 def estimate(model, config: PlanConfig) -> dict:
@@ -30,7 +31,7 @@ def estimate(model, config: PlanConfig) -> dict:
     s = resolve(model, config)
     state = plan_state(s)
     weights = plan_weights(s)
-    replay = plan_replay(s, state)
+    replay = plan_tree_replay(s, state) if config.tree else plan_replay(s, state)
     capture = plan_capture(s)
     walk = plan_walk(s, capture, replay.graph_tok)
     score = score_working(s)
@@ -39,4 +40,7 @@ def estimate(model, config: PlanConfig) -> dict:
     timing = plan_time(s, divided=capture.divided, divided_walk=walk.divided, walk_chunk=walk.chunk,
                        held=replay.held, chunks=walk.chunks, kept_chunks=walk.kept_chunks, offload=offload.figures,
                        recompute=replay.recompute)
-    return build_report(s, state, weights, replay, capture, walk, offload, score, peak, timing)
+    if config.tree:  # each shared segment once, plus a forward per segment with children
+        timing = tree_timing(s, timing)
+    report = build_report(s, state, weights, replay, capture, walk, offload, score, peak, timing)
+    return {**report, "tree": tree_report(s)} if config.tree else report

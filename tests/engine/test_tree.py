@@ -274,3 +274,14 @@ def test_the_tree_rollout_recipe_of_docs_trees():
     assert_loss_close(tree.loss, flat.loss, 1e-9)
     assert_grads_close(tree_grads, flat_grads, 1e-9)
     assert tree.metrics["shared_segments"] >= 2 and tree.metrics["replay_tokens"] < flat.metrics["replay_tokens"]
+
+
+def test_progress_shows_a_replay_bar_over_the_trees_segments(capsys):
+    """progress=True: the tree's replay has one bar counting its segments (A, B, C, D: AB twice is
+    one leaf), with no bar per segment's chunks."""
+    group = tree_group(["AB", "AB", "AC", "AD"])
+    engine = ls.Engine(_model("qwen3"), ls.ExecConfig(chunk_size=CHUNK, progress=True))
+    engine.step(group, ls.GRPOConfig())
+    err = capsys.readouterr().err
+    assert "replay" in err and "/4 [" in err and "/5 [" not in err
+    assert err.count("reverse") == 0  # detached: no prompt walk; the segments' walks run inside the replay bar
