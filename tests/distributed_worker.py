@@ -27,6 +27,7 @@ from tests.reference import (
     float64_internals,
     tiny_family,
     tiny_hybrid,
+    tiny_kimi,
     tiny_mamba,
     tiny_mla,
     tiny_model,
@@ -53,9 +54,11 @@ CASES = {
     "gemma3": lambda: tiny_family("gemma3_text", sliding_window=64),
     "nemotron_h": lambda: tiny_mamba("nemotron_h"),  # Mamba2 + attention + MLP / MoE blocks
     "bamba": lambda: tiny_mamba("bamba"),
+    "kimi_linear": lambda: tiny_kimi(),  # KDA + NoPE MLA + MoE
 }
 FAMILY_CASES = ("qwen3_moe", "glm4_moe", "gpt_oss", "gemma3")
 MAMBA_CASES = ("nemotron_h", "bamba")
+KIMI_CASES = ("kimi_linear",)
 HYBRIDS = ("hybrid", "next", "hybrid_moe")
 # MoE layers whose HF router computes its logits in float32: exact mode's divided walk
 # routes a rank's own rows rather than the whole chunk's, which rounds the router's float32
@@ -88,7 +91,7 @@ def run_cases(rank: int, world: int, init_file: str, cases: list[str], modes: li
             for mode in modes:
                 exec_kw = dict(chunk_size=6, attention_block_size=4, shard_block_size=3, mode=mode)
                 ctx = float64_hybrid(model) if name == "hybrid" else _null()
-                ctx = float64_internals() if name in FAMILY_CASES + MAMBA_CASES else ctx
+                ctx = float64_internals() if name in FAMILY_CASES + MAMBA_CASES + KIMI_CASES else ctx
                 with ctx:
                     model.zero_grad(set_to_none=True)
                     single = ls.Engine(model, ls.ExecConfig(**exec_kw)).step(group)

@@ -518,3 +518,34 @@ def hf_cached_logprobs_positioned(model, prompt, response, temperature=1.0):
     positions = torch.arange(prompt.numel() - 1, prompt.numel() - 1 + inputs.numel())[None]
     logits = model(inputs[None], past_key_values=cache, use_cache=True, position_ids=positions).logits[0]
     return gather_logprobs(logits, response, temperature)
+
+
+# ----------------------------------------------------------------------------
+# Kimi Linear: KDA + NoPE MLA layers, MoE blocks
+
+_KIMI = dict(vocab_size=97, hidden_size=32, intermediate_size=48, moe_intermediate_size=16, num_hidden_layers=4,
+             num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=16, q_lora_rank=None, qk_rope_head_dim=8,
+             qk_nope_head_dim=12, v_head_dim=10, num_local_experts=4, num_experts_per_tok=2, n_shared_experts=1,
+             linear_head_dim=8, linear_num_heads=4, linear_conv_kernel_dim=4,
+             layer_types=["linear_attention", "full_attention", "linear_attention", "linear_attention"],
+             mlp_layer_types=["dense", "sparse", "sparse", "dense"], tie_word_embeddings=False, pad_token_id=0,
+             bos_token_id=1, eos_token_id=2)
+
+
+def tiny_kimi(*, dtype=torch.float64, seed: int = 0, **overrides):
+    """A stock HF Kimi Linear model: 3 KDA layers, one MLA layer (second), MoE in the
+    middle two; 1-D parameters (norm weights, dt_bias) and the router's correction bias
+    randomised (HF starts them at constants)."""
+    config = transformers.KimiLinearConfig(**{**_KIMI, **overrides})
+    config._attn_implementation = "sdpa"
+    config._experts_implementation = "eager"
+    torch.manual_seed(seed)
+    model = transformers.KimiLinearForCausalLM(config).to(dtype).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 1:
+                p.add_(0.1 * torch.randn_like(p))
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.add_(0.1 * torch.randn_like(b))
+    return model
