@@ -549,3 +549,30 @@ def tiny_kimi(*, dtype=torch.float64, seed: int = 0, **overrides):
             if name.endswith("e_score_correction_bias"):
                 b.add_(0.1 * torch.randn_like(b))
     return model
+
+
+# ----------------------------------------------------------------------------
+# Falcon-H1: attention and Mamba2 in parallel in every layer, muP multipliers
+
+_FALCON = dict(vocab_size=97, hidden_size=32, intermediate_size=48, num_hidden_layers=3, num_attention_heads=4,
+               num_key_value_heads=2, mamba_n_heads=4, mamba_d_head=8, mamba_d_ssm=32, mamba_d_state=6,
+               mamba_n_groups=2, mamba_d_conv=4, mamba_chunk_size=8, mamba_conv_bias=True, mamba_proj_bias=True,
+               # every multiplier away from 1, so that a dropped one shows
+               embedding_multiplier=2.0, lm_head_multiplier=0.6, key_multiplier=1.3, attention_in_multiplier=0.8,
+               attention_out_multiplier=1.2, ssm_in_multiplier=0.9, ssm_out_multiplier=1.1,
+               mlp_multipliers=[1.4, 0.7], ssm_multipliers=[1.1, 0.9, 1.2, 0.8, 1.3],
+               pad_token_id=0, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
+
+
+def tiny_falcon_h1(*, dtype=torch.float64, seed: int = 0, **overrides):
+    """A stock HF Falcon-H1 model (3 parallel attention + Mamba2 layers); 1-D parameters
+    randomised (HF starts them at constants)."""
+    config = transformers.FalconH1Config(**{**_FALCON, **overrides})
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(seed)
+    model = transformers.FalconH1ForCausalLM(config).to(dtype).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 1:
+                p.add_(0.1 * torch.randn_like(p))
+    return model

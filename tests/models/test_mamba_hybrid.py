@@ -116,14 +116,18 @@ def test_granite_logits_scaling_is_applied():
 
 
 def test_falcon_h1_parallel_layers_are_refused_clearly():
+    """The serial-hybrid adapter holds one state per layer: a layer running attention and
+    Mamba2 side by side is refused there (Falcon-H1 has its own adapter, `falcon_h1.py`)."""
     import transformers
+
+    from longstraw.models.mamba_hybrid import MambaHybridAdapter
 
     config = transformers.FalconH1Config(vocab_size=97, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
                                          num_attention_heads=4, num_key_value_heads=2, mamba_n_heads=4,
                                          mamba_d_head=8, mamba_d_ssm=32, mamba_d_state=6, mamba_n_groups=1)
     model = transformers.FalconH1ForCausalLM(config).double().eval()
-    with pytest.raises(ls.UnsupportedModelError, match="falcon_h1"):
-        ls.Engine(model)
+    with pytest.raises(ls.UnsupportedModelError, match="Falcon-H1"):
+        MambaHybridAdapter(model)
 
 
 @pytest.mark.parametrize("world", [2, 3])
