@@ -16,8 +16,10 @@ PRESETS_PATH = Path(__file__).with_name("presets.json")
 _DENSE_ATTENTION = ("llama", "mistral", "qwen2", "qwen3", "phi3", "olmo3", "gemma3_text", "qwen3_moe", "mixtral",
                     "glm4_moe", "minimax_m2", "gpt_oss")
 """Families whose layers are all GQA attention (full or sliding), with dense or MoE MLPs."""
+_MAMBA2 = ("nemotron_h", "granitemoehybrid", "bamba", "falcon_h1")
+"""Mamba2 hybrids: Mamba2 mixers (the "gdn" recurrent kind with `Arch.recurrent` "mamba2") and attention."""
 SUPPORTED_MODEL_TYPES = _DENSE_ATTENTION[:4] + ("qwen3_5", "qwen3_5_moe", "qwen3_next", "glm_moe_dsa", "deepseek_v32",
-                                                "deepseek_v3") + _DENSE_ATTENTION[4:]
+                                                "deepseek_v3") + _DENSE_ATTENTION[4:] + _MAMBA2 + ("kimi_linear",)
 # nested text configs of the multimodal Qwen3.5 / Gemma 3 checkpoints
 _TEXT_TYPES = {"qwen3_5_text": "qwen3_5", "qwen3_5_moe_text": "qwen3_5_moe", "gemma3": "gemma3_text"}
 # MoE of the dense-attention families: (experts field, expert width field or None for
@@ -134,11 +136,17 @@ def load_model_config(model) -> tuple[str, dict, dict]:
 class LayerSpec:
     """One decoder layer as the planner sees it.
 
-    mixer: "attention" (GQA/MQA), "gdn" (Gated DeltaNet) or "mla".
+    mixer: "attention" (GQA/MQA), "gdn" or "mla". "gdn" is any recurrent layer with
+        a constant state [gdn_v_heads, gdn_k_dim, gdn_v_dim] and a conv tail [conv_dim,
+        K-1]; `Arch.recurrent` says which: Gated DeltaNet, KDA (Kimi Linear: Hk = Hv = H,
+        Dk = Dv) or Mamba2 (Hv = SSM heads, Dk = d_state, Dv = head dim, Hk = n_groups:
+        conv_dim = 2 G N + H P as for GDN).
     window: sliding window W of an attention layer, or None.
     indexer: an MLA layer that runs its own DSA indexer (keeps indexer keys).
     sparse: an MLA layer whose attention reads only the DSA top-k keys.
-    mlp: "dense" or "moe".
+    mlp: "dense", "moe" or "none" (a Nemotron-H mixer block with no MLP; an MLP block
+        there is merged into the mixer block before it, and Falcon-H1's parallel layer is
+        two specs: its attention with no MLP, then its Mamba2 mixer with the MLP).
     """
 
     mixer: str
@@ -146,6 +154,7 @@ class LayerSpec:
     window: int | None = None
     indexer: bool = False
     sparse: bool = False
+    parallel: bool = False  # runs beside the next spec on the same normed input (Falcon-H1's attention)
 
 
 @dataclass
@@ -177,6 +186,10 @@ class Arch:
     gdn_v_dim: int = 0
     gdn_kernel: int = 0
     gdn_split_proj: bool = True  # Qwen3.5: in_proj_qkv/z/b/a; Qwen3-Next: in_proj_qkvz/ba
+    recurrent: str = "gdn"  # the "gdn" layers' kind: "gdn", "kda" (Kimi Linear) or "mamba2"
+    mamba_norm: bool = True  # Mamba2's gated RMSNorm (Falcon-H1 may have none)
+    mamba_biases: tuple = (False, False, True)  # Mamba2's in_proj, out_proj and conv biases
+    gated_mlp: bool = True  # SwiGLU (gate, up, down); Nemotron-H's relu2 MLPs and experts: up, down
     # MLA + DSA
     q_lora_rank: int | None = None
     kv_lora_rank: int = 0
@@ -338,6 +351,8 @@ def architecture(config: dict) -> Arch:
     if mt not in SUPPORTED_MODEL_TYPES:
         raise UnsupportedModelError(f"model_type {cfg.get('model_type')!r} is not supported by the planner; "
                                     f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
+    if mt == "nemotron_h" and cfg.get("num_hidden_layers") is None:  # HF derives it from the block pattern
+        cfg["num_hidden_layers"] = len(cfg.get("layers_block_type") or cfg.get("hybrid_override_pattern") or "")
     _need(cfg, "num_hidden_layers", "hidden_size", "num_attention_heads", "vocab_size")
     n, h, heads = int(cfg["num_hidden_layers"]), int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
     arch = Arch(model_type=mt, layers=[], hidden=h, vocab=int(cfg["vocab_size"]),
@@ -351,9 +366,17 @@ def architecture(config: dict) -> Arch:
         _attention_layers(arch, cfg, n)
     elif mt in ("qwen3_5", "qwen3_5_moe", "qwen3_next"):
         _gdn_layers(arch, cfg, n)
+    elif mt in _MAMBA2:
+        from .hybrid_arch import mamba2_layers
+        mamba2_layers(arch, cfg, n)
+    elif mt == "kimi_linear":
+        from .hybrid_arch import kimi_linear_layers
+        kimi_linear_layers(arch, cfg, n)
     else:  # MLA family: deepseek_v3, deepseek_v32, glm_moe_dsa
         _mla_layers(arch, cfg, n, heads)
-    if len(arch.layers) != n:
+    if mt in ("nemotron_h", "falcon_h1"):
+        pass  # blocks merged (Nemotron-H) or split (Falcon-H1) into specs: checked where read
+    elif len(arch.layers) != n:
         raise ConfigError(f"layer_types has {len(arch.layers)} entries but num_hidden_layers is {n}")
     if any(l.mlp == "dense" for l in arch.layers) and not arch.intermediate:
         raise ConfigError(f"{mt} config lacks intermediate_size for its dense MLP layers")
@@ -374,6 +397,9 @@ def _linears(arch: Arch, layer: LayerSpec) -> dict[str, list[tuple[int, int]]]:
         q_out = arch.heads * arch.head_dim * (2 if arch.attn_gate else 1)
         kv = arch.kv_heads * arch.head_dim
         groups["mixer"] = [(h, q_out), (h, kv), (h, kv), (arch.heads * arch.head_dim, h)]
+    elif layer.mixer == "gdn" and arch.recurrent != "gdn":
+        from .hybrid_arch import recurrent_linears
+        groups["mixer"] = recurrent_linears(arch)
     elif layer.mixer == "gdn":
         kd, vd, nv = arch.gdn_k_heads * arch.gdn_k_dim, arch.gdn_v_heads * arch.gdn_v_dim, arch.gdn_v_heads
         if arch.gdn_split_proj:  # in_proj_qkv, in_proj_z, in_proj_b, in_proj_a, out_proj
@@ -389,22 +415,26 @@ def _linears(arch: Arch, layer: LayerSpec) -> dict[str, list[tuple[int, int]]]:
         if layer.indexer:  # wq_b, wk, weights_proj
             groups["indexer"] = [(arch.q_lora_rank or h, arch.index_heads * arch.index_dim),
                                  (h, arch.index_dim), (h, arch.index_heads)]
+    ins = 2 if arch.gated_mlp else 1  # gate and up, or up only
     if layer.mlp == "dense":
-        groups["mlp"] = [(h, arch.intermediate)] * 2 + [(arch.intermediate, h)]
-    else:
+        groups["mlp"] = [(h, arch.intermediate)] * ins + [(arch.intermediate, h)]
+    elif layer.mlp == "moe":
         if arch.shared_intermediate:
-            groups["mlp"] = [(h, arch.shared_intermediate)] * 2 + [(arch.shared_intermediate, h)]
-        groups["experts"] = [(h, arch.moe_intermediate)] * 2 + [(arch.moe_intermediate, h)]
+            groups["mlp"] = [(h, arch.shared_intermediate)] * ins + [(arch.shared_intermediate, h)]
+        groups["experts"] = [(h, arch.moe_intermediate)] * ins + [(arch.moe_intermediate, h)]
     return groups
 
 
 def _other_params(arch: Arch, layer: LayerSpec) -> int:
     """Non-linear parameters of one layer: norms, biases, conv, router, gates."""
     h = arch.hidden
-    n = 2 * h  # input + post-attention norm
+    n = h * ((0 if layer.parallel else 1) + (layer.mlp != "none"))  # input + post-attention norm
     if layer.mixer == "attention":
         n += 2 * arch.head_dim if arch.qk_norm else 0
         n += (arch.heads + 2 * arch.kv_heads) * arch.head_dim if arch.qkv_bias else 0
+    elif layer.mixer == "gdn" and arch.recurrent != "gdn":
+        from .hybrid_arch import recurrent_other_params
+        n += recurrent_other_params(arch)
     elif layer.mixer == "gdn":
         n += arch.conv_dim * arch.gdn_kernel + 2 * arch.gdn_v_heads + arch.gdn_v_dim  # conv, A_log, dt_bias, norm
     else:

@@ -79,7 +79,7 @@ def graph_bytes_per_token(arch: Arch, layer: LayerSpec, ab: int, gdn_kernel: str
         e += H * arch.v_head_dim
     if layer.mlp == "dense":
         e += 4 * arch.intermediate
-    else:
+    elif layer.mlp == "moe":
         e += 2 * arch.experts + arch.experts_per_token * (4 * arch.moe_intermediate + 2 * h)
         e += 4 * arch.shared_intermediate
     return e * ab + extra
@@ -182,6 +182,8 @@ def mlp_nograd_bytes_per_token(arch: Arch, layer: LayerSpec, b: int) -> float:
     each token's k expert rows, plus the shared expert."""
     if layer.mlp == "dense":
         return 3 * arch.intermediate * b
+    if layer.mlp == "none":  # a Nemotron-H mixer block, Falcon-H1's attention half
+        return 0.0
     k, e = arch.experts_per_token, arch.experts
     return (3 * e * 4 + k * (e + 1) * 8 + k * (3 * arch.moe_intermediate + arch.hidden) * b
             + 3 * arch.shared_intermediate * b)
