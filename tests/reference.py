@@ -432,12 +432,19 @@ def tiny_family(family: str, *, dtype=torch.float64, seed: int = 0, **overrides)
     torch.manual_seed(seed)
     model_cls = getattr(transformers, f"{prefix.removesuffix('Text')}ForCausalLM")
     model = model_cls(config).to(dtype).eval()
+    return randomised_constants(model, router_bias=True)
+
+
+def randomised_constants(model, *, router_bias: bool = False):
+    """`model` with its 1-D parameters (norm weights, dt_bias, A_log, D, ...) moved off
+    HF's constant initial values by 0.1 N(0, 1), and with `router_bias` the MoE routers'
+    `e_score_correction_bias` buffers too. Returns the model."""
     with torch.no_grad():
-        for name, p in model.named_parameters():
+        for _, p in model.named_parameters():
             if p.dim() == 1:
                 p.add_(0.1 * torch.randn_like(p))
         for name, b in model.named_buffers():
-            if name.endswith("e_score_correction_bias"):
+            if router_bias and name.endswith("e_score_correction_bias"):
                 b.add_(0.1 * torch.randn_like(b))
     return model
 
@@ -500,11 +507,7 @@ def tiny_mamba(family: str, *, dtype=torch.float64, seed: int = 0, **overrides):
     config._experts_implementation = "eager"
     torch.manual_seed(seed)
     model = getattr(transformers, f"{prefix}ForCausalLM")(config).to(dtype).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if p.dim() == 1:
-                p.add_(0.1 * torch.randn_like(p))
-    return model
+    return randomised_constants(model)
 
 
 def hf_cached_logprobs_positioned(model, prompt, response, temperature=1.0):
@@ -541,14 +544,7 @@ def tiny_kimi(*, dtype=torch.float64, seed: int = 0, **overrides):
     config._experts_implementation = "eager"
     torch.manual_seed(seed)
     model = transformers.KimiLinearForCausalLM(config).to(dtype).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if p.dim() == 1:
-                p.add_(0.1 * torch.randn_like(p))
-        for name, b in model.named_buffers():
-            if name.endswith("e_score_correction_bias"):
-                b.add_(0.1 * torch.randn_like(b))
-    return model
+    return randomised_constants(model, router_bias=True)
 
 
 # ----------------------------------------------------------------------------
@@ -571,8 +567,4 @@ def tiny_falcon_h1(*, dtype=torch.float64, seed: int = 0, **overrides):
     config._attn_implementation = "sdpa"
     torch.manual_seed(seed)
     model = transformers.FalconH1ForCausalLM(config).to(dtype).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if p.dim() == 1:
-                p.add_(0.1 * torch.randn_like(p))
-    return model
+    return randomised_constants(model)

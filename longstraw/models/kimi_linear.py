@@ -42,10 +42,10 @@ from longstraw.state.branch import BranchLatent, BranchRecurrent, BranchState
 from longstraw.state.prompt import HOST, LatentKV, MLAState, PromptState, RecurrentState
 
 from .base import Adapter
-from .gated_deltanet import block_tails, initial_snapshot, share_snapshots, tail_before
+from .gated_deltanet import block_tails, initial_snapshot, keep_snapshot, share_snapshots, tail_before
 from .mla import check_dense_weight, routed_mla
 from .peft_layers import check_affine
-from .routing import AttentionCall, Divided, DividedChunk, Phase, current_call, forwards_replaced
+from .routing import AttentionCall, Divided, DividedChunk, current_call, forwards_replaced
 
 KDA_CHUNK = 64
 """Tokens per chunk of the KDA scan (any size gives the same result up to rounding)."""
@@ -99,12 +99,7 @@ def _chunk(module, hidden_states, call: AttentionCall):
     out, rec1 = chunk_kda(q, k, v, g, beta_logit.sigmoid(), rec0, chunk_size=KDA_CHUNK, use_qk_l2norm=True)
     out = _gated_output(module, out, x)
 
-    end = call.start + x.shape[0]
-    layer: RecurrentState = call.states[-1].layers[module.layer_idx]
-    if call.phase is Phase.CAPTURE:
-        layer.put(end, rec1, tail1)
-    if call.records_roots() and layer.grads is not None:  # seeded by what later readers of the snapshot added
-        call.states[-1].seeds.append(((rec1, tail1), lambda: tuple(layer.grads.get(end, (None, None)))))
+    keep_snapshot(call, module.layer_idx, call.start + x.shape[0], rec1, tail1)
     return out[None]
 
 
@@ -176,9 +171,7 @@ def divided_recompute_kda(module, hidden_states, call: AttentionCall):
     q, k, v = _split(module, conv)
     out, rec1 = chunk_kda(q, k, v, full_g, full_beta.sigmoid(), rec0, chunk_size=KDA_CHUNK, use_qk_l2norm=True)
     out = d.own_rows(out, rows_dim=0)  # (n, H, Dv)
-    layer: RecurrentState = call.states[-1].layers[module.layer_idx]
-    if layer.grads is not None:
-        call.states[-1].seeds.append(((rec1, tail1), lambda: tuple(layer.grads.get(d.end, (None, None)))))
+    keep_snapshot(call, module.layer_idx, d.end, rec1, tail1)
     return _gated_output(module, out, x)[None]
 
 

@@ -14,68 +14,33 @@ import torch
 
 import longstraw as ls
 from longstraw.state.prompt import AttentionKV, RecurrentState
-from tests.engine.test_rollout import _hf_greedy
-from tests.reference import (
-    compare_step,
-    float64_internals,
-    hf_cached_logprobs_positioned,
-    hf_full_logprobs,
-    random_group,
-    tiny_falcon_h1,
-)
+from tests.models.hf_checks import check_greedy_generate, check_lora, check_offload, check_score, check_step
+from tests.reference import tiny_falcon_h1
 
-EXEC = dict(chunk_size=4, attention_block_size=3)  # chunks that divide neither P nor the SSD chunk (8)
 LORA_TARGETS = ["in_proj", "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
 
 @pytest.mark.parametrize("mode", ["detached", "exact"])
 def test_step_equals_hf(mode):
-    model = tiny_falcon_h1()
-    lens = [4, 2, 7] if mode == "detached" else [4, 1, 7]
-    group = random_group(97, 13, lens, seed=1)
-    reference = hf_cached_logprobs_positioned if mode == "detached" else hf_full_logprobs
-    with float64_internals():
-        result = compare_step(model, group, ls.ExecConfig(mode=mode, **EXEC), reference, 1e-9)
-    assert (result.metrics["state_grad_bytes"] > 0) == (mode == "exact")
+    check_step(tiny_falcon_h1(), mode)
 
 
 def test_score_equals_hf_full_sequence():
-    model = tiny_falcon_h1()
-    group = random_group(97, 14, [6, 1], seed=2)
-    with float64_internals(), torch.no_grad():
-        got = ls.Engine(model, ls.ExecConfig(chunk_size=5)).score(group)
-        for s, r in zip(got, group.responses):
-            torch.testing.assert_close(s, hf_full_logprobs(model, group.prompt, r), rtol=0, atol=1e-10)
+    check_score(tiny_falcon_h1())
 
 
 def test_greedy_generate_equals_hf():
-    model = tiny_falcon_h1()
-    prompt = torch.randint(0, 97, (5,), generator=torch.Generator().manual_seed(4))
-    with float64_internals():
-        greedy = ls.Engine(model, ls.ExecConfig(chunk_size=2)).generate(prompt, num_samples=2, max_new_tokens=9,
-                                                                         temperature=0)
-        hf = _hf_greedy(model, prompt, 9)
-    assert all(torch.equal(r, hf) for r in greedy.responses), ([r.tolist() for r in greedy.responses], hf.tolist())
+    check_greedy_generate(tiny_falcon_h1())
 
 
 def test_lora_gradients_equal_hf():
-    peft = pytest.importorskip("peft")
-    torch.manual_seed(0)
-    model = peft.get_peft_model(tiny_falcon_h1(), peft.LoraConfig(
-        r=2, target_modules=LORA_TARGETS, init_lora_weights=False)).eval()
-    group = random_group(97, 11, [3, 5], seed=6)
-    with float64_internals():
-        compare_step(model, group, ls.ExecConfig(mode="exact", **EXEC), hf_full_logprobs, 1e-9)
-    assert all(("lora_" in n) == (p.grad is not None) for n, p in model.named_parameters())
-    assert any("mamba.in_proj.lora_A" in n for n, _ in model.named_parameters())
+    pytest.importorskip("peft")
+    check_lora(tiny_falcon_h1(), LORA_TARGETS, "mamba.in_proj.lora_A")
 
 
 @pytest.mark.parametrize("mode", ["detached", "exact"])
 def test_offloaded_step_equals_on_device(mode):
-    from tests.state.test_offload import assert_same_step
-
-    with float64_internals():
-        assert_same_step(tiny_falcon_h1(), random_group(97, 13, [4, 6], seed=2), dict(mode=mode, **EXEC))
+    check_offload(tiny_falcon_h1(), mode)
 
 
 def test_each_layer_keeps_kv_and_a_constant_mamba_state():
