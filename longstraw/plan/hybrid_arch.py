@@ -20,7 +20,8 @@ these geometries.
 from __future__ import annotations
 
 from ..errors import ConfigError
-from .arch import Arch, LayerSpec, _get, _mla_layers, _need
+from . import arch as _arch
+from .arch import MAMBA2_TYPES, Arch, LayerSpec, cfg_get, cfg_need, mla_layers
 
 # Nemotron-H's hybrid_override_pattern letters, and its layers_block_type names
 _NEMOTRON_BLOCKS = {"M": "mamba", "*": "attention", "-": "mlp", "E": "moe"}
@@ -31,15 +32,15 @@ def _mamba2_geometry(arch: Arch, cfg: dict, heads: str, head_dim: str, state: st
                      width: int | None = None) -> None:
     """Set the Mamba2 fields of `arch` from the config's field names; `width` the SSM
     intermediate size (H * P) when the config gives it (Falcon-H1's mamba_d_ssm)."""
-    _need(cfg, heads, state)
+    cfg_need(cfg, heads, state)
     arch.recurrent = "mamba2"
     arch.gdn_v_heads = int(cfg[heads])
-    expand = int(_get(cfg, "mamba_expand", _get(cfg, "expand", 2)))
+    expand = int(cfg_get(cfg, "mamba_expand", cfg_get(cfg, "expand", 2)))
     width = width or expand * arch.hidden
     p = cfg.get(head_dim)
     arch.gdn_v_dim = width // arch.gdn_v_heads if p in (None, "auto") else int(p)
-    arch.gdn_k_dim, arch.gdn_k_heads = int(cfg[state]), int(_get(cfg, groups, 1))
-    arch.gdn_kernel = int(_get(cfg, conv, 4))
+    arch.gdn_k_dim, arch.gdn_k_heads = int(cfg[state]), int(cfg_get(cfg, groups, 1))
+    arch.gdn_kernel = int(cfg_get(cfg, conv, 4))
 
 
 def _nemotron_specs(arch: Arch, cfg: dict, n: int) -> list[LayerSpec]:
@@ -71,37 +72,37 @@ def mamba2_layers(arch: Arch, cfg: dict, n: int) -> None:
     if mt == "nemotron_h":
         _mamba2_geometry(arch, cfg, "mamba_num_heads", "mamba_head_dim", "ssm_state_size", "n_groups", "conv_kernel")
         arch.gated_mlp = False  # relu2: up, down (the experts too)
-        bias = bool(_get(cfg, "use_bias", False))  # HF's NemotronHMamba2Mixer: in_proj / out_proj bias=use_bias
-        arch.mamba_biases = (bias, bias, bool(_get(cfg, "use_conv_bias", True)))
-        arch.experts = int(_get(cfg, "n_routed_experts", 0))
-        arch.experts_per_token = int(_get(cfg, "num_experts_per_tok", 0))
-        arch.moe_intermediate = int(_get(cfg, "moe_intermediate_size", 0))
-        shared = int(_get(cfg, "n_shared_experts", 0))
-        arch.shared_intermediate = int(_get(cfg, "moe_shared_expert_intermediate_size", 0)) if shared else 0
+        bias = bool(cfg_get(cfg, "use_bias", False))  # HF's NemotronHMamba2Mixer: in_proj / out_proj bias=use_bias
+        arch.mamba_biases = (bias, bias, bool(cfg_get(cfg, "use_conv_bias", True)))
+        arch.experts = int(cfg_get(cfg, "n_routed_experts", 0))
+        arch.experts_per_token = int(cfg_get(cfg, "num_experts_per_tok", 0))
+        arch.moe_intermediate = int(cfg_get(cfg, "moe_intermediate_size", 0))
+        shared = int(cfg_get(cfg, "n_shared_experts", 0))
+        arch.shared_intermediate = int(cfg_get(cfg, "moe_shared_expert_intermediate_size", 0)) if shared else 0
         arch.layers = _nemotron_specs(arch, cfg, n)
         return
     width = cfg.get("mamba_d_ssm") if mt == "falcon_h1" else None
     _mamba2_geometry(arch, cfg, "mamba_n_heads", "mamba_d_head", "mamba_d_state", "mamba_n_groups", "mamba_d_conv",
                      int(width) if width else None)
-    bias = bool(_get(cfg, "mamba_proj_bias", False))
-    out_bias = bool(_get(cfg, "projectors_bias", False)) if mt == "falcon_h1" else bias
-    arch.mamba_biases = (bias, out_bias, bool(_get(cfg, "mamba_conv_bias", True)))
+    bias = bool(cfg_get(cfg, "mamba_proj_bias", False))
+    out_bias = bool(cfg_get(cfg, "projectors_bias", False)) if mt == "falcon_h1" else bias
+    arch.mamba_biases = (bias, out_bias, bool(cfg_get(cfg, "mamba_conv_bias", True)))
     if mt == "falcon_h1":  # attention and Mamba2 side by side in every layer, then the MLP
-        arch.head_dim = int(_get(cfg, "head_dim", arch.hidden // arch.heads))
-        arch.mamba_norm = bool(_get(cfg, "mamba_rms_norm", False))
+        arch.head_dim = int(cfg_get(cfg, "head_dim", arch.hidden // arch.heads))
+        arch.mamba_norm = bool(cfg_get(cfg, "mamba_rms_norm", False))
         arch.layers = [spec for _ in range(n)
                        for spec in (LayerSpec("attention", mlp="none", parallel=True), LayerSpec("gdn"))]
         return
     if mt == "bamba":
-        attention = set(_get(cfg, "attn_layer_indices", []))
+        attention = set(cfg_get(cfg, "attn_layer_indices", []))
         types = ["attention" if i in attention else "mamba" for i in range(n)]
         mlps = ["dense"] * n
     else:  # granitemoehybrid: a MoE with a shared expert per layer (or the shared MLP alone)
-        types = _get(cfg, "layer_types", ["mamba"] * n)
-        arch.experts = int(_get(cfg, "num_local_experts", 0))
-        arch.experts_per_token = int(_get(cfg, "num_experts_per_tok", 0))
+        types = cfg_get(cfg, "layer_types", ["mamba"] * n)
+        arch.experts = int(cfg_get(cfg, "num_local_experts", 0))
+        arch.experts_per_token = int(cfg_get(cfg, "num_experts_per_tok", 0))
         arch.moe_intermediate = arch.intermediate
-        arch.shared_intermediate = int(_get(cfg, "shared_intermediate_size", 0))
+        arch.shared_intermediate = int(cfg_get(cfg, "shared_intermediate_size", 0))
         if not arch.experts:
             arch.intermediate = arch.shared_intermediate
         mlps = ["moe" if arch.experts else "dense"] * n
@@ -114,22 +115,22 @@ def kimi_linear_layers(arch: Arch, cfg: dict, n: int) -> None:
     MoE after (HF's KimiLinearConfig)."""
     linear = cfg.get("linear_attn_config") or {}
     arch.recurrent = "kda"
-    heads = int(_get(cfg, "linear_num_heads", linear.get("num_heads", 32)))
-    dim = int(_get(cfg, "linear_head_dim", linear.get("head_dim", 128)))
+    heads = int(cfg_get(cfg, "linear_num_heads", linear.get("num_heads", 32)))
+    dim = int(cfg_get(cfg, "linear_head_dim", linear.get("head_dim", 128)))
     arch.gdn_k_heads = arch.gdn_v_heads = heads
     arch.gdn_k_dim = arch.gdn_v_dim = dim
-    arch.gdn_kernel = int(_get(cfg, "linear_conv_kernel_dim", linear.get("short_conv_kernel_size", 4)))
+    arch.gdn_kernel = int(cfg_get(cfg, "linear_conv_kernel_dim", linear.get("short_conv_kernel_size", 4)))
     types = cfg.get("layer_types")
     if types is None and "full_attn_layers" in linear:
         full = set(linear["full_attn_layers"])
         types = ["full_attention" if i + 1 in full else "linear_attention" for i in range(n)]
     if types is None:
         types = ["full_attention" if i and i % 4 == 0 else "linear_attention" for i in range(n)]
-    moe = {**cfg, "n_routed_experts": _get(cfg, "num_experts", cfg.get("num_local_experts")),
-           "num_experts_per_tok": _get(cfg, "num_experts_per_token", cfg.get("num_experts_per_tok")),
-           "n_shared_experts": _get(cfg, "num_shared_experts", cfg.get("n_shared_experts")),
-           "first_k_dense_replace": _get(cfg, "first_k_dense_replace", 1)}
-    _mla_layers(arch, moe, n, arch.heads)  # MLA geometry, experts, dense / MoE schedule
+    moe = {**cfg, "n_routed_experts": cfg_get(cfg, "num_experts", cfg.get("num_local_experts")),
+           "num_experts_per_tok": cfg_get(cfg, "num_experts_per_token", cfg.get("num_experts_per_tok")),
+           "n_shared_experts": cfg_get(cfg, "num_shared_experts", cfg.get("n_shared_experts")),
+           "first_k_dense_replace": cfg_get(cfg, "first_k_dense_replace", 1)}
+    mla_layers(arch, moe, n, arch.heads)  # MLA geometry, experts, dense / MoE schedule
     for spec, t in zip(arch.layers, types):
         spec.mixer = "gdn" if t == "linear_attention" else "mla"
 
@@ -152,3 +153,7 @@ def recurrent_other_params(arch: Arch) -> int:
     in_bias, out_bias, conv_bias = arch.mamba_biases
     return (arch.conv_dim * (arch.gdn_kernel + conv_bias) + 3 * arch.gdn_v_heads + (inner if arch.mamba_norm else 0)
             + (inner + arch.conv_dim + arch.gdn_v_heads) * in_bias + arch.hidden * out_bias)
+
+
+_arch.HYBRID_LAYERS.update({**{mt: mamba2_layers for mt in MAMBA2_TYPES}, "kimi_linear": kimi_linear_layers})
+_arch.RECURRENT_PARAMS.update(linears=recurrent_linears, other=recurrent_other_params)
