@@ -62,14 +62,16 @@ def _model(name):
 
 
 def dense_equivalent_bytes(model, positions: int) -> int:
-    """What every layer would keep for `positions` tokens if each held the model's own
-    attention-layer state per token (float32)."""
+    """What every token-mixer layer would keep for `positions` tokens if each held the
+    model's own attention-layer state per token (float32). Nemotron-H's MLP / MoE blocks
+    mix no tokens and are not counted."""
     cfg = model.config
     if cfg.model_type == "kimi_linear":
-        per_token = cfg.kv_lora_rank + cfg.qk_rope_head_dim  # one latent row
+        per_token, mixers = cfg.kv_lora_rank + cfg.qk_rope_head_dim, cfg.num_hidden_layers  # one latent row
     else:
         per_token = 2 * cfg.num_key_value_heads * cfg.head_dim  # K and V
-    return cfg.num_hidden_layers * per_token * positions * 4
+        mixers = sum(t not in ("mlp", "moe") for t in cfg.layers_block_type)
+    return mixers * per_token * positions * 4
 
 
 def worker(args) -> None:
@@ -183,7 +185,7 @@ def main() -> None:
     p.add_argument("--prompt-tokens", type=int, default=32768)
     p.add_argument("--group", type=int, default=4)
     p.add_argument("--response-tokens", type=int, default=64)
-    p.add_argument("--out", default=os.path.join(REPO, "bench", "results", "recurrent_cpu_p32768.csv"))
+    p.add_argument("--out", default=os.path.join(REPO, "bench", "results", "recurrent_cpu.csv"))
     args = p.parse_args()
     worker(args) if args.worker else driver(args)
 
