@@ -25,8 +25,10 @@ from tests.reference import (
     masked_group,
     random_group,
     float64_internals,
+    tiny_falcon_h1,
     tiny_family,
     tiny_hybrid,
+    tiny_kimi,
     tiny_mamba,
     tiny_mla,
     tiny_model,
@@ -54,9 +56,12 @@ CASES = {
     "gemma3": lambda: tiny_family("gemma3_text", sliding_window=64),
     "nemotron_h": lambda: tiny_mamba("nemotron_h"),  # Mamba2 + attention + MLP / MoE blocks
     "bamba": lambda: tiny_mamba("bamba"),
+    "kimi_linear": lambda: tiny_kimi(),  # KDA + NoPE MLA + MoE
+    "falcon_h1": lambda: tiny_falcon_h1(),  # attention and Mamba2 side by side
 }
 FAMILY_CASES = ("qwen3_moe", "glm4_moe", "gpt_oss", "gemma3")
 MAMBA_CASES = ("nemotron_h", "bamba")
+PART2_CASES = ("kimi_linear", "falcon_h1")  # model families part 2 (float64 internals)
 HYBRIDS = ("hybrid", "next", "hybrid_moe")
 # MoE layers whose HF router computes its logits in float32: exact mode's divided walk
 # routes a rank's own rows rather than the whole chunk's, which rounds the router's float32
@@ -105,7 +110,7 @@ def run_cases(rank: int, world: int, init_file: str, cases: list[str], modes: li
             for mode in modes:
                 exec_kw = dict(chunk_size=6, attention_block_size=4, shard_block_size=3, mode=mode)
                 ctx = float64_hybrid(model) if name == "hybrid" else _null()
-                ctx = float64_internals() if name in FAMILY_CASES + MAMBA_CASES else ctx
+                ctx = float64_internals() if name in FAMILY_CASES + MAMBA_CASES + PART2_CASES else ctx
                 with ctx:
                     model.zero_grad(set_to_none=True)
                     single = ls.Engine(model, ls.ExecConfig(**exec_kw)).step(group)

@@ -433,12 +433,19 @@ def tiny_family(family: str, *, dtype=torch.float64, seed: int = 0, **overrides)
     torch.manual_seed(seed)
     model_cls = getattr(transformers, f"{prefix.removesuffix('Text')}ForCausalLM")
     model = model_cls(config).to(dtype).eval()
+    return randomised_constants(model, router_bias=True)
+
+
+def randomised_constants(model, *, router_bias: bool = False):
+    """`model` with its 1-D parameters (norm weights, dt_bias, A_log, D, ...) moved off
+    HF's constant initial values by 0.1 N(0, 1), and with `router_bias` the MoE routers'
+    `e_score_correction_bias` buffers too. Returns the model."""
     with torch.no_grad():
-        for name, p in model.named_parameters():
+        for _, p in model.named_parameters():
             if p.dim() == 1:
                 p.add_(0.1 * torch.randn_like(p))
         for name, b in model.named_buffers():
-            if name.endswith("e_score_correction_bias"):
+            if router_bias and name.endswith("e_score_correction_bias"):
                 b.add_(0.1 * torch.randn_like(b))
     return model
 
@@ -501,11 +508,7 @@ def tiny_mamba(family: str, *, dtype=torch.float64, seed: int = 0, **overrides):
     config._experts_implementation = "eager"
     torch.manual_seed(seed)
     model = getattr(transformers, f"{prefix}ForCausalLM")(config).to(dtype).eval()
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if p.dim() == 1:
-                p.add_(0.1 * torch.randn_like(p))
-    return model
+    return randomised_constants(model)
 
 
 def hf_cached_logprobs_positioned(model, prompt, response, temperature=1.0):
@@ -540,3 +543,50 @@ def tree_group(spec, *, prompt_len=13, seed=0):
     rewards = torch.rand(len(spec), generator=g, dtype=torch.float64)
     advantages = torch.tensor([0.7], dtype=torch.float64) if len(spec) == 1 else None  # G = 1's own is 0: a skip
     return ls.Group(prompt=prompt, responses=responses, rewards=rewards, advantages=advantages)
+
+
+# ----------------------------------------------------------------------------
+# Kimi Linear: KDA + NoPE MLA layers, MoE blocks
+
+_KIMI = dict(vocab_size=97, hidden_size=32, intermediate_size=48, moe_intermediate_size=16, num_hidden_layers=4,
+             num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=16, q_lora_rank=None, qk_rope_head_dim=8,
+             qk_nope_head_dim=12, v_head_dim=10, num_local_experts=4, num_experts_per_tok=2, n_shared_experts=1,
+             linear_head_dim=8, linear_num_heads=4, linear_conv_kernel_dim=4,
+             layer_types=["linear_attention", "full_attention", "linear_attention", "linear_attention"],
+             mlp_layer_types=["dense", "sparse", "sparse", "dense"], tie_word_embeddings=False, pad_token_id=0,
+             bos_token_id=1, eos_token_id=2)
+
+
+def tiny_kimi(*, dtype=torch.float64, seed: int = 0, **overrides):
+    """A stock HF Kimi Linear model: 3 KDA layers, one MLA layer (second), MoE in the
+    middle two; 1-D parameters (norm weights, dt_bias) and the router's correction bias
+    randomised (HF starts them at constants)."""
+    config = transformers.KimiLinearConfig(**{**_KIMI, **overrides})
+    config._attn_implementation = "sdpa"
+    config._experts_implementation = "eager"
+    torch.manual_seed(seed)
+    model = transformers.KimiLinearForCausalLM(config).to(dtype).eval()
+    return randomised_constants(model, router_bias=True)
+
+
+# ----------------------------------------------------------------------------
+# Falcon-H1: attention and Mamba2 in parallel in every layer, muP multipliers
+
+_FALCON = dict(vocab_size=97, hidden_size=32, intermediate_size=48, num_hidden_layers=3, num_attention_heads=4,
+               num_key_value_heads=2, mamba_n_heads=4, mamba_d_head=8, mamba_d_ssm=32, mamba_d_state=6,
+               mamba_n_groups=2, mamba_d_conv=4, mamba_chunk_size=8, mamba_conv_bias=True, mamba_proj_bias=True,
+               # every multiplier away from 1, so that a dropped one shows
+               embedding_multiplier=2.0, lm_head_multiplier=0.6, key_multiplier=1.3, attention_in_multiplier=0.8,
+               attention_out_multiplier=1.2, ssm_in_multiplier=0.9, ssm_out_multiplier=1.1,
+               mlp_multipliers=[1.4, 0.7], ssm_multipliers=[1.1, 0.9, 1.2, 0.8, 1.3],
+               pad_token_id=0, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False)
+
+
+def tiny_falcon_h1(*, dtype=torch.float64, seed: int = 0, **overrides):
+    """A stock HF Falcon-H1 model (3 parallel attention + Mamba2 layers); 1-D parameters
+    randomised (HF starts them at constants)."""
+    config = transformers.FalconH1Config(**{**_FALCON, **overrides})
+    config._attn_implementation = "sdpa"
+    torch.manual_seed(seed)
+    model = transformers.FalconH1ForCausalLM(config).to(dtype).eval()
+    return randomised_constants(model)

@@ -9,6 +9,8 @@
     mla.py            MLA (+ DSA) layers, every phase but decode; mla_decode.py: decode
     dense.py, hybrid.py  the adapters of the dense and hybrid families
     mamba2.py         Mamba2 mixers, every phase; mamba_hybrid.py: their adapter (Nemotron-H, Bamba, Granite 4.0)
+    falcon_h1.py      Falcon-H1's adapter: attention and Mamba2 side by side in each layer
+    kimi_linear.py    Kimi Delta Attention layers, every phase, and Kimi Linear's adapter (KDA + NoPE MLA)
     moe.py            dense attention + MoE blocks (Qwen3-MoE, Mixtral, GLM-4.5, MiniMax-M2)
     windowed.py       per-layer sliding / full attention (OLMo 3, Gemma 3, gpt-oss)
     peft_layers.py, placement.py, rope.py  what the adapters check and pin
@@ -23,6 +25,8 @@ from . import attention  # noqa: F401  (registers the "longstraw" attention func
 from .base import Adapter, unwrap_causal_lm
 from .dense import DenseAdapter
 from .hybrid import HybridAdapter
+from .falcon_h1 import FalconH1Adapter
+from .kimi_linear import KimiLinearAdapter
 from .mamba_hybrid import MambaHybridAdapter
 from .mla import MLAAdapter
 from .moe import MoEAdapter
@@ -30,12 +34,12 @@ from .windowed import WindowedAdapter
 
 ADAPTERS: dict[str, type[Adapter]] = {
     t: cls for cls in (DenseAdapter, HybridAdapter, MLAAdapter, MoEAdapter, WindowedAdapter,
-                                   MambaHybridAdapter) for t in cls.model_types
+                                   MambaHybridAdapter, KimiLinearAdapter, FalconH1Adapter) for t in cls.model_types
 }
 
 
 def supported_model_types() -> list[str]:
-    """The registered `model_type`s, grouped by adapter (dense, hybrid, MLA, MoE, windowed, Mamba2 hybrid)."""
+    """The registered `model_type`s, grouped by adapter (dense, hybrid, MLA, MoE, windowed, Mamba2 hybrid, Kimi Linear, Falcon-H1)."""
     return list(ADAPTERS)
 
 

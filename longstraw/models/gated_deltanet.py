@@ -68,6 +68,18 @@ def initial_snapshot(states, layer_idx: int, position: int):
     raise AssertionError(f"layer {layer_idx}: no recurrent snapshot at position {position}")
 
 
+def keep_snapshot(call: AttentionCall, layer_idx: int, end: int, recurrent, conv_tail) -> None:
+    """After a run of the layer up to position `end`: a capture records the snapshot there;
+    a recompute (or a capture that keeps its graph, or a divided walk's chunk) records
+    (recurrent, conv_tail) as roots of the chunk's graph, seeded by the gradient later
+    readers of that snapshot accumulated."""
+    layer: RecurrentState = call.states[-1].layers[layer_idx]
+    if call.phase is Phase.CAPTURE:
+        layer.put(end, recurrent, conv_tail)
+    if call.records_roots() and layer.grads is not None:
+        call.states[-1].seeds.append(((recurrent, conv_tail), lambda: tuple(layer.grads.get(end, (None, None)))))
+
+
 def _project(module, x):
     """(mixed_qkv [T, conv_dim], z [T, Hv, Dv], b [T, Hv], a [T, Hv]) from x [T, d],
     with each family's own projection layout."""
@@ -125,12 +137,7 @@ def _gdn_chunk(module, hidden_states, call: AttentionCall):
                                        use_qk_l2norm=True)  # (T, Hv, Dv)
     out = _gated_output(module, out, z, (1, t))
 
-    end = call.start + t
-    layer: RecurrentState = call.states[-1].layers[module.layer_idx]
-    if call.phase is Phase.CAPTURE:
-        layer.put(end, rec1, tail1)
-    if call.records_roots() and layer.grads is not None:  # seeded by what later readers of the snapshot added
-        call.states[-1].seeds.append(((rec1, tail1), lambda: tuple(layer.grads.get(end, (None, None)))))
+    keep_snapshot(call, module.layer_idx, call.start + t, rec1, tail1)
     return out
 
 
@@ -192,9 +199,7 @@ def divided_recompute_gdn(module, hidden_states, call: AttentionCall):
     out, rec1 = chunk_gated_delta_rule(q, k, v, decay, full_b.sigmoid(), rec0,
                                        use_qk_l2norm=True)  # (T, Hv, Dv), the same on every rank
     out = d.own_rows(out, rows_dim=0)  # (n, Hv, Dv)
-    layer: RecurrentState = call.states[-1].layers[module.layer_idx]
-    if layer.grads is not None:  # seeded by what later readers of the snapshot added (on every rank alike)
-        call.states[-1].seeds.append(((rec1, tail1), lambda: tuple(layer.grads.get(d.end, (None, None)))))
+    keep_snapshot(call, module.layer_idx, d.end, rec1, tail1)  # the same on every rank
     return _gated_output(module, out, z, (1, x.shape[0]))
 
 

@@ -38,10 +38,9 @@ from longstraw.ops.gated_delta_scan import chain_states
 from longstraw.ops.ssd import chunk_ssd_scan, diagonal_transition, finish_ssd_outputs, ssd_step, ssd_transition
 from longstraw.parallel.collectives import GradOnFirstRank
 from longstraw.state.branch import BranchRecurrent
-from longstraw.state.prompt import RecurrentState
 
-from .gated_deltanet import block_tails, initial_snapshot, share_snapshots, tail_before
-from .routing import AttentionCall, Divided, DividedChunk, Phase, current_call, forwards_replaced
+from .gated_deltanet import block_tails, initial_snapshot, keep_snapshot, share_snapshots, tail_before
+from .routing import AttentionCall, Divided, DividedChunk, current_call, forwards_replaced
 
 SSD_CHUNK = 64
 """Tokens per chunk of the SSD scan (any size gives the same result up to rounding)."""
@@ -123,12 +122,7 @@ def _chunk(module, hidden_states, call: AttentionCall):
     y, rec1 = chunk_ssd_scan(xs, _time_step(module, dt), _a(module), b, c, rec0, chunk_size=SSD_CHUNK)
     out = _gated_output(module, _skip(module, y, xs), gate, x.dtype)
 
-    end = call.start + x.shape[0]
-    layer: RecurrentState = call.states[-1].layers[module.layer_idx]
-    if call.phase is Phase.CAPTURE:
-        layer.put(end, rec1, tail1)
-    if call.records_roots() and layer.grads is not None:  # seeded by what later readers of the snapshot added
-        call.states[-1].seeds.append(((rec1, tail1), lambda: tuple(layer.grads.get(end, (None, None)))))
+    keep_snapshot(call, module.layer_idx, call.start + x.shape[0], rec1, tail1)
     return out[None]
 
 
@@ -206,9 +200,7 @@ def divided_recompute_mamba2(module, hidden_states, call: AttentionCall):
                                   state, chunk_size=SSD_CHUNK)
         ys.append(_skip(module, y, xs[j], skip))
     y = d.own_rows(torch.cat(ys), rows_dim=0)  # (n, H, P)
-    layer: RecurrentState = call.states[-1].layers[module.layer_idx]
-    if layer.grads is not None:
-        call.states[-1].seeds.append(((state, tail1), lambda: tuple(layer.grads.get(d.end, (None, None)))))
+    keep_snapshot(call, module.layer_idx, d.end, state, tail1)
     return _gated_output(module, y, gate, x.dtype)[None]
 
 

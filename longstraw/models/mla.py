@@ -232,11 +232,12 @@ def absorb(module, spec, x, position_embeddings, decode: bool) -> Absorbed:
     q_pass, q_rot = torch.split(q, [nope, rope], dim=-1)
     kv_pass, k_rot = torch.split(module.kv_a_proj_with_mqa(x), [rank, rope], dim=-1)
     latent = module.kv_a_layernorm(kv_pass)  # (T, R)
-    cos, sin = position_embeddings
-    if decode:  # [G, 1, Dr] at one position -> [1, G, Dr]
+    cos, sin = position_embeddings if spec["rope"] is not None else (None, None)  # Kimi Linear's MLA: NoPE
+    if decode and cos is not None:  # [G, 1, Dr] at one position -> [1, G, Dr]
         cos, sin = cos[:, 0][None], sin[:, 0][None]
-    q_rot, k_rot = spec["rope"](q_rot[None], k_rot.view(1, 1, t, rope), cos, sin)
-    q_rot, k_rot = q_rot[0], k_rot[0, 0]  # (H, T, Dr), (T, Dr)
+    if spec["rope"] is not None:
+        q_rot, k_rot = spec["rope"](q_rot[None], k_rot.view(1, 1, t, rope), cos, sin)
+        q_rot, k_rot = q_rot[0], k_rot[0, 0]  # (H, T, Dr), (T, Dr)
 
     w, bias = effective_affine(module.kv_b_proj)  # (H * (nope + Dv), R), (H * (nope + Dv),) or None
     w = w.view(h, nope + vdim, rank)

@@ -122,3 +122,28 @@ def kda_step(q, k, v, g, beta, state, *, use_qk_l2norm: bool = True):
     delta = (v.to(acc) - torch.einsum("bhk,bhkv->bhv", k, state)) * beta.to(acc)[..., None]
     state = state + k[..., :, None] * delta[..., None, :]
     return torch.einsum("bhk,bhkv->bhv", q, state).to(v.dtype), state
+
+
+def kda_transition(q, k, v, g, beta, *, chunk_size: int = 64, use_qk_l2norm: bool = True):
+    """The segment's affine map and outputs as functions of its unknown start state
+    (context parallelism; `gated_delta_scan.py`'s idea). KDA decays and mixes the state's
+    rows (key channels) only, never its columns, so one `chunk_kda` pass from the
+    augmented start [I | 0] ([H, Dk, Dk + Dv]) with values [0 | v] gives the end state
+    [A | C] and the outputs [read | out0].
+
+    Args:
+        q, k, g: [T, H, Dk]; v: [T, H, Dv]; beta: [T, H] (as `chunk_kda`).
+
+    Returns:
+        (read [T, H, Dk], out0 [T, H, Dv], A [H, Dk, Dk], C [H, Dk, Dv]) in the
+        accumulation dtype: from a start state S [H, Dk, Dv] the outputs are
+        read @ S + out0 per head and the end state is A @ S + C.
+    """
+    t, h, dv = v.shape
+    dk = q.shape[-1]
+    acc = torch.float64 if torch.float64 in (q.dtype, v.dtype) else accumulation_dtype(v.dtype)
+    eye = torch.eye(dk, dtype=acc, device=v.device).expand(h, dk, dk)
+    start = torch.cat([eye, torch.zeros(h, dk, dv, dtype=acc, device=v.device)], dim=-1)  # (H, Dk, Dk + Dv)
+    values = torch.cat([torch.zeros(t, h, dk, dtype=acc, device=v.device), v.to(acc)], dim=-1)  # (T, H, Dk + Dv)
+    out, end = chunk_kda(q, k, values, g, beta, start, chunk_size=chunk_size, use_qk_l2norm=use_qk_l2norm)
+    return out[..., :dk], out[..., dk:], end[..., :dk], end[..., dk:]

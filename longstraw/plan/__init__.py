@@ -40,6 +40,7 @@ from .arch import (
     load_presets,
     parse_bytes,
 )
+from . import hybrid_arch  # noqa: F401  (registers the recurrent hybrids with arch.py)
 from .config import PlanConfig
 from .estimate import estimate
 from .report import format_report

@@ -16,8 +16,10 @@ PRESETS_PATH = Path(__file__).with_name("presets.json")
 _DENSE_ATTENTION = ("llama", "mistral", "qwen2", "qwen3", "phi3", "olmo3", "gemma3_text", "qwen3_moe", "mixtral",
                     "glm4_moe", "minimax_m2", "gpt_oss")
 """Families whose layers are all GQA attention (full or sliding), with dense or MoE MLPs."""
+MAMBA2_TYPES = ("nemotron_h", "granitemoehybrid", "bamba", "falcon_h1")
+"""Mamba2 hybrids: Mamba2 mixers (the "gdn" recurrent kind with `Arch.recurrent` "mamba2") and attention."""
 SUPPORTED_MODEL_TYPES = _DENSE_ATTENTION[:4] + ("qwen3_5", "qwen3_5_moe", "qwen3_next", "glm_moe_dsa", "deepseek_v32",
-                                                "deepseek_v3") + _DENSE_ATTENTION[4:]
+                                                "deepseek_v3") + _DENSE_ATTENTION[4:] + MAMBA2_TYPES + ("kimi_linear",)
 # nested text configs of the multimodal Qwen3.5 / Gemma 3 checkpoints
 _TEXT_TYPES = {"qwen3_5_text": "qwen3_5", "qwen3_5_moe_text": "qwen3_5_moe", "gemma3": "gemma3_text"}
 # MoE of the dense-attention families: (experts field, expert width field or None for
@@ -26,6 +28,12 @@ _MOE_FIELDS = {"qwen3_moe": ("num_experts", "moe_intermediate_size", None),
                "mixtral": ("num_local_experts", None, None), "minimax_m2": ("num_local_experts", None, None),
                "gpt_oss": ("num_local_experts", None, None),
                "glm4_moe": ("n_routed_experts", "moe_intermediate_size", "n_shared_experts")}
+
+HYBRID_LAYERS: dict = {}
+"""model_type -> layer builder (arch, cfg, n) of the recurrent hybrids, and RECURRENT_PARAMS
+"linears" / "other": their mixers' parameter counts (arch -> ...). Filled by
+`plan/hybrid_arch.py`, which builds on this module (`plan/__init__.py` imports it)."""
+RECURRENT_PARAMS: dict = {}
 
 DTYPE_BYTES = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2}
 _DTYPE_ALIASES = {"fp64": "float64", "f64": "float64", "double": "float64", "fp32": "float32", "f32": "float32",
@@ -134,11 +142,17 @@ def load_model_config(model) -> tuple[str, dict, dict]:
 class LayerSpec:
     """One decoder layer as the planner sees it.
 
-    mixer: "attention" (GQA/MQA), "gdn" (Gated DeltaNet) or "mla".
+    mixer: "attention" (GQA/MQA), "gdn" or "mla". "gdn" is any recurrent layer with
+        a constant state [gdn_v_heads, gdn_k_dim, gdn_v_dim] and a conv tail [conv_dim,
+        K-1]; `Arch.recurrent` says which: Gated DeltaNet, KDA (Kimi Linear: Hk = Hv = H,
+        Dk = Dv) or Mamba2 (Hv = SSM heads, Dk = d_state, Dv = head dim, Hk = n_groups:
+        conv_dim = 2 G N + H P as for GDN).
     window: sliding window W of an attention layer, or None.
     indexer: an MLA layer that runs its own DSA indexer (keeps indexer keys).
     sparse: an MLA layer whose attention reads only the DSA top-k keys.
-    mlp: "dense" or "moe".
+    mlp: "dense", "moe" or "none" (a Nemotron-H mixer block with no MLP; an MLP block
+        there is merged into the mixer block before it, and Falcon-H1's parallel layer is
+        two specs: its attention with no MLP, then its Mamba2 mixer with the MLP).
     """
 
     mixer: str
@@ -146,6 +160,7 @@ class LayerSpec:
     window: int | None = None
     indexer: bool = False
     sparse: bool = False
+    parallel: bool = False  # runs beside the next spec on the same normed input (Falcon-H1's attention)
 
 
 @dataclass
@@ -177,6 +192,10 @@ class Arch:
     gdn_v_dim: int = 0
     gdn_kernel: int = 0
     gdn_split_proj: bool = True  # Qwen3.5: in_proj_qkv/z/b/a; Qwen3-Next: in_proj_qkvz/ba
+    recurrent: str = "gdn"  # the "gdn" layers' kind: "gdn", "kda" (Kimi Linear) or "mamba2"
+    mamba_norm: bool = True  # Mamba2's gated RMSNorm (Falcon-H1 may have none)
+    mamba_biases: tuple = (False, False, True)  # Mamba2's in_proj, out_proj and conv biases
+    gated_mlp: bool = True  # SwiGLU (gate, up, down); Nemotron-H's relu2 MLPs and experts: up, down
     # MLA + DSA
     q_lora_rank: int | None = None
     kv_lora_rank: int = 0
@@ -197,12 +216,12 @@ class Arch:
         return sum(all(getattr(l, k) == v for k, v in match.items()) for l in self.layers)
 
 
-def _get(cfg: dict, name: str, default=None):
+def cfg_get(cfg: dict, name: str, default=None):
     value = cfg.get(name, default)
     return default if value is None else value
 
 
-def _need(cfg: dict, *names: str) -> None:
+def cfg_need(cfg: dict, *names: str) -> None:
     missing = [n for n in names if cfg.get(n) is None]
     if missing:
         raise ConfigError(f"{cfg.get('model_type')} config lacks {missing}: the planner needs them")
@@ -229,13 +248,13 @@ def _moe_mlps(arch: Arch, cfg: dict, n: int) -> list[str]:
     if fields is None:
         return ["dense"] * n
     experts, width, shared = fields
-    _need(cfg, experts, "num_experts_per_tok", width or "intermediate_size")
+    cfg_need(cfg, experts, "num_experts_per_tok", width or "intermediate_size")
     arch.experts, arch.experts_per_token = int(cfg[experts]), int(cfg["num_experts_per_tok"])
     arch.moe_intermediate = int(cfg[width or "intermediate_size"])
-    arch.shared_intermediate = int(_get(cfg, shared, 0)) * arch.moe_intermediate if shared else 0
+    arch.shared_intermediate = int(cfg_get(cfg, shared, 0)) * arch.moe_intermediate if shared else 0
     if arch.model_type == "glm4_moe":
-        return ["dense" if i < int(_get(cfg, "first_k_dense_replace", 0)) else "moe" for i in range(n)]
-    step, dense_only = int(_get(cfg, "decoder_sparse_step", 1)), set(_get(cfg, "mlp_only_layers", []))
+        return ["dense" if i < int(cfg_get(cfg, "first_k_dense_replace", 0)) else "moe" for i in range(n)]
+    step, dense_only = int(cfg_get(cfg, "decoder_sparse_step", 1)), set(cfg_get(cfg, "mlp_only_layers", []))
     return ["dense" if (i in dense_only or (i + 1) % step) else "moe" for i in range(n)]
 
 
@@ -251,12 +270,12 @@ def _attention_layers(arch: Arch, cfg: dict, n: int) -> None:
     types = cfg.get("layer_types")
     if types is None:
         if mt == "gemma3_text":  # transformers' Gemma3TextConfig schedule: 5 local : 1 global
-            every = int(_get(cfg, "sliding_window_pattern", 6))
+            every = int(cfg_get(cfg, "sliding_window_pattern", 6))
             types = ["sliding_attention" if (i + 1) % every else "full_attention" for i in range(n)]
         elif mt == "mistral":
             types = ["sliding_attention" if window else "full_attention"] * n
         elif mt in ("qwen2", "qwen3") and cfg.get("use_sliding_window") and window:
-            first = int(_get(cfg, "max_window_layers", n))
+            first = int(cfg_get(cfg, "max_window_layers", n))
             types = ["sliding_attention" if i >= first else "full_attention" for i in range(n)]
         else:
             types = ["full_attention"] * n
@@ -268,25 +287,25 @@ def _attention_layers(arch: Arch, cfg: dict, n: int) -> None:
 def _gdn_layers(arch: Arch, cfg: dict, n: int) -> None:
     """qwen3_5 / qwen3_5_moe / qwen3_next: Gated DeltaNet and gated attention layers, dense or MoE."""
     mt = arch.model_type
-    _need(cfg, "linear_num_value_heads", "linear_num_key_heads", "linear_key_head_dim", "linear_value_head_dim")
+    cfg_need(cfg, "linear_num_value_heads", "linear_num_key_heads", "linear_key_head_dim", "linear_value_head_dim")
     arch.qk_norm, arch.attn_gate = True, True
     arch.gdn_k_heads, arch.gdn_v_heads = int(cfg["linear_num_key_heads"]), int(cfg["linear_num_value_heads"])
     arch.gdn_k_dim, arch.gdn_v_dim = int(cfg["linear_key_head_dim"]), int(cfg["linear_value_head_dim"])
-    arch.gdn_kernel = int(_get(cfg, "linear_conv_kernel_dim", 4))
+    arch.gdn_kernel = int(cfg_get(cfg, "linear_conv_kernel_dim", 4))
     arch.gdn_split_proj = mt != "qwen3_next"
     types = cfg.get("layer_types")
     if types is None:
-        every = int(_get(cfg, "full_attention_interval", 4))
+        every = int(cfg_get(cfg, "full_attention_interval", 4))
         types = ["full_attention" if (i + 1) % every == 0 else "linear_attention" for i in range(n)]
     if mt == "qwen3_5":
         mlps = ["dense"] * n
     else:
-        _need(cfg, "num_experts", "num_experts_per_tok", "moe_intermediate_size")
+        cfg_need(cfg, "num_experts", "num_experts_per_tok", "moe_intermediate_size")
         arch.experts, arch.experts_per_token = int(cfg["num_experts"]), int(cfg["num_experts_per_tok"])
         arch.moe_intermediate = int(cfg["moe_intermediate_size"])
-        arch.shared_intermediate = int(_get(cfg, "shared_expert_intermediate_size", 0))
+        arch.shared_intermediate = int(cfg_get(cfg, "shared_expert_intermediate_size", 0))
         arch.qwen_moe = True
-        step, dense_only = int(_get(cfg, "decoder_sparse_step", 1)), set(_get(cfg, "mlp_only_layers", []))
+        step, dense_only = int(cfg_get(cfg, "decoder_sparse_step", 1)), set(cfg_get(cfg, "mlp_only_layers", []))
         mlps = ["dense" if (i in dense_only or (i + 1) % step) else "moe" for i in range(n)]
     arch.layers = [LayerSpec("gdn" if t == "linear_attention" else "attention", mlp=m) for t, m in zip(types, mlps)]
 
@@ -294,7 +313,7 @@ def _gdn_layers(arch: Arch, cfg: dict, n: int) -> None:
 def _dsa_indexers(arch: Arch, cfg: dict, n: int) -> list[bool]:
     """deepseek_v32 / glm_moe_dsa: which layers run their own DSA indexer (the others reuse
     an earlier layer's top-k)."""
-    _need(cfg, "index_n_heads", "index_head_dim", "index_topk")
+    cfg_need(cfg, "index_n_heads", "index_head_dim", "index_topk")
     arch.index_heads, arch.index_dim = int(cfg["index_n_heads"]), int(cfg["index_head_dim"])
     arch.index_topk = int(cfg["index_topk"])
     types = cfg.get("indexer_types")
@@ -303,27 +322,27 @@ def _dsa_indexers(arch: Arch, cfg: dict, n: int) -> list[bool]:
         types = ([{"F": "full", "S": "shared"}[ch] for ch in pattern] if isinstance(pattern, str)
                  else list(pattern))
     if types is None and arch.model_type == "glm_moe_dsa":  # transformers' GlmMoeDsaConfig schedule
-        freq = max(int(_get(cfg, "index_topk_freq", 1)), 1)
-        offset = int(_get(cfg, "index_skip_topk_offset", 2))
+        freq = max(int(cfg_get(cfg, "index_topk_freq", 1)), 1)
+        offset = int(cfg_get(cfg, "index_skip_topk_offset", 2))
         types = ["full" if max(i - offset + 1, 0) % freq == 0 else "shared" for i in range(n)]
     return [t == "full" for t in types] if types is not None else [True] * n
 
 
-def _mla_layers(arch: Arch, cfg: dict, n: int, heads: int) -> None:
+def mla_layers(arch: Arch, cfg: dict, n: int, heads: int) -> None:
     """deepseek_v3 / deepseek_v32 / glm_moe_dsa: MLA layers (with DSA), dense or MoE."""
-    _need(cfg, "kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim")
+    cfg_need(cfg, "kv_lora_rank", "qk_rope_head_dim", "qk_nope_head_dim", "v_head_dim")
     arch.q_lora_rank = cfg.get("q_lora_rank")
     arch.kv_lora_rank, arch.rope_dim = int(cfg["kv_lora_rank"]), int(cfg["qk_rope_head_dim"])
     arch.nope_dim, arch.v_head_dim = int(cfg["qk_nope_head_dim"]), int(cfg["v_head_dim"])
     arch.head_dim = arch.nope_dim + arch.rope_dim
     arch.kv_heads = heads
-    arch.experts = int(_get(cfg, "n_routed_experts", 0))
-    arch.experts_per_token = int(_get(cfg, "num_experts_per_tok", 0))
-    arch.moe_intermediate = int(_get(cfg, "moe_intermediate_size", 0))
-    arch.shared_intermediate = int(_get(cfg, "n_shared_experts", 0)) * arch.moe_intermediate
+    arch.experts = int(cfg_get(cfg, "n_routed_experts", 0))
+    arch.experts_per_token = int(cfg_get(cfg, "num_experts_per_tok", 0))
+    arch.moe_intermediate = int(cfg_get(cfg, "moe_intermediate_size", 0))
+    arch.shared_intermediate = int(cfg_get(cfg, "n_shared_experts", 0)) * arch.moe_intermediate
     mlps = cfg.get("mlp_layer_types")
     if mlps is None:
-        k = min(int(_get(cfg, "first_k_dense_replace", 0)), n)
+        k = min(int(cfg_get(cfg, "first_k_dense_replace", 0)), n)
         mlps = ["dense"] * k + ["sparse"] * (n - k)
     mlps = ["moe" if m == "sparse" and arch.experts else "dense" for m in mlps]
     dsa = arch.model_type in ("deepseek_v32", "glm_moe_dsa")
@@ -338,22 +357,28 @@ def architecture(config: dict) -> Arch:
     if mt not in SUPPORTED_MODEL_TYPES:
         raise UnsupportedModelError(f"model_type {cfg.get('model_type')!r} is not supported by the planner; "
                                     f"supported: {', '.join(SUPPORTED_MODEL_TYPES)}")
-    _need(cfg, "num_hidden_layers", "hidden_size", "num_attention_heads", "vocab_size")
+    if mt == "nemotron_h" and cfg.get("num_hidden_layers") is None:  # HF derives it from the block pattern
+        cfg["num_hidden_layers"] = len(cfg.get("layers_block_type") or cfg.get("hybrid_override_pattern") or "")
+    cfg_need(cfg, "num_hidden_layers", "hidden_size", "num_attention_heads", "vocab_size")
     n, h, heads = int(cfg["num_hidden_layers"]), int(cfg["hidden_size"]), int(cfg["num_attention_heads"])
     arch = Arch(model_type=mt, layers=[], hidden=h, vocab=int(cfg["vocab_size"]),
-                tie_embeddings=bool(_get(cfg, "tie_word_embeddings", False)), heads=heads,
-                kv_heads=int(_get(cfg, "num_key_value_heads", heads)),
-                head_dim=int(_get(cfg, "head_dim", h // heads)),
-                intermediate=int(_get(cfg, "intermediate_size", 0)),
+                tie_embeddings=bool(cfg_get(cfg, "tie_word_embeddings", False)), heads=heads,
+                kv_heads=int(cfg_get(cfg, "num_key_value_heads", heads)),
+                head_dim=int(cfg_get(cfg, "head_dim", h // heads)),
+                intermediate=int(cfg_get(cfg, "intermediate_size", 0)),
                 max_positions=cfg.get("max_position_embeddings"),
                 dtype=canonical_dtype(dtype) if dtype else None)
     if mt in _DENSE_ATTENTION:
         _attention_layers(arch, cfg, n)
     elif mt in ("qwen3_5", "qwen3_5_moe", "qwen3_next"):
         _gdn_layers(arch, cfg, n)
+    elif mt in HYBRID_LAYERS:  # Mamba2 hybrids, Kimi Linear
+        HYBRID_LAYERS[mt](arch, cfg, n)
     else:  # MLA family: deepseek_v3, deepseek_v32, glm_moe_dsa
-        _mla_layers(arch, cfg, n, heads)
-    if len(arch.layers) != n:
+        mla_layers(arch, cfg, n, heads)
+    if mt in ("nemotron_h", "falcon_h1"):
+        pass  # blocks merged (Nemotron-H) or split (Falcon-H1) into specs: checked where read
+    elif len(arch.layers) != n:
         raise ConfigError(f"layer_types has {len(arch.layers)} entries but num_hidden_layers is {n}")
     if any(l.mlp == "dense" for l in arch.layers) and not arch.intermediate:
         raise ConfigError(f"{mt} config lacks intermediate_size for its dense MLP layers")
@@ -374,6 +399,8 @@ def _linears(arch: Arch, layer: LayerSpec) -> dict[str, list[tuple[int, int]]]:
         q_out = arch.heads * arch.head_dim * (2 if arch.attn_gate else 1)
         kv = arch.kv_heads * arch.head_dim
         groups["mixer"] = [(h, q_out), (h, kv), (h, kv), (arch.heads * arch.head_dim, h)]
+    elif layer.mixer == "gdn" and arch.recurrent != "gdn":
+        groups["mixer"] = RECURRENT_PARAMS["linears"](arch)
     elif layer.mixer == "gdn":
         kd, vd, nv = arch.gdn_k_heads * arch.gdn_k_dim, arch.gdn_v_heads * arch.gdn_v_dim, arch.gdn_v_heads
         if arch.gdn_split_proj:  # in_proj_qkv, in_proj_z, in_proj_b, in_proj_a, out_proj
@@ -389,22 +416,25 @@ def _linears(arch: Arch, layer: LayerSpec) -> dict[str, list[tuple[int, int]]]:
         if layer.indexer:  # wq_b, wk, weights_proj
             groups["indexer"] = [(arch.q_lora_rank or h, arch.index_heads * arch.index_dim),
                                  (h, arch.index_dim), (h, arch.index_heads)]
+    ins = 2 if arch.gated_mlp else 1  # gate and up, or up only
     if layer.mlp == "dense":
-        groups["mlp"] = [(h, arch.intermediate)] * 2 + [(arch.intermediate, h)]
-    else:
+        groups["mlp"] = [(h, arch.intermediate)] * ins + [(arch.intermediate, h)]
+    elif layer.mlp == "moe":
         if arch.shared_intermediate:
-            groups["mlp"] = [(h, arch.shared_intermediate)] * 2 + [(arch.shared_intermediate, h)]
-        groups["experts"] = [(h, arch.moe_intermediate)] * 2 + [(arch.moe_intermediate, h)]
+            groups["mlp"] = [(h, arch.shared_intermediate)] * ins + [(arch.shared_intermediate, h)]
+        groups["experts"] = [(h, arch.moe_intermediate)] * ins + [(arch.moe_intermediate, h)]
     return groups
 
 
 def _other_params(arch: Arch, layer: LayerSpec) -> int:
     """Non-linear parameters of one layer: norms, biases, conv, router, gates."""
     h = arch.hidden
-    n = 2 * h  # input + post-attention norm
+    n = h * ((0 if layer.parallel else 1) + (layer.mlp != "none"))  # input + post-attention norm
     if layer.mixer == "attention":
         n += 2 * arch.head_dim if arch.qk_norm else 0
         n += (arch.heads + 2 * arch.kv_heads) * arch.head_dim if arch.qkv_bias else 0
+    elif layer.mixer == "gdn" and arch.recurrent != "gdn":
+        n += RECURRENT_PARAMS["other"](arch)
     elif layer.mixer == "gdn":
         n += arch.conv_dim * arch.gdn_kernel + 2 * arch.gdn_v_heads + arch.gdn_v_dim  # conv, A_log, dt_bias, norm
     else:

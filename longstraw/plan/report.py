@@ -75,7 +75,9 @@ def _model_keys(s: Basis, weights: WeightPlan) -> dict:
         "layer_counts": {k: v for k, v in {
             "full_attention": arch.count(mixer="attention", window=None),
             "sliding_attention": sum(l.mixer == "attention" and l.window is not None for l in arch.layers),
-            "gated_deltanet": arch.count(mixer="gdn"),
+            "gated_deltanet": arch.count(mixer="gdn") if arch.recurrent == "gdn" else 0,
+            "kimi_delta_attention": arch.count(mixer="gdn") if arch.recurrent == "kda" else 0,
+            "mamba2": arch.count(mixer="gdn") if arch.recurrent == "mamba2" else 0,
             "mla": arch.count(mixer="mla"),
             "dsa_indexer": arch.count(indexer=True),
             "moe": arch.count(mlp="moe")}.items() if v},

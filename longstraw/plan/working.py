@@ -82,11 +82,13 @@ def graph_bytes_per_token(arch: Arch, layer: LayerSpec, ab: int, gdn_kernel: str
 
 def mlp_graph_bytes_per_token(arch: Arch, layer: LayerSpec, ab: int) -> float:
     """The MLP's share of `graph_bytes_per_token`: SwiGLU's gate, up, act and act*up
-    (4 x width); MoE: router scores, each token's k expert rows, the shared expert."""
+    (4 x width); MoE: router scores, each token's k expert rows, the shared expert; none: 0."""
     if layer.mlp == "dense":
         return 4 * arch.intermediate * ab
-    return (2 * arch.experts + arch.experts_per_token * (4 * arch.moe_intermediate + 2 * arch.hidden)
-            + 4 * arch.shared_intermediate) * ab
+    if layer.mlp == "moe":
+        return (2 * arch.experts + arch.experts_per_token * (4 * arch.moe_intermediate + 2 * arch.hidden)
+                + 4 * arch.shared_intermediate) * ab
+    return 0.0  # mlp "none": a Nemotron-H mixer block, Falcon-H1's attention half
 
 
 def dsa_selection_bytes(arch: Arch, queries: int, keys: int, b: int, acc: int) -> float:
@@ -214,6 +216,8 @@ def mlp_nograd_bytes_per_token(arch: Arch, layer: LayerSpec, b: int) -> float:
     each token's k expert rows, plus the shared expert."""
     if layer.mlp == "dense":
         return 3 * arch.intermediate * b
+    if layer.mlp == "none":  # a Nemotron-H mixer block, Falcon-H1's attention half
+        return 0.0
     k, e = arch.experts_per_token, arch.experts
     return (3 * e * 4 + k * (e + 1) * 8 + k * (3 * arch.moe_intermediate + arch.hidden) * b
             + 3 * arch.shared_intermediate * b)

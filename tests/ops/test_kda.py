@@ -84,3 +84,18 @@ def test_bad_shapes_name_the_expected_shape():
         chunk_kda(q, k, v, g, beta, h0.transpose(1, 2))
     with pytest.raises(ValueError, match="q, k and g"):
         chunk_kda(q, k, v, g[..., 0], beta)
+
+
+@pytest.mark.parametrize("t,chunk", [(1, 4), (11, 4), (16, 64)])
+def test_transition_is_the_scan_from_any_start_state(t, chunk):
+    """Context parallelism's affine map: read @ S + out0 and A @ S + C equal the scan
+    from S, for a random start state S (and for S = 0)."""
+    from longstraw.ops.gated_delta_scan import apply_transition, finish_outputs
+    from longstraw.ops.kda import kda_transition
+
+    (q, k, v, g, beta, h0), _, _ = _inputs(t, 2, seed=7)
+    read, out0, a, c = kda_transition(q, k, v, g, beta, chunk_size=chunk)
+    for start in (h0.detach(), None):
+        out, end = chunk_kda(q, k, v, g, beta, start, chunk_size=chunk)
+        torch.testing.assert_close(finish_outputs(read, out0, start), out, rtol=1e-10, atol=1e-10)
+        torch.testing.assert_close(apply_transition(a, c, start), end, rtol=1e-10, atol=1e-10)
