@@ -15,6 +15,27 @@ from tests.reference import uniform_group
 P, G, R, CHUNK = 4096, 2, 64, 2048
 
 
+def replay_peak(family: str, p: int, r: int, logits: int, recompute: bool) -> int:
+    """Live-tensor peak of one detached step of a replay-bound group (one long piece)."""
+    torch.manual_seed(0)
+    model = tiny_model(family, dtype=torch.float32)
+    group = uniform_group(model.config.vocab_size, p, G, r, seed=0)
+    engine = ls.Engine(model, ls.ExecConfig(chunk_size=p, recompute_layers=recompute, logits_chunk_size=logits))
+    return live_tensor_peak(lambda: engine.step(group, ls.GRPOConfig()))
+
+
+def fresh_replay_peak(*args) -> int:
+    """`replay_peak` in a fresh interpreter. In-process, the profiler's recompute peak
+    depended on the process's history (35.5 vs 54.9 MB for qwen3 after a step without
+    recompute, moved by changes to unrelated modules); a fresh process reproduces."""
+    import subprocess
+    import sys
+
+    code = f"from tests.test_plan_live import replay_peak; print(replay_peak(*{args!r}))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    return int([line for line in out.stdout.split() if line.isdigit()][-1])
+
+
 @pytest.mark.parametrize("family", ["qwen3", "qwen3_5", "glm_moe_dsa"])
 def test_planner_matches_live_tensors(family):
     torch.manual_seed(0)
@@ -36,11 +57,8 @@ def test_planner_matches_a_replay_bound_step_with_and_without_recompute(family, 
     with `recompute_layers` (every layer's input + one layer's backward) and without (the
     whole piece's graph) within 10% of the live tensors."""
     p, r, logits = 512, 1024, 256
-    torch.manual_seed(0)
     model = tiny_model(family, dtype=torch.float32)
-    group = uniform_group(model.config.vocab_size, p, G, r, seed=0)
-    engine = ls.Engine(model, ls.ExecConfig(chunk_size=p, recompute_layers=recompute, logits_chunk_size=logits))
-    measured = live_tensor_peak(lambda: engine.step(group, ls.GRPOConfig()))
+    measured = fresh_replay_peak(family, p, r, logits, recompute)
     plan = estimate(model.config.to_dict(), PlanConfig(prompt_tokens=p, group=G, response_tokens=r, dtype="float32",
                                                        chunk_size=p, grads_during_capture=False,
                                                        recompute_layers=recompute, logits_chunk_size=logits))
