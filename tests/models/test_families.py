@@ -145,13 +145,23 @@ def test_context_parallel_w2_equals_one_process(tmp_path):
              nprocs=2, join=True)
 
 
-def test_context_parallel_refuses_a_window_shorter_than_the_sequence():
+def test_context_parallel_w2_windows_shorter_than_the_prompt(tmp_path):
+    """OLMo 3, Gemma 3 and gpt-oss with a window (5) shorter than the prompt (17), blocks
+    of 3 (so each window spans both ranks): divided capture, the divided walk, replay,
+    score and greedy decode over the sharded windowed state equal one process
+    (`distributed_worker.run_windowed`)."""
+    import torch.multiprocessing as mp
+
+    from tests import distributed_worker as worker
+
+    mp.spawn(worker.run_windowed, args=(2, str(tmp_path / "init"), list(worker.WINDOWED_CASES)), nprocs=2, join=True)
+
+
+def test_context_parallel_takes_a_window_shorter_than_the_sequence():
+    """What context parallelism refused before (a window shorter than the sequence) it now runs."""
     from longstraw.models import adapter_for
 
-    adapter = adapter_for(tiny_family("gpt_oss"))
-    with pytest.raises(ls.UnsupportedModelError, match=r"layer 0 uses a sliding window \(5\)"):
-        adapter.check_context_parallel(12)
-    adapter.check_context_parallel(5)  # a window covering the whole sequence is full attention
+    adapter_for(tiny_family("gpt_oss")).check_context_parallel(12)
 
 
 def test_multimodal_gemma3_runs_its_text_model():
