@@ -47,7 +47,7 @@ CASES = {
     "next": lambda: tiny_hybrid("qwen3_next"),
     "hybrid_moe": lambda: tiny_hybrid("qwen3_5_moe"),
     # part 1 of the model families (float64 internals: `float64_internals`); the windowed
-    # ones with a window longer than the sequence (context parallelism refuses a shorter one)
+    # ones with a window longer than the sequence (a shorter one: `run_windowed`)
     "qwen3_moe": lambda: tiny_family("qwen3_moe"),
     "glm4_moe": lambda: tiny_family("glm4_moe"),
     "gpt_oss": lambda: tiny_family("gpt_oss", sliding_window=64),  # attention sinks
