@@ -258,8 +258,7 @@ def prefix_causal_attention(q, k, v, *, prefixes: list[KVSegment], q_start: int,
             rows_in = rows_in.detach().requires_grad_()
         return PrefixAttention.apply(rows_in, seg_k, seg_v, q_pos, seg_start, scale, window, block_size, grad, causal)
 
-    # self part: causal over the new tokens. The blockwise kernel holds O(M x block)
-    # and returns dk, dv of the new tokens, never keeping an O(M x T) score matrix.
+    # self part, causal: the blockwise kernel holds O(M x block) and returns dk, dv (no M x T scores)
     if own_rows is None:
         out, lse = attend(rows, k, v, q_start, None, True)
     else:
@@ -269,7 +268,7 @@ def prefix_causal_attention(q, k, v, *, prefixes: list[KVSegment], q_start: int,
             if q_start <= seg.start:
                 continue  # no rank holds anything before the queries
             rows_in = rows if fused else SumGradAcrossRanks.apply(rows, seg.cp)
-            partial = attend(rows_in, seg.k, seg.v, seg.key_start, seg.grad, False)
+            partial = attend(rows_in, seg.k, seg.v, seg.key_start, seg.grad, False)  # (o, lse) of this rank's rows
             out_p, lse_p = MergeAcrossRanks.apply(*partial, seg.cp)
         elif seg.k.shape[1] == 0:
             continue
