@@ -35,6 +35,9 @@ class KVSegment:
             backward adds dLoss/dk, dLoss/dv into them (exact mode, and branch pieces).
         cp: a `parallel.context.ContextParallel` when k, v are this rank's rows of a
             position-sharded state; None when they are the whole segment.
+        positions: LongTensor [S], the rows' absolute positions where they are not
+            start .. start + S - 1 (a sharded sliding-window layer's rows, which the
+            window masks by position); None: consecutive from `start`.
     """
 
     k: torch.Tensor
@@ -42,3 +45,10 @@ class KVSegment:
     start: int
     grad: tuple | None = None
     cp: object = None
+    positions: torch.Tensor | None = None
+
+    @property
+    def key_start(self):
+        """What the blockwise kernel takes as the keys' positions (`PrefixAttention`'s
+        k_start): the rows' positions [S] when set, else the int `start`."""
+        return self.start if self.positions is None else self.positions

@@ -49,7 +49,7 @@ CASES = {
     "next": lambda: tiny_hybrid("qwen3_next"),
     "hybrid_moe": lambda: tiny_hybrid("qwen3_5_moe"),
     # part 1 of the model families (float64 internals: `float64_internals`); the windowed
-    # ones with a window longer than the sequence (context parallelism refuses a shorter one)
+    # ones with a window longer than the sequence (a shorter one: `run_windowed`)
     "qwen3_moe": lambda: tiny_family("qwen3_moe"),
     "glm4_moe": lambda: tiny_family("glm4_moe"),
     "gpt_oss": lambda: tiny_family("gpt_oss", sliding_window=64),  # attention sinks
@@ -219,6 +219,53 @@ def run_fsdp(rank: int, world: int, init_file: str) -> None:
                     del info.replicate_process_group
             del model
         dist.barrier()  # FSDP2's gloo reduce-scatters are finished on every rank before teardown
+    finally:
+        dist.destroy_process_group()
+
+
+WINDOWED_CASES = ("olmo3", "gemma3_text", "gpt_oss")
+"""Sliding windows (5) shorter than the prompt (17) under context parallelism
+(`run_windowed`): blocks of 3 positions, so every window spans both ranks' blocks."""
+
+
+def run_windowed(rank: int, world: int, init_file: str, families: list[str]) -> None:
+    """Sliding-window families with a window (5) shorter than the prompt (17) under context
+    parallelism: step (both modes: loss and every .grad), score and greedy generate (7 new
+    tokens, past the window) equal one process, to 1e-9 (float64 internals). The sharded
+    detached state keeps, summed over ranks, exactly the last W - 1 positions."""
+    _init(rank, world, init_file)
+    try:
+        group = random_group(97, 17, [5, 1, 7], seed=3)
+        for name in families:
+            model = tiny_family(name)
+            assert "sliding_attention" in model.config.layer_types and model.config.sliding_window == 5, name
+            with float64_internals():
+                for mode in ("detached", "exact"):
+                    exec_kw = dict(chunk_size=4, attention_block_size=2, shard_block_size=3, mode=mode)
+                    one, cp = (ls.Engine(model, ls.ExecConfig(context_parallel=c, **exec_kw)) for c in (False, True))
+                    model.zero_grad(set_to_none=True)
+                    single = one.step(group)
+                    want = grads_of(model)
+                    model.zero_grad(set_to_none=True)
+                    result = cp.step(group)
+                    assert abs(result.loss - single.loss) <= 1e-9 * abs(single.loss) + 1e-13, (name, mode)
+                    assert_grads_close(grads_of(model), want, 1e-9)
+                with torch.no_grad():
+                    chunked = ls.Engine(model, ls.ExecConfig(context_parallel=True, divide_capture=False,
+                                                             **{**exec_kw, "mode": "detached"}))  # chunked capture
+                    for a, b, c in zip(cp.score(group), one.score(group), chunked.score(group)):
+                        assert (a - b).abs().max() <= 1e-9 and (c - b).abs().max() <= 1e-9, (name, a, b, c)
+                    state = cp.capture(group.prompt)  # detached: sliding layers trimmed on every rank
+                    for kind, kv in zip(model.config.layer_types, state.layers):
+                        held = torch.tensor([kv.length])
+                        dist.all_reduce(held)
+                        assert int(held) == (4 if kind == "sliding_attention" else 16), (name, kind, int(held))
+                    want_g = one.generate(group.prompt, num_samples=2, max_new_tokens=7, temperature=0)
+                    got_g = cp.generate(group.prompt, num_samples=2, max_new_tokens=7, temperature=0)
+                for a, b in zip(got_g.responses, want_g.responses):
+                    assert torch.equal(a, b), (name, a, b)
+                for a, b in zip(got_g.logprobs, want_g.logprobs):
+                    assert (a - b).abs().max() <= 1e-9, (name, a, b)
     finally:
         dist.destroy_process_group()
 

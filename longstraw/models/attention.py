@@ -13,7 +13,8 @@ Per phase (`routing.Phase`):
     DIVIDED    `divided_attention` (context parallelism's divided capture): the layer's
                own K/V rows go into the sharded state, then the queries attend over
                every rank's rows, fetched piece by piece (`parallel/attention.py`); the
-               global causal order is exact
+               global causal order and a sliding window (by position, across the ranks'
+               blocks) are exact
     RECOMPUTE of a divided reverse walk: `divided_recompute_attention`: gathers the
                chunk's q/k/v rows, attends as the replicated walk does (the chunk's own
                causal part for this rank's query rows only), and keeps this rank's rows
@@ -79,7 +80,7 @@ def chunk_attention(module, query, key, value, call: AttentionCall, scale: float
     kv = call.states[-1].layers[module.layer_idx]  # the state itself (host rows when offloaded)
     window = sliding_window
     if window is not None and call.start + key.shape[2] <= window:
-        window = None  # the window covers every position so far: full attention (a sharded state holds no window)
+        window = None  # the window covers every position so far: full attention
     assert kv.window in (sliding_window, window), f"layer {module.layer_idx}: state window {kv.window} != {window}"
     assert kv.end == call.start or call.phase is not Phase.CAPTURE, (kv.end, call.start)
     out = prefix_causal_attention(
@@ -147,12 +148,13 @@ def divided_attention(module, query, key, value, call: AttentionCall, scale: flo
     """Phase DIVIDED: query [1, H, N, D], key/value [1, Hkv, N, D] of this rank's positions
     -> ([1, N, H, Dv], None)."""
     d: Divided = call.divided
-    assert sliding_window is None or sliding_window >= d.total, "divided capture: full attention only"
     kv = call.states[-1].layers[module.layer_idx]
-    kv.append_own(key[0], value[0], d.total)
+    assert kv.window == sliding_window, f"layer {module.layer_idx}: state window {kv.window} != {sliding_window}"
+    window = sliding_window if sliding_window is not None and sliding_window < d.total else None
     out = divided_causal_attention(query[0], key[0], value[0], positions=d.total, rank=d.rank, world=d.world,
                                    block=d.block, scale=scale, cp=d.cp, piece_rows=d.chunk_size,
-                                   sinks=sinks)  # (H, N, Dv)
+                                   sinks=sinks, window=window)  # (H, N, Dv)
+    kv.append_own(key[0], value[0], d.total)  # (a sliding window's then trimmed to its last W - 1 positions)
     return out.transpose(0, 1)[None], None
 
 
@@ -172,7 +174,8 @@ def divided_recompute_attention(module, query, key, value, call: AttentionCall, 
     gradients its shard accumulated for them (no all-reduce of seeds)."""
     d: DividedChunk = call.divided
     kv = call.states[-1].layers[module.layer_idx]
-    assert len(call.states) == 1 and kv.shard is not None and kv.window is None, "divided walk: a sharded prompt"
+    assert len(call.states) == 1 and kv.shard is not None and not kv.trim, "divided walk: an untrimmed sharded prompt"
+    window = sliding_window if sliding_window is not None and d.end > sliding_window else None  # None: covers all
     q, k, v = query[0], key[0], value[0]  # (H, n, D), (Hkv, n, D), (Hkv, n, Dv)
     h, hkv = q.shape[0], k.shape[0]
     if k.shape[-1] == v.shape[-1]:  # one all-gather for the three
@@ -180,7 +183,7 @@ def divided_recompute_attention(module, query, key, value, call: AttentionCall, 
     else:
         full_q, full_k, full_v = (d.gather(x) for x in (q, k, v))
     out, lse = prefix_causal_attention(full_q, full_k, full_v, prefixes=[kv.segment(until=d.start)],
-                                       q_start=d.start, scale=scale, block_size=call.block_size,
+                                       q_start=d.start, scale=scale, window=window, block_size=call.block_size,
                                        own_rows=(d.rows(q.device), d.cp), return_lse=True)  # (H, T, Dv), (H, T)
     out = d.own_rows(out)  # (H, n, Dv)
     if sinks is not None:  # on this rank's rows only: the sinks' gradient is a partial, summed over ranks

@@ -38,16 +38,6 @@ class DenseAdapter(Adapter):
         kv_heads = self.config.num_key_value_heads
         return kv_heads, head_dim
 
-    def check_context_parallel(self, total_positions: int) -> None:
-        for i, layer in enumerate(self.backbone.layers):
-            attn = getattr(layer, "self_attn", None)
-            window = layer_window(self.config, attn) if attn is not None else None
-            if window is not None and window < total_positions:
-                raise UnsupportedModelError(
-                    f"layer {i} uses a sliding window ({window}) shorter than the sequence ({total_positions}); "
-                    "context parallelism supports full attention only"
-                )
-
     def new_state(self, positions: int, *, start: int = 0, exact: bool = False, shard=None,
                   host: bool = False) -> PromptState:
         layers = []
@@ -55,8 +45,6 @@ class DenseAdapter(Adapter):
             attn = layer.self_attn
             kv_heads, head_dim = self.attention_geometry(attn)
             window = layer_window(self.config, attn)
-            if shard is not None and window is not None and window >= start + positions:
-                window = None  # the window covers the whole sequence: full attention (checked beforehand)
             trimmed = not exact and window is not None  # constant size: stays on the device
             layers.append(AttentionKV.empty(
                 kv_heads=kv_heads, head_dim=head_dim, v_head_dim=head_dim, capacity=positions, start=start,

@@ -44,12 +44,22 @@ def _window_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None, c
     return masked
 
 
+def _key_positions(k_start, b0: int, b1: int, device) -> torch.Tensor:
+    """Positions [b1 - b0] of key rows b0 .. b1 - 1: k_start is the first row's position
+    (an int: consecutive rows), or a LongTensor [S] of every row's position."""
+    if isinstance(k_start, torch.Tensor):
+        return k_start[b0:b1].to(device)
+    return torch.arange(k_start + b0, k_start + b1, device=device)
+
+
 class PrefixAttention(torch.autograd.Function):
     """(o_p, lse_p) of query rows over a prefix of keys, blockwise, with recompute.
 
     forward(q [Hkv, M, D], k [Hkv, S, D], v [Hkv, S, Dv], q_pos [M], k_start, scale,
     window, block_size, sink) -> (o [Hkv, M, Dv], lse [Hkv, M]), both in the
-    accumulation dtype. Rows that see no prefix key get o = 0, lse = -inf.
+    accumulation dtype. k_start: the first key's position (an int), or every key's
+    position (LongTensor [S]: a shard's rows, which are not consecutive). Rows that see
+    no prefix key get o = 0, lse = -inf.
 
     Gradients flow to q always; to k / v when they require grad; and, when `sink` is
     a pair of buffers (dk [Hkv, S, D], dv [Hkv, S, Dv]), dLoss/dk and dLoss/dv are
@@ -70,7 +80,7 @@ class PrefixAttention(torch.autograd.Function):
             b1 = min(s_len, b0 + block_size)
             scores = torch.matmul(qa, k[:, b0:b1].to(acc).transpose(1, 2)).mul_(scale)  # (Hkv, M, B)
             if window is not None or causal:
-                k_pos = torch.arange(k_start + b0, k_start + b1, device=q.device)
+                k_pos = _key_positions(k_start, b0, b1, q.device)
                 scores.masked_fill_(_window_mask(q_pos, k_pos, window, causal), float("-inf"))
             new_max = torch.maximum(row_max, scores.amax(dim=-1))
             safe_max = torch.where(torch.isinf(new_max), torch.zeros_like(new_max), new_max)
@@ -119,7 +129,7 @@ class PrefixAttention(torch.autograd.Function):
             # and dP becomes dS in place
             scores = torch.matmul(qa, kb.transpose(1, 2)).mul_(scale)  # (Hkv, M, B)
             if window is not None or ctx.causal:
-                k_pos = torch.arange(ctx.k_start + b0, ctx.k_start + b1, device=q.device)
+                k_pos = _key_positions(ctx.k_start, b0, b1, q.device)
                 scores.masked_fill_(_window_mask(q_pos, k_pos, window, ctx.causal), float("-inf"))
             probs = scores.sub_(lse[..., None]).exp_()
             del scores
@@ -248,8 +258,7 @@ def prefix_causal_attention(q, k, v, *, prefixes: list[KVSegment], q_start: int,
             rows_in = rows_in.detach().requires_grad_()
         return PrefixAttention.apply(rows_in, seg_k, seg_v, q_pos, seg_start, scale, window, block_size, grad, causal)
 
-    # self part: causal over the new tokens. The blockwise kernel holds O(M x block)
-    # and returns dk, dv of the new tokens, never keeping an O(M x T) score matrix.
+    # self part, causal: the blockwise kernel holds O(M x block) and returns dk, dv (no M x T scores)
     if own_rows is None:
         out, lse = attend(rows, k, v, q_start, None, True)
     else:
@@ -259,11 +268,12 @@ def prefix_causal_attention(q, k, v, *, prefixes: list[KVSegment], q_start: int,
             if q_start <= seg.start:
                 continue  # no rank holds anything before the queries
             rows_in = rows if fused else SumGradAcrossRanks.apply(rows, seg.cp)
-            out_p, lse_p = MergeAcrossRanks.apply(*attend(rows_in, seg.k, seg.v, seg.start, seg.grad, False), seg.cp)
+            partial = attend(rows_in, seg.k, seg.v, seg.key_start, seg.grad, False)  # (o, lse) of this rank's rows
+            out_p, lse_p = MergeAcrossRanks.apply(*partial, seg.cp)
         elif seg.k.shape[1] == 0:
             continue
         else:
-            out_p, lse_p = attend(rows, seg.k, seg.v, seg.start, seg.grad, False)
+            out_p, lse_p = attend(rows, seg.k, seg.v, seg.key_start, seg.grad, False)
         out, lse = merge_partials(out_p, lse_p, out, lse), torch.logaddexp(lse_p, lse)
     out, lse = out.reshape(h, t, -1), lse.reshape(h, t)  # rows (Hkv, g*T) are heads (H, T)
     if sinks is not None:  # once, over every key

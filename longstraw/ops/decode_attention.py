@@ -34,7 +34,8 @@ def shared_partial(rows, seg_k, seg_v, seg_start: int, q_position, scale: float,
                    block_size: int):
     """(o [Hkv, M, Dv], lse [Hkv, M]) of query rows [Hkv, M, D] at `q_position` (an int,
     or a LongTensor [M] per row) over one shared segment k [Hkv, S, D], v [Hkv, S, Dv] at
-    positions seg_start.. (no grad). Uses torch's fused flash kernel where it applies
+    positions seg_start.. (an int; or LongTensor [S], every row's position: a sharded
+    window's rows) (no grad). Uses torch's fused flash kernel where it applies
     (no window: the segment lies wholly before every query), else the blockwise kernel."""
     hkv, m, _ = rows.shape
     if seg_k.shape[1] == 0:  # e.g. an empty shard on this rank
@@ -109,7 +110,7 @@ def decode_attention(q, own_k, own_v, *, own_start: int, prefixes, q_position, s
         assert seg.start + seg.k.shape[1] <= own_start or seg.cp is not None, "a prefix must end before the branch"
         if seg.k.shape[1] == 0 and seg.cp is None:
             continue
-        out_p, lse_p = shared_partial(rows, seg.k, seg.v, seg.start, q_position, scale, window, block_size)
+        out_p, lse_p = shared_partial(rows, seg.k, seg.v, seg.key_start, q_position, scale, window, block_size)
         if seg.cp is not None:
             out_p, lse_p = reduce_shard(out_p, lse_p, seg)
         out, lse = merge_partials(out_p, lse_p, out, lse), torch.logaddexp(lse_p, lse)

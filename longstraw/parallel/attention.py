@@ -34,14 +34,16 @@ from longstraw.ops.dsa import indexer_scores, select_candidates, sparse_latent_a
 from longstraw.ops.flash import fused_kernel, fused_takes, merge_partials, merge_sink
 
 
-def _partial(q, k, v, scale: float, causal: bool):
+def _partial(q, k, v, scale: float, causal: bool, window: int | None = None, q_first: int = 0, k_pos=0):
     """(o [Hkv, g*T, Dv], lse [Hkv, g*T]) of q [H, T, D] over k, v [Hkv, S, D] (row layout:
-    head j*g+i is row block i of kv head j), in the accumulation dtype."""
+    head j*g+i is row block i of kv head j), in the accumulation dtype. With a sliding
+    `window`, the queries sit at q_first .. q_first + T - 1 and the keys at `k_pos` (the
+    first one's position, or LongTensor [S]: every key's)."""
     h, t, d = q.shape
     hkv = k.shape[0]
     g = h // hkv
     acc = accumulation_dtype(q.dtype)
-    flash = fused_kernel(q.device.type, q.dtype) if fused_takes(q, v.shape[-1], None) else None
+    flash = fused_kernel(q.device.type, q.dtype) if fused_takes(q, v.shape[-1], window) else None
     if flash is not None:
         if causal:
             out, lse = flash(q[None], k.repeat_interleave(g, 0)[None], v.repeat_interleave(g, 0)[None], True, scale)
@@ -49,8 +51,8 @@ def _partial(q, k, v, scale: float, causal: bool):
             out, lse = flash(q.reshape(1, hkv, g * t, d), k[None], v[None], False, scale)
         return out[0].reshape(hkv, g * t, -1).to(acc), lse[0].reshape(hkv, g * t).to(acc)
     rows = q.reshape(hkv, g * t, d)
-    q_pos = torch.arange(t, device=q.device).repeat(g)
-    return PrefixAttention.apply(rows, k, v, q_pos, 0, scale, None, max(1, k.shape[1]), None, causal)
+    q_pos = torch.arange(q_first, q_first + t, device=q.device).repeat(g)
+    return PrefixAttention.apply(rows, k, v, q_pos, k_pos, scale, window, max(1, k.shape[1]), None, causal)
 
 
 def shard_pieces(rows: list, *, positions: int, rank: int, deal: Deal, cp, piece_rows: int):
@@ -75,7 +77,8 @@ def shard_pieces(rows: list, *, positions: int, rank: int, deal: Deal, cp, piece
 
 @torch.no_grad()
 def divided_causal_attention(q, k, v, *, positions: int, rank: int, world: int, block: int, scale: float, cp,
-                             piece_rows: int, value_dim: int | None = None, sinks: torch.Tensor | None = None):
+                             piece_rows: int, value_dim: int | None = None, sinks: torch.Tensor | None = None,
+                             window: int | None = None):
     """Attention of this rank's own positions over all earlier positions of all ranks.
 
     Args:
@@ -89,6 +92,9 @@ def divided_causal_attention(q, k, v, *, positions: int, rank: int, world: int, 
         piece_rows: rows of another rank's shard fetched at a time.
         sinks: [H] sink logits joining each softmax denominator once, after every
             rank's keys are merged (`flash.merge_sink`), or None.
+        window: sliding window W (a query at p sees the keys at p - W + 1 .. p, whichever
+            rank holds them), or None. A fetched piece's rows wholly before a block's
+            window are skipped.
 
     Returns:
         [H, N, Dv] in q's dtype. Every rank must call it (the shards are broadcast).
@@ -106,15 +112,18 @@ def divided_causal_attention(q, k, v, *, positions: int, rank: int, world: int, 
     spans = [(r, r + end - first) for first, end, r in own]  # their local rows
     # the diagonal: each own block over itself, causal
     own_v = values(k, v)
-    parts = [_partial(q[:, a:b], k[:, a:b], own_v[:, a:b], scale, True) for a, b in spans]
+    parts = [_partial(q[:, a:b], k[:, a:b], own_v[:, a:b], scale, True, window) for a, b in spans]
     for src, r0, r1, pieces in shard_pieces(fetched, positions=positions, rank=rank, deal=deal, cp=cp,
                                             piece_rows=piece_rows):
         pk, pv = pieces[0], values(pieces[0], pieces[-1])
         for i, ((a, b), first) in enumerate(zip(spans, starts)):
             seen = min(deal.count(first, src), r1) - r0  # rows of the piece this block sees
-            if seen <= 0:
+            # no query of the block sees a key before first - window + 1 (its first query's window)
+            lo = 0 if window is None else max(0, deal.count(first - window + 1, src) - r0)
+            if seen <= lo:
                 continue
-            o_p, lse_p = _partial(q[:, a:b], pk[:, :seen], pv[:, :seen], scale, False)
+            k_pos = 0 if window is None else deal.position(torch.arange(r0 + lo, r0 + seen, device=q.device), src)
+            o_p, lse_p = _partial(q[:, a:b], pk[:, lo:seen], pv[:, lo:seen], scale, False, window, first, k_pos)
             o, lse = parts[i]
             parts[i] = (merge_partials(o_p, lse_p, o, lse), torch.logaddexp(lse_p, lse))
     out = [o.reshape(h, b - a, -1) for (o, _), (a, b) in zip(parts, spans)]

@@ -118,11 +118,10 @@ class AttentionKV:
         """Allocate the state for `capacity` prompt positions (full), this rank's share
         of them (sharded), or none yet (trimmed window)."""
         trim = trim and window is not None
-        assert not (shard is not None and window is not None), "sharded state has no sliding window"
-        if trim:
-            capacity = 0  # grows by chunk, trimmed to window - 1 after each append
-        elif shard is not None:
+        if shard is not None:  # a sharded window is filled once, then trimmed (`append_own`)
             capacity = shard.held(start, start + capacity)
+        elif trim:
+            capacity = 0  # grows by chunk, trimmed to window - 1 after each append
         k = empty_rows(kv_heads, capacity, head_dim, dtype=dtype, device=device)
         v = empty_rows(kv_heads, capacity, v_head_dim, dtype=dtype, device=device)
         return cls(k=k, v=v, start=start, window=window, trim=trim, shard=shard)
@@ -148,7 +147,17 @@ class AttentionKV:
         k, v = self.keys(until)
         n = k.shape[1]
         grad = None if self.k_grad is None else (self.k_grad[:, :n], self.v_grad[:, :n])
-        return KVSegment(k, v, self.start, grad, cp=self.shard.cp if self.shard is not None else None)
+        if self.shard is None:
+            return KVSegment(k, v, self.start, grad)
+        positions = self.row_positions(n) if self.window is not None else None  # the window masks by position
+        return KVSegment(k, v, self.start, grad, cp=self.shard.cp, positions=positions)
+
+    def row_positions(self, n: int) -> torch.Tensor:
+        """Absolute positions [n] of a sharded state's first n rows (this rank's positions
+        from `start` on, increasing)."""
+        first = self.shard.count(self.start)  # rows this rank owns before `start`
+        rows = torch.arange(first, first + n, device=self.k.device)
+        return self.shard.deal.position(rows, self.shard.rank)
 
     def chunk_grads(self, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(dk [Hkv, T, D], dv [Hkv, T, Dv]) accumulated for absolute positions
@@ -189,12 +198,18 @@ class AttentionKV:
         assert k_new.shape[0] == self.k.shape[0] and k_new.shape[2] == self.k.shape[2], (k_new.shape, self.k.shape)
         assert v_new.shape[:2] == k_new.shape[:2] and v_new.shape[2] == self.v.shape[2], (v_new.shape, self.v.shape)
         t = k_new.shape[1]
-        if not self.trim:
+        if self.shard is not None or not self.trim:
             if self.shard is not None:
                 mine = self.shard.owned(self.end, self.end + t).to(k_new.device)
                 k_new, v_new = k_new[:, mine], v_new[:, mine]
-            self._write(k_new, v_new)
+            if self.trim:  # a sharded window: grows by chunk, then trimmed
+                self.k = torch.cat([self.k[:, :self.length], k_new.to(self.k.dtype)], dim=1)
+                self.v = torch.cat([self.v[:, :self.length], v_new.to(self.v.dtype)], dim=1)
+                self.length = self.k.shape[1]
+            else:
+                self._write(k_new, v_new)
             self.consumed += t
+            self._trim_shard()
             return
         keep = self.window - 1
         k = torch.cat([self.k[:, : self.length], k_new.to(self.k.dtype)], dim=1)
@@ -208,9 +223,20 @@ class AttentionKV:
     def append_own(self, k_rows: torch.Tensor, v_rows: torch.Tensor, consumed: int) -> None:
         """Context parallelism's divided capture: write this rank's rows (k_rows [Hkv, n, D],
         v_rows [Hkv, n, Dv]) of the next `consumed` positions, computed here."""
-        assert self.shard is not None and not self.trim and self.length == 0, "a sharded state, filled once"
+        assert self.shard is not None and self.length == 0, "a sharded state, filled once"
         self._write(k_rows, v_rows)
         self.consumed += consumed
+        self._trim_shard()
+
+    def _trim_shard(self) -> None:
+        """A sharded sliding window (detached mode): keep only this rank's rows of the
+        last window - 1 positions (its capacity was this rank's share of them all)."""
+        if self.shard is None or not self.trim:
+            return
+        start = max(self.start, self.end - (self.window - 1))
+        drop = self.shard.held(self.start, start)
+        self.k, self.v = self.k[:, drop:self.length].clone(), self.v[:, drop:self.length].clone()
+        self.start, self.length, self.consumed = start, self.length - drop, self.end - start
 
     def _write(self, k_new: torch.Tensor, v_new: torch.Tensor) -> None:
         n = k_new.shape[1]

@@ -133,6 +133,31 @@ def test_phi3_longrope_past_original_max_position_embeddings():
         compare_step(model, group, cfg, reference, 1e-9)
 
 
+def test_gemma3_length_dependent_rope_per_layer_type():
+    """Gemma 3 with a RoPE per layer type whose full layers' is length-dependent ("dynamic",
+    threshold 24 < P + longest = 29): LongStraw pins the backbone's rotary module to the
+    whole sequence (`models/rope.py: pinned_rope`), which must hand each call its
+    `layer_type` through. score and exact mode's step equal HF's one pass over the padded
+    group, and the sliding layers' default RoPE differs from the full layers' there."""
+    from tests.models.test_rope import padded_logprobs
+
+    rope = {"sliding_attention": dict(rope_type="default", rope_theta=10000.0),
+            "full_attention": dict(rope_type="dynamic", factor=2.0, rope_theta=1e6)}
+    model = tiny_family("gemma3_text", rope_parameters=rope, max_position_embeddings=24)
+    group = random_group(97, 20, [2, 9], seed=3)
+    reference = padded_logprobs(29)
+    cfg = ls.ExecConfig(mode="exact", allow_position_overflow=True, **EXEC)
+    with float64_internals():
+        with torch.no_grad():
+            want = [reference(model, group.prompt, r) for r in group.responses]
+            rotary = model.model.rotary_emb
+            x, pos = torch.zeros(1, dtype=torch.float64), torch.arange(29)[None]
+            assert (rotary(x, pos, "sliding_attention")[0] - rotary(x, pos, "full_attention")[0]).abs().max() > 1e-3
+        for got, w in zip(ls.Engine(model, cfg).score(group), want):
+            torch.testing.assert_close(got, w, rtol=0, atol=1e-10)
+        compare_step(model, group, cfg, reference, 1e-9)
+
+
 def test_context_parallel_w2_equals_one_process(tmp_path):
     """Divided capture and divided reverse walk at W = 2 (gloo, CPU): loss and every
     .grad equal one process for two MoE families, gpt-oss (sinks) and Gemma 3
@@ -145,13 +170,23 @@ def test_context_parallel_w2_equals_one_process(tmp_path):
              nprocs=2, join=True)
 
 
-def test_context_parallel_refuses_a_window_shorter_than_the_sequence():
+def test_context_parallel_w2_windows_shorter_than_the_prompt(tmp_path):
+    """OLMo 3, Gemma 3 and gpt-oss with a window (5) shorter than the prompt (17), blocks
+    of 3 (so each window spans both ranks): divided capture, the divided walk, replay,
+    score and greedy decode over the sharded windowed state equal one process
+    (`distributed_worker.run_windowed`)."""
+    import torch.multiprocessing as mp
+
+    from tests import distributed_worker as worker
+
+    mp.spawn(worker.run_windowed, args=(2, str(tmp_path / "init"), list(worker.WINDOWED_CASES)), nprocs=2, join=True)
+
+
+def test_context_parallel_takes_a_window_shorter_than_the_sequence():
+    """What context parallelism refused before (a window shorter than the sequence) it now runs."""
     from longstraw.models import adapter_for
 
-    adapter = adapter_for(tiny_family("gpt_oss"))
-    with pytest.raises(ls.UnsupportedModelError, match=r"layer 0 uses a sliding window \(5\)"):
-        adapter.check_context_parallel(12)
-    adapter.check_context_parallel(5)  # a window covering the whole sequence is full attention
+    adapter_for(tiny_family("gpt_oss")).check_context_parallel(12)
 
 
 def test_multimodal_gemma3_runs_its_text_model():

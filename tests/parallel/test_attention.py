@@ -8,7 +8,7 @@ import torch
 
 from longstraw.parallel.attention import (divided_causal_attention, divided_indexer_topk,
                                              divided_sparse_attention)
-from longstraw.ops.naive import naive_indexer_topk, naive_sparse_attention
+from longstraw.ops.naive import naive_attention, naive_indexer_topk, naive_sparse_attention
 
 P, H, R, DR, HI, DI = 17, 3, 6, 4, 3, 8  # positions, heads, latent rank, rope dim, indexer heads / dim
 ONE = dict(rank=0, world=1, block=3, cp=None)
@@ -68,3 +68,17 @@ def test_latent_rows_fetched_once_give_causal_attention(piece_rows):
     want = torch.softmax(scores, dim=-1) @ k[0, :, :R]
     got = divided_causal_attention(q, k, None, value_dim=R, positions=P, scale=0.3, piece_rows=piece_rows, **ONE)
     torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("window", [1, 2, 5, 8])
+@pytest.mark.parametrize("piece_rows", [1, 5, 100])
+def test_sliding_window_over_fetched_pieces_equals_naive(window, piece_rows):
+    """A window (by position) across blocks of 3: each query sees its last `window` keys,
+    own block and fetched pieces alike; pieces wholly before a block's window are skipped."""
+    g = torch.Generator().manual_seed(5)
+    q = torch.randn(4, P, 8, generator=g, dtype=torch.float64)
+    k = torch.randn(2, P, 8, generator=g, dtype=torch.float64)
+    v = torch.randn(2, P, 6, generator=g, dtype=torch.float64)
+    pos = torch.arange(P)
+    got = divided_causal_attention(q, k, v, positions=P, scale=0.3, piece_rows=piece_rows, window=window, **ONE)
+    torch.testing.assert_close(got, naive_attention(q, k, v, pos, pos, 0.3, window=window), rtol=0, atol=1e-12)
