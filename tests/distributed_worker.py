@@ -52,6 +52,9 @@ CASES = {
     # ones with a window longer than the sequence (a shorter one: `run_windowed`)
     "qwen3_moe": lambda: tiny_family("qwen3_moe"),
     "glm4_moe": lambda: tiny_family("glm4_moe"),
+    "mixtral": lambda: tiny_family("mixtral"),
+    "phi3": lambda: tiny_family("phi3"),  # longrope
+    "minimax_m2": lambda: tiny_family("minimax_m2"),  # partial rotary
     "gpt_oss": lambda: tiny_family("gpt_oss", sliding_window=64),  # attention sinks
     "gemma3": lambda: tiny_family("gemma3_text", sliding_window=64),
     "nemotron_h": lambda: tiny_mamba("nemotron_h"),  # Mamba2 + attention + MLP / MoE blocks
@@ -59,7 +62,7 @@ CASES = {
     "kimi_linear": lambda: tiny_kimi(),  # KDA + NoPE MLA + MoE
     "falcon_h1": lambda: tiny_falcon_h1(),  # attention and Mamba2 side by side
 }
-FAMILY_CASES = ("qwen3_moe", "glm4_moe", "gpt_oss", "gemma3")
+FAMILY_CASES = ("qwen3_moe", "glm4_moe", "mixtral", "phi3", "minimax_m2", "gpt_oss", "gemma3")
 MAMBA_CASES = ("nemotron_h", "bamba")
 PART2_CASES = ("kimi_linear", "falcon_h1")  # model families part 2 (float64 internals)
 HYBRIDS = ("hybrid", "next", "hybrid_moe")

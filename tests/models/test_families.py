@@ -160,8 +160,8 @@ def test_gemma3_length_dependent_rope_per_layer_type():
 
 def test_context_parallel_w2_equals_one_process(tmp_path):
     """Divided capture and divided reverse walk at W = 2 (gloo, CPU): loss and every
-    .grad equal one process for two MoE families, gpt-oss (sinks) and Gemma 3
-    (`distributed_worker.FAMILY_CASES`)."""
+    .grad equal one process for the MoE families, Phi-3 (longrope), gpt-oss (sinks) and
+    Gemma 3 (`distributed_worker.FAMILY_CASES`; OLMo 3: the windowed test below)."""
     import torch.multiprocessing as mp
 
     from tests import distributed_worker as worker
@@ -209,7 +209,7 @@ def test_multimodal_gemma3_runs_its_text_model():
 
 
 @pytest.mark.parametrize("mode", ["detached", "exact"])
-@pytest.mark.parametrize("family", ["gpt_oss", "gemma3_text"])
+@pytest.mark.parametrize("family", NEW_FAMILIES)
 def test_offloaded_step_equals_on_device(family, mode):
     from tests.state.test_offload import assert_same_step
 
