@@ -49,15 +49,42 @@ def read_log(path: str) -> bytes:
         return f.read()
 
 
+def _whole_lines(data: bytes) -> list[bytes]:
+    """The log's complete lines: a last line without its newline (a run killed inside a
+    write) is dropped; every complete line must be JSON."""
+    lines = data.splitlines(keepends=True)
+    if lines and not lines[-1].endswith(b"\n"):
+        lines.pop()
+    return lines
+
+
 def truncate_log(path: str, step: int) -> None:
-    """Keep the log lines of the `step` steps done (a resumed run writes the rest)."""
+    """Keep the log lines of the `step` steps done (a resumed run writes the rest); a torn
+    last line is dropped too."""
     if not os.path.exists(path):
         return
-    keep = [line for line in read_log(path).splitlines(keepends=True) if json.loads(line).get("step", -1) <= step]
+    keep = [line for line in _whole_lines(read_log(path)) if json.loads(line).get("step", -1) <= step]
     write_atomic(path, lambda f: f.writelines(keep))
 
 
 def append_log(path: str, record: dict) -> None:
-    """Append one JSON line to the log, by rewriting it whole (atomically: `write_atomic`)."""
-    data = read_log(path) + (json.dumps(record) + "\n").encode()
-    write_atomic(path, lambda f: f.write(data))
+    """Append one JSON line to the log: O(line), not O(log) (one `write` of the whole line
+    in append mode, then fsync). A run killed inside that write leaves at most a torn last
+    line without its newline; the next append cuts it off first (the one O(log) case),
+    and `truncate_log` (resume) drops it too. A write or fsync that raises is undone: the
+    log is left as it was."""
+    line = (json.dumps(record) + "\n").encode()
+    with open(path, "ab+") as f:
+        if f.seek(0, os.SEEK_END) > 0:
+            f.seek(-1, os.SEEK_END)
+            if f.read(1) != b"\n":
+                f.seek(0)
+                f.truncate(len(b"".join(_whole_lines(f.read()))))
+        end = f.tell()
+        try:
+            f.write(line)
+            f.flush()
+            os.fsync(f.fileno())
+        except BaseException:
+            f.truncate(end)  # all or nothing, as the rename-written files: the log as it was
+            raise
