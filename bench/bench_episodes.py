@@ -44,7 +44,7 @@ import time
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from proc import code_info, cpu_model, mem_total, own_cpu_s, peak_rss, status_bytes  # noqa: E402  (torch-free)
+from proc import machine_row, own_cpu_s, peak_rss, status_bytes, worker_row  # noqa: E402  (torch-free)
 
 FIELDS = ["arm", "family", "prompt_tokens", "group", "turns", "observation_tokens", "max_new_tokens", "eos_every",
           "time_s", "time_generate_s", "time_step_s", "prompt_captures", "decoded_tokens", "absorbed_tokens",
@@ -179,22 +179,11 @@ def run_one(args, arm: str, group: int) -> dict:
            "--family", args.family, "--prompt-tokens", str(args.prompt_tokens), "--turns", str(args.turns),
            "--observation-tokens", str(args.observation_tokens), "--max-new-tokens", str(args.max_new_tokens),
            "--eos-every", str(args.eos_every), "--chunk-size", str(args.chunk_size), "--threads", str(args.threads)]
-    done = subprocess_run(cmd)
-    row = json.loads(done.strip().splitlines()[-1])
+    row = worker_row(cmd)
     row.update(arm=arm, family=args.family, prompt_tokens=args.prompt_tokens, group=group, turns=args.turns,
                observation_tokens=args.observation_tokens, max_new_tokens=args.max_new_tokens,
-               eos_every=args.eos_every, threads=args.threads, load_avg_1m=os.getloadavg()[0], cpu=cpu_model(),
-               mem_total=mem_total(), when=time.strftime("%Y-%m-%dT%H:%M:%S"), **code_info(REPO, short=True))
+               eos_every=args.eos_every, threads=args.threads, **machine_row(REPO))
     return row
-
-
-def subprocess_run(cmd) -> str:
-    import subprocess
-
-    done = subprocess.run(cmd, capture_output=True, text=True, check=False)
-    if done.returncode != 0:
-        raise RuntimeError(f"{' '.join(cmd[-20:])} failed:\n{done.stderr[-3000:]}")
-    return done.stdout
 
 
 def ratios_of(rows) -> dict:

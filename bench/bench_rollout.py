@@ -37,12 +37,11 @@ import argparse
 import csv
 import json
 import os
-import subprocess
 import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from bench.proc import code_info, cpu_model, mem_total, peak_rss, status_bytes  # noqa: E402
+from bench.proc import code_info, cpu_model, mem_total, peak_rss, status_bytes, worker_row  # noqa: E402
 
 FIELDS = ["family", "method", "prompt_tokens", "group", "response_tokens", "time_s", "time_generate_s",
           "time_update_s", "peak_above_model", "peak_generate_above_model", "state_bytes", "branch_state_bytes",
@@ -93,10 +92,7 @@ def run_one(args, method: str, group: int) -> dict:
     cmd = [sys.executable, os.path.abspath(__file__), "--worker", "--family", args.family, "--method", method,
            "--prompt-tokens", str(args.prompt_tokens), "--group", str(group), "--response-tokens",
            str(args.response_tokens), "--chunk-size", str(args.chunk_size)]
-    done = subprocess.run(cmd, capture_output=True, text=True, check=False)
-    if done.returncode != 0:
-        raise RuntimeError(f"{method} G={group} failed:\n{done.stderr[-3000:]}")
-    row = json.loads(done.stdout.strip().splitlines()[-1])
+    row = worker_row(cmd)
     row.update(family=args.family, method=method, prompt_tokens=args.prompt_tokens, group=group,
                response_tokens=args.response_tokens, load_avg_1m=os.getloadavg()[0],
                threads=int(os.environ.get("BENCH_THREADS", "2")), cpu=cpu_model(),

@@ -30,14 +30,13 @@ import argparse
 import csv
 import json
 import os
-import subprocess
 import sys
 import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from proc import code_info, cpu_model, mem_total, own_cpu_s, peak_rss, status_bytes  # noqa: E402  (torch-free)
+from proc import machine_row, own_cpu_s, peak_rss, status_bytes, worker_row  # noqa: E402  (torch-free)
 
 FIELDS = ["case", "arm", "mode", "family", "prompt_tokens", "group", "response_tokens", "replay_tokens",
           "shared_segments", "floor_tokens", "time_total_s", "time_capture_s", "time_replay_s", "time_reverse_s",
@@ -105,13 +104,9 @@ def run_one(args, case: str, arm: str) -> dict:
     cmd = [sys.executable, os.path.abspath(__file__), "--worker", "--case", case, "--arm", arm, "--mode", args.mode,
            "--family", args.family, "--prompt-tokens", str(args.prompt_tokens), "--chunk-size", str(args.chunk_size),
            "--threads", str(args.threads)]
-    done = subprocess.run(cmd, capture_output=True, text=True, check=False)
-    if done.returncode != 0:
-        raise RuntimeError(f"{' '.join(cmd)} failed:\n{done.stderr[-3000:]}")
-    row = json.loads(done.stdout.strip().splitlines()[-1])
+    row = worker_row(cmd)
     row.update(case=case, arm=arm, mode=args.mode, family=args.family, prompt_tokens=args.prompt_tokens,
-               threads=args.threads, load_avg_1m=os.getloadavg()[0], cpu=cpu_model(), mem_total=mem_total(),
-               when=time.strftime("%Y-%m-%dT%H:%M:%S"), **code_info(REPO, short=True))
+               threads=args.threads, **machine_row(REPO))
     return row
 
 

@@ -80,3 +80,24 @@ def code_info(repo: str, *, short: bool = False) -> dict:
             return ""
     rev = git("rev-parse", *(["--short"] if short else []), "HEAD") or None
     return {"git_rev": rev, "longstraw_dirty": bool(git("status", "--porcelain", "--", "longstraw"))}
+
+
+def worker_row(cmd: list[str], **kwargs) -> dict:
+    """Run one benchmark worker (`cmd`, a fresh process) and return the JSON object it
+    printed as its last stdout line; a worker that fails raises with its stderr's tail.
+    `kwargs` go to subprocess.run (cwd, env)."""
+    done = subprocess.run(cmd, capture_output=True, text=True, check=False, **kwargs)
+    if done.returncode != 0:
+        raise RuntimeError(f"{' '.join(cmd[-20:])} failed (rc {done.returncode}):\n{done.stderr[-3000:]}")
+    import json
+
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def machine_row(repo: str) -> dict:
+    """What every benchmark row records about where and when it ran: the load average,
+    CPU model, memory, time and the measured code's revision (`code_info`)."""
+    import time
+
+    return dict(load_avg_1m=os.getloadavg()[0], cpu=cpu_model(), mem_total=mem_total(),
+                when=time.strftime("%Y-%m-%dT%H:%M:%S"), **code_info(repo, short=True))
