@@ -128,7 +128,6 @@ def install(phases: Phases) -> None:
 
 def worker(args) -> None:
     import bench_distributed
-    import torch
     from transformers import TrainerCallback
 
     import longstraw.integrations.trl as lt
@@ -179,7 +178,6 @@ def worker(args) -> None:
     row["process total (incl. setup)"] = [time.process_time() - c_start, float("nan")]
     with open(f"{args.result}.rank{rank}", "w") as f:
         json.dump({"phases": row, "trace": phases.trace}, f)
-    del torch
 
 
 def simulate(traces: list) -> tuple[float, dict]:
@@ -206,7 +204,8 @@ def simulate(traces: list) -> tuple[float, dict]:
         for r in range(world):
             while at[r] < len(traces[r]):
                 kind, phase, c0, c1, peer = traces[r][at[r]]
-                ready = now[r] + (0.0 if last[r] is None else c0 - last[r])
+                # a counted step's CPU since the last event (between steps: not counted)
+                ready = now[r] + (0.0 if last[r] is None or kind == "begin" else c0 - last[r])
                 if kind in COLLECTIVES:
                     arrived[r] = ready
                     k = ncoll[r]

@@ -38,3 +38,11 @@ def test_ranks_whose_collectives_differ_are_refused():
     other = trace(("broadcast", "capture", 1.0, 1.0, None), ("end", "other", 2.0, 2.0, None))
     with pytest.raises(SystemExit, match="differ"):
         simulate([one, other])
+
+
+def test_cpu_between_counted_steps_is_not_counted():
+    # two counted steps of 1 s each, 5 s of logging and optimizer work between them
+    steps = [("begin", "other", 0.0, 0.0, None), ("end", "other", 1.0, 1.0, None),
+             ("begin", "other", 6.0, 6.0, None), ("end", "other", 7.0, 7.0, None)]
+    wall, waits = simulate([steps])
+    assert wall == pytest.approx(2.0) and not waits
