@@ -7,8 +7,9 @@ update run through LongStraw. A TRL user changes one class:
     trainer.train()
 
 What stays TRL's: the data loader and its RepeatSampler (each prompt num_generations
-times in a row), tokenisation, reward functions, advantages (every `scale_rewards`),
-logging, checkpoints, the optimizer, scheduler and gradient clipping.
+times in a row), tokenisation (each distinct prompt once), reward functions, advantages
+(every `scale_rewards`), logging, checkpoints, the optimizer, scheduler and gradient
+clipping.
 
 What LongStraw replaces, through three of GRPOTrainer's hooks:
 
