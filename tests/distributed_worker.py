@@ -833,3 +833,64 @@ def run_trees(rank: int, world: int, init_file: str) -> None:
                     torch.testing.assert_close(s, o, rtol=1e-9, atol=1e-12)
     finally:
         dist.destroy_process_group()
+
+
+def decode_merge_in_one_collective(rank: int, world: int, init_file: str) -> None:
+    """A decode step merges each attention layer's shard partials in ONE collective
+    (`merge_gathered`), identical on every rank and, at W = 2, bitwise equal to the two
+    all-reduces of `merge_across_ranks`; a step then costs 1 + (attention layers)
+    collectives (the sampled tokens' broadcast, one merge per layer)."""
+    from longstraw.parallel.collectives import merge_across_ranks, merge_gathered
+    from longstraw.parallel.context import ContextParallel
+
+    _init(rank, world, init_file)
+    try:
+        cp = ContextParallel.from_default_group(None)
+        g = torch.Generator().manual_seed(rank)
+        for dtype in (torch.float32, torch.float64):
+            out = torch.randn(2, 6, 8, generator=g).to(dtype)  # (Hkv, G*g, Dv)
+            lse = (4 * torch.randn(2, 6, generator=g)).to(dtype)  # (Hkv, G*g)
+            lse[0, 1] = float("-inf")  # this rank saw nothing for that row
+            lse[1, 2] = float("-inf") if rank == 0 else lse[1, 2]
+            if rank == world - 1:
+                lse[0, 3] = float("-inf")
+            got, got_lse = merge_gathered(out, lse, cp)
+            want, want_lse = merge_across_ranks(out, lse, cp)
+            if world == 2:
+                assert torch.equal(got, want) and torch.equal(got_lse, want_lse), (dtype, got - want)
+            else:
+                torch.testing.assert_close(got, want, rtol=1e-6 if dtype == torch.float32 else 1e-12, atol=0)
+            for other, other_lse in zip(all_gather_tensors(got), all_gather_tensors(got_lse)):
+                assert torch.equal(other, got) and torch.equal(other_lse, got_lse)  # the same bits everywhere
+
+        model = CASES["dense"]()
+        attention_layers = len(model.model.layers)
+        engine = ls.Engine(model, ls.ExecConfig(context_parallel=True, chunk_size=6, attention_block_size=4,
+                                                shard_block_size=3))
+        prompt = random_group(97, 23, [1], seed=3).prompt
+        state = engine.generate(prompt, num_samples=3, max_new_tokens=2).state
+        calls = []
+        saved = {name: getattr(dist, name) for name in ("all_reduce", "all_gather", "broadcast")}
+
+        def counting(name):
+            def call(*args, **kwargs):
+                calls.append(name)
+                return saved[name](*args, **kwargs)
+            return call
+
+        counts = []
+        try:
+            for name in saved:
+                setattr(dist, name, counting(name))
+            for new_tokens in (5, 9):
+                calls.clear()
+                engine.generate(prompt, num_samples=3, max_new_tokens=new_tokens, state=state,
+                                generator=torch.Generator().manual_seed(7))
+                counts.append(len(calls))
+        finally:
+            for name, fn in saved.items():
+                setattr(dist, name, fn)
+        per_step = (counts[1] - counts[0]) / 4  # four more decode steps
+        assert per_step == 1 + attention_layers, (counts, per_step, attention_layers)
+    finally:
+        dist.destroy_process_group()

@@ -7,8 +7,9 @@ update run through LongStraw. A TRL user changes one class:
     trainer.train()
 
 What stays TRL's: the data loader and its RepeatSampler (each prompt num_generations
-times in a row), tokenisation, reward functions, advantages (every `scale_rewards`),
-logging, checkpoints, the optimizer, scheduler and gradient clipping.
+times in a row), tokenisation (each distinct prompt once), reward functions, advantages
+(every `scale_rewards`), logging, checkpoints, the optimizer, scheduler and gradient
+clipping.
 
 What LongStraw replaces, through three of GRPOTrainer's hooks:
 
@@ -252,6 +253,18 @@ class LongStrawGRPOTrainer(trl.GRPOTrainer):
 
     # ------------------------------------------------------------------------
     # rollouts and scoring (called from TRL's _generate_and_score_completions)
+
+    def _tokenize_prompts(self, prompts: list):
+        """TRL's, with each distinct plain-text prompt tokenised once: TRL's RepeatSampler
+        hands each prompt num_generations times in a row, and tokenising a long prompt is
+        O(P) work on every rank (P = 32,768, G = 4: 0.13 s of a 9.5 s step at W = 2;
+        docs/distributed.md). Chat-template and multimodal prompts go to TRL unchanged."""
+        distinct = list(dict.fromkeys(prompts)) if all(isinstance(p, str) for p in prompts) else prompts
+        if len(distinct) == len(prompts):
+            return super()._tokenize_prompts(prompts)
+        ids, images, fields = super()._tokenize_prompts(distinct)
+        of = dict(zip(distinct, ids))
+        return [list(of[p]) for p in prompts], images, fields
 
     def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
         """One `engine.generate` per prompt group (TRL repeats each prompt G times in a row);

@@ -33,7 +33,7 @@ from longstraw.ops.attention import prefix_causal_attention
 from longstraw.ops.decode_attention import decode_attention
 from longstraw.ops.flash import merge_sink
 from longstraw.parallel.attention import divided_causal_attention
-from longstraw.parallel.collectives import MergeAcrossRanks, all_reduce_sum
+from longstraw.parallel.collectives import MergeAcrossRanks, all_reduce_sum, merge_gathered
 from longstraw.state.branch import BranchKV
 from longstraw.state.offload import restage_on_backward, staged_layers, stager_of, write_back
 from longstraw.state.prompt import AttentionKV
@@ -117,8 +117,13 @@ def seed_reader(held, start: int, end: int, parts: int = 2, device=None, stager=
 
 
 def merge_shard(out, lse, segment):
-    """Merge a context-parallel shard's partial attention (o, lse) across ranks."""
-    return MergeAcrossRanks.apply(out, lse, segment.cp)
+    """Merge a context-parallel shard's partial attention (o, lse) across ranks, in a
+    decode step (no grad): one all-gather of the small partials (`merge_gathered`), not
+    two all-reduces: a decode step's collectives cost their latency, once per step.
+    Under autograd, the differentiable two all-reduces (`MergeAcrossRanks`)."""
+    if torch.is_grad_enabled() and (out.requires_grad or lse.requires_grad):
+        return MergeAcrossRanks.apply(out, lse, segment.cp)
+    return merge_gathered(out, lse, segment.cp)
 
 
 def _decode_attention(module, query, key, value, call: AttentionCall, scale: float, *, sliding_window, dropout,

@@ -219,6 +219,33 @@ def merge_across_ranks(out: torch.Tensor, lse: torch.Tensor, cp):
     return merged, safe + torch.log(total)
 
 
+def merge_gathered(out: torch.Tensor, lse: torch.Tensor, cp):
+    """`merge_across_ranks` in ONE collective, for small partials (a decode step's: o_r
+    [Hkv, G*g, Dv], lse_r [Hkv, G*g]), where each collective's latency, not its bytes,
+    is the cost: every rank's (o_r, lse_r) is all-gathered (one flat buffer each) and
+    merged locally in rank order. Each rank receives W - 1 partials (the two all-reduces:
+    ~2 (W-1)/W of one), and holds W of them, so this is for partials of a few KiB, not a
+    capture chunk's. Identical on every rank (the same sums in the same order); at W = 2
+    bitwise equal to `merge_across_ranks` (a sum of two terms does not depend on their
+    order; the max and the rest are the same elementwise ops). No autograd."""
+    dtype = torch.promote_types(out.dtype, lse.dtype)
+    n = out.numel()
+    parts = all_gather(torch.cat([out.to(dtype).reshape(-1), lse.to(dtype).reshape(-1)]), cp)  # W x (n + M)
+    outs = [part[:n].view(out.shape) for part in parts]  # (.., M, Dv) each
+    lses = [part[n:].view(lse.shape) for part in parts]  # (.., M) each
+    top = lses[0]
+    for other in lses[1:]:
+        top = torch.maximum(top, other)
+    safe = torch.where(torch.isinf(top), torch.zeros_like(top), top)
+    num = total = None
+    for o, part_lse in zip(outs, lses):
+        w = torch.exp(part_lse - safe)  # (.., M); 0 where that rank saw nothing
+        num = o * w[..., None] if num is None else num + o * w[..., None]
+        total = w if total is None else total + w
+    merged = num / torch.where(total == 0, torch.ones_like(total), total)[..., None]
+    return merged, safe + torch.log(total)
+
+
 def _global_rank(cp, group_rank: int) -> int:
     if cp.group is None or cp.group == dist.group.WORLD:
         return group_rank

@@ -321,3 +321,26 @@ def test_replicas_are_checked_every_n_optimizer_steps(tmp_path, monkeypatch):
     assert len(calls) == 2 and all(m is trainer.longstraw_engine.model for m in calls)
     with pytest.raises(ls.ConfigError, match="longstraw_replica_check_every"):
         _e2e_trainer(tmp_path, replica_check_every=-1)
+
+
+def test_each_distinct_prompt_is_tokenised_once():
+    """TRL repeats each prompt num_generations times; the trainer tokenises it once and
+    hands TRL the same ids, row by row, as TRL's own tokenisation."""
+    seen = []
+    tokenizer = token_id_tokenizer(64)
+    encode = tokenizer.__call__
+
+    class Counting(type(tokenizer)):
+        def __call__(self, text=None, **kwargs):
+            seen.extend(text)
+            return encode(text=text, **kwargs)
+
+    tokenizer.__class__ = Counting
+    trainer = object.__new__(LongStrawGRPOTrainer)  # _tokenize_prompts reads only processing_class
+    trainer.processing_class = tokenizer
+    prompts = ["1 2 3 4"] * 3 + ["5 6"] * 3
+    ids, images, fields = trainer._tokenize_prompts(prompts)
+    assert seen == ["1 2 3 4", "5 6"]
+    seen.clear()
+    assert (ids, images, fields) == trl.GRPOTrainer._tokenize_prompts(trainer, prompts)
+    assert ids == [[1, 2, 3, 4]] * 3 + [[5, 6]] * 3 and ids[0] is not ids[1]  # rows TRL may change one by one

@@ -136,3 +136,8 @@ def test_a_walk_that_raises_on_one_rank_restores_every_ranks_grad(tmp_path):
 
 def test_replicated_gradients_agree_and_diverged_weights_are_caught(tmp_path):
     mp.spawn(worker.replicas_agree, args=(2, str(tmp_path / "init")), nprocs=2, join=True)
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_decode_merges_each_layer_in_one_collective(tmp_path, world):
+    mp.spawn(worker.decode_merge_in_one_collective, args=(world, str(tmp_path / "init")), nprocs=world, join=True)
