@@ -61,7 +61,7 @@ from longstraw.models.placement import check_placement
 from longstraw.models.recompute import recompute_pays
 from longstraw.parallel.collectives import Traffic
 from longstraw.parallel.context import ContextParallel
-from longstraw.parallel.fsdp import summed_walk_gradients
+from longstraw.parallel.fsdp import settle_held_reductions, summed_walk_gradients
 from longstraw.parallel.gradients import replicate_gradients, replicated_parameters
 from longstraw.state.prompt import PromptState, Shard
 
@@ -350,6 +350,7 @@ class Engine:
                                    shard=rank_shard(self))
             elif exact:
                 self.walk_back(group.prompt[:-1].to(self.adapter.device), 0, [state], self.config.chunk_size)
+            settle_held_reductions(self.adapter.sharded_modules())  # a 2-D FSDP2 mesh: held shards into .grad
             mark()
             if self.cp is not None and self.cp.world > 1 and not divided:
                 # replay's (and a replicated walk's) gradients, which backward may sum in a different
