@@ -37,12 +37,14 @@ CASES = {
 
 
 def record_run(case: str, out_dir: str, *, data_groups: int, context: int = 1, prompts_per_group: int = 2,
-               steps: int = 1, prepare=lambda trainer: None, fsdp: bool = False, optimizers=(None, None)) -> dict:
+               steps: int = 1, prepare=lambda trainer: None, fsdp: bool = False, optimizers=(None, None),
+               max_grad_norm: float = 0.0) -> dict:
     """Train `steps` optimizer steps of `case`; return the logs, the gradient each step
     applied and the parameters before and after (FSDP2 shards gathered whole). `data_groups`
     x `prompts_per_group` prompts make the global batch (per data-parallel group:
     `prompts_per_group` groups of G, one per accumulation micro-step). `fsdp`: the
-    trainer's `longstraw_fsdp`."""
+    trainer's `longstraw_fsdp`; `max_grad_norm`: the Trainer's clipping (0: off; the
+    recorded gradients are the clipped ones the step applied)."""
     import datasets
     import trl
 
@@ -62,9 +64,10 @@ def record_run(case: str, out_dir: str, *, data_groups: int, context: int = 1, p
     rows = G * prompts_per_group * data_groups * context // world  # per process: whole groups
     args = dict(output_dir=os.path.join(out_dir, "run"), per_device_train_batch_size=G,
                 gradient_accumulation_steps=rows // G, num_generations=G, max_completion_length=5, max_steps=steps,
-                optim="sgd", learning_rate=1.0, lr_scheduler_type="constant", weight_decay=0.0, max_grad_norm=0.0,
-                use_cpu=True, bf16=False, report_to=[], save_strategy="no", logging_steps=1, seed=0, temperature=0.9,
-                disable_dropout=True, use_bias_correction_kl=False, ddp_timeout=PG_TIMEOUT_S)
+                optim="sgd", learning_rate=1.0, lr_scheduler_type="constant", weight_decay=0.0,
+                max_grad_norm=max_grad_norm, use_cpu=True, bf16=False, report_to=[], save_strategy="no",
+                logging_steps=1, seed=0, temperature=0.9, disable_dropout=True, use_bias_correction_kl=False,
+                ddp_timeout=PG_TIMEOUT_S)
     grads = []
 
     class Grads(trl.trainer.grpo_trainer.TrainerCallback):
@@ -131,7 +134,7 @@ def _break_rank_one(where: str):
 
 
 def rank_main(rank: int, world: int, port: int, out_dir: str, case: str, context: int, break_at: str = "",
-              steps: int = 1, fsdp: bool = False) -> None:
+              steps: int = 1, fsdp: bool = False, max_grad_norm: float = 0.0) -> None:
     """One torchrun-style process: env, float64, one thread, `record_run`, saved (its error
     to rank{rank}.err). `break_at` ("update", "generation"): rank 1 fails a check there."""
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
@@ -140,6 +143,7 @@ def rank_main(rank: int, world: int, port: int, out_dir: str, case: str, context
     torch.set_default_dtype(torch.float64)  # TRL builds rewards and advantages in the default dtype
     try:
         result = record_run(case, out_dir, data_groups=world // context, context=context, steps=steps, fsdp=fsdp,
+                            max_grad_norm=max_grad_norm,
                             prepare=_break_rank_one(break_at) if break_at else lambda trainer: None)
     except BaseException as exc:
         with open(os.path.join(out_dir, f"rank{rank}.err"), "w") as f:
