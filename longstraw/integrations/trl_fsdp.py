@@ -27,6 +27,8 @@ mesh, before the Trainer creates the optimizer. The contract is in docs/distribu
 from __future__ import annotations
 
 import torch
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.fsdp import fully_shard
 
 from longstraw.models.base import unwrap_causal_lm
 from longstraw.parallel.fsdp import hold_replica_reductions
@@ -66,9 +68,6 @@ def shard_decoder_layers(model, mesh: Mesh, device: torch.device) -> list:
     `mesh` (HSDP: sharded over the cp ranks, replicated over dp), its all-reduce across
     replicas held for LongStraw's one sum per step (`hold_replica_reductions`). Every rank
     must call it, before the optimizer is made. Returns the sharded layers."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
-
     device_mesh = init_device_mesh(device.type, (mesh.data, mesh.context), mesh_dim_names=("dp", "cp"))
     layers = decoder_layers(model)
     for layer in layers:

@@ -22,6 +22,11 @@ import torch.distributed as dist
 
 from longstraw.errors import DistributedError
 
+try:  # FSDP2's own choice of pre- and post-division, which `settle_held_reductions` finishes
+    from torch.distributed.fsdp._fully_shard._fsdp_collectives import _get_gradient_divide_factors
+except ImportError:  # pragma: no cover - a torch laid out differently: a 2-D mesh's walk runs replicated
+    _get_gradient_divide_factors = None
+
 from longstraw.parallel.gradients import partial_gradients, replicated_parameters
 
 
@@ -59,7 +64,8 @@ def _holds_replica_reduction(group) -> bool:
     """Whether an FSDP2 parameter group on a 2-D mesh keeps its reduce-scattered shards for
     `settle_held_reductions` (all-reduce across replicas off, on a torch whose FSDP2 holds
     them where this module reads them)."""
-    return getattr(group, "all_reduce_grads", True) is False and hasattr(group, "_partial_reduce_output")
+    return (_get_gradient_divide_factors is not None and getattr(group, "all_reduce_grads", True) is False
+            and hasattr(group, "_partial_reduce_output"))
 
 
 def fsdp_sum_factor(modules, cp) -> float | None:
@@ -162,8 +168,6 @@ def settle_held_reductions(modules) -> None:
     `hold_replica_reductions`) into the parameters' sharded `.grad` (added to what is
     there), divided as FSDP2's own reduction would after its all-reduce; a no-op for
     modules that hold nothing. No communication."""
-    from torch.distributed.fsdp._fully_shard._fsdp_collectives import _get_gradient_divide_factors
-
     for module in modules:
         for g in _fsdp_groups(module) or ():
             held = getattr(g, "_partial_reduce_output", None)
