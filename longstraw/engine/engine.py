@@ -138,7 +138,8 @@ class Engine:
         parallelism (each prompt token recomputed and backpropagated on the rank that owns
         it, `parallel.divided.py`): the family supports it (every family LongStraw runs), the state
         is not offloaded, no capture graphs were kept (they are replicated), FSDP2-sharded
-        layers (if any) shard over a 1-D mesh holding every context-parallel rank (their
+        layers (if any) shard over a group holding every context-parallel rank, on a 1-D mesh or a
+        2-D one whose replica all-reduce is held (`hold_replica_reductions`) (their
         reduce-scatter is then set to sum the partial gradients: `fsdp_sum_factor`), and
         every rank owns a block."""
         return divides_walk(self, state)

@@ -47,7 +47,8 @@ held until the tool loop ends, since its continuations interleave the prompts).
 Many processes (`longstraw_context_parallel_size=C` under torchrun / accelerate launch):
 W processes form W / C data-parallel groups of C context-parallel ranks; what changes is
 in `trl_parallel.py` (data dealt per group, gathers over the groups, global divisors, the
-gradient sum, failures agreed across ranks) and docs/distributed.md.
+gradient sum, failures agreed across ranks) and docs/distributed.md; `longstraw_fsdp=True`
+adds FSDP2 per decoder layer over each context-parallel group (`trl_fsdp.py`).
 
 Anything TRL offers that cannot run here is refused at construction with a
 `longstraw.ConfigError` naming the setting and the fix (`unsupported_settings`).
