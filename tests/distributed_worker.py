@@ -226,6 +226,56 @@ def run_fsdp(rank: int, world: int, init_file: str) -> None:
         dist.destroy_process_group()
 
 
+def run_fsdp_2d(rank: int, world: int, init_file: str) -> None:
+    """Dense decoder layers FSDP2-sharded on a 2-D (1, W) (replicate, shard) HSDP mesh with the
+    all-reduce across replicas held (`parallel.fsdp.hold_replica_reductions`): the engine
+    moves what FSDP2 holds into the sharded `.grad` (`settle_held_reductions`) and exact
+    mode's walk runs divided (`fsdp_sum_factor` accepts the layout); every full gradient
+    equals one process's. Float32 with FSDP2's sum-only reductions
+    (`set_force_sum_reduction_for_comms`): replay's division by W is then left to the
+    settling, and the walk's partials must not be divided by it. (Float64 on this mesh:
+    the trainer's tests, tests/integrations/test_trl_distributed.py.)"""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from longstraw.parallel.fsdp import fsdp_sum_factor, hold_replica_reductions
+
+    _init(rank, world, init_file)
+    try:
+        for dtype, sum_only in ((torch.float32, True),):
+            model = CASES["dense"]().to(dtype)
+            group = random_group(97, 23, [5, 3], seed=3)
+            kw = dict(chunk_size=6, attention_block_size=4, shard_block_size=3)
+            tol = 1e-9 if dtype == torch.float64 else 1e-5
+            want = {}
+            for mode in ("detached", "exact"):
+                model.zero_grad(set_to_none=True)
+                ls.Engine(model, ls.ExecConfig(mode=mode, **kw)).step(group)
+                want[mode] = grads_of(model)
+            mesh = init_device_mesh("cpu", (1, world), mesh_dim_names=("dp", "cp"))
+            layers = list(model.model.layers)
+            for layer in layers:
+                fully_shard(layer, mesh=mesh)
+            hold_replica_reductions(layers)
+            for layer in layers if sum_only else ():
+                layer.set_force_sum_reduction_for_comms(True)
+            for mode in ("detached", "exact"):
+                model.zero_grad(set_to_none=True)
+                engine = ls.Engine(model, ls.ExecConfig(mode=mode, context_parallel=True, **kw))
+                assert fsdp_sum_factor(layers, engine.cp) == 1.0
+                result = engine.step(group)
+                assert result.metrics["divided_walk"] == float(mode == "exact"), (dtype, mode)
+                for pname, p in model.named_parameters():
+                    grad, ref = p.grad, want[mode][pname]
+                    assert grad is not None, (dtype, mode, pname)
+                    grad = grad.full_tensor() if hasattr(grad, "full_tensor") else grad
+                    assert (grad - ref).abs().max() <= tol * ref.abs().max() + 1e-30, (dtype, mode, pname)
+            del model
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
 WINDOWED_CASES = ("olmo3", "gemma3_text", "gpt_oss")
 """Sliding windows (5) shorter than the prompt (17) under context parallelism
 (`run_windowed`): blocks of 3 positions, so every window spans both ranks' blocks."""

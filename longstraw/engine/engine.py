@@ -61,7 +61,7 @@ from longstraw.models.placement import check_placement
 from longstraw.models.recompute import recompute_pays
 from longstraw.parallel.collectives import Traffic
 from longstraw.parallel.context import ContextParallel
-from longstraw.parallel.fsdp import summed_walk_gradients
+from longstraw.parallel.fsdp import settle_held_reductions, summed_walk_gradients
 from longstraw.parallel.gradients import replicate_gradients, replicated_parameters
 from longstraw.state.prompt import PromptState, Shard
 
@@ -138,7 +138,8 @@ class Engine:
         parallelism (each prompt token recomputed and backpropagated on the rank that owns
         it, `parallel.divided.py`): the family supports it (every family LongStraw runs), the state
         is not offloaded, no capture graphs were kept (they are replicated), FSDP2-sharded
-        layers (if any) shard over a 1-D mesh holding every context-parallel rank (their
+        layers (if any) shard over a group holding every context-parallel rank, on a 1-D mesh or a
+        2-D one whose replica all-reduce is held (`hold_replica_reductions`) (their
         reduce-scatter is then set to sum the partial gradients: `fsdp_sum_factor`), and
         every rank owns a block."""
         return divides_walk(self, state)
@@ -350,6 +351,7 @@ class Engine:
                                    shard=rank_shard(self))
             elif exact:
                 self.walk_back(group.prompt[:-1].to(self.adapter.device), 0, [state], self.config.chunk_size)
+            settle_held_reductions(self.adapter.sharded_modules())  # a 2-D FSDP2 mesh: held shards into .grad
             mark()
             if self.cp is not None and self.cp.world > 1 and not divided:
                 # replay's (and a replicated walk's) gradients, which backward may sum in a different

@@ -48,7 +48,8 @@ held until the tool loop ends, since its continuations interleave the prompts).
 Many processes (`longstraw_context_parallel_size=C` under torchrun / accelerate launch):
 W processes form W / C data-parallel groups of C context-parallel ranks; what changes is
 in `trl_parallel.py` (data dealt per group, gathers over the groups, global divisors, the
-gradient sum, failures agreed across ranks) and docs/distributed.md.
+gradient sum, failures agreed across ranks) and docs/distributed.md; `longstraw_fsdp=True`
+adds FSDP2 per decoder layer over each context-parallel group (`trl_fsdp.py`).
 
 Anything TRL offers that cannot run here is refused at construction with a
 `longstraw.ConfigError` naming the setting and the fix (`unsupported_settings`).
@@ -78,6 +79,7 @@ from longstraw.integrations.trl_settings import LOSS_TYPES, unsupported_settings
 from longstraw.parallel.data import agreed, global_totals, process_group_view, reduce_gradients, sampling_generator
 from longstraw.integrations.trl_parallel import (DataParallelView, check_mesh_settings, reduce_metrics,
                                                  seen_per_data_parallel_group)
+from longstraw.integrations.trl_fsdp import check_fsdp_settings, shard_decoder_layers, without_ddp
 
 try:
     import trl
@@ -160,12 +162,17 @@ class LongStrawGRPOTrainer(trl.GRPOTrainer):
             processes (torchrun / accelerate launch) form W / C data-parallel groups; C
             must divide W. 1 (default): plain data parallelism; W: every rank on one
             prompt. `per_device_train_batch_size` counts rows per data-parallel group.
+        longstraw_fsdp: FSDP2, each decoder layer `fully_shard`-ed over the C ranks of its
+            context-parallel group on a 2-D (dp, cp) mesh, before the optimizer is made
+            (`trl_fsdp.py`; needs C >= 2 and no `optimizers=` optimizer). The sum across
+            data-parallel groups stays one all-reduce per step.
     """
 
     def __init__(self, model, reward_funcs=None, args=None, train_dataset=None, eval_dataset=None,
                  processing_class=None, reward_processing_classes=None, callbacks=None, optimizers=(None, None),
                  peft_config=None, *, longstraw_config: ExecConfig | None = None, longstraw_keep_states: bool = True,
-                 longstraw_replica_check_every: int = 0, longstraw_context_parallel_size: int = 1, **kwargs):
+                 longstraw_replica_check_every: int = 0, longstraw_context_parallel_size: int = 1,
+                 longstraw_fsdp: bool = False, **kwargs):
         longstraw_config = ExecConfig() if longstraw_config is None else longstraw_config
         if not isinstance(longstraw_replica_check_every, int) or longstraw_replica_check_every < 0:
             raise ConfigError(f"longstraw_replica_check_every must be an int >= 0 (0: off), got "
@@ -178,7 +185,7 @@ class LongStrawGRPOTrainer(trl.GRPOTrainer):
         bad = unsupported_settings(args, eval_dataset=eval_dataset, processing_class=processing_class,
                                    rollout_func=kwargs.get("rollout_func"), longstraw_config=longstraw_config)
         mesh = Mesh(world=args.world_size, context=longstraw_context_parallel_size)  # ConfigError unless C divides W
-        bad += check_mesh_settings(args, mesh)
+        bad += check_mesh_settings(args, mesh) + check_fsdp_settings(longstraw_fsdp, mesh, optimizers)
         if bad:
             raise ConfigError("LongStrawGRPOTrainer cannot run these TRL settings:\n  - " + "\n  - ".join(bad))
         if args.gradient_checkpointing or getattr(args, "activation_checkpointing", False):
@@ -200,6 +207,9 @@ class LongStrawGRPOTrainer(trl.GRPOTrainer):
                               "set GRPOConfig(router_aux_loss_coef=0.0)")
         policy = self.accelerator.unwrap_model(self.model)
         groups = mesh_groups(mesh)
+        if longstraw_fsdp:  # before the Trainer makes the optimizer (in train())
+            shard_decoder_layers(self.model, mesh, self.accelerator.device)
+            without_ddp(self.accelerator)
         self.longstraw_mesh = groups
         if mesh.context > 1:
             longstraw_config = dataclasses.replace(longstraw_config, context_parallel=True)

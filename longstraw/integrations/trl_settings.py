@@ -60,8 +60,10 @@ def unsupported_settings(args, *, eval_dataset=None, processing_class=None, roll
     refuse(args.cast_lm_head_to_fp32, "cast_lm_head_to_fp32=True is not supported; set it to False")
     refuse(args.use_liger_kernel, "use_liger_kernel=True is not supported; set it to False")
     refuse(args.deepspeed is not None or bool(args.fsdp),
-           "DeepSpeed and the Trainer's FSDP are not supported: LongStraw reduces the gradients itself; launch plain "
-           "processes (torchrun / accelerate launch without a DeepSpeed or FSDP config: docs/distributed.md)")
+           "DeepSpeed and the Trainer's FSDP (args.fsdp, an accelerate FSDP config) are not supported: LongStraw "
+           "reduces the gradients itself; launch plain processes (torchrun / accelerate launch without a DeepSpeed "
+           "or FSDP config) and pass longstraw_fsdp=True for FSDP2 over each context-parallel group "
+           "(docs/distributed.md)")
     refuse(rollout_func is not None,
            "rollout_func is not supported: it generates outside LongStraw (typically on a vLLM server), so there is "
            "no prompt state to sample from and reuse, and its sampling log-probs feed an importance-sampling "

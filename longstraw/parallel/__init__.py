@@ -65,13 +65,17 @@ Gradients (`gradients.py`, `fsdp.py`). Replay's gradients are complete on every 
 outside the prompt attention is replicated with replicated gradients, LoRA and K/V
 projections included). A divided walk's are partial: one bucketed all-reduce per step sums
 them (`partial_gradients`), or, for FSDP2-sharded layers, FSDP2's own reduce-scatter, set to
-sum for the walk (`fsdp_sums_partials`). Replicated is bitwise only where backward is
+sum for the walk (`fsdp_sums_partials`); on a 2-D (HSDP) mesh FSDP2's all-reduce across
+replicas is held (`hold_replica_reductions`: the data-parallel groups' calls would not pair)
+and what it holds is settled into `.grad` after each step's backward
+(`settle_held_reductions`), for one sum per optimizer step across groups. Replicated is bitwise only where backward is
 deterministic (on CUDA `index_add_` with repeated indices is not), so a step without a
 divided walk ends with one bucketed broadcast of the first rank's gradients
 (`replicate_gradients`), and `context.check_replicas` compares the ranks' weights exactly.
 
 What stays replicated: replay of the branches (R-sized), a walk over kept capture graphs
-(`keep_graph_bytes`), an offloaded state, FSDP2 on a 2-D mesh (`fsdp_sum_factor`), captures
+(`keep_graph_bytes`), an offloaded state, FSDP2 on a 2-D mesh whose replica all-reduce is not held
+(`fsdp_sum_factor`), captures
 that keep chunk graphs or of an offloaded state, and rollouts' decode.
 
 Collectives run on the device the group's backend carries (`ContextParallel.device`: the

@@ -3,6 +3,15 @@ partial gradients for the walk only. Every access to FSDP2's private internals
 (`_get_fsdp_state`, `_fsdp_param_groups` and the groups' reduction knobs) is in this
 module; `_fsdp_groups` returns None where a torch lays them out differently, and the walk
 then runs replicated. The design: `longstraw.parallel`.
+
+A 2-D (HSDP) mesh, (data-parallel replicate, context-parallel shard): FSDP2 would
+all-reduce every backward call's shards across the replicas, but the data-parallel groups
+run different sequences (different numbers of calls), so those collectives would not pair
+up. `hold_replica_reductions` turns that all-reduce off (`set_requires_all_reduce(False)`);
+FSDP2 then holds each call's reduce-scattered shard in the parameter group instead of the
+gradient, and `settle_held_reductions` moves what it holds into the sharded `.grad` (as
+FSDP2's own reduction would after its all-reduce, without it). The one sum across replicas
+per optimizer step is LongStraw's (`parallel.data.reduce_gradients`).
 """
 
 from __future__ import annotations
@@ -10,6 +19,13 @@ from __future__ import annotations
 import contextlib
 
 import torch.distributed as dist
+
+from longstraw.errors import DistributedError
+
+try:  # FSDP2's own choice of pre- and post-division, which `settle_held_reductions` finishes
+    from torch.distributed.fsdp._fully_shard._fsdp_collectives import _get_gradient_divide_factors
+except ImportError:  # pragma: no cover - a torch laid out differently: a 2-D mesh's walk runs replicated
+    _get_gradient_divide_factors = None
 
 from longstraw.parallel.gradients import partial_gradients, replicated_parameters
 
@@ -44,13 +60,24 @@ def fsdp_sharded_parameters(model) -> dict:
     return out
 
 
+def _holds_replica_reduction(group) -> bool:
+    """Whether an FSDP2 parameter group on a 2-D mesh keeps its reduce-scattered shards for
+    `settle_held_reductions` (all-reduce across replicas off, on a torch whose FSDP2 holds
+    them where this module reads them)."""
+    return (_get_gradient_divide_factors is not None and getattr(group, "all_reduce_grads", True) is False
+            and hasattr(group, "_partial_reduce_output"))
+
+
 def fsdp_sum_factor(modules, cp) -> float | None:
     """The divide factor with which FSDP2's reduce-scatter turns a divided walk's partial
     gradients into the right shard: its group's size / W (1: a plain sum when FSDP2 shards
     over the context-parallel ranks themselves; with more ranks, their data-parallel
-    average of the per-group sums). None when the walk cannot run divided under these
-    modules: a 2-D (HSDP) mesh, groups of different sizes, a context-parallel rank outside
-    the FSDP2 group, or a torch whose FSDP2 internals are laid out differently."""
+    average of the per-group sums). A 2-D (HSDP) mesh is accepted when its all-reduce
+    across replicas is held (`hold_replica_reductions`): the factor is then its shard
+    group's. None when the walk cannot run divided under these modules: a 2-D mesh whose
+    FSDP2 all-reduces every call, groups of different sizes, a context-parallel rank
+    outside the FSDP2 shard group, or a torch whose FSDP2 internals are laid out
+    differently."""
     cp_ranks = set(dist.get_process_group_ranks(cp.group if cp.group is not None else dist.group.WORLD))
     sizes = set()
     for module in modules:
@@ -59,7 +86,9 @@ def fsdp_sum_factor(modules, cp) -> float | None:
             return None
         for g in groups:
             mesh = g.mesh_info
-            if getattr(mesh, "replicate_process_group", None) is not None or not hasattr(mesh, "shard_process_group"):
+            if not hasattr(mesh, "shard_process_group"):
+                return None
+            if getattr(mesh, "replicate_process_group", None) is not None and not _holds_replica_reduction(g):
                 return None
             ranks = set(dist.get_process_group_ranks(mesh.shard_process_group))
             if not cp_ranks <= ranks:
@@ -82,10 +111,12 @@ def fsdp_sums_partials(modules, factor: float):
     module's previous settings are restored on exit."""
     saved = [(g, g.gradient_divide_factor, g.force_sum_reduction_for_comms, g.reduce_scatter_unused_params)
              for m in modules for g in _fsdp_groups(m)]
+    settle_held_reductions(modules)  # what replay left held was divided by replay's factor, not the walk's
     for g, *_ in saved:
         g.gradient_divide_factor, g.force_sum_reduction_for_comms, g.reduce_scatter_unused_params = factor, True, True
     try:
         yield
+        settle_held_reductions(modules)  # under the walk's factor
     finally:
         for g, factor0, force0, unused0 in saved:
             g.gradient_divide_factor, g.force_sum_reduction_for_comms, g.reduce_scatter_unused_params = (
@@ -102,3 +133,61 @@ def summed_walk_gradients(model, cp, fsdp_modules):
     fsdp = fsdp_sums_partials(fsdp_modules, fsdp_sum_factor(fsdp_modules, cp)) if fsdp_modules else None
     with fsdp or contextlib.nullcontext(), partial_gradients(replicated, cp):
         yield
+
+
+# ----------------------------------------------------------------------------
+# a 2-D (HSDP) mesh: the all-reduce across replicas held, summed once per step by LongStraw
+
+
+def hold_replica_reductions(modules) -> None:
+    """Set FSDP2 modules on a 2-D (replicate, shard) mesh for LongStraw's one gradient sum
+    across replicas per optimizer step: FSDP2's per-call all-reduce across replicas off
+    (`set_requires_all_reduce(False)`), replicated gradients averaged over the shard group
+    only (divide factor = its size; FSDP2's default divides by replicas x shards), and
+    unused parameters reduce-scattered as zeros (every call then holds the same layout).
+
+    Raises:
+        DistributedError: a module is not FSDP2 on a 2-D mesh, or this torch's FSDP2 does
+            not hold the reductions where `settle_held_reductions` reads them.
+    """
+    for module in modules:
+        groups = _fsdp_groups(module)
+        if not groups or any(getattr(g.mesh_info, "replicate_process_group", None) is None for g in groups):
+            raise DistributedError(f"{type(module).__name__} is not FSDP2-sharded on a 2-D (replicate, shard) mesh; "
+                                   "hold_replica_reductions is for fully_shard(module, mesh=<2-D DeviceMesh>)")
+        module.set_requires_all_reduce(False, recurse=False)
+        module.set_gradient_divide_factor(float(groups[0].mesh_info.shard_process_group.size()))
+        module.set_reduce_scatter_unused_params(True, recurse=False)
+        if not all(_holds_replica_reduction(g) for g in groups):
+            raise DistributedError("this torch's FSDP2 does not hold HSDP reductions as LongStraw expects "
+                                   "(FSDPParamGroup._partial_reduce_output); shard over a 1-D mesh instead")
+
+
+def settle_held_reductions(modules) -> None:
+    """Move what FSDP2 holds of each backward call's reduce-scattered shards (a 2-D mesh with
+    `hold_replica_reductions`) into the parameters' sharded `.grad` (added to what is
+    there), divided as FSDP2's own reduction would after its all-reduce; a no-op for
+    modules that hold nothing. No communication."""
+    for module in modules:
+        for g in _fsdp_groups(module) or ():
+            held = getattr(g, "_partial_reduce_output", None)
+            if held is None:
+                continue
+            g._partial_reduce_output = None
+            _, post, _, _ = _get_gradient_divide_factors(
+                g._reduce_scatter_process_group, g._all_reduce_process_group, held.dtype, held.device.type,
+                g.gradient_divide_factor, g.force_sum_reduction_for_comms)
+            flat = held.reshape(-1) / (post or 1.0)  # (sum of padded shard sizes,)
+            params = [p for p in g.fsdp_params if p.sharded_param.requires_grad]  # the layout every call holds
+            if flat.numel() != sum(p.padded_sharded_param_size.numel() for p in params):
+                raise DistributedError(f"FSDP2 held {flat.numel()} gradient elements for {len(params)} trainable "
+                                       "parameters of another size; a backward call reduced a different set of "
+                                       "parameters (set_reduce_scatter_unused_params(True), hold_replica_reductions)")
+            offset = 0
+            for p in params:
+                grad = flat[offset: offset + p.sharded_size.numel()].view(p.sharded_size).to(p.sharded_param.dtype)
+                if p.sharded_param.grad is None:
+                    p.sharded_param.grad = p.to_sharded_dtensor(grad)
+                else:
+                    p.sharded_param.grad._local_tensor += grad
+                offset += p.padded_sharded_param_size.numel()

@@ -31,9 +31,10 @@ def _run_ranks(world: int, *args) -> list[int]:
     return spawn_each(worker.rank_main, world, (world, _free_port(), *args), worker.PG_TIMEOUT_S + 300)
 
 
-def _spawn(case: str, world: int, context: int, out_dir, steps: int) -> list[dict]:
+def _spawn(case: str, world: int, context: int, out_dir, steps: int, fsdp: bool = False, clip: float = 0.0
+           ) -> list[dict]:
     """Run `case` on `world` ranks; return each rank's record (a rank's error in the failure)."""
-    codes = _run_ranks(world, str(out_dir), case, context, "", steps)
+    codes = _run_ranks(world, str(out_dir), case, context, "", steps, fsdp, clip)
     errors = [p.read_text() for p in sorted(out_dir.glob("rank*.err"))]
     assert not errors and codes == [0] * world, (errors, codes)
     return [torch.load(out_dir / f"rank{r}.pt", weights_only=False) for r in range(world)]
@@ -61,11 +62,22 @@ def _assert_equal_runs(ours: dict, want: dict, rel: float = 1e-9) -> None:
         assert (ours["after"][name] - w).abs().max() <= rel * w.abs().max() + 1e-12, name
 
 
-def _check(case, world, context, tmp_path, steps=1):
-    ranks = _spawn(case, world, context, tmp_path / "ranks", steps)
-    want = worker.record_run(case, str(tmp_path / "one"), data_groups=world // context, steps=steps)
+FSDP_CLIP = 0.05
+"""max_grad_norm of the FSDP2 runs (and their references): below every step's gradient norm,
+so the Trainer's clipping (its norm over the shards and the replicated parameters) acts."""
+
+
+def _check(case, world, context, tmp_path, steps=1, fsdp=False):
+    clip = FSDP_CLIP if fsdp else 0.0
+    ranks = _spawn(case, world, context, tmp_path / "ranks", steps, fsdp, clip)
+    want = worker.record_run(case, str(tmp_path / "one"), data_groups=world // context, steps=steps,
+                             max_grad_norm=clip)
+    assert not fsdp or all(log["grad_norm"] > clip for log in want["logs"])  # the clipping acts
     for record in ranks:
         assert record["context"] == context  # the engine's context parallelism over C ranks
+        assert bool(record["sharded"]) == fsdp and all(".layers." in n for n in record["sharded"])
+        if fsdp and worker.CASES[case][2].get("mode") == "exact":  # FSDP2's reduce-scatter sums the walk's partials
+            assert record["divided_walks"] and all(w == 1.0 for w in record["divided_walks"]), record["divided_walks"]
         _assert_equal_runs(record, want)
 
 
@@ -86,6 +98,50 @@ def test_two_data_parallel_ranks_equal_one_process_over_the_global_batch(tmp_pat
 @pytest.mark.parametrize("case", ["detached", "exact", "lora_beta"])
 def test_four_ranks_two_groups_of_two_equal_one_process(tmp_path, float64_default, case):
     _check(case, 4, 2, tmp_path)
+
+
+def test_fsdp2_two_ranks_one_prompt_equals_one_process(tmp_path, float64_default):
+    """W = 2, C = 2, `longstraw_fsdp=True`: the decoder layers sharded over both ranks (a
+    (1, 2) HSDP mesh, its replica all-reduce held), LoRA with beta > 0 in exact mode (the
+    divided walk sums its partials through FSDP2's reduce-scatter), the gradient clipped;
+    the full gradients gathered from the shards equal one process's."""
+    _check("lora_beta", 2, 2, tmp_path, fsdp=True)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", ["detached", "exact", "lora_beta"])
+def test_fsdp2_four_ranks_on_a_2d_mesh_equal_one_process(tmp_path, float64_default, case):
+    """W = 4, C = 2, `longstraw_fsdp=True`: a (2, 2) HSDP mesh, sharded within each group,
+    replicated across the two; FSDP2's all-reduce across them held, LongStraw's one sum per
+    step instead."""
+    _check(case, 4, 2, tmp_path, fsdp=True)
+
+
+def test_fsdp2_refuses_one_rank_per_prompt_and_a_premade_optimizer(tmp_path):
+    """`longstraw_fsdp=True` with C = 1 (nothing to shard over that pairs up) and with an
+    optimizer made before the sharding: one ConfigError naming both, at construction."""
+    import longstraw as ls
+
+    premade = (torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0), None)
+    with pytest.raises(ls.ConfigError) as info:
+        worker.record_run("detached", str(tmp_path), data_groups=1, fsdp=True, optimizers=premade)
+    message = str(info.value)
+    assert "longstraw_fsdp=True with longstraw_context_parallel_size=1" in message, message
+    assert "longstraw_fsdp=True with optimizers=" in message, message
+    with pytest.raises(ls.ConfigError, match="longstraw_fsdp must be True or False, got 'yes'"):
+        worker.record_run("detached", str(tmp_path), data_groups=1, fsdp="yes")
+
+
+def test_the_trainers_own_fsdp_config_is_refused_naming_longstraw_fsdp():
+    """TRL's / accelerate's FSDP (`args.fsdp`) stays refused; the message names the option
+    that does FSDP2 here."""
+    import trl
+
+    from longstraw.integrations.trl_settings import unsupported_settings
+
+    args = trl.GRPOConfig("unused", use_cpu=True, report_to=[])
+    args.fsdp = "full_shard"
+    assert any("Trainer's FSDP" in m and "longstraw_fsdp=True" in m for m in unsupported_settings(args))
 
 
 @pytest.mark.parametrize("context,where,cause", [(1, "update", "500"), (2, "update", "500"),

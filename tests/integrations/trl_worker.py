@@ -37,11 +37,14 @@ CASES = {
 
 
 def record_run(case: str, out_dir: str, *, data_groups: int, context: int = 1, prompts_per_group: int = 2,
-               steps: int = 1, prepare=lambda trainer: None) -> dict:
+               steps: int = 1, prepare=lambda trainer: None, fsdp: bool = False, optimizers=(None, None),
+               max_grad_norm: float = 0.0) -> dict:
     """Train `steps` optimizer steps of `case`; return the logs, the gradient each step
-    applied and the parameters before and after. `data_groups` x `prompts_per_group`
-    prompts make the global batch (per data-parallel group: `prompts_per_group` groups of
-    G, one per accumulation micro-step)."""
+    applied and the parameters before and after (FSDP2 shards gathered whole). `data_groups`
+    x `prompts_per_group` prompts make the global batch (per data-parallel group:
+    `prompts_per_group` groups of G, one per accumulation micro-step). `fsdp`: the
+    trainer's `longstraw_fsdp`; `max_grad_norm`: the Trainer's clipping (0: off; the
+    recorded gradients are the clipped ones the step applied)."""
     import datasets
     import trl
 
@@ -61,28 +64,48 @@ def record_run(case: str, out_dir: str, *, data_groups: int, context: int = 1, p
     rows = G * prompts_per_group * data_groups * context // world  # per process: whole groups
     args = dict(output_dir=os.path.join(out_dir, "run"), per_device_train_batch_size=G,
                 gradient_accumulation_steps=rows // G, num_generations=G, max_completion_length=5, max_steps=steps,
-                optim="sgd", learning_rate=1.0, lr_scheduler_type="constant", weight_decay=0.0, max_grad_norm=0.0,
-                use_cpu=True, bf16=False, report_to=[], save_strategy="no", logging_steps=1, seed=0, temperature=0.9,
-                disable_dropout=True, use_bias_correction_kl=False, ddp_timeout=PG_TIMEOUT_S)
+                optim="sgd", learning_rate=1.0, lr_scheduler_type="constant", weight_decay=0.0,
+                max_grad_norm=max_grad_norm, use_cpu=True, bf16=False, report_to=[], save_strategy="no",
+                logging_steps=1, seed=0, temperature=0.9, disable_dropout=True, use_bias_correction_kl=False,
+                ddp_timeout=PG_TIMEOUT_S)
     grads = []
 
     class Grads(trl.trainer.grpo_trainer.TrainerCallback):
         def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
-            grads.append({n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None})
+            grads.append({n: _whole(p.grad) for n, p in model.named_parameters() if p.grad is not None})
 
     config = ls.ExecConfig(chunk_size=4, attention_block_size=4, shard_block_size=2, **exec_kw)
     trainer = LongStrawGRPOTrainer(
         model=copy.deepcopy(model), reward_funcs=[_reward], args=trl.GRPOConfig(**{**args, **overrides}),
         train_dataset=datasets.Dataset.from_dict({"prompt": _prompts(16)}),
         processing_class=token_id_tokenizer(VOCAB, eos_token_id=EOS), callbacks=[Grads()], peft_config=peft_config,
-        longstraw_config=config, longstraw_context_parallel_size=context)
+        longstraw_config=config, longstraw_context_parallel_size=context, longstraw_fsdp=fsdp,
+        optimizers=optimizers)
     prepare(trainer)
-    before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    walks = []  # per engine.step that was not skipped: whether exact mode's walk ran divided
+    real_step = trainer.longstraw_engine.step
+
+    def step(*args, **kwargs):
+        result = real_step(*args, **kwargs)
+        if result.metrics["skipped_zero_advantage"] == result.metrics["skipped_no_loss_tokens"] == 0:
+            walks.append(result.metrics["divided_walk"])
+        return result
+
+    trainer.longstraw_engine.step = step
+    before = {n: _whole(p) for n, p in trainer.model.named_parameters()}
+    sharded = [n for n, p in trainer.model.named_parameters() if hasattr(p, "full_tensor")]
     trainer.train()
-    after = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    after = {n: _whole(p) for n, p in trainer.model.named_parameters()}
     logs = [h for h in trainer.state.log_history if "loss" in h]
     cp = trainer.longstraw_engine.cp
-    return dict(before=before, after=after, grads=grads, logs=logs, context=1 if cp is None else cp.world)
+    return dict(before=before, after=after, grads=grads, logs=logs, context=1 if cp is None else cp.world,
+                sharded=sharded, divided_walks=walks)
+
+
+def _whole(t):
+    """A detached copy of `t`, gathered whole if it is a DTensor (an FSDP2 shard: a collective)."""
+    t = t.detach()
+    return t.full_tensor() if hasattr(t, "full_tensor") else t.clone()
 
 
 def _break_rank_one(where: str):
@@ -111,7 +134,7 @@ def _break_rank_one(where: str):
 
 
 def rank_main(rank: int, world: int, port: int, out_dir: str, case: str, context: int, break_at: str = "",
-              steps: int = 1) -> None:
+              steps: int = 1, fsdp: bool = False, max_grad_norm: float = 0.0) -> None:
     """One torchrun-style process: env, float64, one thread, `record_run`, saved (its error
     to rank{rank}.err). `break_at` ("update", "generation"): rank 1 fails a check there."""
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
@@ -119,7 +142,8 @@ def rank_main(rank: int, world: int, port: int, out_dir: str, case: str, context
     torch.set_num_threads(1)
     torch.set_default_dtype(torch.float64)  # TRL builds rewards and advantages in the default dtype
     try:
-        result = record_run(case, out_dir, data_groups=world // context, context=context, steps=steps,
+        result = record_run(case, out_dir, data_groups=world // context, context=context, steps=steps, fsdp=fsdp,
+                            max_grad_norm=max_grad_norm,
                             prepare=_break_rank_one(break_at) if break_at else lambda trainer: None)
     except BaseException as exc:
         with open(os.path.join(out_dir, f"rank{rank}.err"), "w") as f:

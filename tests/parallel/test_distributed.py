@@ -52,6 +52,11 @@ def test_fsdp2_sharded_layers_get_matching_gradient_slices(tmp_path):
     mp.spawn(worker.run_fsdp, args=(2, str(tmp_path / "init")), nprocs=2, join=True)
 
 
+def test_fsdp2_on_a_2d_mesh_with_held_replica_reductions_divides_the_walk(tmp_path):
+    """A (1, 2) HSDP mesh, FSDP2's all-reduce across replicas held for one sum per step."""
+    mp.spawn(worker.run_fsdp_2d, args=(2, str(tmp_path / "init")), nprocs=2, join=True)
+
+
 def test_generate_under_context_parallelism_equals_single_process(tmp_path):
     mp.spawn(worker.run_generate, args=(3, str(tmp_path / "init"), ["dense", "hybrid", "glm_sparse", "dsv32_sparse"]),
              nprocs=3, join=True)
