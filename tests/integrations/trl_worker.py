@@ -36,12 +36,30 @@ CASES = {
 }
 
 
+CHECKPOINTED = dict(optim="adamw_torch", learning_rate=1e-2, weight_decay=0.1, lr_scheduler_type="linear",
+                    save_strategy="steps", save_steps=1)
+"""Trainer overrides of the checkpoint tests: AdamW moments, a decaying LR and weight
+decay, so a resume that lost the optimizer or scheduler state (or the data position)
+leaves the uninterrupted run's curve; a checkpoint after every optimizer step."""
+
+
+def optimizer_state(trainer) -> dict:
+    """The trainer's optimizer state keyed by parameter name: {name: {key: tensor}}."""
+    opt = getattr(trainer.optimizer, "optimizer", trainer.optimizer)
+    names = {id(p): n for n, p in trainer.model.named_parameters()}
+    return {names[id(p)]: {k: torch.as_tensor(v).detach().clone() for k, v in st.items()} for p, st in opt.state.items()}
+
+
 def record_run(case: str, out_dir: str, *, data_groups: int, context: int = 1, prompts_per_group: int = 2,
-               steps: int = 1, prepare=lambda trainer: None) -> dict:
+               steps: int = 1, prepare=lambda trainer: None, settings: dict | None = None,
+               resume: str | None = None, stop_after: int | None = None) -> dict:
     """Train `steps` optimizer steps of `case`; return the logs, the gradient each step
     applied and the parameters before and after. `data_groups` x `prompts_per_group`
     prompts make the global batch (per data-parallel group: `prompts_per_group` groups of
-    G, one per accumulation micro-step)."""
+    G, one per accumulation micro-step). `settings`: more trainer settings; `resume`:
+    `train(resume_from_checkpoint=resume)` (then `loaded`: the parameters and optimizer
+    state when training begins); `stop_after`: stop after that optimizer step (an
+    interrupted run; its checkpoints are written first)."""
     import datasets
     import trl
 
@@ -64,11 +82,21 @@ def record_run(case: str, out_dir: str, *, data_groups: int, context: int = 1, p
                 optim="sgd", learning_rate=1.0, lr_scheduler_type="constant", weight_decay=0.0, max_grad_norm=0.0,
                 use_cpu=True, bf16=False, report_to=[], save_strategy="no", logging_steps=1, seed=0, temperature=0.9,
                 disable_dropout=True, use_bias_correction_kl=False, ddp_timeout=PG_TIMEOUT_S)
-    grads = []
+    args.update(settings or {})
+    grads, loaded, params_at = [], {}, {}
 
     class Grads(trl.trainer.grpo_trainer.TrainerCallback):
+        def on_train_begin(self, args, state, control, **kwargs):  # after the checkpoint's state is loaded
+            loaded.update(params={n: p.detach().clone() for n, p in trainer.model.named_parameters()},
+                          optim=optimizer_state(trainer))
+
         def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
             grads.append({n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None})
+
+        def on_step_end(self, args, state, control, **kwargs):
+            params_at[state.global_step] = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+            if state.global_step == stop_after:
+                control.should_training_stop = True
 
     config = ls.ExecConfig(chunk_size=4, attention_block_size=4, shard_block_size=2, **exec_kw)
     trainer = LongStrawGRPOTrainer(
@@ -78,11 +106,12 @@ def record_run(case: str, out_dir: str, *, data_groups: int, context: int = 1, p
         longstraw_config=config, longstraw_context_parallel_size=context)
     prepare(trainer)
     before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
-    trainer.train()
+    trainer.train(resume_from_checkpoint=resume)
     after = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
     logs = [h for h in trainer.state.log_history if "loss" in h]
     cp = trainer.longstraw_engine.cp
-    return dict(before=before, after=after, grads=grads, logs=logs, context=1 if cp is None else cp.world)
+    return dict(before=before, after=after, grads=grads, logs=logs, context=1 if cp is None else cp.world,
+                loaded=loaded, params_at=params_at, optim=optimizer_state(trainer), global_step=trainer.state.global_step)
 
 
 def _break_rank_one(where: str):
@@ -110,17 +139,32 @@ def _break_rank_one(where: str):
     return prepare
 
 
+def interrupted_and_resumed(case: str, out_dir: str, *, data_groups: int, context: int = 1) -> dict:
+    """A 3-step run of `case` (one prompt per data-parallel group and step) with
+    `CHECKPOINTED`, interrupted after step 1 (its checkpoint written), then a fresh trainer
+    resumed from `checkpoint-1` and interrupted after step 2 (having written
+    `checkpoint-2`). Both runs' records."""
+    kw = dict(data_groups=data_groups, context=context, steps=3, settings=CHECKPOINTED, prompts_per_group=1)
+    interrupted = record_run(case, out_dir, stop_after=1, **kw)
+    resumed = record_run(case, out_dir, resume=os.path.join(out_dir, "run", "checkpoint-1"), stop_after=2, **kw)
+    return dict(interrupted=interrupted, resumed=resumed)
+
+
 def rank_main(rank: int, world: int, port: int, out_dir: str, case: str, context: int, break_at: str = "",
-              steps: int = 1) -> None:
-    """One torchrun-style process: env, float64, one thread, `record_run`, saved (its error
-    to rank{rank}.err). `break_at` ("update", "generation"): rank 1 fails a check there."""
+              steps: int = 1, job: str = "run") -> None:
+    """One torchrun-style process: env, float64, one thread, `record_run` (job "run") or
+    `interrupted_and_resumed` (job "checkpoint"), saved (its error to rank{rank}.err).
+    `break_at` ("update", "generation"): rank 1 fails a check there."""
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     torch.set_default_dtype(torch.float64)  # TRL builds rewards and advantages in the default dtype
     try:
-        result = record_run(case, out_dir, data_groups=world // context, context=context, steps=steps,
-                            prepare=_break_rank_one(break_at) if break_at else lambda trainer: None)
+        if job == "checkpoint":
+            result = interrupted_and_resumed(case, out_dir, data_groups=world // context, context=context)
+        else:
+            result = record_run(case, out_dir, data_groups=world // context, context=context, steps=steps,
+                                prepare=_break_rank_one(break_at) if break_at else lambda trainer: None)
     except BaseException as exc:
         with open(os.path.join(out_dir, f"rank{rank}.err"), "w") as f:
             f.write(f"{type(exc).__name__}: {exc}")
