@@ -50,16 +50,12 @@ def optimizer_state(trainer) -> dict:
     return {names[id(p)]: {k: torch.as_tensor(v).detach().clone() for k, v in st.items()} for p, st in opt.state.items()}
 
 
-def record_run(case: str, out_dir: str, *, data_groups: int, context: int = 1, prompts_per_group: int = 2,
-               steps: int = 1, prepare=lambda trainer: None, settings: dict | None = None,
-               resume: str | None = None, stop_after: int | None = None) -> dict:
-    """Train `steps` optimizer steps of `case`; return the logs, the gradient each step
-    applied and the parameters before and after. `data_groups` x `prompts_per_group`
-    prompts make the global batch (per data-parallel group: `prompts_per_group` groups of
-    G, one per accumulation micro-step). `settings`: more trainer settings; `resume`:
-    `train(resume_from_checkpoint=resume)` (then `loaded`: the parameters and optimizer
-    state when training begins); `stop_after`: stop after that optimizer step (an
-    interrupted run; its checkpoints are written first)."""
+def make_trainer(case: str, out_dir: str, *, data_groups: int, context: int = 1, prompts_per_group: int = 2,
+                 steps: int = 1, settings: dict | None = None, callbacks=()):
+    """The trainer of `case` for `steps` optimizer steps: `data_groups` x
+    `prompts_per_group` prompts make the global batch (per data-parallel group:
+    `prompts_per_group` groups of G, one per accumulation micro-step); `settings`: more
+    trainer settings."""
     import datasets
     import trl
 
@@ -83,35 +79,53 @@ def record_run(case: str, out_dir: str, *, data_groups: int, context: int = 1, p
                 use_cpu=True, bf16=False, report_to=[], save_strategy="no", logging_steps=1, seed=0, temperature=0.9,
                 disable_dropout=True, use_bias_correction_kl=False, ddp_timeout=PG_TIMEOUT_S)
     args.update(settings or {})
-    grads, loaded, params_at = [], {}, {}
+    config = ls.ExecConfig(chunk_size=4, attention_block_size=4, shard_block_size=2, **exec_kw)
+    return LongStrawGRPOTrainer(
+        model=copy.deepcopy(model), reward_funcs=[_reward], args=trl.GRPOConfig(**{**args, **overrides}),
+        train_dataset=datasets.Dataset.from_dict({"prompt": _prompts(16)}),
+        processing_class=token_id_tokenizer(VOCAB, eos_token_id=EOS), callbacks=list(callbacks),
+        peft_config=peft_config, longstraw_config=config, longstraw_context_parallel_size=context)
 
-    class Grads(trl.trainer.grpo_trainer.TrainerCallback):
+
+def record_run(case: str, out_dir: str, *, data_groups: int, context: int = 1, prompts_per_group: int = 2,
+               steps: int = 1, prepare=lambda trainer: None, settings: dict | None = None,
+               resume: str | None = None, stop_after: int | None = None) -> dict:
+    """Train `steps` optimizer steps of `case` (`make_trainer`); return the logs, the
+    gradient each step applied and the parameters before and after (and after each step:
+    `params_at`, with the scheduler's state: `scheduler_at`). `resume`:
+    `train(resume_from_checkpoint=resume)` (then `loaded`: the parameters, optimizer and
+    scheduler state when training begins); `stop_after`: stop after that optimizer step
+    (an interrupted run; its checkpoints are written first)."""
+    import trl
+
+    grads, loaded, params_at, scheduler_at = [], {}, {}, {}
+
+    def params():
+        return {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+
+    class Record(trl.trainer.grpo_trainer.TrainerCallback):
         def on_train_begin(self, args, state, control, **kwargs):  # after the checkpoint's state is loaded
-            loaded.update(params={n: p.detach().clone() for n, p in trainer.model.named_parameters()},
-                          optim=optimizer_state(trainer))
+            loaded.update(params=params(), optim=optimizer_state(trainer), scheduler=trainer.lr_scheduler.state_dict())
 
         def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
             grads.append({n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None})
 
         def on_step_end(self, args, state, control, **kwargs):
-            params_at[state.global_step] = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+            params_at[state.global_step] = params()
+            scheduler_at[state.global_step] = trainer.lr_scheduler.state_dict()
             if state.global_step == stop_after:
                 control.should_training_stop = True
 
-    config = ls.ExecConfig(chunk_size=4, attention_block_size=4, shard_block_size=2, **exec_kw)
-    trainer = LongStrawGRPOTrainer(
-        model=copy.deepcopy(model), reward_funcs=[_reward], args=trl.GRPOConfig(**{**args, **overrides}),
-        train_dataset=datasets.Dataset.from_dict({"prompt": _prompts(16)}),
-        processing_class=token_id_tokenizer(VOCAB, eos_token_id=EOS), callbacks=[Grads()], peft_config=peft_config,
-        longstraw_config=config, longstraw_context_parallel_size=context)
+    trainer = make_trainer(case, out_dir, data_groups=data_groups, context=context, prompts_per_group=prompts_per_group,
+                           steps=steps, settings=settings, callbacks=[Record()])
     prepare(trainer)
-    before = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
+    before = params()
     trainer.train(resume_from_checkpoint=resume)
-    after = {n: p.detach().clone() for n, p in trainer.model.named_parameters()}
     logs = [h for h in trainer.state.log_history if "loss" in h]
     cp = trainer.longstraw_engine.cp
-    return dict(before=before, after=after, grads=grads, logs=logs, context=1 if cp is None else cp.world,
-                loaded=loaded, params_at=params_at, optim=optimizer_state(trainer), global_step=trainer.state.global_step)
+    return dict(before=before, after=params(), grads=grads, logs=logs, context=1 if cp is None else cp.world,
+                loaded=loaded, params_at=params_at, scheduler_at=scheduler_at, optim=optimizer_state(trainer),
+                global_step=trainer.state.global_step)
 
 
 def _break_rank_one(where: str):
@@ -153,15 +167,16 @@ def interrupted_and_resumed(case: str, out_dir: str, *, data_groups: int, contex
 def rank_main(rank: int, world: int, port: int, out_dir: str, case: str, context: int, break_at: str = "",
               steps: int = 1, job: str = "run") -> None:
     """One torchrun-style process: env, float64, one thread, `record_run` (job "run") or
-    `interrupted_and_resumed` (job "checkpoint"), saved (its error to rank{rank}.err).
+    `interrupted_and_resumed` and `fsdp2_checkpoint` (job "checkpoint"), saved (its error to rank{rank}.err).
     `break_at` ("update", "generation"): rank 1 fails a check there."""
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(world),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
     torch.set_default_dtype(torch.float64)  # TRL builds rewards and advantages in the default dtype
     try:
-        if job == "checkpoint":
+        if job == "checkpoint":  # then the checkpoint module on FSDP2 shards, on the same processes
             result = interrupted_and_resumed(case, out_dir, data_groups=world // context, context=context)
+            fsdp2_checkpoint(os.path.join(out_dir, "fsdp2"))
         else:
             result = record_run(case, out_dir, data_groups=world // context, context=context, steps=steps,
                                 prepare=_break_rank_one(break_at) if break_at else lambda trainer: None)
@@ -170,3 +185,34 @@ def rank_main(rank: int, world: int, port: int, out_dir: str, case: str, context
             f.write(f"{type(exc).__name__}: {exc}")
         raise
     torch.save(result, os.path.join(out_dir, f"rank{rank}.pt"))
+
+
+def fsdp2_checkpoint(out_dir: str) -> None:
+    """On the ranks' default process group: a tiny Qwen3 with FSDP2 (`fully_shard` per
+    decoder layer and the root over all W ranks: parameters and AdamW moments are DTensor
+    shards), one AdamW step, then `trl_checkpoint.save` into `out_dir`. Rank 0 also writes
+    the full parameters and the full optimizer state (name-keyed) that were saved, for a
+    W = 1 load to compare against."""
+    import torch.distributed as dist
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from longstraw.integrations import trl_checkpoint
+    from tests.reference import tiny_model
+
+    world = dist.get_world_size()
+    model = tiny_model("qwen3")
+    mesh = init_device_mesh("cpu", (world,))
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
+    model(torch.arange(2, 14)[None]).logits.square().mean().backward()  # (1, T): the same batch on every rank
+    optimizer.step()
+    trl_checkpoint.save(out_dir, model, optimizer, None, world=world, context=world, step=1)
+    params = {n: p.full_tensor().detach().clone() for n, p in model.named_parameters()}
+    optim = get_optimizer_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    sharded = all(type(p).__name__ == "DTensor" for p in model.parameters())
+    if dist.get_rank() == 0:
+        torch.save(dict(params=params, optim=optim["state"], sharded=sharded), os.path.join(out_dir, "full.pt"))
