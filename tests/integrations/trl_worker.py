@@ -33,6 +33,10 @@ CASES = {
     "detached": ("qwen3", dict(scale_rewards="batch"), dict(), False),
     "exact": ("qwen3", dict(loss_type="grpo"), dict(mode="exact"), False),
     "lora_beta": ("qwen3", dict(beta=0.1, loss_type="dr_grpo"), dict(mode="exact"), True),
+    # TRL's tool loop (`tools=`): the coin model calls `lookup` or answers (`_coin_model`)
+    "tools": ("qwen3", dict(max_tool_calling_iterations=2, max_completion_length=24), dict(), False),
+    "tools_exact": ("qwen3", dict(max_tool_calling_iterations=2, max_completion_length=24, loss_type="grpo"),
+                    dict(mode="exact"), False),
 }
 
 
@@ -48,6 +52,29 @@ def optimizer_state(trainer) -> dict:
     opt = getattr(trainer.optimizer, "optimizer", trainer.optimizer)
     names = {id(p): n for n, p in trainer.model.named_parameters()}
     return {names[id(p)]: {k: torch.as_tensor(v).detach().clone() for k, v in st.items()} for p, st in opt.state.items()}
+
+
+def _coin_model(model, tokenizer):
+    """`model` (a tiny Qwen3) made to follow, almost surely (margins of ~100 logits), the
+    chains <tool_call> -> CALL(3) -> </tool_call> -> <eos> and <number 5> -> <eos>, and to
+    toss a fair coin after <a> (the generation prompt, and the end of TRL's tool turn)
+    between the two (their lm_head rows are equal): each branch calls `lookup` 0, 1 or 2 times, and the completions (so
+    the rewards) differ within a group. One-hot embeddings on dims 0-4 dominate the
+    residual stream; lm_head maps each to its successor(s)."""
+    from longstraw.integrations.chat import call_word
+
+    ids = tokenizer.convert_tokens_to_ids
+    a, open_, call, close, eos, number = (ids("<a>"), ids("<tool_call>"), ids(call_word("lookup", "key", 3)),
+                                          ids("</tool_call>"), ids("<eos>"), ids("5"))
+    successors = {a: (open_, number), open_: (call,), call: (close,), close: (eos,), number: (eos,)}
+    with torch.no_grad():
+        for d, (token, nexts) in enumerate(successors.items()):
+            model.model.embed_tokens.weight[token] = 0.0
+            model.model.embed_tokens.weight[token, d] = 30.0
+            for successor in nexts:
+                model.lm_head.weight[successor, d] += 20.0
+        model.lm_head.weight[number] = model.lm_head.weight[open_]  # the coin: equal logits everywhere
+    return model
 
 
 def make_trainer(case: str, out_dir: str, *, data_groups: int, context: int = 1, prompts_per_group: int = 2,
@@ -80,11 +107,18 @@ def make_trainer(case: str, out_dir: str, *, data_groups: int, context: int = 1,
                 disable_dropout=True, use_bias_correction_kl=False, ddp_timeout=PG_TIMEOUT_S)
     args.update(settings or {})
     config = ls.ExecConfig(chunk_size=4, attention_block_size=4, shard_block_size=2, **exec_kw)
+    data = dict(train_dataset=datasets.Dataset.from_dict({"prompt": _prompts(16)}),
+                processing_class=token_id_tokenizer(VOCAB, eos_token_id=EOS))
+    if case.startswith("tools"):  # chat prompts, the tool chat tokenizer, lookup as the tool
+        from longstraw.integrations.chat import tool_chat_tokenizer
+        from tests.integrations.test_trl_tools import _dataset, lookup
+
+        data = dict(train_dataset=_dataset(16), processing_class=tool_chat_tokenizer(VOCAB), tools=[lookup])
+        model = _coin_model(model, data["processing_class"])
     return LongStrawGRPOTrainer(
         model=copy.deepcopy(model), reward_funcs=[_reward], args=trl.GRPOConfig(**{**args, **overrides}),
-        train_dataset=datasets.Dataset.from_dict({"prompt": _prompts(16)}),
-        processing_class=token_id_tokenizer(VOCAB, eos_token_id=EOS), callbacks=list(callbacks),
-        peft_config=peft_config, longstraw_config=config, longstraw_context_parallel_size=context)
+        callbacks=list(callbacks), peft_config=peft_config, longstraw_config=config,
+        longstraw_context_parallel_size=context, **data)
 
 
 def record_run(case: str, out_dir: str, *, data_groups: int, context: int = 1, prompts_per_group: int = 2,
