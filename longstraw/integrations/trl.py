@@ -8,7 +8,9 @@ update run through LongStraw. A TRL user changes one class:
 
 What stays TRL's: the data loader and its RepeatSampler (each prompt num_generations
 times in a row), tokenisation, reward functions, advantages (every `scale_rewards`),
-logging, checkpoints, the optimizer, scheduler and gradient clipping.
+logging, checkpoints (save and resume; the model and optimizer state go through
+torch.distributed.checkpoint and load at any W: `trl_checkpoint.py`), the optimizer,
+scheduler and gradient clipping.
 
 What LongStraw replaces, through three of GRPOTrainer's hooks:
 

@@ -96,6 +96,8 @@ def _spawn_checkpoint_job(world: int, context: int, out_dir) -> list[dict]:
 
 
 def _check_two_ranks(ranks_dir, ranks: list[dict], context: int, whole: dict, tmp_path) -> None:
+    """`ranks` (W = 2, C = `context`) against `whole`, one process over the same global batch."""
+    batch = dict(data_groups=2 // context, prompts_per_group=1)
     for record in ranks:  # interrupted after step 1 at W = 2, resumed at W = 2
         interrupted = record["interrupted"]
         assert interrupted["global_step"] == 1
@@ -108,7 +110,7 @@ def _check_two_ranks(ranks_dir, ranks: list[dict], context: int, whole: dict, tm
     saved = ranks[0]["resumed"]
     on = _float64(lambda: worker.record_run(CASE, str(tmp_path / "w1"), steps=3,
                                             settings={**worker.CHECKPOINTED, "save_strategy": "no"},
-                                            resume=str(ranks_dir / "run" / "checkpoint-2"), **ONE_PROMPT))
+                                            resume=str(ranks_dir / "run" / "checkpoint-2"), **batch))
     assert all(torch.equal(on["loaded"]["params"][n], p) for n, p in saved["after"].items())
     assert on["loaded"]["optim"].keys() == saved["optim"].keys() and saved["optim"]
     for name, state in saved["optim"].items():
@@ -133,10 +135,14 @@ def test_two_ranks_one_prompt_resume_and_load_at_one_process(two_ranks_one_promp
 
 
 @pytest.mark.slow
-def test_two_data_parallel_ranks_resume_and_load_at_one_process(one_process, tmp_path):
-    """W = 2, C = 1."""
+def test_two_data_parallel_ranks_resume_and_load_at_one_process(tmp_path):
+    """W = 2, C = 1: a global batch of two prompts (one per data-parallel group), so its
+    own one-process reference."""
+    whole = _float64(lambda: worker.record_run(CASE, str(tmp_path / "whole"), steps=3, data_groups=2,
+                                               prompts_per_group=1,
+                                               settings={**worker.CHECKPOINTED, "save_strategy": "no"}))
     ranks = _spawn_checkpoint_job(2, 1, tmp_path / "ranks")
-    _check_two_ranks(tmp_path / "ranks", ranks, 1, one_process["whole"], tmp_path)
+    _check_two_ranks(tmp_path / "ranks", ranks, 1, whole, tmp_path)
 
 
 def test_a_checkpoint_of_another_model_is_refused_before_loading(one_process, tmp_path):
@@ -178,7 +184,8 @@ def test_fsdp2_shards_saved_at_two_ranks_load_at_one(two_ranks_one_prompt):
 
 def test_resuming_inside_a_num_iterations_cycle_says_it_generates_again(one_process, tmp_path, caplog):
     """num_iterations=2 reuses step 1's generation batch at step 2; the checkpoint of step
-    1 does not hold it, so the resume says that it generates again (stock TRL does too)."""
+    1 does not hold it, so the resume says that it generates again (stock TRL does too).
+    TRL's micro-step counter is set from the restored global step."""
     trainer = _float64(lambda: worker.make_trainer(CASE, str(tmp_path), steps=2, **ONE_PROMPT,
                                                    settings={**worker.CHECKPOINTED, "num_iterations": 2}))
     trainer.create_optimizer_and_scheduler(num_training_steps=2)
@@ -186,3 +193,4 @@ def test_resuming_inside_a_num_iterations_cycle_says_it_generates_again(one_proc
     with caplog.at_level("WARNING", logger="longstraw.integrations.trl"):
         trainer._load_optimizer_and_scheduler(str(one_process["root"] / "run" / "checkpoint-1"))
     assert "inside a num_iterations=2 cycle" in caplog.text
+    assert trainer._step == 1 * trainer.args.gradient_accumulation_steps  # TRL's micro-step counter, from the step
