@@ -7,7 +7,7 @@ per-process memory cap cannot leak into the next one), each under its own time l
 keeps going past a check that fails, times out or crashes. It writes one JSON of results
 and prints a table.
 
-    python bench/gpu_suite.py                       # one GPU: about 6 minutes on an H200
+    python bench/gpu_suite.py                       # one GPU: about 6 minutes on an H200 (+ the trainer check, unmeasured)
     python bench/gpu_suite.py --cpu                 # smoke run of every check on CPU (~1 min)
     python bench/gpu_suite.py --only checks cp      # a subset
 
@@ -22,6 +22,9 @@ The checks (their own docstrings say what each measures):
              copy/compute overlap (`bench/gpu/offload.py`)
     stack    a Qwen3.6-27B-shaped stack at the largest P that fits its time budget, next to
              the planner's prediction; the fused kernel vs the blockwise one (`bench/gpu/stack.py`)
+    trainer  one step of `LongStrawGRPOTrainer` over NCCL: W = 1 against W = 2 (C = 2 and
+             C = 1) and W = 4, 8 where the GPUs exist, loss and gradient agreement; with
+             fewer than 2 GPUs it runs W = 1 alone and says why (`bench/gpu/trainer.py`)
 
 Output: `--out` (default `$OUT/gpu_suite.json` when $OUT is set, else
 `bench/out/gpu_suite.json`): {"device", "torch", "cpu", "total_s", "all_ok", "checks":
@@ -41,8 +44,8 @@ import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-# name -> (module, GPU argv, CPU argv, GPU time limit s). The limits add up to under 8
-# minutes; each is a ceiling, not an estimate.
+# name -> (module, GPU argv, CPU argv, GPU time limit s). The limits add up to 12 minutes;
+# each is a ceiling, not an estimate (on one GPU the trainer check runs W = 1 alone, ~1 min).
 CHECKS = {
     "checks": ("bench.gpu.checks", [], ["--cpu"], 90),
     "cp": ("bench.gpu.cp", ["--family", "qwen3_5", "--prompt-tokens", "65536", "--worlds", "1", "2", "--exact",
@@ -52,6 +55,8 @@ CHECKS = {
     "offload": ("bench.gpu.offload", ["--prompt-tokens", "131072", "--layers", "8,16,32", "--slack-gib", "2",
                                       "--time-tokens", "32768", "--time-layers", "16"], ["--cpu"], 150),
     "stack": ("bench.gpu.stack", ["--layers", "4", "--budget-s", "120"], ["--dry"], 150),
+    "trainer": ("bench.gpu.trainer", [], ["--cpu", "--prompt-tokens", "32", "--response-tokens", "4", "--hidden", "64",
+                                          "--chunk-size", "16"], 240),
 }
 
 

@@ -40,3 +40,19 @@ def test_cpu_smoke_run_passes_every_check(tmp_path):
     assert [r["name"] for r in summary["checks"]] == list(gpu_suite.CHECKS)
     assert summary["all_ok"], proc.stdout[-3000:]
     assert proc.returncode == 0
+
+
+def test_the_trainer_check_skips_what_the_gpus_cannot_run_and_says_why():
+    """bench/gpu/trainer.py: NCCL needs one GPU per rank. One GPU: W = 1 alone, every
+    W > 1 skipped with its reason, and "nothing compared" said; four: up to W = 4; CPU
+    (gloo, the smoke run): W = 1 against W = 2, C = 2."""
+    from bench.gpu.trainer import plan_meshes
+
+    runs, skipped = plan_meshes(gpu=True, devices=1)
+    assert runs == [(1, 1)]
+    assert len(skipped) == 5 and all("1 CUDA device(s) here, NCCL needs one GPU per rank" in s for s in skipped[:4])
+    assert "nothing compared" in skipped[-1]
+    runs, skipped = plan_meshes(gpu=True, devices=4)
+    assert runs == [(1, 1), (2, 2), (2, 1), (4, 4)] and skipped == ["W=8 C=8: 4 CUDA device(s) here, NCCL needs one "
+                                                                    "GPU per rank"]
+    assert plan_meshes(gpu=False, devices=0) == ([(1, 1), (2, 2)], [])

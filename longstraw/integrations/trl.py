@@ -8,8 +8,9 @@ update run through LongStraw. A TRL user changes one class:
 
 What stays TRL's: the data loader and its RepeatSampler (each prompt num_generations
 times in a row), tokenisation (each distinct prompt once), reward functions, advantages
-(every `scale_rewards`), logging, checkpoints, the optimizer, scheduler and gradient
-clipping.
+(every `scale_rewards`), logging, checkpoints (save and resume; the model and optimizer
+state go through torch.distributed.checkpoint and load at any W: `trl_checkpoint.py`),
+the optimizer, scheduler and gradient clipping.
 
 What LongStraw replaces, through three of GRPOTrainer's hooks:
 
@@ -80,6 +81,7 @@ from longstraw.parallel.data import agreed, global_totals, process_group_view, r
 from longstraw.integrations.trl_parallel import (DataParallelView, check_mesh_settings, reduce_metrics,
                                                  seen_per_data_parallel_group)
 from longstraw.integrations.trl_fsdp import check_fsdp_settings, shard_decoder_layers, without_ddp
+from longstraw.integrations import trl_checkpoint
 
 try:
     import trl
@@ -257,6 +259,32 @@ class LongStrawGRPOTrainer(trl.GRPOTrainer):
         """TRL's, with its gathers (rewards, advantages, metrics) over the data-parallel groups."""
         with self._per_data_parallel_group():
             return super()._generate_and_score_completions(inputs)
+
+    # ------------------------------------------------------------------------
+    # checkpoints: model and optimizer state through DCP (`trl_checkpoint.py`)
+
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        """Every rank writes its part of the model and optimizer state (DCP); rank 0 the scheduler."""
+        mesh = self.longstraw_mesh.mesh
+        trl_checkpoint.save(output_dir, self.longstraw_engine.model, self.optimizer, self.lr_scheduler,
+                            world=mesh.world, context=mesh.context, step=self.state.global_step)
+
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
+        """The model from the checkpoint's DCP state, written at any W (else the Trainer's loading)."""
+        if not trl_checkpoint.is_sharded(resume_from_checkpoint):
+            return super()._load_from_checkpoint(resume_from_checkpoint, model)
+        trl_checkpoint.load_model(resume_from_checkpoint, self.longstraw_engine.model)
+
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        """The optimizer (DCP, any W) and scheduler, and TRL's micro-step counter."""
+        if checkpoint is None or not trl_checkpoint.is_sharded(checkpoint):
+            return super()._load_optimizer_and_scheduler(checkpoint)
+        trl_checkpoint.load_optimizer(checkpoint, self.longstraw_engine.model, self.optimizer, self.lr_scheduler)
+        self._step = self.state.global_step * self.args.gradient_accumulation_steps
+        if self.num_iterations > 1 and self.state.global_step % self.num_iterations:
+            logger.warning("LongStrawGRPOTrainer: resuming inside a num_iterations=%d cycle; its generation batch "
+                           "is not in the checkpoint, so it is generated again (the curve differs from here)",
+                           self.num_iterations)
 
     def _sampler(self, ids: torch.Tensor) -> torch.Generator:
         return sampling_generator(self.args.seed, self.state.global_step, ids)

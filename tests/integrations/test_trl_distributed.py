@@ -5,7 +5,8 @@ env torchrun sets (accelerate's PartialState picks it up); the reference runs in
 process. Sampling is real: the completions (and so the rewards) must match too.
 
 W = 2 with C = 2 (one prompt over both ranks) and C = 1 (plain data parallelism) run by
-default; W = 4, C = 2 (two data-parallel groups of two) is opt-in (`-m slow`).
+default, with TRL's tools at C = 2 (C = 1 in exact mode under `-m slow`); W = 4, C = 2
+(two data-parallel groups of two) is opt-in (`-m slow`).
 """
 
 import socket
@@ -92,6 +93,22 @@ def test_two_ranks_one_prompt_each_step_equals_one_process(tmp_path, float64_def
 def test_two_data_parallel_ranks_equal_one_process_over_the_global_batch(tmp_path, float64_default, case):
     """W = 2, C = 1: two prompts per rank, four in the global batch ("batch" scaling over all)."""
     _check(case, 2, 1, tmp_path)
+
+
+@pytest.mark.parametrize("case,context", [("tools", 2), pytest.param("tools_exact", 1, marks=pytest.mark.slow)])
+def test_tools_on_two_ranks_equal_one_process(tmp_path, float64_default, case, context):
+    """TRL's tool loop (`tools=[lookup]`, up to 2 calls per completion) on W = 2: each
+    rank runs its data-parallel group's tool calls and continues them from its held prompt
+    states (C = 2: both ranks of the group together). The coin model calls or answers, so
+    completions with 0, 1 and 2 calls share a group."""
+    ranks = _spawn(case, 2, context, tmp_path / "ranks", 1)
+    want = worker.record_run(case, str(tmp_path / "one"), data_groups=2 // context)
+    log = want["logs"][0]
+    for record in ranks:
+        assert record["context"] == context
+        _assert_equal_runs(record, want)
+        assert record["logs"][0]["tools/call_frequency"] == log["tools/call_frequency"]
+    assert 0 < log["tools/call_frequency"] < 1 and log["longstraw/tool_continuations"] > 0  # calls and answers
 
 
 @pytest.mark.slow
