@@ -141,7 +141,7 @@ class _MicroBatch:
     totals: BatchTotals
 
 
-class LongStrawGRPOTrainer(trl.GRPOTrainer):
+class LongStrawGRPOTrainer(trl_checkpoint.TrainerCheckpoints, trl.GRPOTrainer):
     """TRL's `GRPOTrainer` with LongStraw's rollouts and update (see the module doc).
 
     Args:
@@ -259,32 +259,6 @@ class LongStrawGRPOTrainer(trl.GRPOTrainer):
         """TRL's, with its gathers (rewards, advantages, metrics) over the data-parallel groups."""
         with self._per_data_parallel_group():
             return super()._generate_and_score_completions(inputs)
-
-    # ------------------------------------------------------------------------
-    # checkpoints: model and optimizer state through DCP (`trl_checkpoint.py`)
-
-    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
-        """Every rank writes its part of the model and optimizer state (DCP); rank 0 the scheduler."""
-        mesh = self.longstraw_mesh.mesh
-        trl_checkpoint.save(output_dir, self.longstraw_engine.model, self.optimizer, self.lr_scheduler,
-                            world=mesh.world, context=mesh.context, step=self.state.global_step)
-
-    def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
-        """The model from the checkpoint's DCP state, written at any W (else the Trainer's loading)."""
-        if not trl_checkpoint.is_sharded(resume_from_checkpoint):
-            return super()._load_from_checkpoint(resume_from_checkpoint, model)
-        trl_checkpoint.load_model(resume_from_checkpoint, self.longstraw_engine.model)
-
-    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
-        """The optimizer (DCP, any W) and scheduler, and TRL's micro-step counter."""
-        if checkpoint is None or not trl_checkpoint.is_sharded(checkpoint):
-            return super()._load_optimizer_and_scheduler(checkpoint)
-        trl_checkpoint.load_optimizer(checkpoint, self.longstraw_engine.model, self.optimizer, self.lr_scheduler)
-        self._step = self.state.global_step * self.args.gradient_accumulation_steps
-        if self.num_iterations > 1 and self.state.global_step % self.num_iterations:
-            logger.warning("LongStrawGRPOTrainer: resuming inside a num_iterations=%d cycle; its generation batch "
-                           "is not in the checkpoint, so it is generated again (the curve differs from here)",
-                           self.num_iterations)
 
     def _sampler(self, ids: torch.Tensor) -> torch.Generator:
         return sampling_generator(self.args.seed, self.state.global_step, ids)

@@ -39,7 +39,8 @@ import os
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.state_dict import (get_model_state_dict, get_optimizer_state_dict, get_state_dict,
+from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model_state_dict, get_optimizer_state_dict,
+                                                     get_state_dict,
                                                      set_model_state_dict, set_optimizer_state_dict)
 
 from longstraw.errors import CheckpointError
@@ -132,10 +133,86 @@ def load_optimizer(checkpoint: str, model, optimizer, scheduler) -> None:
     opt = _torch_optimizer(optimizer)
     state = {"optim": get_optimizer_state_dict(model, opt)}
     dcp.load(state, checkpoint_id=os.path.join(checkpoint, DCP_FOLDER))
+    hyper = [{k: v for k, v in g.items() if k != "params"} for g in opt.param_groups]
     set_optimizer_state_dict(model, opt, state["optim"])
+    # A checkpoint whose optimizer had other parameter groups (FSDP2's: one per device mesh)
+    # loads its moments by name, but torch drops the hyperparameters of groups it cannot
+    # match: they are this run's settings, and the LR is the scheduler's (below).
+    for group, settings in zip(opt.param_groups, hyper):
+        for key, value in settings.items():
+            group.setdefault(key, value)
     path = os.path.join(checkpoint, SCHEDULER_FILE)
     if scheduler is not None and os.path.isfile(path):
-        scheduler.load_state_dict(torch.load(path, weights_only=True))
+        groups = len(getattr(scheduler, "base_lrs", ())) or None
+        scheduler.load_state_dict(_fit_param_groups(torch.load(path, weights_only=True), groups))
+        for group, lr in zip(opt.param_groups, scheduler.get_last_lr()):
+            group["lr"] = lr
+
+
+def _fit_param_groups(state: dict, groups: int | None) -> dict:
+    """A scheduler's state saved with another number of optimizer parameter groups (FSDP2's
+    optimizer holds sharded and replicated parameters in groups of their own) fitted to
+    `groups`: each per-group list whose entries are all equal is repeated `groups` times.
+    Lists that differ per group cannot be mapped: CheckpointError."""
+    if groups is None:
+        return state
+    out = dict(state)
+    for key, value in state.items():
+        if not isinstance(value, list) or len(value) == groups or not value:
+            continue
+        if len(set(map(repr, value))) != 1:
+            raise CheckpointError(f"the checkpoint's scheduler has {len(value)} parameter groups with different "
+                                  f"{key} ({value}); this optimizer has {groups}: they cannot be matched")
+        out[key] = [value[0]] * groups
+    return out
 
 
 __all__ = ["DCP_FOLDER", "META_FILE", "is_sharded", "load_model", "load_optimizer", "read_meta", "save"]
+
+
+def whole_model_state(model) -> dict | None:
+    """The model's full state dict (FSDP2 shards gathered, on CPU), for the Trainer's
+    `from_pretrained` export, when any parameter is an FSDP2 shard (a DTensor); None
+    otherwise (the Trainer saves `model.state_dict()` itself). A collective under FSDP2:
+    every rank calls it."""
+    if not any(hasattr(p, "full_tensor") for p in model.parameters()):
+        return None
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+class TrainerCheckpoints:
+    """The Trainer's checkpoint hooks for `LongStrawGRPOTrainer` (a mixin ahead of
+    `trl.GRPOTrainer`): the model and optimizer state through DCP (`save`, `load_model`,
+    `load_optimizer`: any W), the `from_pretrained` export with FSDP2 shards gathered
+    (`whole_model_state`). Uses the trainer's `longstraw_engine` and `longstraw_mesh`."""
+
+    def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
+        """Every rank writes its part of the model and optimizer state (DCP); rank 0 the scheduler."""
+        mesh = self.longstraw_mesh.mesh
+        save(output_dir, self.longstraw_engine.model, self.optimizer, self.lr_scheduler,
+                            world=mesh.world, context=mesh.context, step=self.state.global_step)
+
+    def _save(self, output_dir: str | None = None, state_dict: dict | None = None) -> None:
+        """The Trainer's `from_pretrained` export; under `longstraw_fsdp` every rank first
+        gathers the full state dict (a collective), which rank 0 writes."""
+        if state_dict is None:
+            state_dict = whole_model_state(self.model)
+        super()._save(output_dir, state_dict=state_dict)
+
+    def _load_from_checkpoint(self, resume_from_checkpoint: str, model=None) -> None:
+        """The model from the checkpoint's DCP state, written at any W (else the Trainer's loading)."""
+        if not is_sharded(resume_from_checkpoint):
+            return super()._load_from_checkpoint(resume_from_checkpoint, model)
+        load_model(resume_from_checkpoint, self.longstraw_engine.model)
+
+    def _load_optimizer_and_scheduler(self, checkpoint: str | None) -> None:
+        """The optimizer (DCP, any W) and scheduler, and TRL's micro-step counter."""
+        if checkpoint is None or not is_sharded(checkpoint):
+            return super()._load_optimizer_and_scheduler(checkpoint)
+        load_optimizer(checkpoint, self.longstraw_engine.model, self.optimizer, self.lr_scheduler)
+        self._step = self.state.global_step * self.args.gradient_accumulation_steps
+        if self.num_iterations > 1 and self.state.global_step % self.num_iterations:
+            logger.warning("LongStrawGRPOTrainer: resuming inside a num_iterations=%d cycle; its generation batch "
+                           "is not in the checkpoint, so it is generated again (the curve differs from here)",
+                           self.num_iterations)
+

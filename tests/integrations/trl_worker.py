@@ -51,7 +51,7 @@ def optimizer_state(trainer) -> dict:
     """The trainer's optimizer state keyed by parameter name: {name: {key: tensor}}."""
     opt = getattr(trainer.optimizer, "optimizer", trainer.optimizer)
     names = {id(p): n for n, p in trainer.model.named_parameters()}
-    return {names[id(p)]: {k: torch.as_tensor(v).detach().clone() for k, v in st.items()} for p, st in opt.state.items()}
+    return {names[id(p)]: {k: _whole(torch.as_tensor(v)) for k, v in st.items()} for p, st in opt.state.items()}
 
 
 def _coin_model(model, tokenizer):
@@ -212,12 +212,12 @@ def _break_rank_one(where: str):
     return prepare
 
 
-def interrupted_and_resumed(case: str, out_dir: str, *, data_groups: int, context: int = 1) -> dict:
+def interrupted_and_resumed(case: str, out_dir: str, *, data_groups: int, context: int = 1, fsdp: bool = False) -> dict:
     """A 3-step run of `case` (one prompt per data-parallel group and step) with
     `CHECKPOINTED`, interrupted after step 1 (its checkpoint written), then a fresh trainer
     resumed from `checkpoint-1` and interrupted after step 2 (having written
     `checkpoint-2`). Both runs' records."""
-    kw = dict(data_groups=data_groups, context=context, steps=3, settings=CHECKPOINTED, prompts_per_group=1)
+    kw = dict(data_groups=data_groups, context=context, steps=3, settings=CHECKPOINTED, prompts_per_group=1, fsdp=fsdp)
     interrupted = record_run(case, out_dir, stop_after=1, **kw)
     resumed = record_run(case, out_dir, resume=os.path.join(out_dir, "run", "checkpoint-1"), stop_after=2, **kw)
     return dict(interrupted=interrupted, resumed=resumed)
@@ -233,7 +233,9 @@ def rank_main(rank: int, world: int, port: int, out_dir: str, case: str, context
     torch.set_num_threads(1)
     torch.set_default_dtype(torch.float64)  # TRL builds rewards and advantages in the default dtype
     try:
-        if job == "checkpoint":  # then the checkpoint module on FSDP2 shards, on the same processes
+        if job == "fsdp_checkpoint":  # the trainer with longstraw_fsdp: its DCP checkpoints
+            result = interrupted_and_resumed(case, out_dir, data_groups=world // context, context=context, fsdp=True)
+        elif job == "checkpoint":  # then the checkpoint module on FSDP2 shards, on the same processes
             result = interrupted_and_resumed(case, out_dir, data_groups=world // context, context=context)
             fsdp2_checkpoint(os.path.join(out_dir, "fsdp2"))
         else:
