@@ -60,6 +60,7 @@ from longstraw.models import adapter_for
 from longstraw.models.placement import check_placement
 from longstraw.models.recompute import recompute_pays
 from longstraw.parallel.collectives import Traffic
+from longstraw.models.experts import shard_experts
 from longstraw.parallel.context import ContextParallel
 from longstraw.parallel.fsdp import summed_walk_gradients
 from longstraw.parallel.gradients import replicate_gradients, replicated_parameters
@@ -91,6 +92,8 @@ class Engine:
                 "None (the state on the model's device) or \"cpu\" (state offload to host memory)"
             )
         self.cp = ContextParallel.from_default_group(process_group) if config.context_parallel else None
+        if config.expert_parallel:
+            shard_experts(model, self.cp)  # in place: this rank's experts only (models/experts.py)
 
     # ------------------------------------------------------------------------
     # checks before any work (`validate.py`)

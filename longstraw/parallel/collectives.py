@@ -78,6 +78,18 @@ def all_gather(tensor: torch.Tensor, cp) -> list[torch.Tensor]:
     return [t.to(tensor.device) for t in out]
 
 
+def reduce_scatter_sum(tensor: torch.Tensor, cp) -> torch.Tensor:
+    """tensor [W * m, ..] (rank s's block: rows s*m .. (s+1)*m) -> [m, ..], this rank's
+    block summed over ranks (through the backend's device when it differs). Each rank
+    receives (W-1)/W of the tensor (ring)."""
+    device = getattr(cp, "device", None)
+    moved = tensor.contiguous() if device is None else tensor.to(device).contiguous()
+    Traffic.add((cp.world - 1) / cp.world * nbytes(moved))
+    out = moved.new_empty(moved.shape[0] // cp.world, *moved.shape[1:])
+    _collective(getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor, cp, out, moved)
+    return out.to(tensor.device)
+
+
 def in_buckets(tensors: list[torch.Tensor], collective, bucket_bytes: int = 32 << 20) -> None:
     """Run `collective(flat) -> flat` (an in-place all-reduce or broadcast) over `tensors`
     flattened into buckets of up to `bucket_bytes` (one dtype and device per bucket, in

@@ -1,0 +1,43 @@
+"""Expert parallelism over the context-parallel group (gloo, CPU, float64, spawned).
+
+At W = 3 (uneven slices: 4 experts as 1, 1, 2) and W = 2, an expert-parallel engine
+equals the replicated MoE (today's context parallelism, every expert on every rank) to
+1e-9: the step's loss and every parameter gradient (the experts' gathered from their
+owners) in detached and exact mode, with the capture and walk divided (gather +
+reduce-scatter) and replicated (all-reduce), score, and greedy generation; for GLM-5
+(`glm_moe_dsa`, sparse DSA) and Qwen3-MoE (Mixtral: -m slow). Bad input is refused when
+the engine is built, before any work (`tests/experts_worker.py`).
+"""
+
+import pytest
+import torch.multiprocessing as mp
+
+import longstraw as ls
+from tests import experts_worker as worker
+
+
+def test_expert_parallel_equals_the_replicated_moe_at_three_ranks(tmp_path):
+    mp.spawn(worker.run_expert_parallel, args=(3, str(tmp_path / "init"), ["glm_sparse"], ["detached", "exact"]),
+             nprocs=3, join=True)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world,cases,divide", [(3, ["qwen3_moe", "mixtral"], True), (2, ["glm_sparse", "qwen3_moe"], True),
+                                                (2, ["glm_sparse", "mixtral"], False)])
+def test_expert_parallel_equals_the_replicated_moe_more_cases(tmp_path, world, cases, divide):
+    mp.spawn(worker.run_expert_parallel, args=(world, str(tmp_path / "init"), cases, ["detached", "exact"], divide),
+             nprocs=world, join=True)
+
+
+def test_expert_parallel_with_fewer_experts_than_ranks_or_none_is_refused(tmp_path):
+    mp.spawn(worker.bad_input, args=(3, str(tmp_path / "init"), str(tmp_path)), nprocs=3, join=True)
+    for rank in range(3):
+        assert "2 experts for 3 ranks" in (tmp_path / f"rank{rank}.err").read_text()
+        assert "no MoE experts module" in (tmp_path / f"rank{rank}.dense").read_text()
+
+
+def test_expert_parallel_needs_context_parallelism():
+    with pytest.raises(ls.ConfigError, match="context_parallel=True"):
+        ls.ExecConfig(expert_parallel=True)
+    with pytest.raises(ls.ConfigError, match="True or False"):
+        ls.ExecConfig(context_parallel=True, expert_parallel=1)
