@@ -18,6 +18,10 @@ from tests.distributed_worker import CASES, _init, _null, all_gather_tensors
 from tests.reference import assert_grads_close, float64_internals, grads_of, random_group, tiny_family
 
 KW = dict(chunk_size=6, attention_block_size=4, shard_block_size=3)
+# three layers, so that an MoE layer's capture output reaches a later layer's state
+MODELS = {"glm_sparse": CASES["glm_sparse"],  # GLM-5 (glm_moe_dsa), sparse DSA: layers 1-2 MoE
+          "qwen3_moe": lambda: tiny_family("qwen3_moe", num_hidden_layers=3),  # layers 1-2 MoE
+          "mixtral": lambda: tiny_family("mixtral", num_hidden_layers=3)}
 
 
 def whole_grads(model) -> dict:
@@ -45,7 +49,7 @@ def run_expert_parallel(rank: int, world: int, init_file: str, cases: list[str],
     _init(rank, world, init_file)
     try:
         for name in cases:
-            model = CASES[name]()
+            model = MODELS[name]()
             sharded = copy.deepcopy(model)
             group = random_group(97, 23, [5, 1, 7], seed=3)
             kw = dict(KW, context_parallel=True, divide_capture=divide, divide_walk=divide)
