@@ -45,9 +45,13 @@ def whole_grads(model) -> dict:
 
 
 def run_expert_parallel(rank: int, world: int, init_file: str, cases: list[str], modes: list[str],
-                        divide: bool = True) -> None:
+                        divide: bool = True, flag_dir: str | None = None) -> None:
+    """`cases` against the replicated MoE (see the module docstring); with `flag_dir`, the
+    refusals of `refusals` first, in the same processes."""
     _init(rank, world, init_file)
     try:
+        if flag_dir is not None:
+            refusals(rank, flag_dir)
         for name in cases:
             model = MODELS[name]()
             sharded = copy.deepcopy(model)
@@ -88,22 +92,18 @@ def _check_slices(model, world: int, rank: int) -> None:
             assert p.shape[0] == hi - lo, p.shape
 
 
-def bad_input(rank: int, world: int, init_file: str, flag_dir: str) -> None:
-    """Fewer experts than ranks: a ConfigError when the engine is built, on every rank,
-    before any work, and the model is left whole."""
-    _init(rank, world, init_file)
+def refusals(rank: int, flag_dir: str) -> None:
+    """Fewer experts than ranks, and a model without experts: a ConfigError when the
+    engine is built, on every rank, before any work, and the model is left whole (each
+    rank writes its message to flag_dir)."""
+    model = tiny_family("qwen3_moe", num_experts=2)  # 2 experts for 3 ranks
+    before = [p.shape for p in model.parameters()]
     try:
-        model = tiny_family("qwen3_moe", num_experts=2)  # 2 experts for 3 ranks
-        before = [p.shape for p in model.parameters()]
-        try:
-            ls.Engine(model, ls.ExecConfig(context_parallel=True, expert_parallel=True))
-        except ls.ConfigError as exc:
-            open(f"{flag_dir}/rank{rank}.err", "w").write(str(exc))
-        assert [p.shape for p in model.parameters()] == before
-        dense = CASES["dense"]()
-        try:
-            ls.Engine(dense, ls.ExecConfig(context_parallel=True, expert_parallel=True))
-        except ls.ConfigError as exc:
-            open(f"{flag_dir}/rank{rank}.dense", "w").write(str(exc))
-    finally:
-        torch.distributed.destroy_process_group()
+        ls.Engine(model, ls.ExecConfig(context_parallel=True, expert_parallel=True))
+    except ls.ConfigError as exc:
+        open(f"{flag_dir}/rank{rank}.err", "w").write(str(exc))
+    assert [p.shape for p in model.parameters()] == before
+    try:
+        ls.Engine(CASES["dense"](), ls.ExecConfig(context_parallel=True, expert_parallel=True))
+    except ls.ConfigError as exc:
+        open(f"{flag_dir}/rank{rank}.dense", "w").write(str(exc))

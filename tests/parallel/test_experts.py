@@ -16,9 +16,14 @@ import longstraw as ls
 from tests import experts_worker as worker
 
 
-def test_expert_parallel_equals_the_replicated_moe_at_three_ranks(tmp_path):
-    mp.spawn(worker.run_expert_parallel, args=(3, str(tmp_path / "init"), ["glm_sparse"], ["detached", "exact"]),
-             nprocs=3, join=True)
+def test_expert_parallel_equals_the_replicated_moe_at_three_ranks_and_refuses_bad_input(tmp_path):
+    """GLM-5 at W = 3, both modes; first, in the same processes, fewer experts than ranks
+    and a model without experts are refused when the engine is built."""
+    mp.spawn(worker.run_expert_parallel, args=(3, str(tmp_path / "init"), ["glm_sparse"], ["detached", "exact"], True,
+                                               str(tmp_path)), nprocs=3, join=True)
+    for rank in range(3):
+        assert "2 experts for 3 ranks" in (tmp_path / f"rank{rank}.err").read_text()
+        assert "no MoE experts module" in (tmp_path / f"rank{rank}.dense").read_text()
 
 
 @pytest.mark.slow
@@ -27,13 +32,6 @@ def test_expert_parallel_equals_the_replicated_moe_at_three_ranks(tmp_path):
 def test_expert_parallel_equals_the_replicated_moe_more_cases(tmp_path, world, cases, divide):
     mp.spawn(worker.run_expert_parallel, args=(world, str(tmp_path / "init"), cases, ["detached", "exact"], divide),
              nprocs=world, join=True)
-
-
-def test_expert_parallel_with_fewer_experts_than_ranks_or_none_is_refused(tmp_path):
-    mp.spawn(worker.bad_input, args=(3, str(tmp_path / "init"), str(tmp_path)), nprocs=3, join=True)
-    for rank in range(3):
-        assert "2 experts for 3 ranks" in (tmp_path / f"rank{rank}.err").read_text()
-        assert "no MoE experts module" in (tmp_path / f"rank{rank}.dense").read_text()
 
 
 def test_expert_parallel_needs_context_parallelism():
