@@ -143,9 +143,9 @@ def _auto_on_off(value: str):
 
 _PLAN_FIELDS = ("prompt_tokens", "group", "response_tokens", "mode", "gpus", "gpu_memory", "reserve", "dtype",
                 "weight_dtype", "lora_rank", "lora_targets", "chunk_size", "branch_chunk_size", "attention_block_size",
-                "logits_chunk_size", "self_attention", "gdn_kernel", "grads_during_capture", "shard_params", "expert_parallel",
-                "offload_state", "host_bandwidth_gbs", "score_passes", "keep_graph_bytes", "throughput_tflops",
-                "recompute_layers", "divide_capture", "divide_walk", "tree")
+                "logits_chunk_size", "self_attention", "gdn_kernel", "grads_during_capture", "shard_params",
+                "expert_parallel", "offload_state", "host_bandwidth_gbs", "score_passes", "keep_graph_bytes",
+                "throughput_tflops", "recompute_layers", "divide_capture", "divide_walk", "tree")
 
 
 def plan(args) -> int:

@@ -34,8 +34,9 @@ def _collective(fn, cp, *args, **kwargs):
 class Traffic:
     """Bytes this rank received through the collectives below, by a simple model of each:
     broadcast and recv: the tensor (not at the source); all-gather: (W-1) tensors;
-    all-reduce: 2 (W-1)/W of the tensor (ring); reduce-scatter: (W-1)/W of its input. `bench/bench_cp.py` reads it around a
-    phase and compares it with the planner's prediction."""
+    all-reduce: 2 (W-1)/W of the tensor (ring); reduce-scatter: (W-1)/W of its
+    input. `bench/bench_cp.py` reads it around a phase and compares it with the
+    planner's prediction."""
 
     received = 0
 

@@ -104,8 +104,8 @@ def check_replicas(model, group=None, *, trainable_only: bool = True) -> int:
     (`TrainConfig.replica_check_every`, the trainer's `longstraw_replica_check_every`).
 
     Args:
-        model: the module whose parameters are compared (FSDP2's DTensor shards and expert-parallel slices are skipped:
-            they differ by design).
+        model: the module whose parameters are compared (FSDP2's DTensor shards and
+            expert-parallel slices are skipped: they differ by design).
         group: a torch.distributed process group, or an engine's `ContextParallel`
             (`engine.cp`); None: the default group, or nothing to compare when
             torch.distributed is not initialized (one process holds one replica).

@@ -27,7 +27,8 @@ def test_expert_parallel_equals_the_replicated_moe_at_three_ranks_and_refuses_ba
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("world,cases,divide", [(3, ["qwen3_moe", "mixtral"], True), (2, ["glm_sparse", "qwen3_moe"], True),
+@pytest.mark.parametrize("world,cases,divide", [(3, ["qwen3_moe", "mixtral"], True),
+                                                (2, ["glm_sparse", "qwen3_moe"], True),
                                                 (2, ["glm_sparse", "mixtral"], False)])
 def test_expert_parallel_equals_the_replicated_moe_more_cases(tmp_path, world, cases, divide):
     mp.spawn(worker.run_expert_parallel, args=(world, str(tmp_path / "init"), cases, ["detached", "exact"], divide),
