@@ -63,8 +63,8 @@ class ExecConfig:
     computes the local experts and combines the ranks' partials (replicated tokens: one
     all-reduce; a divided capture or walk: all-gather, then reduce-scatter). Same result
     as the replicated MoE. An expert's gradient is complete on its owner (not summed
-    over ranks); build the optimizer after the engine. Needs `context_parallel=True`.
-    See docs/distributed.md."""
+    over ranks); build the optimizer after the engine. Needs `context_parallel=True`
+    (the engine refuses it otherwise; the trainer sets it itself). See docs/distributed.md."""
 
     shard_block_size: int | None = None
     """Context parallelism: positions per round-robin block of the sharded state.
@@ -144,9 +144,6 @@ class ExecConfig:
                               f"got {self.recompute_layers!r}")
         if not isinstance(self.expert_parallel, bool):
             raise ConfigError(f"ExecConfig.expert_parallel must be True or False, got {self.expert_parallel!r}")
-        if self.expert_parallel and not self.context_parallel:
-            raise ConfigError("ExecConfig.expert_parallel=True shards the experts over the context-parallel ranks; "
-                              "set context_parallel=True as well (one process holds every expert)")
         if self.mode not in MODES:
             raise ConfigError(f"ExecConfig.mode must be one of {MODES}, got {self.mode!r}")
         if self.state_device is not None:

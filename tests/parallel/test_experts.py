@@ -36,7 +36,14 @@ def test_expert_parallel_equals_the_replicated_moe_more_cases(tmp_path, world, c
 
 
 def test_expert_parallel_needs_context_parallelism():
+    """Refused when the engine is built (the trainer sets context_parallel itself, so the
+    config alone may ask for experts first); the model is left whole."""
+    from tests.reference import tiny_family
+
+    model = tiny_family("qwen3_moe")
+    shapes = [p.shape for p in model.parameters()]
     with pytest.raises(ls.ConfigError, match="context_parallel=True"):
-        ls.ExecConfig(expert_parallel=True)
+        ls.Engine(model, ls.ExecConfig(expert_parallel=True))
+    assert [p.shape for p in model.parameters()] == shapes and all(p.grad is None for p in model.parameters())
     with pytest.raises(ls.ConfigError, match="True or False"):
         ls.ExecConfig(context_parallel=True, expert_parallel=1)
