@@ -21,7 +21,14 @@ KW = dict(chunk_size=6, attention_block_size=4, shard_block_size=3)
 # three layers, so that an MoE layer's capture output reaches a later layer's state
 MODELS = {"glm_sparse": CASES["glm_sparse"],  # GLM-5 (glm_moe_dsa), sparse DSA: layers 1-2 MoE
           "qwen3_moe": lambda: tiny_family("qwen3_moe", num_hidden_layers=3),  # layers 1-2 MoE
-          "mixtral": lambda: tiny_family("mixtral", num_hidden_layers=3)}
+          "mixtral": lambda: tiny_family("mixtral", num_hidden_layers=3),
+          "qwen3_moe_batched": lambda: _batched(tiny_family("qwen3_moe", num_hidden_layers=3))}
+
+
+def _batched(model):
+    """HF's batched_mm experts forward (grouped_mm, the GPU default, takes no float64)."""
+    model.config._experts_implementation = "batched_mm"
+    return model
 
 
 def whole_grads(model) -> dict:

@@ -90,6 +90,9 @@ def shard_experts(model: nn.Module, cp) -> int:
             setattr(cut, SHARD_ATTR, (lo, hi, experts, cp.world))
             setattr(module, pname, cut)
         module.num_experts = hi - lo
+        # HF's own flag: its grouped_mm / batched_mm forwards then mask the sentinel rows (without
+        # it grouped_mm leaves them uninitialised and batched_mm indexes past the local experts)
+        module._is_expert_parallel = True
         setattr(module, _MARK, (lo, hi, experts, cp.world))
         module.forward = _sharded_forward(module, lo, hi, experts, cp)
     return len(found)

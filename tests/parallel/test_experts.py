@@ -17,9 +17,12 @@ from tests import experts_worker as worker
 
 
 def test_expert_parallel_equals_the_replicated_moe_at_three_ranks_and_refuses_bad_input(tmp_path):
-    """GLM-5 at W = 3, both modes; first, in the same processes, fewer experts than ranks
-    and a model without experts are refused when the engine is built."""
-    mp.spawn(worker.run_expert_parallel, args=(3, str(tmp_path / "init"), ["glm_sparse"], ["detached", "exact"], True,
+    """GLM-5 (HF's eager experts) and Qwen3-MoE through HF's batched_mm experts forward
+    (whose sentinel rows need HF's `_is_expert_parallel`) at W = 3, both modes; first, in
+    the same processes, fewer experts than ranks and a model without experts are refused
+    when the engine is built."""
+    mp.spawn(worker.run_expert_parallel, args=(3, str(tmp_path / "init"), ["glm_sparse", "qwen3_moe_batched"],
+                                               ["detached", "exact"], True,
                                                str(tmp_path)), nprocs=3, join=True)
     for rank in range(3):
         assert "2 experts for 3 ranks" in (tmp_path / f"rank{rank}.err").read_text()
