@@ -9,9 +9,9 @@ non-expert weights gathered at a time (the largest such layer, counted twice: th
 one and the prefetched next).
 
 Live tensors (`working.py` reads `Arch.expert_ranks`): a rank computes only its local
-experts' share of each token's k choices, k ceil(E / W) / E expert rows per token on
-average (routing imbalance is not modelled), and the combine keeps the all-reduced (or
-reduce-scattered) output, [T, H] per MoE layer. A divided capture's MoE call holds every
+experts, but HF's grouped_mm / batched_mm forwards still allocate every token's k rows
+(`local_choices`), and the combine keeps the all-reduced (or reduce-scattered) output,
+[T, H] per MoE layer. A divided capture's MoE call holds every
 rank's tokens of its piece, gathered: W x (hidden + routing) rows, and its partial output.
 
 Traffic (bytes one rank receives per MoE layer and per token, the ring model of
@@ -44,9 +44,12 @@ def expert_slice(arch: Arch, world: int) -> float:
 
 
 def local_choices(arch: Arch) -> float:
-    """Of each token's k expert choices, how many the fullest rank computes on average:
-    k ceil(E / W) / E under expert parallelism over `arch.expert_ranks` ranks, else k."""
-    return arch.experts_per_token * expert_slice(arch, arch.expert_ranks)
+    """Of each token's k expert choices, the rows a rank's experts forward holds: k, also
+    under expert parallelism. HF's grouped_mm and batched_mm forwards (the defaults on
+    GPU) allocate all T k rows and zero the other ranks' (measured: the tensors a tiny
+    glm_moe_dsa step saves do not shrink, `bench/bench_expert_parallel_live.py`); only its
+    eager loop would hold k ceil(E/W)/E on average."""
+    return float(arch.experts_per_token)
 
 
 def divided_moe_working(arch: Arch, piece: int, world: int, b: int) -> float:

@@ -86,7 +86,7 @@ def mlp_graph_bytes_per_token(arch: Arch, layer: LayerSpec, ab: int) -> float:
     (4 x width); MoE: router scores, each token's k expert rows, the shared expert; none: 0."""
     if layer.mlp == "dense":
         return 4 * arch.intermediate * ab
-    if layer.mlp == "moe":  # expert parallelism: the local experts' rows, and the combined output
+    if layer.mlp == "moe":  # expert parallelism: HF's forward keeps k rows (`local_choices`), + the combined output
         k, combined = local_choices(arch), (arch.hidden if arch.expert_ranks > 1 else 0)
         return (2 * arch.experts + k * (4 * arch.moe_intermediate + 2 * arch.hidden) + combined
                 + 4 * arch.shared_intermediate) * ab
