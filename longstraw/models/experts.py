@@ -20,9 +20,9 @@ expert's bytes to every rank each forward and again in backward (the whole layer
 E * 3 H I weights per rank per pass, and a reduce-scatter of their gradients), whatever
 the tokens. Expert parallelism never moves weights: each rank holds E / W experts for
 good and moves activations instead, per MoE call [T, H] (replicated tokens: one
-all-reduce) or 2 [n, H] (divided tokens). At GLM-5.2's sizes (H 6,144, I 2,048, E 256)
-one layer's experts are 9.7 GB in bf16, the activations of a replay piece of 1,024
-tokens 12.6 MB: see docs/distributed.md.
+all-reduce) or 2 [n, H] (divided tokens). At GLM-5.2's sizes (H 6,144, I 2,048, E 256,
+W 32) one layer's experts are 19.3 GB in bf16; a replay piece of 1,024 tokens receives
+24 MB per MoE layer: see docs/distributed.md.
 
 PEFT: LoRA on attention, routers' neighbours, shared experts and dense MLPs keeps
 working (those modules are untouched). PEFT's `target_parameters` LoRA on the experts'
