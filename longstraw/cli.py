@@ -144,8 +144,8 @@ def _auto_on_off(value: str):
 _PLAN_FIELDS = ("prompt_tokens", "group", "response_tokens", "mode", "gpus", "gpu_memory", "reserve", "dtype",
                 "weight_dtype", "lora_rank", "lora_targets", "chunk_size", "branch_chunk_size", "attention_block_size",
                 "logits_chunk_size", "self_attention", "gdn_kernel", "grads_during_capture", "shard_params",
-                "offload_state", "host_bandwidth_gbs", "score_passes", "keep_graph_bytes", "throughput_tflops",
-                "recompute_layers", "divide_capture", "divide_walk", "tree")
+                "expert_parallel", "offload_state", "host_bandwidth_gbs", "score_passes", "keep_graph_bytes",
+                "throughput_tflops", "recompute_layers", "divide_capture", "divide_walk", "tree")
 
 
 def plan(args) -> int:
@@ -197,6 +197,9 @@ def _add_plan_parser(sub) -> None:
                    help="plan the first group after zero_grad(set_to_none=True): no gradient buffers during "
                         "capture (default: a later group of the batch, gradients already allocated)")
     p.add_argument("--shard-params", action="store_true", help="shard weights/grads/optimizer 1/W (FSDP-style)")
+    p.add_argument("--expert-parallel", action="store_true",
+                   help="MoE: each rank holds E/W of every layer's experts, never gathered whole (ExecConfig("
+                        "expert_parallel=True)); with --shard-params only the non-expert weights are gathered")
     p.add_argument("--replicate-capture", dest="divide_capture", action="store_false",
                    help="plan capture with every token on every rank (divide_capture=False)")
     p.add_argument("--replicate-walk", dest="divide_walk", action="store_false",

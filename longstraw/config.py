@@ -56,6 +56,16 @@ class ExecConfig:
     process group (every rank calls `step` with the same group). See
     docs/distributed.md."""
 
+    expert_parallel: bool = False
+    """Context parallelism with MoE models: each rank keeps only its slice of every MoE
+    layer's experts (rank r of W: experts [r E // W, (r+1) E // W)), cut in place when the
+    engine is built, so no rank ever holds or gathers a whole MoE layer; each MoE call
+    computes the local experts and combines the ranks' partials (replicated tokens: one
+    all-reduce; a divided capture or walk: all-gather, then reduce-scatter). Same result
+    as the replicated MoE. An expert's gradient is complete on its owner (not summed
+    over ranks); build the optimizer after the engine. Needs `context_parallel=True`
+    (the engine refuses it otherwise; the trainer sets it itself). See docs/distributed.md."""
+
     shard_block_size: int | None = None
     """Context parallelism: positions per round-robin block of the sharded state.
     None: `attention_block_size`."""
@@ -132,6 +142,8 @@ class ExecConfig:
         if self.recompute_layers is not None and not isinstance(self.recompute_layers, bool):
             raise ConfigError(f"ExecConfig.recompute_layers must be True, False or None (on where it pays), "
                               f"got {self.recompute_layers!r}")
+        if not isinstance(self.expert_parallel, bool):
+            raise ConfigError(f"ExecConfig.expert_parallel must be True or False, got {self.expert_parallel!r}")
         if self.mode not in MODES:
             raise ConfigError(f"ExecConfig.mode must be one of {MODES}, got {self.mode!r}")
         if self.state_device is not None:

@@ -60,6 +60,7 @@ from longstraw.models import adapter_for
 from longstraw.models.placement import check_placement
 from longstraw.models.recompute import recompute_pays
 from longstraw.parallel.collectives import Traffic
+from longstraw.models.experts import shard_experts
 from longstraw.parallel.context import ContextParallel
 from longstraw.parallel.fsdp import settle_held_reductions, summed_walk_gradients
 from longstraw.parallel.gradients import replicate_gradients, replicated_parameters
@@ -90,7 +91,12 @@ class Engine:
                 f"ExecConfig.state_device={config.state_device!r} but the model is on {self.adapter.device}; pass "
                 "None (the state on the model's device) or \"cpu\" (state offload to host memory)"
             )
+        if config.expert_parallel and not config.context_parallel:
+            raise ConfigError("ExecConfig(expert_parallel=True) splits the experts over the context-parallel ranks; "
+                              "set context_parallel=True as well (one process holds every expert)")
         self.cp = ContextParallel.from_default_group(process_group) if config.context_parallel else None
+        if config.expert_parallel:
+            shard_experts(model, self.cp)  # in place: this rank's experts only (models/experts.py)
 
     # ------------------------------------------------------------------------
     # checks before any work (`validate.py`)

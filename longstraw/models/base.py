@@ -18,6 +18,7 @@ from longstraw.state.branch import BranchState
 from longstraw.state.offload import settle
 from longstraw.state.prompt import PromptState
 
+from .experts import is_sharded
 from .peft_layers import check_peft
 from .recompute import recomputed_layers
 from .rope import pinned_rope, rotary_of
@@ -42,10 +43,23 @@ def _is_fsdp_module(module: nn.Module) -> bool:
     return FSDPModule is not None and isinstance(module, FSDPModule)
 
 
-def chunked_mlps(layers, size: int):
+def mlp_pieces(n: int, size: int) -> list[int]:
+    """Where a divided capture's MLP pieces of `size` tokens start in n tokens: one piece
+    up to size + 1 tokens, and a last piece of one token joins the one before it."""
+    if n <= size + 1:
+        return [0]
+    starts = list(range(0, n, size))
+    if n - starts[-1] == 1:
+        starts.pop()
+    return starts
+
+
+def chunked_mlps(layers, size: int, pieces: int | None = None):
     """Within the block (a divided capture, phase DIVIDED), each decoder layer's `mlp` runs
-    over pieces of `size` tokens, so a layer's working set is the attention projections of
-    the shard plus one MLP piece; a last piece of one token joins the one before it.
+    over pieces of `size` tokens (`mlp_pieces`), so a layer's working set is the attention
+    projections of the shard plus one MLP piece. `pieces` (expert parallelism, whose MoE
+    calls are collectives that every rank must make alike): run exactly that many, the
+    last ones empty where this rank has fewer.
     (DeepSeek's and GLM-5's MoE routers compute their logits in float32, and one token
     takes BLAS's matrix-vector path, which rounds differently from the matrix products of
     a chunked capture.)"""
@@ -54,11 +68,10 @@ def chunked_mlps(layers, size: int):
     def chunked(forward):
         def run(x):  # x [1, N, d]
             n = x.shape[1]
-            if n <= size + 1:
+            starts = mlp_pieces(n, size)
+            starts += [n] * ((pieces or 0) - len(starts))  # empty pieces: the ranks' collectives pair up
+            if len(starts) == 1:
                 return forward(x)
-            starts = list(range(0, n, size))
-            if n - starts[-1] == 1:
-                starts.pop()
             outs = [forward(x[:, a:b]) for a, b in zip(starts, starts[1:] + [n])]
             out = torch.cat([o[0] if isinstance(o, tuple) else o for o in outs], dim=1)
             # an MLP returning (output, router scores), gpt-oss's: its layer drops the scores
@@ -191,6 +204,14 @@ class Adapter:
     """Whether the family's recompute restarts from snapshots capture kept at multiples of
     `chunk_size` (GDN layers), so that a divided walk cuts the prompt only there."""
 
+    def divided_pieces(self, divided: Divided) -> int | None:
+        """A divided capture under expert parallelism: the MLP pieces every rank runs (the
+        most any rank's positions need), else None (each rank its own)."""
+        if not is_sharded(self.backbone):
+            return None
+        return max(len(mlp_pieces(divided.deal.count(divided.total, r), divided.chunk_size))
+                   for r in range(divided.world))
+
     def run(self, input_ids: torch.Tensor, start: int, states: list[PromptState], *, phase: Phase | str,
             block_size: int, branches: BranchState | None = None, rows: list[int] | None = None,
             divided: Divided | DividedChunk | None = None, positions: list[int] | None = None,
@@ -226,8 +247,8 @@ class Adapter:
             positions = None if len(set(positions)) == 1 else torch.tensor(positions, device=input_ids.device)
         call = AttentionCall(states=states, start=start, phase=phase, block_size=block_size, branches=branches,
                              rows=rows, positions=positions, divided=divided)
-        pieces = chunked_mlps(self.backbone.layers, divided.chunk_size) if phase is Phase.DIVIDED \
-            else contextlib.nullcontext()
+        pieces = chunked_mlps(self.backbone.layers, divided.chunk_size, self.divided_pieces(divided)) \
+            if phase is Phase.DIVIDED else contextlib.nullcontext()
         if recompute_layers and torch.is_grad_enabled() and divided is None:
             pieces = recomputed_layers(self, call)
         with self.routing(), pieces, pinned_rope(self.backbone, states[0].rope_length):

@@ -101,6 +101,11 @@ class AttentionCall:
             return False
         return self.phase is Phase.RECOMPUTE or (self.phase is Phase.CAPTURE and torch.is_grad_enabled())
 
+    def divides_tokens(self) -> bool:
+        """Whether each rank runs only its own rows (a divided capture or reverse walk),
+        rather than the same tokens as every other rank."""
+        return self.phase is Phase.DIVIDED or (self.phase is Phase.RECOMPUTE and self.divided is not None)
+
     def route(self, *, chunk, decode, divided, divided_walk):
         """The one switch over phases every mixer takes; returns the handler for this call:
         `decode` (DECODE), `divided` (DIVIDED: a divided capture), `divided_walk` (RECOMPUTE
@@ -116,6 +121,11 @@ class AttentionCall:
 
 
 _CURRENT: contextvars.ContextVar[AttentionCall | None] = contextvars.ContextVar("longstraw_attention", default=None)
+
+
+def active_call() -> AttentionCall | None:
+    """The `AttentionCall` of the run in progress, or None outside an Engine run."""
+    return _CURRENT.get()
 
 
 def current_call() -> AttentionCall:

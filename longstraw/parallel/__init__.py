@@ -11,6 +11,8 @@ Modules:
     divided.py      the divided capture driver and the divided reverse walk's chunks
     gradients.py    partial gradients summed over ranks; replicated gradients made the first rank's
     fsdp.py         FSDP2's reduce-scatter set to sum a divided walk's partials (its private internals)
+    experts.py      expert parallelism: each rank its slice of the MoE experts, the combines
+                    (replicated tokens: all-reduce; divided: all-gather + reduce-scatter)
 
 The deal. Prompt positions are cut into blocks of B (`shard_block_size`), block b on rank
 b % W, so causal work is balanced (`deal.Deal`). The per-token prompt state (attention
@@ -72,6 +74,11 @@ and what it holds is settled into `.grad` after each step's backward
 deterministic (on CUDA `index_add_` with repeated indices is not), so a step without a
 divided walk ends with one bucketed broadcast of the first rank's gradients
 (`replicate_gradients`), and `context.check_replicas` compares the ranks' weights exactly.
+
+Expert parallelism (`ExecConfig(expert_parallel=True)`, `experts.py`): rank r keeps experts
+[r E // W, (r+1) E // W) of each MoE layer for good; an MoE call computes only those and
+sums the ranks' partials. Expert gradients are complete on their owner and are left out of
+both sums above (`experts.is_expert_shard`).
 
 What stays replicated: replay of the branches (R-sized), a walk over kept capture graphs
 (`keep_graph_bytes`), an offloaded state, FSDP2 on a 2-D mesh whose replica all-reduce is not held

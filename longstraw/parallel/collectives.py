@@ -34,8 +34,9 @@ def _collective(fn, cp, *args, **kwargs):
 class Traffic:
     """Bytes this rank received through the collectives below, by a simple model of each:
     broadcast and recv: the tensor (not at the source); all-gather: (W-1) tensors;
-    all-reduce: 2 (W-1)/W of the tensor (ring). `bench/bench_cp.py` reads it around a
-    phase and compares it with the planner's prediction."""
+    all-reduce: 2 (W-1)/W of the tensor (ring); reduce-scatter: (W-1)/W of its
+    input. `bench/bench_cp.py` reads it around a phase and compares it with the
+    planner's prediction."""
 
     received = 0
 
@@ -76,6 +77,18 @@ def all_gather(tensor: torch.Tensor, cp) -> list[torch.Tensor]:
     out = [torch.empty_like(moved) for _ in range(cp.world)]
     _collective(dist.all_gather, cp, out, moved)
     return [t.to(tensor.device) for t in out]
+
+
+def reduce_scatter_sum(tensor: torch.Tensor, cp) -> torch.Tensor:
+    """tensor [W * m, ..] (rank s's block: rows s*m .. (s+1)*m) -> [m, ..], this rank's
+    block summed over ranks (through the backend's device when it differs). Each rank
+    receives (W-1)/W of the tensor (ring)."""
+    device = getattr(cp, "device", None)
+    moved = tensor.contiguous() if device is None else tensor.to(device).contiguous()
+    Traffic.add((cp.world - 1) / cp.world * nbytes(moved))
+    out = moved.new_empty(moved.shape[0] // cp.world, *moved.shape[1:])
+    _collective(getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor, cp, out, moved)
+    return out.to(tensor.device)
 
 
 def in_buckets(tensors: list[torch.Tensor], collective, bucket_bytes: int = 32 << 20) -> None:

@@ -13,6 +13,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
 from longstraw.errors import DistributedError, InvalidGroupError, LongStrawError
+from longstraw.parallel.experts import is_expert_shard
 from longstraw.parallel.collectives import MergeAcrossRanks, SumGradAcrossRanks, all_gather, all_reduce_sum, broadcast_from_first
 
 
@@ -103,8 +104,8 @@ def check_replicas(model, group=None, *, trainable_only: bool = True) -> int:
     (`TrainConfig.replica_check_every`, the trainer's `longstraw_replica_check_every`).
 
     Args:
-        model: the module whose parameters are compared (FSDP2's DTensor shards are skipped:
-            they differ by design).
+        model: the module whose parameters are compared (FSDP2's DTensor shards and
+            expert-parallel slices are skipped: they differ by design).
         group: a torch.distributed process group, or an engine's `ContextParallel`
             (`engine.cp`); None: the default group, or nothing to compare when
             torch.distributed is not initialized (one process holds one replica).
@@ -127,8 +128,8 @@ def check_replicas(model, group=None, *, trainable_only: bool = True) -> int:
         cp = ContextParallel.from_default_group(group)
     if cp.world == 1:
         return 0
-    named = [(n, p) for n, p in model.named_parameters()
-             if not isinstance(p, DTensor) and (p.requires_grad or not trainable_only)]
+    named = [(n, p) for n, p in model.named_parameters()  # FSDP2 shards and expert slices differ by design
+             if not isinstance(p, DTensor) and not is_expert_shard(p) and (p.requires_grad or not trainable_only)]
     counts = all_gather(torch.tensor([float(len(named))], dtype=torch.float64), cp)
     if not all(torch.equal(c, counts[0]) for c in counts):
         raise DistributedError(f"check_replicas: the ranks hold different numbers of parameters "

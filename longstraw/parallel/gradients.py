@@ -15,6 +15,7 @@ from torch.distributed.tensor import DTensor
 
 from longstraw.errors import DistributedError
 from longstraw.parallel.collectives import all_gather, all_reduce_sum, broadcast_from, in_buckets
+from longstraw.parallel.experts import is_expert_shard
 
 
 def same_gradient_layout(grads: list[torch.Tensor], cp, what: str) -> None:
@@ -69,8 +70,10 @@ def partial_gradients(params, cp, bucket_bytes: int = 32 << 20):
 
 
 def replicated_parameters(model) -> list:
-    """The parameters every rank holds whole (all but FSDP2's DTensor shards)."""
-    return [p for p in model.parameters() if not isinstance(p, DTensor)]
+    """The parameters every rank holds whole: all but FSDP2's DTensor shards and expert
+    parallelism's slices (`experts.is_expert_shard`: their gradients are complete on their
+    owner, and summing or broadcasting them across ranks would mix different experts)."""
+    return [p for p in model.parameters() if not isinstance(p, DTensor) and not is_expert_shard(p)]
 
 
 def replicate_gradients(params, cp, bucket_bytes: int = 32 << 20) -> None:

@@ -185,6 +185,7 @@ class Arch:
     moe_intermediate: int = 0
     shared_intermediate: int = 0  # total width of the shared expert(s)
     qwen_moe: bool = False  # router + shared-expert gate (Qwen) vs router + score bias (DeepSeek/GLM)
+    expert_ranks: int = 1  # expert parallelism: the experts split over this many ranks (plan/experts.py)
     # Gated DeltaNet
     gdn_k_heads: int = 0
     gdn_v_heads: int = 0
@@ -389,7 +390,7 @@ def architecture(config: dict) -> Arch:
 # parameters
 
 
-def _linears(arch: Arch, layer: LayerSpec) -> dict[str, list[tuple[int, int]]]:
+def layer_linears(arch: Arch, layer: LayerSpec) -> dict[str, list[tuple[int, int]]]:
     """(in, out) of each linear layer of one decoder layer, by group:
     'mixer' (attention / GDN / MLA projections), 'indexer', 'mlp' (dense or shared
     expert), 'experts' (routed experts: n x 3 linears)."""
@@ -426,7 +427,7 @@ def _linears(arch: Arch, layer: LayerSpec) -> dict[str, list[tuple[int, int]]]:
     return groups
 
 
-def _other_params(arch: Arch, layer: LayerSpec) -> int:
+def layer_other_params(arch: Arch, layer: LayerSpec) -> int:
     """Non-linear parameters of one layer: norms, biases, conv, router, gates."""
     h = arch.hidden
     n = h * ((0 if layer.parallel else 1) + (layer.mlp != "none"))  # input + post-attention norm
@@ -449,7 +450,7 @@ def _other_params(arch: Arch, layer: LayerSpec) -> int:
 def indexer_parameters(arch: Arch) -> int:
     """Parameters of the DSA indexers (wq_b, wk, weights_proj, k_norm). The indexer runs
     without grad, so they never get a gradient."""
-    return sum(sum(a * b for a, b in _linears(arch, layer)["indexer"]) + 2 * arch.index_dim
+    return sum(sum(a * b for a, b in layer_linears(arch, layer)["indexer"]) + 2 * arch.index_dim
                for layer in arch.layers if layer.indexer)
 
 
@@ -474,7 +475,7 @@ def count_parameters(arch: Arch, lora_rank: int | None = None, lora_targets: str
     dense-MLP and shared-expert projections (never routed experts, routers or lm_head)."""
     linear = other = lora = inactive = 0
     for layer in arch.layers:
-        groups = _linears(arch, layer)
+        groups = layer_linears(arch, layer)
         for name, shapes in groups.items():
             size = sum(a * b for a, b in shapes)
             if name == "experts":
@@ -485,7 +486,7 @@ def count_parameters(arch: Arch, lora_rank: int | None = None, lora_targets: str
             targeted = name == "mixer" or (name == "mlp" and lora_targets == "all-linear")
             if lora_rank and targeted:
                 lora += sum(lora_rank * (a + b) for a, b in shapes)
-        other += _other_params(arch, layer)
+        other += layer_other_params(arch, layer)
     other += arch.hidden  # final norm
     emb = arch.vocab * arch.hidden
     head = 0 if arch.tie_embeddings else emb

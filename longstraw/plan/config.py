@@ -5,7 +5,7 @@ model (its architecture, dtype bytes, parameter counts and sizes). Torch-free.""
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from .. import defaults
 from ..defaults import MODES
@@ -114,6 +114,12 @@ class PlanConfig:
     """Shard weights, gradients and optimizer state 1/W over the ranks (FSDP / ZeRO-3
     style; two layers' weights gathered at a time) instead of replicating them."""
 
+    expert_parallel: bool = False
+    """MoE models under context parallelism (W > 1): each rank holds ceil(E / W) of every
+    MoE layer's routed experts for good, never gathered whole (`ExecConfig(expert_parallel
+    =True)`); with `shard_params`, only the non-expert weights are sharded and gathered.
+    The combines' traffic is reported (`plan/experts.py`)."""
+
     offload_state: bool = False
     """Keep the prompt state's per-token rows (and exact mode's gradients for them) in
     host memory, staged to the device one layer at a time (`ExecConfig(state_device=
@@ -179,6 +185,9 @@ class PlanConfig:
         if not (isinstance(self.host_bandwidth_gbs, (int, float)) and math.isfinite(self.host_bandwidth_gbs)
                 and self.host_bandwidth_gbs > 0):
             raise ConfigError(f"PlanConfig.host_bandwidth_gbs must be a number > 0, got {self.host_bandwidth_gbs!r}")
+        if self.expert_parallel and self.gpus < 2:
+            raise ConfigError("PlanConfig.expert_parallel splits the experts over the ranks: give gpus >= 2 "
+                              f"(got {self.gpus}), or drop expert_parallel")
         if self.mode not in MODES:
             raise ConfigError(f"PlanConfig.mode must be 'detached' or 'exact', got {self.mode!r}")
         if self.lora_targets not in LORA_TARGETS:
@@ -260,6 +269,10 @@ def resolve(model, config: PlanConfig) -> Basis:
     if wdt in QUANT_BYTES and arch.count(mixer="mla"):
         raise ConfigError(f"weight_dtype {wdt!r}: the engine refuses quantized base weights for MLA models "
                           "(absorbed MLA needs kv_b_proj as a float matrix); plan them in bf16")
+    if c.expert_parallel:
+        if not arch.experts:
+            raise ConfigError(f"PlanConfig.expert_parallel but {name} has no routed experts; drop expert_parallel")
+        arch = replace(arch, expert_ranks=c.gpus)
     deal = Deal(c.gpus, c.attention_block_size)
     return Basis(name=name, cfg=cfg, preset=preset, arch=arch, config=c,
                  params=count_parameters(arch, c.lora_rank, c.lora_targets), dtype=dtype, wdt=wdt, b=b,

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from ..parallel.deal import walk_chunk_tokens
 from .arch import DTYPE_BYTES, QUANT_BYTES, Arch, LayerSpec, indexer_parameters
 from .config import Basis
+from .experts import divided_moe_working, expert_parallel_weights
 from .offload import offload_plan
 from .traffic import divided_capture_traffic, divided_walk_traffic
 from ..defaults import recompute_pays
@@ -137,7 +138,15 @@ def plan_weights(s: Basis) -> WeightPlan:
     assumptions.append(f"grads in {dtype}; Adam keeps 2 fp32 moments" + (" + an fp32 master copy" if half else "")
                        + f" = {adam} B per trainable parameter")
     gathered = 0.0
-    if c.shard_params:
+    if c.expert_parallel:  # plan/experts.py: each rank its experts' slice for good; the rest as below
+        param_bytes, grad_bytes, optimizer_bytes, gathered = expert_parallel_weights(
+            s.arch, base=base, lora_bytes=param_bytes - base, trainable=trainable, lora=bool(c.lora_rank), adam=adam,
+            wdt=wdt, b=b, world=W, shard_params=c.shard_params)
+        assumptions.append(f"expert parallelism: each rank holds ceil(E/W) = {math.ceil(s.arch.experts / W)} of "
+                           f"{s.arch.experts} routed experts per MoE layer, never gathered; "
+                           + ("the other weights, grads and optimizer state sharded 1/W, two layers' non-expert "
+                              "weights gathered at a time" if c.shard_params else "the other weights replicated"))
+    elif c.shard_params:
         param_bytes, grad_bytes, optimizer_bytes = param_bytes / W, grad_bytes / W, optimizer_bytes / W
         per_layer = base / len(s.arch.layers)
         gathered = 2 * per_layer
@@ -296,6 +305,8 @@ def plan_capture(s: Basis) -> CapturePlan:
     working, comm = nograd_working(s, C), 0.0
     if divided:  # layer by layer over the rank's positions: its hidden shard and one layer's projections
         working = max(working, _divided_working(s.arch, s.p_rank, C, s.b, s.acc))
+        if c.expert_parallel:  # an MoE piece holds every rank's gathered tokens (plan/experts.py)
+            working = max(working, divided_moe_working(s.arch, min(C, s.p_rank), W, s.b))
         comm = divided_capture_traffic(s.cfg, positions=P - 1, world=W, block=c.attention_block_size,
                                        chunk_size=c.chunk_size, dtype=s.dtype, exact=s.exact)
     return CapturePlan(C=C, divided=divided, working=working, comm=comm)

@@ -8,6 +8,7 @@ from dataclasses import asdict
 
 from .arch import BACKWARD_FACTOR, human_bytes
 from .config import Basis
+from .experts import expert_report
 from .memory import CapturePlan, OffloadPlan, Peak, ReplayPlan, StatePlan, WalkPlan, WeightPlan
 from .timing import Timing
 
@@ -137,6 +138,7 @@ def build_report(s: Basis, state: StatePlan, weights: WeightPlan, replay: Replay
         "walk_chunk_tokens": walk.chunk if exact else 0,
         "capture_comm_bytes_per_rank": capture.comm,
         "walk_comm_bytes_per_rank": walk.comm,
+        **expert_report(s, divided_capture=capture.divided, divided_walk=walk.divided, recompute=replay.recompute),
         "flops_capture": t.flops_capture,
         "flops_replay_per_branch": t.flops_branch,
         "flops_exact_extra": t.flops_exact_extra,
@@ -227,6 +229,8 @@ def format_report(r: dict) -> str:
         if r["kept_graph_chunks"]:
             rows.append((f"kept capture graphs ({r['kept_graph_chunks']} of "
                          f"{r['kept_graph_chunks'] + r['recomputed_chunks']} chunks)", hb(r["kept_graph_bytes"])))
+    if r["gathered_param_bytes"]:
+        rows.append(("gathered weights (FSDP2, 2 layers)", hb(r["gathered_param_bytes"])))
     rows += [
         ("static per rank", hb(r["static_bytes_per_rank"])),
         ("PEAK per rank", f"{hb(r['peak_bytes_per_rank'])}  (during {r['peak_phase']})"),
@@ -238,6 +242,9 @@ def format_report(r: dict) -> str:
         ("capture traffic per rank", hb(r["capture_comm_bytes_per_rank"])),
         ("exact walk traffic per rank", hb(r["walk_comm_bytes_per_rank"]) if r["divided_walk"] else
          "not modelled (no divided walk)"),
+        *([("expert-parallel traffic per rank", f"{hb(r['expert_comm_bytes_per_rank'])}  "
+            f"({r['experts']['experts_per_rank']} of {r['experts']['experts']} experts per rank)")]
+          if r["expert_parallel"] else []),
         ("time, detached", f"{r['estimated_time_s_detached']:,.1f} s"),
         ("time, exact", f"{r['estimated_time_s_exact']:,.1f} s"),
         ("  at", f"{i['throughput_tflops']:g} TFLOP/s effective per rank x {i['gpus']} rank(s)"),

@@ -25,6 +25,7 @@ from .arch import (
     Arch,
     LayerSpec,
 )
+from .experts import local_choices
 
 
 def gdn_kernel_bytes_per_token(arch: Arch, b: int, kernel: str, *, graph: bool) -> float:
@@ -85,8 +86,9 @@ def mlp_graph_bytes_per_token(arch: Arch, layer: LayerSpec, ab: int) -> float:
     (4 x width); MoE: router scores, each token's k expert rows, the shared expert; none: 0."""
     if layer.mlp == "dense":
         return 4 * arch.intermediate * ab
-    if layer.mlp == "moe":
-        return (2 * arch.experts + arch.experts_per_token * (4 * arch.moe_intermediate + 2 * arch.hidden)
+    if layer.mlp == "moe":  # expert parallelism: HF's forward keeps k rows (`local_choices`), + the combined output
+        k, combined = local_choices(arch), (arch.hidden if arch.expert_ranks > 1 else 0)
+        return (2 * arch.experts + k * (4 * arch.moe_intermediate + 2 * arch.hidden) + combined
                 + 4 * arch.shared_intermediate) * ab
     return 0.0  # mlp "none": a Nemotron-H mixer block, Falcon-H1's attention half
 
@@ -219,8 +221,9 @@ def mlp_nograd_bytes_per_token(arch: Arch, layer: LayerSpec, b: int) -> float:
     if layer.mlp == "none":  # a Nemotron-H mixer block, Falcon-H1's attention half
         return 0.0
     k, e = arch.experts_per_token, arch.experts
-    return (3 * e * 4 + k * (e + 1) * 8 + k * (3 * arch.moe_intermediate + arch.hidden) * b
-            + 3 * arch.shared_intermediate * b)
+    combined = arch.hidden if arch.expert_ranks > 1 else 0  # expert parallelism: the all-reduced output
+    return (3 * e * 4 + k * (e + 1) * 8 + local_choices(arch) * (3 * arch.moe_intermediate + arch.hidden) * b
+            + (3 * arch.shared_intermediate + combined) * b)
 
 
 def nograd_layer_bytes(arch: Arch, layer: LayerSpec, tokens: int, keys: int, block: int, acc: int, b: int,

@@ -15,3 +15,6 @@ for mode in detached exact; do
 done
 $PLAN --model glm-5.2 --prompt-tokens 2088960 --group 8 --response-tokens 8192 --gpus 32 --branch-chunk-size 1024 \
   --lora-rank 8 --offload-state --shard-params --json > $D/glm52_32xh20_p1024_offload.json
+# the same with expert parallelism: each rank holds 8 of the 256 experts per layer, never gathered whole
+$PLAN --model glm-5.2 --prompt-tokens 2088960 --group 8 --response-tokens 8192 --gpus 32 --branch-chunk-size 1024 \
+  --lora-rank 8 --offload-state --shard-params --expert-parallel --json > $D/glm52_32xh20_p1024_offload_ep.json

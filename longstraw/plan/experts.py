@@ -1,0 +1,157 @@
+"""The planner's model of expert parallelism (`PlanConfig.expert_parallel`; the engine's
+`ExecConfig(expert_parallel=True)`, design in `parallel/experts.py`). Torch-free.
+
+Memory. Each rank holds ceil(E / W) of every MoE layer's E routed experts for good (the
+fullest rank's slice; the engine's floor split differs by at most one expert), never
+gathered. What is not a routed expert (attention, routers, shared experts, dense MLPs,
+embeddings) is replicated, or with `shard_params` sharded 1/W with two decoder layers'
+non-expert weights gathered at a time (the largest such layer, counted twice: the running
+one and the prefetched next).
+
+Live tensors (`working.py` reads `Arch.expert_ranks`): a rank computes only its local
+experts, but HF's grouped_mm / batched_mm forwards still allocate every token's k rows
+(`local_choices`), and the combine keeps the all-reduced (or reduce-scattered) output,
+[T, H] per MoE layer. A divided capture's MoE call holds every
+rank's tokens of its piece, gathered: W x (hidden + routing) rows, and its partial output.
+
+Traffic (bytes one rank receives per MoE layer and per token, the ring model of
+`parallel.collectives.Traffic`):
+
+    replicated tokens, forward    all-reduce of [T, H]:            2 (W-1)/W H b
+                       backward   all-reduce of [T, H + k]:        2 (W-1)/W (H b + 4 k)
+    divided tokens,    forward    all-gather of (hidden, weights,  (W-1) (H b + 12 k)
+                                  top-k) + reduce-scatter:          + (W-1) H b
+                       backward   all-gather + reduce-scatter:     (W-1) (2 H b + 4 k)
+
+(routing weights in fp32 (4 B; HF's routers), top-k ids int64 (8 B); a divided token is
+a rank's own row.) The whole-layer gather it replaces moved every expert's weights to
+every rank, per pass: E x 3 H I x b bytes per MoE layer.
+"""
+
+from __future__ import annotations
+
+import math
+
+from .arch import QUANT_BYTES, DTYPE_BYTES, Arch, layer_linears, layer_other_params
+
+
+def expert_slice(arch: Arch, world: int) -> float:
+    """The fraction of each MoE layer's experts the fullest rank holds: ceil(E / W) / E
+    (1 without expert parallelism or experts)."""
+    if world <= 1 or not arch.experts:
+        return 1.0
+    return math.ceil(arch.experts / world) / arch.experts
+
+
+def local_choices(arch: Arch) -> float:
+    """Of each token's k expert choices, the rows a rank's experts forward holds: k, also
+    under expert parallelism. HF's grouped_mm and batched_mm forwards (the defaults on
+    GPU) allocate all T k rows and zero the other ranks' (measured: the tensors a tiny
+    glm_moe_dsa step saves do not shrink, `bench/bench_expert_parallel_live.py`); only its
+    eager loop would hold k ceil(E/W)/E on average."""
+    return float(arch.experts_per_token)
+
+
+def divided_moe_working(arch: Arch, piece: int, world: int, b: int) -> float:
+    """No-grad bytes of one MoE call of a divided capture under expert parallelism, on a
+    rank whose piece holds `piece` tokens (the others' padded to it): its residual stream
+    (4 [piece, H]), every rank's gathered hidden rows, routing weights (fp32) and top-k
+    ids (int64), the local experts' rows over them (gate, up and act: 3 I, and the
+    output H, for k ceil(E/W)/E choices each), the partial output, the router's scores and
+    the shared expert over its own rows."""
+    h, k, e = arch.hidden, arch.experts_per_token, arch.experts
+    rows = world * piece  # (W m): every rank's tokens of this call
+    return (piece * (4 * h * b + 3 * e * 4 + 3 * arch.shared_intermediate * b)
+            + rows * (2 * h * b + 12 * k + local_choices(arch) * ((3 * arch.moe_intermediate + h) * b + 8)))
+
+
+def expert_elements(arch: Arch) -> int:
+    """Elements of every routed expert of every MoE layer."""
+    return sum(arch.experts * sum(a * b for a, b in layer_linears(arch, layer)["experts"]) for layer in arch.layers)
+
+
+def largest_non_expert_layer(arch: Arch) -> tuple[int, int]:
+    """(linear, other) elements of the decoder layer with the most parameters that are not
+    routed experts (what FSDP2 gathers per layer under expert parallelism)."""
+    def sizes(layer):
+        groups = layer_linears(arch, layer)
+        return (sum(a * b for name, shapes in groups.items() if name != "experts" for a, b in shapes),
+                layer_other_params(arch, layer))
+    return max((sizes(layer) for layer in arch.layers), key=sum)
+
+
+def weight_bytes(elements_linear: float, elements_other: float, wdt: str, b: int) -> float:
+    """Stored bytes of linear weights in `wdt` (quantized or float) plus other parameters in b."""
+    per = QUANT_BYTES[wdt] if wdt in QUANT_BYTES else DTYPE_BYTES[wdt]
+    return elements_linear * per + elements_other * (b if wdt in QUANT_BYTES else DTYPE_BYTES[wdt])
+
+
+def plan_expert_weights(arch: Arch, base: float, wdt: str, b: int, world: int, shard_params: bool) -> dict:
+    """Per-rank weight bytes under expert parallelism: 'experts' (the rank's slice),
+    'rest' (everything else, 1/W with `shard_params`), 'gathered' (two of the largest
+    layer's non-expert weights with `shard_params`, else 0); `base` is the whole model's
+    stored weight bytes."""
+    experts = weight_bytes(expert_elements(arch), 0, wdt, b)
+    rest = base - experts
+    linear, other = largest_non_expert_layer(arch)
+    return {"experts": experts * expert_slice(arch, world), "rest": rest / world if shard_params else rest,
+            "gathered": 2 * weight_bytes(linear, other, wdt, b) if shard_params else 0.0}
+
+
+def expert_parallel_weights(arch: Arch, *, base: float, lora_bytes: float, trainable: int, lora: bool, adam: int,
+                            wdt: str, b: int, world: int, shard_params: bool) -> tuple[float, float, float, float]:
+    """(param, grad, optimizer, gathered) bytes per rank under expert parallelism: the
+    experts' slice, the rest replicated or (`shard_params`) 1/W; full training
+    (`lora` False) trains the slice's experts and the rest, LoRA only its adapters."""
+    w = plan_expert_weights(arch, base, wdt, b, world, shard_params)
+    rest = world if shard_params else 1
+    if lora:
+        mine = trainable / rest
+    else:
+        experts = expert_elements(arch)
+        mine = experts * expert_slice(arch, world) + (trainable - experts) / rest
+    return w["experts"] + w["rest"] + lora_bytes / rest, mine * b, mine * adam, w["gathered"]
+
+
+def combine_bytes_per_token(arch: Arch, world: int, b: int) -> dict:
+    """Bytes one rank receives per MoE layer and per token, by kind of tokens and pass
+    (the table in the module docstring)."""
+    W, h, k = world, arch.hidden, arch.experts_per_token
+    ring = 2 * (W - 1) / W
+    return {"replicated_forward": ring * h * b, "replicated_backward": ring * (h * b + 4 * k),
+            "divided_forward": (W - 1) * (2 * h * b + 12 * k), "divided_backward": (W - 1) * (2 * h * b + 4 * k)}
+
+
+def expert_report(s, *, divided_capture: bool, divided_walk: bool, recompute: bool) -> dict:
+    """The report's expert-parallel figures for a `config.Basis` `s`: whether it is on,
+    the combines' bytes per rank over a step, and their breakdown. Replay counts G R
+    replicated tokens (forward twice with a layer-wise recompute, plus score passes;
+    the no-grad forward of held pieces is not counted)."""
+    c, arch = s.config, s.arch
+    if not c.expert_parallel:
+        return {"expert_parallel": False, "expert_comm_bytes_per_rank": 0.0}
+    replay = s.G * s.R
+    walk_replicated = s.P if s.exact and not divided_walk else 0
+    total = expert_parallel_traffic(
+        arch, s.W, s.b,
+        replicated_forward=replay * ((2 if recompute else 1) + c.score_passes) + (0 if divided_capture else s.P)
+        + walk_replicated,
+        replicated_backward=replay + walk_replicated,
+        divided_forward=(s.p_rank if divided_capture else 0) + (s.p_rank if s.exact and divided_walk else 0),
+        divided_backward=s.p_rank if s.exact and divided_walk else 0)
+    return {"expert_parallel": True, "expert_comm_bytes_per_rank": total,
+            "experts": {"experts_per_rank": math.ceil(arch.experts / s.W), "experts": arch.experts,
+                        "moe_layers": arch.count(mlp="moe"),
+                        "bytes_per_token_per_moe_layer": combine_bytes_per_token(arch, s.W, s.b)}}
+
+
+def expert_parallel_traffic(arch: Arch, world: int, b: int, *, replicated_forward: float, replicated_backward: float,
+                            divided_forward: float, divided_backward: float) -> float:
+    """Bytes one rank receives over a step for the MoE combines, given how many tokens
+    pass through every MoE layer in each way: replicated tokens forward and backward,
+    a rank's own (divided) tokens forward and backward."""
+    per = combine_bytes_per_token(arch, world, b)
+    return arch.count(mlp="moe") * (replicated_forward * per["replicated_forward"]
+                                    + replicated_backward * per["replicated_backward"]
+                                    + divided_forward * per["divided_forward"]
+                                    + divided_backward * per["divided_backward"])
