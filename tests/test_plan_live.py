@@ -65,3 +65,39 @@ def test_planner_matches_a_replay_bound_step_with_and_without_recompute(family, 
     assert plan["peak_phase"] == "replay" and plan["replay_recompute_layers"] is recompute
     predicted = plan["peak_bytes_per_rank"] - plan["param_bytes"] - plan["optimizer_bytes"]
     assert abs(predicted / measured - 1) <= 0.10, (family, recompute, predicted, measured)
+
+
+@pytest.mark.parametrize("family", ["nemotron_h", "kimi_linear"])
+def test_recurrent_hybrid_capture_peak_within_10_percent(family):
+    """Tiny Nemotron-H (Mamba2) and Kimi Linear (KDA) models, one detached step whose peak
+    is capture's (P = 2,048 in chunks of 1,024): the planner's no-grad mixer moment (the
+    torch SSD / KDA kernel's fitted peak, `plan/working.recurrent_kernel_bytes_per_token`,
+    plus the projections) within 10% of the live tensors."""
+    p, chunk = 2048, 1024
+    model = tiny_model(family, dtype=torch.float32)
+    group = uniform_group(model.config.vocab_size, p, G, R, seed=0)
+    engine = ls.Engine(model, ls.ExecConfig(chunk_size=chunk))
+    measured = live_tensor_peak(lambda: engine.step(group, ls.GRPOConfig()))
+    plan = estimate(model.config.to_dict(), PlanConfig(prompt_tokens=p, group=G, response_tokens=R, dtype="float32",
+                                                       chunk_size=chunk, grads_during_capture=False))
+    assert plan["num_parameters"] == sum(p.numel() for p in model.parameters())
+    assert plan["peak_phase"] == "capture"
+    predicted = plan["peak_bytes_per_rank"] - plan["param_bytes"] - plan["optimizer_bytes"]
+    assert abs(predicted / measured - 1) <= 0.10, (family, predicted, measured)
+
+
+@pytest.mark.parametrize("recompute", [False, True])
+@pytest.mark.parametrize("family", ["nemotron_h", "kimi_linear"])
+def test_recurrent_hybrid_replay_peak_within_10_percent(family, recompute):
+    """The same models, a replay-bound step (P = 256, R = 512 in one piece, logits chunk
+    256) with and without layer-wise recompute: the kernels' graph and backward terms
+    within 10% of the live tensors."""
+    p, r, logits = 256, 512, 256
+    model = tiny_model(family, dtype=torch.float32)
+    measured = fresh_replay_peak(family, p, r, logits, recompute)
+    plan = estimate(model.config.to_dict(), PlanConfig(prompt_tokens=p, group=G, response_tokens=r, dtype="float32",
+                                                       chunk_size=p, grads_during_capture=False,
+                                                       recompute_layers=recompute, logits_chunk_size=logits))
+    assert plan["peak_phase"] == "replay" and plan["replay_recompute_layers"] is recompute
+    predicted = plan["peak_bytes_per_rank"] - plan["param_bytes"] - plan["optimizer_bytes"]
+    assert abs(predicted / measured - 1) <= 0.10, (family, recompute, predicted, measured)
