@@ -14,6 +14,15 @@ kernel 4; vocab 4096, 256K positions.
 dense, then MoE with 8 experts, 2 per token, 1 shared), MLA with kv_lora_rank 64, rope
 16, nope 32, value 32, q_lora_rank 96, 4 heads; DSA indexer with 8 heads of dim 32 and
 top-k 256, run in layers 0 and 2 and shared by layers 1 and 3; vocab 4096.
+
+`tiny_model("nemotron_h")` is shaped like Nemotron-H-56B, scaled down: 8 blocks (3 Mamba2,
+1 attention, 4 relu2 MLP), hidden 256; Mamba2 with 16 heads of dim 32, d_state 64, 2
+groups, conv 4; attention 4 query heads over 2 KV heads of dim 64; vocab 4096.
+
+`tiny_model("kimi_linear")` is shaped like Kimi-Linear-48B-A3B, scaled down: 3 KDA layers
+(4 heads of dim 64, short conv 4) then 1 NoPE MLA layer (4 heads, kv_lora_rank 64, rope
+16, nope 32, value 32); the first MLP dense, then MoE with 8 experts, 2 per token, 1
+shared; vocab 4096.
 """
 
 from __future__ import annotations
@@ -36,6 +45,22 @@ TINY_CONFIGS = {
                         n_routed_experts=8, num_experts_per_tok=2, n_shared_experts=1, first_k_dense_replace=1,
                         index_head_dim=32, index_n_heads=8, index_topk=256,
                         indexer_types=["full", "shared", "full", "shared"], max_position_embeddings=131072,
+                        tie_word_embeddings=False, attention_dropout=0.0),
+    "nemotron_h": dict(vocab_size=4096, hidden_size=256, intermediate_size=1024, mlp_hidden_act="relu2",
+                       num_hidden_layers=8,
+                       layers_block_type=["mamba", "mlp", "mamba", "mlp", "attention", "mlp", "mamba", "mlp"],
+                       num_attention_heads=4, num_key_value_heads=2, head_dim=64, mamba_num_heads=16,
+                       mamba_head_dim=32, ssm_state_size=64, n_groups=2, conv_kernel=4, expand=2, chunk_size=128,
+                       use_conv_bias=True, mamba_proj_bias=False, max_position_embeddings=262144,
+                       tie_word_embeddings=False, attention_dropout=0.0),
+    "kimi_linear": dict(vocab_size=4096, hidden_size=256, intermediate_size=768, moe_intermediate_size=128,
+                        num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=64,
+                        q_lora_rank=None, qk_rope_head_dim=16, qk_nope_head_dim=32, v_head_dim=32,
+                        num_experts=8, num_experts_per_token=2, num_shared_experts=1,
+                        layer_types=["linear_attention"] * 3 + ["full_attention"],
+                        mlp_layer_types=["dense", "sparse", "sparse", "sparse"], linear_num_heads=4,
+                        linear_head_dim=64, linear_conv_kernel_dim=4, max_position_embeddings=262144,
+                        pad_token_id=0, bos_token_id=1, eos_token_id=2,
                         tie_word_embeddings=False, attention_dropout=0.0),
     "qwen3": dict(vocab_size=4096, hidden_size=256, intermediate_size=768, num_hidden_layers=4,
                   num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=131072,

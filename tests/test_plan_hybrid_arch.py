@@ -39,6 +39,37 @@ def test_kimi_linear_48b_state_by_hand(p):
     assert r["layer_counts"] == {"kimi_delta_attention": 20, "mla": 7, "moe": 26}
 
 
+@pytest.mark.parametrize("p", [131_072, 1_048_576])
+def test_granite_4_h_small_state_by_hand(p):
+    """4 NoPE attention layers keep K/V: 8 kv heads x 128 x 2 x 2 B per token. 36 Mamba2
+    layers keep an fp32 SSM state [128 heads, 64, 128] (4 MiB) and a bf16 conv tail
+    [8192 + 2 x 1 x 128, 3], whatever P; every layer's MLP is a 72-expert MoE."""
+    r = plan("granite-4.0-h-small", p)
+    assert r["state_bytes_per_token"] == 4 * 8 * 128 * 2 * 2 == 16_384
+    assert r["breakdown"]["state"]["recurrent_fixed"] == 36 * 128 * 64 * 128 * 4 == 36 * 4 * MiB
+    assert r["breakdown"]["state"]["conv_tail_fixed"] == 36 * (8192 + 2 * 1 * 128) * 3 * 2
+    assert r["state_bytes_fixed"] == 152_819_712
+    assert r["layer_counts"] == {"full_attention": 4, "mamba2": 36, "moe": 40}
+
+
+@pytest.mark.parametrize("name", ["nemotron-h-56b", "kimi-linear-48b-a3b", "granite-4.0-h-small"])
+def test_preset_parameter_counts_equal_the_full_size_hf_model(name):
+    """The preset's own config built as the stock HF model on the meta device (no
+    memory): the planner counts exactly its parameters, and that total is within 2% of
+    the published one (the presets' acceptance rule)."""
+    import torch
+    import transformers
+
+    from longstraw.plan import load_presets
+
+    preset = load_presets()[name]
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(transformers.AutoConfig.for_model(**preset["config"]))
+    total = sum(p.numel() for p in model.parameters())
+    assert count_parameters(architecture(preset["config"])).total == total
+    assert abs(total - preset["num_parameters"]) <= 0.02 * preset["num_parameters"], (total, preset["num_parameters"])
+
+
 def _tiny_models():
     from tests.reference import tiny_falcon_h1, tiny_kimi, tiny_mamba
 

@@ -36,17 +36,34 @@ def fresh_replay_peak(*args) -> int:
     return int([line for line in out.stdout.split() if line.isdigit()][-1])
 
 
-@pytest.mark.parametrize("family", ["qwen3", "qwen3_5", "glm_moe_dsa"])
-def test_planner_matches_live_tensors(family):
+def capture_bound(family: str, p: int, chunk: int):
+    """(plan, predicted, measured) of one detached step at P = p in chunks of `chunk`:
+    the planner's peak above the weights against the live tensors'."""
     torch.manual_seed(0)
     model = tiny_model(family, dtype=torch.float32)
-    group = uniform_group(model.config.vocab_size, P, G, R, seed=0)
-    engine = ls.Engine(model, ls.ExecConfig(chunk_size=CHUNK))
+    group = uniform_group(model.config.vocab_size, p, G, R, seed=0)
+    engine = ls.Engine(model, ls.ExecConfig(chunk_size=chunk))
     measured = live_tensor_peak(lambda: engine.step(group, ls.GRPOConfig()))
-    plan = estimate(model.config.to_dict(), PlanConfig(prompt_tokens=P, group=G, response_tokens=R, dtype="float32",
-                                                       chunk_size=CHUNK, grads_during_capture=False))
+    plan = estimate(model.config.to_dict(), PlanConfig(prompt_tokens=p, group=G, response_tokens=R, dtype="float32",
+                                                       chunk_size=chunk, grads_during_capture=False))
     assert plan["num_parameters"] == sum(p.numel() for p in model.parameters())
-    predicted = plan["peak_bytes_per_rank"] - plan["param_bytes"] - plan["optimizer_bytes"]
+    return plan, plan["peak_bytes_per_rank"] - plan["param_bytes"] - plan["optimizer_bytes"], measured
+
+
+def replay_bound(family: str, p: int, r: int, logits: int, recompute: bool):
+    """(plan, predicted, measured) of a replay-bound step (one piece of r tokens)."""
+    model = tiny_model(family, dtype=torch.float32)
+    measured = fresh_replay_peak(family, p, r, logits, recompute)
+    plan = estimate(model.config.to_dict(), PlanConfig(prompt_tokens=p, group=G, response_tokens=r, dtype="float32",
+                                                       chunk_size=p, grads_during_capture=False,
+                                                       recompute_layers=recompute, logits_chunk_size=logits))
+    assert plan["peak_phase"] == "replay" and plan["replay_recompute_layers"] is recompute
+    return plan, plan["peak_bytes_per_rank"] - plan["param_bytes"] - plan["optimizer_bytes"], measured
+
+
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_5", "glm_moe_dsa"])
+def test_planner_matches_live_tensors(family):
+    plan, predicted, measured = capture_bound(family, P, CHUNK)
     assert abs(predicted / measured - 1) <= 0.15, (family, predicted, measured, plan["peak_phase"])
 
 
@@ -56,12 +73,26 @@ def test_planner_matches_a_replay_bound_step_with_and_without_recompute(family, 
     """A step whose peak is replay's (a short prompt, one long piece): the planner's peak
     with `recompute_layers` (every layer's input + one layer's backward) and without (the
     whole piece's graph) within 10% of the live tensors."""
-    p, r, logits = 512, 1024, 256
-    model = tiny_model(family, dtype=torch.float32)
-    measured = fresh_replay_peak(family, p, r, logits, recompute)
-    plan = estimate(model.config.to_dict(), PlanConfig(prompt_tokens=p, group=G, response_tokens=r, dtype="float32",
-                                                       chunk_size=p, grads_during_capture=False,
-                                                       recompute_layers=recompute, logits_chunk_size=logits))
-    assert plan["peak_phase"] == "replay" and plan["replay_recompute_layers"] is recompute
-    predicted = plan["peak_bytes_per_rank"] - plan["param_bytes"] - plan["optimizer_bytes"]
+    _, predicted, measured = replay_bound(family, 512, 1024, 256, recompute)
+    assert abs(predicted / measured - 1) <= 0.10, (family, recompute, predicted, measured)
+
+
+@pytest.mark.parametrize("family", ["nemotron_h", "kimi_linear"])
+def test_recurrent_hybrid_capture_peak_within_10_percent(family):
+    """Tiny Nemotron-H (Mamba2) and Kimi Linear (KDA) models, one detached step whose peak
+    is capture's (P = 2,048 in chunks of 1,024): the planner's no-grad mixer moment (the
+    torch SSD / KDA kernel's fitted peak, `plan/working.recurrent_kernel_bytes_per_token`,
+    plus the projections) within 10% of the live tensors."""
+    plan, predicted, measured = capture_bound(family, 2048, 1024)
+    assert plan["peak_phase"] == "capture"
+    assert abs(predicted / measured - 1) <= 0.10, (family, predicted, measured)
+
+
+@pytest.mark.parametrize("recompute", [False, True])
+@pytest.mark.parametrize("family", ["nemotron_h", "kimi_linear"])
+def test_recurrent_hybrid_replay_peak_within_10_percent(family, recompute):
+    """The same models, a replay-bound step (P = 256, R = 512 in one piece, logits chunk
+    256) with and without layer-wise recompute: the kernels' graph and backward terms
+    within 10% of the live tensors."""
+    _, predicted, measured = replay_bound(family, 256, 512, 256, recompute)
     assert abs(predicted / measured - 1) <= 0.10, (family, recompute, predicted, measured)

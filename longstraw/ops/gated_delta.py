@@ -35,11 +35,10 @@ inputs are float64.
 
 from __future__ import annotations
 
-import functools
-
 import torch
 import torch.nn.functional as F
 
+from longstraw.ops import kernels
 from longstraw.ops.attention import accumulation_dtype
 
 L2NORM_EPS = 1e-6
@@ -58,14 +57,9 @@ def expand_kv_heads(x: torch.Tensor, num_v_heads: int) -> torch.Tensor:
     return x.repeat_interleave(num_v_heads // hk, dim=1)
 
 
-@functools.lru_cache(maxsize=None)
 def fla_kernel():
     """flash-linear-attention's fused chunk kernel, or None when it cannot be imported."""
-    try:
-        from fla.ops.gated_delta_rule import chunk_gated_delta_rule as kernel
-    except Exception:  # not installed, or its triton stack is unusable here
-        return None
-    return kernel
+    return kernels.load("chunk_gated_delta_rule")
 
 
 def _can_use_fla(q: torch.Tensor, v: torch.Tensor) -> bool:
@@ -183,7 +177,7 @@ def chunk_gated_delta_rule(q, k, v, g, beta, initial_state=None, *, chunk_size: 
     return out.to(v.dtype), state
 
 
-def gated_delta_step(q, k, v, g, beta, state, *, use_qk_l2norm: bool = True):
+def gated_delta_step(q, k, v, g, beta, state, *, use_qk_l2norm: bool = True, allow_kernel: bool = True):
     """One token of the gated delta rule for B independent sequences (batched decode).
 
     The recurrent form of `chunk_gated_delta_rule` for T = 1, batched over a leading B
@@ -193,6 +187,8 @@ def gated_delta_step(q, k, v, g, beta, state, *, use_qk_l2norm: bool = True):
         q, k: [B, Hk, Dk]; v: [B, Hv, Dv]; g, beta: [B, Hv] (log decay, write strength).
         state: [B, Hv, Dk, Dv], the state before this token (float32, or float64).
         use_qk_l2norm: L2-normalise q and k per head first.
+        allow_kernel: on CUDA in bf16 / fp16 and with no gradient wanted, use fla's
+            `fused_recurrent_gated_delta_rule` when importable (`kernels.gdn_decode`).
 
     Returns:
         (out [B, Hv, Dv] in v's dtype, new state [B, Hv, Dk, Dv] in the accumulation
@@ -205,6 +201,9 @@ def gated_delta_step(q, k, v, g, beta, state, *, use_qk_l2norm: bool = True):
     if state.shape != (b, hv, dk, dv) or g.shape != (b, hv) or beta.shape != (b, hv):
         raise ValueError(f"state must be {(b, hv, dk, dv)} and g, beta {(b, hv)}; got {tuple(state.shape)}, "
                          f"{tuple(g.shape)}, {tuple(beta.shape)}")
+    if allow_kernel and not kernels.needs_grad(q, k, v, g, beta, state):
+        if (kernel := kernels.pick("fused_recurrent_gated_delta_rule", q, k, v)) is not None:
+            return kernels.gdn_decode(kernel, q, k, v, g, beta, state, use_qk_l2norm)
     acc = torch.float64 if torch.float64 in (q.dtype, v.dtype, state.dtype) else accumulation_dtype(v.dtype)
     q, k = q.to(acc), k.to(acc)
     if use_qk_l2norm:

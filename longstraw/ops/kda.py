@@ -33,7 +33,10 @@ import torch
 
 from longstraw.tensors import accumulation_dtype
 
+from . import kernels
 from .gated_delta import l2_normalize, to_chunks
+
+KDA_MAX_KERNEL_DK = 256  # fla's chunk_kda takes key head dims up to 256
 
 
 def _check(q, k, v, g, beta, state, batch: bool):
@@ -57,7 +60,8 @@ def _prepare(q, k, acc, use_qk_l2norm):
     return q * q.shape[-1] ** -0.5, k
 
 
-def chunk_kda(q, k, v, g, beta, initial_state=None, *, chunk_size: int = 64, use_qk_l2norm: bool = True):
+def chunk_kda(q, k, v, g, beta, initial_state=None, *, chunk_size: int = 64, use_qk_l2norm: bool = True,
+              allow_kernel: bool = True):
     """KDA over the T tokens of one sequence, starting from `initial_state`.
 
     Args:
@@ -66,12 +70,17 @@ def chunk_kda(q, k, v, g, beta, initial_state=None, *, chunk_size: int = 64, use
         initial_state: [H, Dk, Dv] or None for zeros.
         chunk_size: tokens per chunk (any T works; it is padded).
         use_qk_l2norm: L2-normalise q and k per head first (Kimi Linear: True).
+        allow_kernel: on CUDA in bf16 / fp16, use fla's `chunk_kda` when importable
+            (`kernels.py`; its chunk size is its own); False forces the torch path.
 
     Returns:
         (out [T, H, Dv] in v's dtype, final_state [H, Dk, Dv] in the accumulation
         dtype). Differentiable w.r.t. q, k, v, g, beta and initial_state.
     """
     _check(q, k, v, g, beta, initial_state, batch=False)
+    kernel = kernels.pick("chunk_kda", q, k, v) if allow_kernel and q.shape[-1] <= KDA_MAX_KERNEL_DK else None
+    if kernel is not None and q.shape[0]:
+        return kernels.kda_chunk(kernel, q, k, v, g, beta, initial_state, use_qk_l2norm)
     t, h, dv = v.shape
     dk = q.shape[2]
     acc = torch.float64 if torch.float64 in (q.dtype, v.dtype) else accumulation_dtype(v.dtype)
@@ -105,17 +114,22 @@ def chunk_kda(q, k, v, g, beta, initial_state=None, *, chunk_size: int = 64, use
     return out.to(v.dtype), state
 
 
-def kda_step(q, k, v, g, beta, state, *, use_qk_l2norm: bool = True):
+def kda_step(q, k, v, g, beta, state, *, use_qk_l2norm: bool = True, allow_kernel: bool = True):
     """One token of KDA for B independent sequences (batched decode).
 
     Args:
         q, k, g: [B, H, Dk]; v: [B, H, Dv]; beta: [B, H]; state: [B, H, Dk, Dv].
+        allow_kernel: on CUDA in bf16 / fp16 and with no gradient wanted, use fla's
+            `fused_recurrent_kda` when importable (it has no backward).
 
     Returns:
         (out [B, H, Dv] in v's dtype, new state [B, H, Dk, Dv] in the accumulation
         dtype). Out of place: `state` is not modified.
     """
     _check(q, k, v, g, beta, state, batch=True)
+    if allow_kernel and not kernels.needs_grad(q, k, v, g, beta, state):
+        if (kernel := kernels.pick("fused_recurrent_kda", q, k, v)) is not None:
+            return kernels.kda_decode(kernel, q, k, v, g, beta, state, use_qk_l2norm)
     acc = torch.float64 if torch.float64 in (q.dtype, v.dtype, state.dtype) else accumulation_dtype(v.dtype)
     q, k = _prepare(q, k, acc, use_qk_l2norm)
     state = state.to(acc) * g.to(acc).exp()[..., None]  # decay each key channel
@@ -145,5 +159,6 @@ def kda_transition(q, k, v, g, beta, *, chunk_size: int = 64, use_qk_l2norm: boo
     eye = torch.eye(dk, dtype=acc, device=v.device).expand(h, dk, dk)
     start = torch.cat([eye, torch.zeros(h, dk, dv, dtype=acc, device=v.device)], dim=-1)  # (H, Dk, Dk + Dv)
     values = torch.cat([torch.zeros(t, h, dk, dtype=acc, device=v.device), v.to(acc)], dim=-1)  # (T, H, Dk + Dv)
-    out, end = chunk_kda(q, k, values, g, beta, start, chunk_size=chunk_size, use_qk_l2norm=use_qk_l2norm)
+    out, end = chunk_kda(q, k, values, g, beta, start, chunk_size=chunk_size, use_qk_l2norm=use_qk_l2norm,
+                         allow_kernel=False)
     return out[..., :dk], out[..., dk:], end[..., :dk], end[..., dk:]

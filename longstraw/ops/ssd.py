@@ -35,6 +35,7 @@ import torch
 
 from longstraw.tensors import accumulation_dtype
 
+from . import kernels
 from .gated_delta import to_chunks
 
 
@@ -63,7 +64,7 @@ def heads_of_groups(x: torch.Tensor, heads: int) -> torch.Tensor:
     return x if x.shape[1] == heads else x.repeat_interleave(heads // x.shape[1], dim=1)
 
 
-def chunk_ssd_scan(x, dt, a, b, c, initial_state=None, *, chunk_size: int = 64):
+def chunk_ssd_scan(x, dt, a, b, c, initial_state=None, *, chunk_size: int = 64, allow_kernel: bool = True):
     """The SSD recurrence over the T tokens of one sequence, from `initial_state`.
 
     Args:
@@ -73,6 +74,9 @@ def chunk_ssd_scan(x, dt, a, b, c, initial_state=None, *, chunk_size: int = 64):
         b, c: [T, G, N] input and output projections of the state, per group.
         initial_state: [H, P, N] the state before the first token, or None for zeros.
         chunk_size: tokens per chunk (any T works; it is padded).
+        allow_kernel: on CUDA in bf16 / fp16, use mamba-ssm's `mamba_chunk_scan_combined`,
+            else fla's `chunk_simple_gla`, when importable (`kernels.py`); False forces
+            the torch path.
 
     Returns:
         (y [T, H, P], final_state [H, P, N]), both in the accumulation dtype (float32,
@@ -86,6 +90,8 @@ def chunk_ssd_scan(x, dt, a, b, c, initial_state=None, *, chunk_size: int = 64):
     state = x.new_zeros(h, p, n_state, dtype=acc) if initial_state is None else initial_state.to(acc)
     if t == 0:
         return x.new_zeros(0, h, p, dtype=acc), state
+    if allow_kernel and (out := kernels.ssd_chunk(x, dt, a, b, c, initial_state, chunk_size)) is not None:
+        return out
     dt = dt.to(acc)
     xs = x.to(acc) * dt[..., None]  # (T, H, P) dt_j x_j
     log_decay = dt * a.to(acc)  # (T, H)
@@ -147,7 +153,7 @@ def ssd_transition(x, dt, a, b, c, *, chunk_size: int = 64):
         dtype: read_t = e^(dt_1 A + ... + dt_t A) C_t and decay the whole segment's
         e^(sum dt A); out0 and end0 are the scan from a zero start.
     """
-    out0, end0 = chunk_ssd_scan(x, dt, a, b, c, None, chunk_size=chunk_size)
+    out0, end0 = chunk_ssd_scan(x, dt, a, b, c, None, chunk_size=chunk_size, allow_kernel=False)
     acc = out0.dtype
     gamma = (dt.to(acc) * a.to(acc)).cumsum(dim=0)  # (T, H) log decay since the segment start
     read = heads_of_groups(c.to(acc), x.shape[1]) * gamma.exp()[..., None]  # (T, H, N)

@@ -46,12 +46,52 @@ def gdn_kernel_bytes_per_token(arch: Arch, b: int, kernel: str, *, graph: bool) 
     """
     hv, dk, dv, c = arch.gdn_v_heads, arch.gdn_k_dim, arch.gdn_v_dim, GDN_CHUNK
     states = hv * dk * dv * 4 / c
+    if kernel == "torch" and arch.recurrent != "gdn":
+        return recurrent_kernel_bytes_per_token(arch, b, "graph" if graph else "nograd")
     if kernel == "torch":
         acc = max(4, b)
         if graph:
             return (8 * hv * dk + 4 * hv * dv + 4 * hv * c) * acc + states
         return (8 * hv * dk + 2 * hv * dv + max(4 * hv * c, 2 * hv * dv + 3 * hv * c)) * acc
     return (4 * hv * dk + 3 * hv * dv) * b + hv * c * 4 + states
+
+
+def recurrent_kernel_bytes_per_token(arch: Arch, b: int, moment: str) -> float:
+    """Bytes per token inside the torch KDA (`ops/kda.chunk_kda`) or SSD (`ops/ssd.chunk_ssd_scan`)
+    kernel of one layer, in acc = max(4, b) bytes, at `moment`: "nograd" (its peak without
+    autograd), "graph" (what its autograd graph keeps), "backward" (its backward's peak
+    above that graph). Chunks of C = 64 tokens.
+
+    KDA (H heads, Dk, Dv): its per-channel decay makes every pair (i, j) of a chunk a Dk
+    vector, [H, C, C, Dk] per chunk, so C x Dk elements per token and head: the pair decay
+    and the two three-operand einsums' intermediates (3 of them) dominate all moments.
+    SSD (H heads, P head dim, N d_state): B and C expanded to the heads and chunked (the
+    N terms), x dt and its chunks, the [H, C, C] pair decay and scores, one [H, P, N]
+    written state per chunk.
+
+    Fitted on live-tensor peaks of the kernels alone (T = 1,024, fp32; KDA: H 2-4, Dk
+    32-64, Dv 32-64, C 32-64; SSD: H 8-16, P 32-64, N 64-128, C 32-64; every point
+    within 5%), elements per token:
+        KDA   nograd H (3 C Dk + 6 Dk)   graph H (3 C Dk + 11 Dk + 3 Dv)   backward H (3 C Dk - 4 Dk)
+        SSD   nograd H (3P + 5N + C + PN/C)   graph H (2P + 6N + 3C + PN/C)   backward H (N + C + 2PN/C)
+    """
+    h, c, acc = arch.gdn_v_heads, GDN_CHUNK, max(4, b)
+    if arch.recurrent == "kda":
+        dk, dv = arch.gdn_k_dim, arch.gdn_v_dim
+        e = {"nograd": 3 * c * dk + 6 * dk, "graph": 3 * c * dk + 11 * dk + 3 * dv, "backward": 3 * c * dk - 4 * dk}
+    else:  # mamba2: gdn_v_dim = P, gdn_k_dim = N
+        p, n = arch.gdn_v_dim, arch.gdn_k_dim
+        e = {"nograd": 3 * p + 5 * n + c + p * n / c, "graph": 2 * p + 6 * n + 3 * c + p * n / c,
+             "backward": n + c + 2 * p * n / c}
+    return h * e[moment] * acc
+
+
+def recurrent_backward_bytes_per_token(arch: Arch, layer: LayerSpec, b: int, gdn_kernel: str) -> float:
+    """The torch KDA / SSD kernel's backward peak above its graph, per token (0 for other
+    layers, GDN included, and for the fla kernels, whose backward is not modelled)."""
+    if layer.mixer != "gdn" or arch.recurrent == "gdn" or gdn_kernel != "torch":
+        return 0.0
+    return recurrent_kernel_bytes_per_token(arch, b, "backward")
 
 
 def graph_bytes_per_token(arch: Arch, layer: LayerSpec, ab: int, gdn_kernel: str) -> float:
@@ -162,6 +202,7 @@ def autograd_pass(arch: Arch, tokens: int, keys: int, block: int, b: int, acc: i
     per_token = sum(graph_bytes_per_token(arch, l, b, gdn_kernel) for l in arch.layers) + 3 * arch.hidden * b
     graph = tokens * per_token
     attn = max(attention_working(arch, l, tokens, keys, block, acc, backward=True, b=b) for l in arch.layers)
+    attn = max(attn, tokens * max(recurrent_backward_bytes_per_token(arch, l, b, gdn_kernel) for l in arch.layers))
     if dense_self:
         graph += sum(self_scores(arch, l, tokens, acc) for l in arch.layers)
         attn = max(attn, max(self_scores(arch, l, tokens, acc) for l in arch.layers))
@@ -191,7 +232,11 @@ def recompute_pass(arch: Arch, tokens: int, keys: int, block: int, b: int, acc: 
         attn = attention_working(arch, layer, tokens, keys, block, acc, backward=True, b=b)
         mixer = g - tokens * mlp_graph_bytes_per_token(arch, layer, b) + attn
         if layer.mixer == "gdn":  # the chunked kernel's backward transient, with the layer's graph alive
-            mixer = g + tokens * gdn_kernel_bytes_per_token(arch, b, gdn_kernel, graph=False)
+            back = recurrent_backward_bytes_per_token(arch, layer, b, gdn_kernel)
+            if back:  # KDA / SSD: the MLP's backward ran first and freed its part of the graph
+                mixer = g - tokens * mlp_graph_bytes_per_token(arch, layer, b) + tokens * back
+            else:
+                mixer = g + tokens * gdn_kernel_bytes_per_token(arch, b, gdn_kernel, graph=False)
         moment, graph = max(moment, g, mixer), max(graph, g)
     return kept, moment, graph
 
@@ -203,6 +248,10 @@ def mixer_nograd_bytes_per_token(arch: Arch, layer: LayerSpec, b: int, gdn_kerne
     output and z, plus the chunked kernel)."""
     if layer.mixer == "attention":
         return (2 * arch.heads + 2 * arch.kv_heads) * arch.head_dim * (2 if arch.attn_gate else 1) * b
+    if layer.mixer == "gdn" and arch.recurrent == "mamba2":  # in_proj [z | xBC | dt], the conv's input,
+        # output and activation, dt's softplus and clamp
+        proj = (arch.gdn_v_heads * arch.gdn_v_dim + 4 * arch.conv_dim + 3 * arch.gdn_v_heads) * b
+        return proj + gdn_kernel_bytes_per_token(arch, b, gdn_kernel, graph=False)
     if layer.mixer == "gdn":
         proj = (2 * arch.conv_dim + arch.gdn_v_heads * arch.gdn_v_dim + 2 * arch.gdn_v_heads) * b
         return proj + gdn_kernel_bytes_per_token(arch, b, gdn_kernel, graph=False)

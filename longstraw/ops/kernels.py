@@ -1,0 +1,152 @@
+"""CUDA kernels of flash-linear-attention (fla) and mamba-ssm for the recurrent mixers,
+behind availability checks, with the torch kernels of `kda.py` / `ssd.py` as the fallback.
+
+UNTESTED ON REAL KERNELS: no CUDA and neither package here. What the tests check is the
+dispatch (the torch path on CPU, in float32, or when a package is missing) and each
+adapter's argument layout and conversion back, with fakes that are the naive twins
+(`tests/ops/test_kernels.py`); the kernels' own numerics are fla's and mamba-ssm's.
+
+The kernels used, and what each takes (their real signatures, fla-core 0.6.0 and
+mamba-ssm 2.3.2, read from the packages' sources):
+
+    fla.ops.kda.chunk_kda(q, k, v, g, beta, scale, initial_state, output_final_state,
+        use_qk_l2norm_in_kernel)      [B, T, H, D] layout, g the per-channel log decay
+        [B, T, H, Dk], initial_state [B, H, Dk, Dv] float32; autograd gives dh0
+    fla.ops.kda.fused_recurrent_kda(...)           same arguments; forward only (decode)
+    fla.ops.gated_delta_rule.chunk_gated_delta_rule / fused_recurrent_gated_delta_rule
+        the same with g [B, T, H] per head (GDN; the chunk one is `gated_delta.py`'s)
+    mamba_ssm.ops.triton.ssd_combined.mamba_chunk_scan_combined(x, dt, A, B, C,
+        chunk_size, initial_states=, return_final_states=True)      x [B, T, H, P],
+        dt [B, T, H] (softplus already applied: dt_softplus=False), B / C [B, T, G, N],
+        initial_states [B, H, P, N]; autograd gives dinitial_states
+    fla.ops.simple_gla.chunk_simple_gla(q, k, v, g, scale, initial_state,
+        output_final_state)           SSD is a scalar-gated linear attention: q = C,
+        k = B, v = dt x, g = dt A per head, scale 1; its state is [B, H, N, P] (S^T)
+
+They run on CUDA in bf16 / fp16 only (fla's chunk kernels reject float32); the state
+handed in and out is float32, as the torch kernels keep it.
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+
+import torch
+
+from longstraw.tensors import accumulation_dtype
+
+# name -> (module, attribute): where each kernel lives
+KERNELS = {
+    "chunk_kda": ("fla.ops.kda", "chunk_kda"),
+    "fused_recurrent_kda": ("fla.ops.kda", "fused_recurrent_kda"),
+    "chunk_gated_delta_rule": ("fla.ops.gated_delta_rule", "chunk_gated_delta_rule"),
+    "fused_recurrent_gated_delta_rule": ("fla.ops.gated_delta_rule", "fused_recurrent_gated_delta_rule"),
+    "mamba_chunk_scan_combined": ("mamba_ssm.ops.triton.ssd_combined", "mamba_chunk_scan_combined"),
+    "chunk_simple_gla": ("fla.ops.simple_gla", "chunk_simple_gla"),
+}
+HALF = (torch.bfloat16, torch.float16)
+
+
+@functools.lru_cache(maxsize=None)
+def load(name: str):
+    """The kernel `name` (a key of KERNELS), or None when its package cannot be imported."""
+    module, attr = KERNELS[name]
+    try:
+        return getattr(importlib.import_module(module), attr)
+    except Exception:  # not installed, or its triton stack is unusable here
+        return None
+
+
+def kernel_tensors(*tensors: torch.Tensor) -> bool:
+    """True when every tensor is on CUDA in half precision: the only inputs the kernels take."""
+    return all(t.is_cuda and t.dtype in HALF for t in tensors)
+
+
+def pick(name: str, *tensors: torch.Tensor):
+    """The kernel `name` if the inputs suit it and its package imports, else None (torch path)."""
+    return load(name) if kernel_tensors(*tensors) else None
+
+
+def needs_grad(*tensors: torch.Tensor | None) -> bool:
+    return torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in tensors)
+
+
+# ----------------------------------------------------------------------------
+# KDA
+
+
+def kda_chunk(kernel, q, k, v, g, beta, initial_state, use_qk_l2norm: bool):
+    """`kda.chunk_kda` through fla's `chunk_kda`: [T, H, D] -> its [1, T, H, D] and back.
+
+    Returns (out [T, H, Dv] in v's dtype, final_state [H, Dk, Dv] in the accumulation dtype)."""
+    acc = accumulation_dtype(v.dtype)
+    h0 = None if initial_state is None else initial_state.to(acc)[None]  # (1, H, Dk, Dv)
+    out, state = kernel(q[None].contiguous(), k[None].contiguous(), v[None].contiguous(),
+                        g=g.to(acc)[None].contiguous(), beta=beta[None].contiguous(), scale=q.shape[-1] ** -0.5,
+                        initial_state=h0, output_final_state=True, use_qk_l2norm_in_kernel=use_qk_l2norm)
+    return out[0].to(v.dtype), state[0].to(acc)
+
+
+def kda_decode(kernel, q, k, v, g, beta, state, use_qk_l2norm: bool):
+    """`kda.kda_step` through fla's `fused_recurrent_kda` (forward only): the B branches
+    as its batch of B sequences of one token. q, k, g [B, H, Dk] (g [B, H] for GDN), v
+    [B, H, Dv], beta [B, H] -> (out [B, H, Dv] in v's dtype, state [B, H, Dk, Dv] in the
+    accumulation dtype). g and beta go by keyword: GDN's kernel has gk, gv between them."""
+    acc = accumulation_dtype(v.dtype)
+    out, new = kernel(q[:, None].contiguous(), k[:, None].contiguous(), v[:, None].contiguous(),
+                      g=g.to(acc)[:, None].contiguous(), beta=beta[:, None].contiguous(), scale=q.shape[-1] ** -0.5,
+                      initial_state=state.to(acc).contiguous(), output_final_state=True,
+                      use_qk_l2norm_in_kernel=use_qk_l2norm)
+    return out[:, 0].to(v.dtype), new.to(acc)
+
+
+def gdn_decode(kernel, q, k, v, g, beta, state, use_qk_l2norm: bool):
+    """`gated_delta.gated_delta_step` through fla's `fused_recurrent_gated_delta_rule`
+    (decode, no gradient): q, k [B, Hk, Dk] repeated up to v's Hv heads as HF groups them.
+    Returns (out [B, Hv, Dv] in v's dtype, state [B, Hv, Dk, Dv] in the accumulation dtype)."""
+    hv = v.shape[1]
+    q, k = (x.repeat_interleave(hv // x.shape[1], dim=1) for x in (q, k))
+    return kda_decode(kernel, q, k, v, g, beta, state, use_qk_l2norm)
+
+
+# ----------------------------------------------------------------------------
+# SSD (Mamba2)
+
+
+def ssd_mamba(kernel, x, dt, a, b, c, initial_state, chunk_size: int):
+    """`ssd.chunk_ssd_scan` through mamba-ssm's `mamba_chunk_scan_combined` (no D, no z,
+    dt already through softplus and its limits). Returns (y [T, H, P], state [H, P, N])
+    in the accumulation dtype."""
+    acc = accumulation_dtype(x.dtype)
+    h0 = None if initial_state is None else initial_state.to(acc)[None]  # (1, H, P, N)
+    y, state = kernel(x[None].contiguous(), dt[None].contiguous(), a.contiguous(), b[None].contiguous(),
+                      c[None].contiguous(), chunk_size, initial_states=h0, dt_softplus=False,
+                      return_final_states=True)
+    return y[0].to(acc), state[0].to(acc)
+
+
+def ssd_simple_gla(kernel, x, dt, a, b, c, initial_state):
+    """`ssd.chunk_ssd_scan` through fla's `chunk_simple_gla`: S_t = e^(dt A) S + (dt x) B^T,
+    y = S C is GLA with q = C, k = B, v = dt x, g = dt A and scale 1, in the transposed
+    state layout [H, N, P]. Returns (y [T, H, P], state [H, P, N]) in the accumulation dtype."""
+    from .ssd import heads_of_groups
+
+    acc = accumulation_dtype(x.dtype)
+    h = x.shape[1]
+    q, k = heads_of_groups(c, h), heads_of_groups(b, h)  # (T, H, N)
+    v = x * dt[..., None].to(x.dtype)  # (T, H, P)
+    g = dt.to(acc) * a.to(acc)  # (T, H) log decay
+    h0 = None if initial_state is None else initial_state.to(acc).transpose(-1, -2)[None].contiguous()
+    y, state = kernel(q[None].contiguous(), k[None].contiguous(), v[None].contiguous(), g=g[None].contiguous(),
+                      scale=1.0, initial_state=h0, output_final_state=True)
+    return y[0].to(acc), state[0].transpose(-1, -2).to(acc)
+
+
+def ssd_chunk(x, dt, a, b, c, initial_state, chunk_size: int):
+    """The SSD scan on a CUDA kernel when one suits (mamba-ssm first, then fla), or None."""
+    if (kernel := pick("mamba_chunk_scan_combined", x, b, c)) is not None:
+        return ssd_mamba(kernel, x, dt, a, b, c, initial_state, chunk_size)
+    if (kernel := pick("chunk_simple_gla", x, b, c)) is not None:
+        return ssd_simple_gla(kernel, x, dt, a, b, c, initial_state)
+    return None
