@@ -26,3 +26,19 @@ def run(rank: int, world: int, init_file: str) -> None:
                     assert metrics["comm_bytes_replay"] > 0, (name, mode)
     finally:
         dist.destroy_process_group()
+
+
+def run_walk(rank: int, world: int, init_file: str) -> None:
+    """Exact mode's reverse walk with layer-wise recompute, divided over the ranks (each
+    prompt token recomputed on one rank, each layer's collectives re-run in backward):
+    loss and `.grad` equal the walk without recompute, for each family kind."""
+    _init(rank, world, init_file)
+    try:
+        group = random_group(GROUP["vocab"], GROUP["prompt_len"], GROUP["response_lens"], seed=9)
+        for name, make in MODELS.items():
+            kw = dict(EXEC, mode="exact", shard_block_size=3, context_parallel=True)
+            metrics = assert_recompute_changes_nothing(make(), group, kw)
+            assert metrics["divided_walk"] == 1.0 and metrics["walk_recompute_layers"] == 1.0, name
+            assert metrics["comm_bytes_reverse"] > 0, name
+    finally:
+        dist.destroy_process_group()

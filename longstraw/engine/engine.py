@@ -180,6 +180,13 @@ class Engine:
         backward (`ExecConfig.recompute_layers`; None: `recompute.recompute_pays`)."""
         return recompute_pays(self.config.recompute_layers, piece_tokens, len(self.adapter.backbone.layers))
 
+    def walk_recomputes_layers(self, positions: int) -> bool:
+        """Whether exact mode's reverse walk over a prompt state of `positions` captured
+        tokens recomputes each decoder layer in backward: the replay rule
+        (`recomputes_layers`) for its chunks of min(chunk_size, positions) tokens. A chunk
+        then keeps only each layer's input [chunk, d], and the live graph holds one layer."""
+        return self.recomputes_layers(min(self.config.chunk_size, positions))
+
     def replay_branch(self, state: PromptState, prompt: torch.Tensor, response: torch.Tensor, piece_loss) -> None:
         """Backpropagate one branch's loss against the read-only prompt state.
 
@@ -344,12 +351,14 @@ class Engine:
             stats = replay(self, state, group, grpo, totals, adv)
             mark()
             divided = exact and self.divides_walk(state)
+            walk_rc = exact and self.walk_recomputes_layers(group.prompt.numel() - 1)
             if divided:  # each prompt token on one rank; the ranks' partial gradients summed once
                 with summed_walk_gradients(self.model, self.cp, self.adapter.sharded_modules()):
                     self.walk_back(group.prompt[:-1].to(self.adapter.device), 0, [state], self.config.chunk_size,
-                                   shard=rank_shard(self))
+                                   shard=rank_shard(self), recompute_layers=walk_rc)
             elif exact:
-                self.walk_back(group.prompt[:-1].to(self.adapter.device), 0, [state], self.config.chunk_size)
+                self.walk_back(group.prompt[:-1].to(self.adapter.device), 0, [state], self.config.chunk_size,
+                               recompute_layers=walk_rc)
             mark()
             if self.cp is not None and self.cp.world > 1 and not divided:
                 # replay's (and a replicated walk's) gradients, which backward may sum in a different
@@ -366,6 +375,7 @@ class Engine:
             metrics.offload_slot_bytes = float(moved.slot_bytes)
             moved.reset()
         metrics.divided_walk, metrics.state_bytes = float(divided), float(state.nbytes())
+        metrics.walk_recompute_layers = float(walk_rc)
         metrics.replay_tokens, metrics.shared_segments = float(stats.forwarded), float(stats.shared)
         metrics.time_capture_s, metrics.time_replay_s, metrics.time_reverse_s = t1 - t0, t2 - t1, t3 - t2
         metrics.time_total_s = t4 - t0

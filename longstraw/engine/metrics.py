@@ -45,6 +45,9 @@ class StepMetrics:
     offload_slot_bytes: float | None = None
     divided_walk: float = 0.0
     """1 when exact mode's reverse walk ran divided over the ranks."""
+    walk_recompute_layers: float = 0.0
+    """1 when exact mode's reverse walk recomputed each decoder layer in backward
+    (`ExecConfig.recompute_layers`, decided for one walk chunk: `Engine.walk_recomputes_layers`)."""
     state_bytes: float = 0.0
     state_grad_bytes: float = 0.0
     """What the step held in state gradients (released on return)."""
