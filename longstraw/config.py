@@ -97,6 +97,17 @@ class ExecConfig:
     a detached sliding window) stays on the device. It changes where bytes live and
     how many cross PCIe, never the result. See docs/offload.md."""
 
+    offload_snapshots: bool | None = defaults.OFFLOAD_SNAPSHOTS
+    """Exact mode: keep the recurrent layers' snapshots at every capture-chunk boundary
+    (GDN, Mamba2, KDA: per layer a state [H, Dk, Dv] in fp32 + a conv tail, which the
+    reverse walk restarts each chunk from) in host memory, all but the latest; the walk
+    stages one back per chunk and layer. Their gradients are never staged: the walk
+    drops each once it has seeded its chunk, so at most two per layer exist. None: when
+    the state is offloaded (`state_device="cpu"`). True with the state on the device
+    too: the divided walk under context parallelism, which an offloaded state cannot
+    run, keeps them on host that way. Changes nothing in the result; `step` reports
+    the bytes moved (`snapshot_h2d_bytes`, `snapshot_d2h_bytes`). See docs/offload.md."""
+
     share_response_prefixes: bool = defaults.SHARE_RESPONSE_PREFIXES
     """Prefix trees: `step` and `score` build the trie of the group's responses below the
     prompt (a segment is shared where two or more responses hold the same tokens and,
@@ -132,6 +143,9 @@ class ExecConfig:
         if self.recompute_layers is not None and not isinstance(self.recompute_layers, bool):
             raise ConfigError(f"ExecConfig.recompute_layers must be True, False or None (on where it pays), "
                               f"got {self.recompute_layers!r}")
+        if self.offload_snapshots is not None and not isinstance(self.offload_snapshots, bool):
+            raise ConfigError(f"ExecConfig.offload_snapshots must be True, False or None (when the state is "
+                              f"offloaded), got {self.offload_snapshots!r}")
         if self.mode not in MODES:
             raise ConfigError(f"ExecConfig.mode must be one of {MODES}, got {self.mode!r}")
         if self.state_device is not None:
@@ -146,6 +160,10 @@ class ExecConfig:
                 raise ConfigError("ExecConfig.keep_graph_bytes > 0 keeps capture graphs that read the state on the "
                                   "device, which state_device=\"cpu\" does not hold; use keep_graph_bytes=0 or "
                                   "state_device=None")
+
+    def offloads_snapshots(self) -> bool:
+        """Whether exact mode keeps its recurrent snapshots (but the latest) in host memory."""
+        return defaults.offloads_snapshots(self.offload_snapshots, self.mode == "exact", self.offloads_state())
 
     def offloads_state(self) -> bool:
         """Whether the prompt state's per-token rows live in host memory (state offload)."""

@@ -226,7 +226,8 @@ def test_divided_walk_and_its_fallbacks():
     (MLA + DSA)."""
     from longstraw.parallel.deal import walk_chunk_tokens
 
-    kw = dict(prompt_tokens=1_048_576, gpus=8, mode="exact", chunk_size=4096, attention_block_size=1024)
+    kw = dict(prompt_tokens=1_048_576, gpus=8, mode="exact", chunk_size=4096, attention_block_size=1024,
+              recompute_layers=False)  # the walk without layer recompute: (1 + backward) per chunk
     divided, replicated = plan("qwen3-8b", **kw), plan("qwen3-8b", divide_walk=False, **kw)
     assert divided["divided_walk"] and not replicated["divided_walk"]
     assert divided["walk_chunk_tokens"] == walk_chunk_tokens(1_048_575, 4096, 8, 1024) == 8192
@@ -452,7 +453,8 @@ def test_activation_model_is_calibrated_on_hf_saved_tensors():
 TIED_DEFAULTS = {"mode": "MODE", "chunk_size": "CHUNK_SIZE", "branch_chunk_size": "BRANCH_CHUNK_SIZE",
                  "attention_block_size": "ATTENTION_BLOCK_SIZE", "logits_chunk_size": "LOGITS_CHUNK_SIZE",
                  "divide_capture": "DIVIDE_CAPTURE", "divide_walk": "DIVIDE_WALK",
-                 "keep_graph_bytes": "KEEP_GRAPH_BYTES", "recompute_layers": "RECOMPUTE_LAYERS"}
+                 "keep_graph_bytes": "KEEP_GRAPH_BYTES", "recompute_layers": "RECOMPUTE_LAYERS",
+                 "offload_snapshots": "OFFLOAD_SNAPSHOTS"}
 
 
 def test_plan_and_exec_configs_share_their_defaults():

@@ -63,7 +63,7 @@ from longstraw.parallel.collectives import Traffic
 from longstraw.parallel.context import ContextParallel
 from longstraw.parallel.fsdp import summed_walk_gradients
 from longstraw.parallel.gradients import replicate_gradients, replicated_parameters
-from longstraw.state.prompt import PromptState, Shard
+from longstraw.state.prompt import PromptState, RecurrentState, Shard
 
 
 class Engine:
@@ -374,6 +374,12 @@ class Engine:
             metrics.offload_h2d_bytes, metrics.offload_d2h_bytes = float(moved.h2d_bytes), float(moved.d2h_bytes)
             metrics.offload_slot_bytes = float(moved.slot_bytes)
             moved.reset()
+        recurrent = [layer for layer in state.layers if isinstance(layer, RecurrentState) and layer.host]
+        if recurrent:  # exact mode's snapshot offload, since the capture or the last step
+            metrics.snapshot_h2d_bytes = float(sum(layer.h2d_bytes for layer in recurrent))
+            metrics.snapshot_d2h_bytes = float(sum(layer.d2h_bytes for layer in recurrent))
+            for layer in recurrent:
+                layer.reset_moved()
         metrics.divided_walk, metrics.state_bytes = float(divided), float(state.nbytes())
         metrics.walk_recompute_layers = float(walk_rc)
         metrics.replay_tokens, metrics.shared_segments = float(stats.forwarded), float(stats.shared)

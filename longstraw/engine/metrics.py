@@ -43,6 +43,11 @@ class StepMetrics:
     """State offload only: bytes staged host -> device since the capture (or the last step)."""
     offload_d2h_bytes: float | None = None
     offload_slot_bytes: float | None = None
+    snapshot_h2d_bytes: float | None = None
+    """Exact mode with `ExecConfig.offload_snapshots`: recurrent snapshot bytes staged
+    host -> device (the walk's chunk starts) since the capture (or the last step)."""
+    snapshot_d2h_bytes: float | None = None
+    """... and moved device -> host (capture's snapshots, all but the latest)."""
     divided_walk: float = 0.0
     """1 when exact mode's reverse walk ran divided over the ranks."""
     walk_recompute_layers: float = 0.0

@@ -7,6 +7,10 @@ DeltaNet hybrid and MLA/DSA + MoE families, with the state offloaded, and under 
 parallelism at W = 2 with the walk divided (`tests/recompute_worker.run_walk`). The
 recompute really runs in the walk (each layer's MLP runs twice per walk chunk with
 autograd), and the choice is reported as the step metric `walk_recompute_layers`.
+
+Exact mode's recurrent snapshots in host memory (`ExecConfig.offload_snapshots`) equal
+them on the device, move the bytes the planner counts, and the walk holds at most two
+snapshot gradients per layer.
 """
 
 import pytest
@@ -14,8 +18,10 @@ import torch
 import torch.multiprocessing as mp
 
 import longstraw as ls
+from longstraw.state.prompt import RecurrentState
+from longstraw.tensors import nbytes
 from tests.models.test_recompute import EXEC, GROUP, MODELS, assert_recompute_changes_nothing
-from tests.reference import random_group
+from tests.reference import assert_grads_close, assert_loss_close, grads_of, random_group
 
 
 @pytest.mark.parametrize("state_device", [None, "cpu"])
@@ -71,3 +77,66 @@ def test_the_walk_follows_the_rule_for_its_chunks():
 def test_walk_recompute_under_context_parallelism(tmp_path):
     from tests import recompute_worker
     mp.spawn(recompute_worker.run_walk, args=(2, str(tmp_path / "init")), nprocs=2, join=True)
+
+
+# ----------------------------------------------------------------------------
+# exact mode's recurrent snapshots in host memory (`ExecConfig.offload_snapshots`)
+
+
+def _step(model, group, **kw):
+    model.zero_grad(set_to_none=True)
+    engine = ls.Engine(model, ls.ExecConfig(mode="exact", **kw))
+    return engine, engine.step(group), grads_of(model)
+
+
+@pytest.mark.parametrize("state_device", [None, "cpu"])
+def test_offloaded_snapshots_equal_on_device(state_device):
+    """Float64, qwen3_5 (GDN hybrid): snapshots in host memory give the on-device step's
+    loss and every .grad (the same sums: staging only copies), and the bytes moved equal
+    the planner's figures."""
+    from longstraw.plan import PlanConfig, estimate
+
+    model = MODELS["qwen3_5"]()
+    group = random_group(GROUP["vocab"], GROUP["prompt_len"], GROUP["response_lens"], seed=10)
+    kw = dict(EXEC, state_device=state_device, recompute_layers=True)
+    _, want, want_grads = _step(model, group, offload_snapshots=False, **kw)
+    engine, got, got_grads = _step(model, group, offload_snapshots=True, **kw)
+    assert_loss_close(got.loss, want.loss, 1e-15)
+    assert_grads_close(got_grads, want_grads, 1e-15)
+    assert "snapshot_h2d_bytes" not in want.metrics
+    plan = estimate(model.config.to_dict(), PlanConfig(
+        prompt_tokens=GROUP["prompt_len"], group=3, response_tokens=7, mode="exact", dtype="float64",
+        chunk_size=EXEC["chunk_size"], attention_block_size=EXEC["attention_block_size"],
+        offload_state=state_device == "cpu", offload_snapshots=True))["exact_snapshots"]
+    assert got.metrics["snapshot_h2d_bytes"] == plan["h2d_bytes"] > 0
+    assert got.metrics["snapshot_d2h_bytes"] == plan["d2h_bytes"] > 0
+    state = engine.capture(group.prompt, exact=True)
+    on_host = [layer for layer in state.layers if isinstance(layer, RecurrentState)]
+    assert sum(nbytes(*layer.snapshots[p]) for layer in on_host for p in layer.on_host) == plan["host_bytes"]
+
+
+def test_an_offloaded_state_offloads_its_snapshots_by_default():
+    model = MODELS["qwen3_5"]()
+    group = random_group(GROUP["vocab"], GROUP["prompt_len"], [3, 2], seed=12)
+    _, result, _ = _step(model, group, state_device="cpu", **EXEC)
+    assert result.metrics["snapshot_d2h_bytes"] > 0
+    assert not ls.ExecConfig(mode="detached", state_device="cpu").offloads_snapshots()
+    with pytest.raises(ls.ConfigError, match="offload_snapshots"):
+        ls.ExecConfig(offload_snapshots="yes")
+
+
+def test_the_walk_holds_two_snapshot_gradients_per_layer(monkeypatch):
+    """The walk takes each snapshot's gradient when it seeds the chunk ending there: while a
+    chunk's backward adds into its start's gradient, `grads` holds only that one (the
+    seed at its end is held by the walk): two per layer at a time, not one per chunk."""
+    seen = []
+    add = RecurrentState.add_grad
+
+    def spy(self, position, which, grad):
+        add(self, position, which, grad)
+        seen.append(len(self.grads))
+    monkeypatch.setattr(RecurrentState, "add_grad", spy)
+    model = MODELS["qwen3_5"]()
+    group = random_group(GROUP["vocab"], 40, [3, 2], seed=13)  # 7 chunks of 6
+    _step(model, group, **EXEC)
+    assert seen and max(seen) == 1
