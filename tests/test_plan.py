@@ -639,3 +639,48 @@ def test_tree_levels_of_fan_out_one_merge_and_bad_trees_are_clear_errors(capsys)
             plan(tree=bad)
     code, out, _ = run_cli(capsys, "--model", "qwen3-8b", "--prompt-tokens", 4096, "--tree", "2048x1,256x8", "--json")
     assert code == 0 and json.loads(out)["tree"]["levels"] == [[2048, 1], [256, 8]]
+
+
+# ---------------------------------------------------------------------------- exact mode at the paper's scale
+
+
+def test_state_gradients_are_allocated_after_capture():
+    """Exact mode allocates dLoss/dState after capture (before it only to keep chunk
+    graphs): a dense model's capture phase peaks where detached mode's does."""
+    kw = dict(prompt_tokens=131072, chunk_size=4096)
+    d, e = plan("qwen3-8b", **kw), plan("qwen3-8b", mode="exact", **kw)
+    assert e["breakdown"]["phase_peak_bytes"]["capture"] == d["breakdown"]["phase_peak_bytes"]["capture"]
+    kept = plan("qwen3-8b", mode="exact", keep_graph_bytes="1GiB", **kw)
+    assert kept["breakdown"]["phase_peak_bytes"]["capture"] > e["breakdown"]["phase_peak_bytes"]["capture"] \
+        + kept["state_grad_bytes_per_rank"] - 1
+
+
+PAPER_QWEN = dict(prompt_tokens=2088960, group=8, response_tokens=8192, gpus=8, lora_rank=16, weight_dtype="nf4",
+                  mode="exact")
+
+
+def test_the_walk_recomputes_layers_and_keeps_snapshots_on_host():
+    """The paper's Qwen3.6-27B run in exact mode: layer-wise recompute takes the divided
+    walk's working set from hundreds of GiB to a few, and the GDN snapshots (~73 GiB on
+    every rank) move to host memory with offload_snapshots; only one staged pair and two
+    gradients per layer stay."""
+    off = plan("qwen3.6-27b", branch_chunk_size=2048, recompute_layers=False, **PAPER_QWEN)
+    on = plan("qwen3.6-27b", branch_chunk_size=2048, **PAPER_QWEN)
+    host = plan("qwen3.6-27b", branch_chunk_size=2048, offload_snapshots=True, **PAPER_QWEN)
+    assert on["walk_recompute_layers"] and not off["walk_recompute_layers"]
+    assert on["recompute_working_bytes"] < off["recompute_working_bytes"] / 20
+    assert on["flops_exact_extra"] > off["flops_exact_extra"]  # one more forward per walk chunk
+    assert on["exact_checkpoint_bytes_per_rank"] > 70 * GiB and not on["exact_snapshots"]["offload"]
+    snaps = host["exact_snapshots"]
+    assert host["exact_checkpoint_bytes_per_rank"] == snaps["device_bytes"] == on["state_bytes_fixed"]
+    assert snaps["host_bytes"] == on["exact_checkpoint_bytes_per_rank"] == snaps["d2h_bytes"]
+    assert host["state_grad_bytes_per_rank"] < on["state_bytes_per_token"] * 261120 * 2 + 3 * on["state_bytes_fixed"]
+
+
+@pytest.mark.parametrize("pieces", [2048, 8192])
+def test_the_papers_qwen_exact_run_fits(pieces):
+    r = plan("qwen3.6-27b", branch_chunk_size=pieces, offload_snapshots=True, **PAPER_QWEN)
+    assert r["fits"] and r["peak_bytes_per_rank"] <= 0.85 * r["gpu_memory_bytes"], r["peak_bytes_per_rank"] / GiB
+    one = plan("qwen3.6-27b", **dict(PAPER_QWEN, prompt_tokens=2097152, gpus=1, weight_dtype=None),
+               gpu_memory="141GB", offload_state=True, branch_chunk_size=2048)
+    assert one["exact_snapshots"]["offload"] and one["peak_bytes_per_rank"] <= 0.85 * one["gpu_memory_bytes"]
