@@ -684,3 +684,9 @@ def test_the_papers_qwen_exact_run_fits(pieces):
     one = plan("qwen3.6-27b", **dict(PAPER_QWEN, prompt_tokens=2097152, gpus=1, weight_dtype=None),
                gpu_memory="141GB", offload_state=True, branch_chunk_size=2048)
     assert one["exact_snapshots"]["offload"] and one["peak_bytes_per_rank"] <= 0.85 * one["gpu_memory_bytes"]
+
+
+def test_the_walk_does_not_recompute_layers_under_fsdp2():
+    kw = dict(PAPER_QWEN, branch_chunk_size=2048)
+    assert plan("qwen3.6-27b", **kw)["walk_recompute_layers"]
+    assert not plan("qwen3.6-27b", shard_params=True, **kw)["walk_recompute_layers"]  # the engine's rule
