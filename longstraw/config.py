@@ -93,8 +93,9 @@ class ExecConfig:
     exact mode's gradients for them) live. None (or the model's own device): on the
     model's device. "cpu": state offload, in host memory (pinned when CUDA is
     available), staged to the model's device one layer at a time, the next layer's copy
-    overlapping the current layer's compute; constant-size state (GDN snapshots,
-    a detached sliding window) stays on the device. It changes where bytes live and
+    overlapping the current layer's compute; constant-size state (the latest GDN
+    snapshot, a detached sliding window) stays on the device, and exact mode's earlier
+    GDN snapshots go to host memory too (`offload_snapshots`). It changes where bytes live and
     how many cross PCIe, never the result. See docs/offload.md."""
 
     offload_snapshots: bool | None = defaults.OFFLOAD_SNAPSHOTS

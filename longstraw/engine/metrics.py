@@ -55,7 +55,9 @@ class StepMetrics:
     (`ExecConfig.recompute_layers`, decided for one walk chunk: `Engine.walk_recomputes_layers`)."""
     state_bytes: float = 0.0
     state_grad_bytes: float = 0.0
-    """What the step held in state gradients (released on return)."""
+    """What the step held in state gradients after its walk (released on return): the
+    per-token rows'; each recurrent snapshot's gradient was dropped once the walk had
+    seeded its chunk with it."""
     time_capture_s: float = 0.0
     time_replay_s: float = 0.0
     time_reverse_s: float = 0.0
