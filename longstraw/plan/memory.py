@@ -366,8 +366,7 @@ def plan_walk(s: Basis, capture: CapturePlan, graph_tok: float) -> WalkPlan:
     c, W, P, C, exact, params = s.config, s.W, s.P, capture.C, s.exact, s.params
     graph, transient = _autograd(s, C, s.p_rank)
     # the engine's rule (Engine.walk_recomputes_layers): replay's, for chunks of min(C, P - 1); not under FSDP2
-    recompute = exact and not c.shard_params and recompute_pays(c.recompute_layers, min(C, P - 1),
-                                                                  len(s.arch.layers))
+    recompute = exact and not c.shard_params and recompute_pays(c.recompute_layers, min(C, P - 1), len(s.arch.layers))
     working = (walk_recompute_working(s, C, s.p_rank) if recompute else graph + transient) if exact else 0.0
     # exact mode's kept capture graphs (the last chunks that fit), alive from capture to their walk
     chunks = -(-max(P - 1, 1) // C)
