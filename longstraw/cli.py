@@ -145,7 +145,7 @@ _PLAN_FIELDS = ("prompt_tokens", "group", "response_tokens", "mode", "gpus", "gp
                 "weight_dtype", "lora_rank", "lora_targets", "chunk_size", "branch_chunk_size", "attention_block_size",
                 "logits_chunk_size", "self_attention", "gdn_kernel", "grads_during_capture", "shard_params",
                 "expert_parallel", "offload_state", "host_bandwidth_gbs", "score_passes", "keep_graph_bytes",
-                "throughput_tflops", "recompute_layers", "divide_capture", "divide_walk", "tree")
+                "throughput_tflops", "recompute_layers", "divide_capture", "divide_walk", "tree", "offload_snapshots")
 
 
 def plan(args) -> int:
@@ -208,8 +208,12 @@ def _add_plan_parser(sub) -> None:
                    "staged one layer at a time (ExecConfig(state_device='cpu')): device peak, host bytes, traffic")
     p.add_argument("--host-bandwidth", dest="host_bandwidth_gbs", type=float, default=50.0,
                    help="host<->device GB/s for the offload traffic's time (default 50, PCIe Gen5 x16 in practice)")
-    p.add_argument("--recompute-layers", default=None, type=_auto_on_off, metavar="{auto,on,off}", help="replay recomputes each decoder layer in backward "
-                   "(ExecConfig.recompute_layers; default auto: pieces of 1,024+ tokens)")
+    p.add_argument("--recompute-layers", default=None, type=_auto_on_off, metavar="{auto,on,off}", help="replay and the exact walk recompute each "
+                   "decoder layer in backward (ExecConfig.recompute_layers; default auto: pieces / walk chunks of "
+                   "1,024+ tokens)")
+    p.add_argument("--offload-snapshots", default=None, type=_auto_on_off, metavar="{auto,on,off}",
+                   help="exact mode: GDN snapshots (all but the latest) in host memory, one staged back per walk "
+                        "chunk (ExecConfig.offload_snapshots; default auto: with --offload-state)")
     p.add_argument("--keep-graph-bytes", default="0", help="exact mode: bytes of capture-chunk graphs kept instead "
                                                            "of recomputed, e.g. 2GiB (ExecConfig.keep_graph_bytes; "
                                                            "default 0: recompute every chunk)")

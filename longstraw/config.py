@@ -103,9 +103,21 @@ class ExecConfig:
     exact mode's gradients for them) live. None (or the model's own device): on the
     model's device. "cpu": state offload, in host memory (pinned when CUDA is
     available), staged to the model's device one layer at a time, the next layer's copy
-    overlapping the current layer's compute; constant-size state (GDN snapshots,
-    a detached sliding window) stays on the device. It changes where bytes live and
+    overlapping the current layer's compute; constant-size state (the latest GDN
+    snapshot, a detached sliding window) stays on the device, and exact mode's earlier
+    GDN snapshots go to host memory too (`offload_snapshots`). It changes where bytes live and
     how many cross PCIe, never the result. See docs/offload.md."""
+
+    offload_snapshots: bool | None = defaults.OFFLOAD_SNAPSHOTS
+    """Exact mode: keep the recurrent layers' snapshots at every capture-chunk boundary
+    (GDN, Mamba2, KDA: per layer a state [H, Dk, Dv] in fp32 + a conv tail, which the
+    reverse walk restarts each chunk from) in host memory, all but the latest; the walk
+    stages one back per chunk and layer. Their gradients are never staged: the walk
+    drops each once it has seeded its chunk, so at most two per layer exist. None: when
+    the state is offloaded (`state_device="cpu"`). True with the state on the device
+    too: the divided walk under context parallelism, which an offloaded state cannot
+    run, keeps them on host that way. Changes nothing in the result; `step` reports
+    the bytes moved (`snapshot_h2d_bytes`, `snapshot_d2h_bytes`). See docs/offload.md."""
 
     share_response_prefixes: bool = defaults.SHARE_RESPONSE_PREFIXES
     """Prefix trees: `step` and `score` build the trie of the group's responses below the
@@ -144,6 +156,9 @@ class ExecConfig:
                               f"got {self.recompute_layers!r}")
         if not isinstance(self.expert_parallel, bool):
             raise ConfigError(f"ExecConfig.expert_parallel must be True or False, got {self.expert_parallel!r}")
+        if self.offload_snapshots is not None and not isinstance(self.offload_snapshots, bool):
+            raise ConfigError(f"ExecConfig.offload_snapshots must be True, False or None (when the state is "
+                              f"offloaded), got {self.offload_snapshots!r}")
         if self.mode not in MODES:
             raise ConfigError(f"ExecConfig.mode must be one of {MODES}, got {self.mode!r}")
         if self.state_device is not None:
@@ -158,6 +173,10 @@ class ExecConfig:
                 raise ConfigError("ExecConfig.keep_graph_bytes > 0 keeps capture graphs that read the state on the "
                                   "device, which state_device=\"cpu\" does not hold; use keep_graph_bytes=0 or "
                                   "state_device=None")
+
+    def offloads_snapshots(self) -> bool:
+        """Whether exact mode keeps its recurrent snapshots (but the latest) in host memory."""
+        return defaults.offloads_snapshots(self.offload_snapshots, self.mode == "exact", self.offloads_state())
 
     def offloads_state(self) -> bool:
         """Whether the prompt state's per-token rows live in host memory (state offload)."""

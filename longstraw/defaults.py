@@ -32,6 +32,17 @@ SHARE_RESPONSE_PREFIXES = True
 RECOMPUTE_LAYERS = None
 """Replay: recompute each decoder layer in backward; None: where it pays (`recompute_pays`)."""
 
+OFFLOAD_SNAPSHOTS = None
+"""Exact mode: the recurrent layers' per-chunk snapshots in host memory (True), on the
+device (False), or in host memory exactly when the state is offloaded (None)."""
+
+
+def offloads_snapshots(setting: bool | None, exact: bool, offload_state: bool) -> bool:
+    """Whether exact mode keeps its recurrent snapshots (but the latest) in host memory:
+    the engine's and the planner's one rule. `setting` is `offload_snapshots`."""
+    return exact and (offload_state if setting is None else bool(setting))
+
+
 RECOMPUTE_MIN_TOKENS = 1024
 """`recompute_layers=None` recomputes the layers of replay pieces of at least this many tokens."""
 

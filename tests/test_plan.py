@@ -226,7 +226,8 @@ def test_divided_walk_and_its_fallbacks():
     (MLA + DSA)."""
     from longstraw.parallel.deal import walk_chunk_tokens
 
-    kw = dict(prompt_tokens=1_048_576, gpus=8, mode="exact", chunk_size=4096, attention_block_size=1024)
+    kw = dict(prompt_tokens=1_048_576, gpus=8, mode="exact", chunk_size=4096, attention_block_size=1024,
+              recompute_layers=False)  # the walk without layer recompute: (1 + backward) per chunk
     divided, replicated = plan("qwen3-8b", **kw), plan("qwen3-8b", divide_walk=False, **kw)
     assert divided["divided_walk"] and not replicated["divided_walk"]
     assert divided["walk_chunk_tokens"] == walk_chunk_tokens(1_048_575, 4096, 8, 1024) == 8192
@@ -452,7 +453,8 @@ def test_activation_model_is_calibrated_on_hf_saved_tensors():
 TIED_DEFAULTS = {"mode": "MODE", "chunk_size": "CHUNK_SIZE", "branch_chunk_size": "BRANCH_CHUNK_SIZE",
                  "attention_block_size": "ATTENTION_BLOCK_SIZE", "logits_chunk_size": "LOGITS_CHUNK_SIZE",
                  "divide_capture": "DIVIDE_CAPTURE", "divide_walk": "DIVIDE_WALK",
-                 "keep_graph_bytes": "KEEP_GRAPH_BYTES", "recompute_layers": "RECOMPUTE_LAYERS"}
+                 "keep_graph_bytes": "KEEP_GRAPH_BYTES", "recompute_layers": "RECOMPUTE_LAYERS",
+                 "offload_snapshots": "OFFLOAD_SNAPSHOTS"}
 
 
 def test_plan_and_exec_configs_share_their_defaults():
@@ -637,3 +639,54 @@ def test_tree_levels_of_fan_out_one_merge_and_bad_trees_are_clear_errors(capsys)
             plan(tree=bad)
     code, out, _ = run_cli(capsys, "--model", "qwen3-8b", "--prompt-tokens", 4096, "--tree", "2048x1,256x8", "--json")
     assert code == 0 and json.loads(out)["tree"]["levels"] == [[2048, 1], [256, 8]]
+
+
+# ---------------------------------------------------------------------------- exact mode at the paper's scale
+
+
+def test_state_gradients_are_allocated_after_capture():
+    """Exact mode allocates dLoss/dState after capture (before it only to keep chunk
+    graphs): a dense model's capture phase peaks where detached mode's does."""
+    kw = dict(prompt_tokens=131072, chunk_size=4096)
+    d, e = plan("qwen3-8b", **kw), plan("qwen3-8b", mode="exact", **kw)
+    assert e["breakdown"]["phase_peak_bytes"]["capture"] == d["breakdown"]["phase_peak_bytes"]["capture"]
+    kept = plan("qwen3-8b", mode="exact", keep_graph_bytes="1GiB", **kw)
+    assert kept["breakdown"]["phase_peak_bytes"]["capture"] > e["breakdown"]["phase_peak_bytes"]["capture"] \
+        + kept["state_grad_bytes_per_rank"] - 1
+
+
+PAPER_QWEN = dict(prompt_tokens=2088960, group=8, response_tokens=8192, gpus=8, lora_rank=16, weight_dtype="nf4",
+                  mode="exact")
+
+
+def test_the_walk_recomputes_layers_and_keeps_snapshots_on_host():
+    """The paper's Qwen3.6-27B run in exact mode: layer-wise recompute takes the divided
+    walk's working set from hundreds of GiB to a few, and the GDN snapshots (~73 GiB on
+    every rank) move to host memory with offload_snapshots; only one staged pair and two
+    gradients per layer stay."""
+    off = plan("qwen3.6-27b", branch_chunk_size=2048, recompute_layers=False, **PAPER_QWEN)
+    on = plan("qwen3.6-27b", branch_chunk_size=2048, **PAPER_QWEN)
+    host = plan("qwen3.6-27b", branch_chunk_size=2048, offload_snapshots=True, **PAPER_QWEN)
+    assert on["walk_recompute_layers"] and not off["walk_recompute_layers"]
+    assert on["recompute_working_bytes"] < off["recompute_working_bytes"] / 20
+    assert on["flops_exact_extra"] > off["flops_exact_extra"]  # one more forward per walk chunk
+    assert on["exact_checkpoint_bytes_per_rank"] > 70 * GiB and not on["exact_snapshots"]["offload"]
+    snaps = host["exact_snapshots"]
+    assert host["exact_checkpoint_bytes_per_rank"] == snaps["device_bytes"] == on["state_bytes_fixed"]
+    assert snaps["host_bytes"] == on["exact_checkpoint_bytes_per_rank"] == snaps["d2h_bytes"]
+    assert host["state_grad_bytes_per_rank"] < on["state_bytes_per_token"] * 261120 * 2 + 3 * on["state_bytes_fixed"]
+
+
+@pytest.mark.parametrize("pieces", [2048, 8192])
+def test_the_papers_qwen_exact_run_fits(pieces):
+    r = plan("qwen3.6-27b", branch_chunk_size=pieces, offload_snapshots=True, **PAPER_QWEN)
+    assert r["fits"] and r["peak_bytes_per_rank"] <= 0.85 * r["gpu_memory_bytes"], r["peak_bytes_per_rank"] / GiB
+    one = plan("qwen3.6-27b", **dict(PAPER_QWEN, prompt_tokens=2097152, gpus=1, weight_dtype=None),
+               gpu_memory="141GB", offload_state=True, branch_chunk_size=2048)
+    assert one["exact_snapshots"]["offload"] and one["peak_bytes_per_rank"] <= 0.85 * one["gpu_memory_bytes"]
+
+
+def test_the_walk_does_not_recompute_layers_under_fsdp2():
+    kw = dict(PAPER_QWEN, branch_chunk_size=2048)
+    assert plan("qwen3.6-27b", **kw)["walk_recompute_layers"]
+    assert not plan("qwen3.6-27b", shard_params=True, **kw)["walk_recompute_layers"]  # the engine's rule

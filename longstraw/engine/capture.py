@@ -18,7 +18,7 @@ from longstraw.parallel.divided import divided_capture
 from longstraw.parallel.fsdp import fsdp_sum_factor
 from longstraw.phase import Phase
 from longstraw.state.offload import Stager
-from longstraw.state.prompt import PromptState, Shard
+from longstraw.state.prompt import PromptState, RecurrentState, Shard
 
 
 def capture_chunks(engine, ids: torch.Tensor, start: int, states: list[PromptState], size: int,
@@ -57,6 +57,10 @@ def capture(engine, prompt: torch.Tensor, *, exact: bool = False, keep_graph_byt
     state.rope_length = int(prompt.numel()) if rope_length is None else rope_length
     if offload:  # per-token rows in host memory, staged one layer at a time (offload.py)
         state.offload = Stager(state, engine.adapter.device)
+    if exact and engine.config.offloads_snapshots():  # recurrent snapshots but the latest in host memory
+        for layer in state.layers:
+            if isinstance(layer, RecurrentState):
+                layer.host = True
     keep_graph_bytes = keep_graph_bytes if exact else 0
     if keep_graph_bytes > 0:
         state.enable_grad_buffers()  # the kept graphs add into these sinks in the walk

@@ -64,7 +64,7 @@ from longstraw.models.experts import shard_experts
 from longstraw.parallel.context import ContextParallel
 from longstraw.parallel.fsdp import settle_held_reductions, summed_walk_gradients
 from longstraw.parallel.gradients import replicate_gradients, replicated_parameters
-from longstraw.state.prompt import PromptState, Shard
+from longstraw.state.prompt import PromptState, RecurrentState, Shard
 
 
 class Engine:
@@ -186,6 +186,18 @@ class Engine:
         """Whether replay pieces of `piece_tokens` tokens recompute each decoder layer in
         backward (`ExecConfig.recompute_layers`; None: `recompute.recompute_pays`)."""
         return recompute_pays(self.config.recompute_layers, piece_tokens, len(self.adapter.backbone.layers))
+
+    def walk_recomputes_layers(self, positions: int) -> bool:
+        """Whether exact mode's reverse walk over a prompt state of `positions` captured
+        tokens recomputes each decoder layer in backward: the replay rule
+        (`recomputes_layers`) for its chunks of min(chunk_size, positions) tokens. A chunk
+        then keeps only each layer's input [chunk, d], and the live graph holds one layer.
+        Not under FSDP2: a walk chunk's roots sit inside each layer (its state rows), so
+        backward can reach a layer's recompute before FSDP2's pre-backward hook has
+        gathered its weights (untested; the walk keeps the chunk's whole graph there)."""
+        if self.adapter.sharded_modules():
+            return False
+        return self.recomputes_layers(min(self.config.chunk_size, positions))
 
     def replay_branch(self, state: PromptState, prompt: torch.Tensor, response: torch.Tensor, piece_loss) -> None:
         """Backpropagate one branch's loss against the read-only prompt state.
@@ -351,12 +363,14 @@ class Engine:
             stats = replay(self, state, group, grpo, totals, adv)
             mark()
             divided = exact and self.divides_walk(state)
+            walk_rc = exact and self.walk_recomputes_layers(group.prompt.numel() - 1)
             if divided:  # each prompt token on one rank; the ranks' partial gradients summed once
                 with summed_walk_gradients(self.model, self.cp, self.adapter.sharded_modules()):
                     self.walk_back(group.prompt[:-1].to(self.adapter.device), 0, [state], self.config.chunk_size,
-                                   shard=rank_shard(self))
+                                   shard=rank_shard(self), recompute_layers=walk_rc)
             elif exact:
-                self.walk_back(group.prompt[:-1].to(self.adapter.device), 0, [state], self.config.chunk_size)
+                self.walk_back(group.prompt[:-1].to(self.adapter.device), 0, [state], self.config.chunk_size,
+                               recompute_layers=walk_rc)
             settle_held_reductions(self.adapter.sharded_modules())  # a 2-D FSDP2 mesh: held shards into .grad
             mark()
             if self.cp is not None and self.cp.world > 1 and not divided:
@@ -373,7 +387,14 @@ class Engine:
             metrics.offload_h2d_bytes, metrics.offload_d2h_bytes = float(moved.h2d_bytes), float(moved.d2h_bytes)
             metrics.offload_slot_bytes = float(moved.slot_bytes)
             moved.reset()
+        recurrent = [layer for layer in state.layers if isinstance(layer, RecurrentState) and layer.host]
+        if recurrent:  # exact mode's snapshot offload, since the capture or the last step
+            metrics.snapshot_h2d_bytes = float(sum(layer.h2d_bytes for layer in recurrent))
+            metrics.snapshot_d2h_bytes = float(sum(layer.d2h_bytes for layer in recurrent))
+            for layer in recurrent:
+                layer.reset_moved()
         metrics.divided_walk, metrics.state_bytes = float(divided), float(state.nbytes())
+        metrics.walk_recompute_layers = float(walk_rc)
         metrics.replay_tokens, metrics.shared_segments = float(stats.forwarded), float(stats.shared)
         metrics.time_capture_s, metrics.time_replay_s, metrics.time_reverse_s = t1 - t0, t2 - t1, t3 - t2
         metrics.time_total_s = t4 - t0

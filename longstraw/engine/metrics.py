@@ -43,11 +43,21 @@ class StepMetrics:
     """State offload only: bytes staged host -> device since the capture (or the last step)."""
     offload_d2h_bytes: float | None = None
     offload_slot_bytes: float | None = None
+    snapshot_h2d_bytes: float | None = None
+    """Exact mode with `ExecConfig.offload_snapshots`: recurrent snapshot bytes staged
+    host -> device (the walk's chunk starts) since the capture (or the last step)."""
+    snapshot_d2h_bytes: float | None = None
+    """... and moved device -> host (capture's snapshots, all but the latest)."""
     divided_walk: float = 0.0
     """1 when exact mode's reverse walk ran divided over the ranks."""
+    walk_recompute_layers: float = 0.0
+    """1 when exact mode's reverse walk recomputed each decoder layer in backward
+    (`ExecConfig.recompute_layers`, decided for one walk chunk: `Engine.walk_recomputes_layers`)."""
     state_bytes: float = 0.0
     state_grad_bytes: float = 0.0
-    """What the step held in state gradients (released on return)."""
+    """What the step held in state gradients after its walk (released on return): the
+    per-token rows'; each recurrent snapshot's gradient was dropped once the walk had
+    seeded its chunk with it."""
     time_capture_s: float = 0.0
     time_replay_s: float = 0.0
     time_reverse_s: float = 0.0

@@ -233,9 +233,9 @@ class Adapter:
         no_grad); they append to states[-1]. RECOMPUTE with `divided` (a
         `routing.DividedChunk`): input_ids [n] are this rank's positions of the chunk
         from `start` (a divided reverse walk).
-        `recompute_layers` (a run with autograd of consecutive positions: replay's
-        pieces): each decoder layer keeps only its input and is recomputed in backward
-        (`recompute.py`).
+        `recompute_layers` (a run with autograd: replay's pieces, exact mode's walk
+        chunks, divided or not): each decoder layer keeps only its input and is
+        recomputed in backward (`recompute.py`).
         Returns final hidden states [T, d] ([G, d] for decode), after the final norm,
         ready for the lm_head.
         """
@@ -249,7 +249,7 @@ class Adapter:
                              rows=rows, positions=positions, divided=divided)
         pieces = chunked_mlps(self.backbone.layers, divided.chunk_size, self.divided_pieces(divided)) \
             if phase is Phase.DIVIDED else contextlib.nullcontext()
-        if recompute_layers and torch.is_grad_enabled() and divided is None:
+        if recompute_layers and torch.is_grad_enabled() and phase is not Phase.DIVIDED:
             pieces = recomputed_layers(self, call)
         with self.routing(), pieces, pinned_rope(self.backbone, states[0].rope_length):
             hidden = run_backbone(self.backbone, self.config, input_ids, call)

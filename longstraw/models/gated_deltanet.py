@@ -46,14 +46,15 @@ from longstraw.state.prompt import RecurrentState
 
 from .routing import AttentionCall, Divided, DividedChunk, Phase, current_call, forwards_replaced
 
-def initial_snapshot(states, layer_idx: int, position: int):
-    """(recurrent, conv_tail) at `position`, found in the stacked states (latest first).
-    Where the owner tracks gradients and grad is on, they are fresh leaves whose
-    gradient is added into the owner's `grads[position]`."""
+def initial_snapshot(states, layer_idx: int, position: int, device=None):
+    """(recurrent, conv_tail) at `position`, found in the stacked states (latest first),
+    on `device` (staged from host memory if the snapshot was offloaded there: exact
+    mode's `ExecConfig.offload_snapshots`). Where the owner tracks gradients and grad is
+    on, they are fresh leaves whose gradient is added into the owner's `grads[position]`."""
     for state in reversed(states):
         layer: RecurrentState = state.layers[layer_idx]
         if position in layer.snapshots:
-            pair = layer.snapshots[position]
+            pair = layer.get(position, device)
             if layer.grads is None or not torch.is_grad_enabled():
                 return pair
             out = []
@@ -77,7 +78,7 @@ def keep_snapshot(call: AttentionCall, layer_idx: int, end: int, recurrent, conv
     if call.phase is Phase.CAPTURE:
         layer.put(end, recurrent, conv_tail)
     if call.records_roots() and layer.grads is not None:
-        call.states[-1].seeds.append(((recurrent, conv_tail), lambda: tuple(layer.grads.get(end, (None, None)))))
+        call.states[-1].seeds.append(((recurrent, conv_tail), lambda: layer.take_grad(end)))
 
 
 def _project(module, x):
@@ -128,7 +129,7 @@ def _gdn_chunk(module, hidden_states, call: AttentionCall):
     x = hidden_states[0]  # (T, d)
     t = x.shape[0]
     mixed, z, b, a = _project(module, x)
-    rec0, tail0 = initial_snapshot(call.states, module.layer_idx, call.start)
+    rec0, tail0 = initial_snapshot(call.states, module.layer_idx, call.start, x.device)
     weight = module.conv1d.weight[:, 0, :]  # (conv_dim, K)
     conv, tail1 = causal_conv1d_with_tail(mixed.transpose(0, 1), weight, module.conv1d.bias, tail0,
                                           activation=module.activation)  # (conv_dim, T)
@@ -189,7 +190,7 @@ def divided_recompute_gdn(module, hidden_states, call: AttentionCall):
     full_mixed, full_b, full_a = d.gather(torch.cat([mixed, b_logit, a_logit], 1)).split(widths, 1)  # (T, C|Hv|Hv)
     first = [None if p is None else GradOnFirstRank.apply(p, d.cp)
              for p in (module.conv1d.weight, module.conv1d.bias, module.A_log, module.dt_bias)]
-    rec0, tail0 = initial_snapshot(call.states, module.layer_idx, d.start)
+    rec0, tail0 = initial_snapshot(call.states, module.layer_idx, d.start, x.device)
     conv, tail1 = causal_conv1d_with_tail(full_mixed.transpose(0, 1), first[0][:, 0, :], first[1], tail0,
                                           activation=module.activation)  # (C, T)
     q, k, v = _split_heads(module, conv.transpose(0, 1))

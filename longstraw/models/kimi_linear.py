@@ -93,7 +93,7 @@ def _chunk(module, hidden_states, call: AttentionCall):
     """Phases CAPTURE, REPLAY, RECOMPUTE: [1, T, d] at positions start.. -> [1, T, d]."""
     x = hidden_states[0]  # (T, d)
     mixed, g, beta_logit = _project(module, x)
-    rec0, tail0 = initial_snapshot(call.states, module.layer_idx, call.start)
+    rec0, tail0 = initial_snapshot(call.states, module.layer_idx, call.start, x.device)
     conv, tail1 = _conv(module, mixed, tail0)
     q, k, v = _split(module, conv)
     out, rec1 = chunk_kda(q, k, v, g, beta_logit.sigmoid(), rec0, chunk_size=KDA_CHUNK, use_qk_l2norm=True)
@@ -166,7 +166,7 @@ def divided_recompute_kda(module, hidden_states, call: AttentionCall):
     full_beta = full[:, c:c + module.num_heads].to(beta_logit.dtype)
     full_g = full[:, c + module.num_heads:].reshape(-1, module.num_heads, module.head_dim)
     weight = GradOnFirstRank.apply(module.conv1d.weight, d.cp)
-    rec0, tail0 = initial_snapshot(call.states, module.layer_idx, d.start)
+    rec0, tail0 = initial_snapshot(call.states, module.layer_idx, d.start, x.device)
     conv, tail1 = _conv(module, full_mixed, tail0, weight)
     q, k, v = _split(module, conv)
     out, rec1 = chunk_kda(q, k, v, full_g, full_beta.sigmoid(), rec0, chunk_size=KDA_CHUNK, use_qk_l2norm=True)

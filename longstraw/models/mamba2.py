@@ -116,7 +116,7 @@ def _chunk(module, hidden_states, call: AttentionCall):
     """Phases CAPTURE, REPLAY, RECOMPUTE: [1, T, d] at positions start.. -> [1, T, d]."""
     x = hidden_states[0]  # (T, d)
     gate, xbc, dt = _project(module, x)
-    rec0, tail0 = initial_snapshot(call.states, module.layer_idx, call.start)
+    rec0, tail0 = initial_snapshot(call.states, module.layer_idx, call.start, x.device)
     conv, tail1 = _conv(module, xbc, tail0)
     xs, b, c = _split(module, conv)
     y, rec1 = chunk_ssd_scan(xs, _time_step(module, dt), _a(module), b, c, rec0, chunk_size=SSD_CHUNK)
@@ -188,7 +188,7 @@ def divided_recompute_mamba2(module, hidden_states, call: AttentionCall):
     full_xbc, full_dt = d.gather(torch.cat([xbc, dt_raw], 1)).split([xbc.shape[1], dt_raw.shape[1]], 1)
     weight, bias, dt_bias, a_log, skip = (None if p is None else GradOnFirstRank.apply(p, d.cp) for p in (
         module.conv1d.weight, module.conv1d.bias, module.dt_bias, module.A_log, module.D))
-    rec0, tail0 = initial_snapshot(call.states, module.layer_idx, d.start)
+    rec0, tail0 = initial_snapshot(call.states, module.layer_idx, d.start, x.device)
     conv, tail1 = causal_conv1d_with_tail(full_xbc.transpose(0, 1), weight[:, 0, :], bias, tail0,
                                           activation=module.activation)
     xs, b, c = _split(module, conv.transpose(0, 1))

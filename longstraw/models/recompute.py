@@ -1,7 +1,9 @@
-"""Layer-wise recompute in replay: each decoder layer of the model is checkpointed
-(`torch.utils.checkpoint`, `use_reentrant=False`), so a replay piece keeps only every
-layer's input [1, T, d] and, in backward, recomputes one layer's forward at a time: the
-live graph holds one layer's activations, not all of them.
+"""Layer-wise recompute in replay and in exact mode's reverse walk: each decoder layer
+of the model is checkpointed (`torch.utils.checkpoint`, `use_reentrant=False`), so a
+replay piece (or a walk chunk: its T tokens, or under context parallelism this rank's
+positions of it) keeps only every layer's input [1, T, d] and, in backward, recomputes
+one layer's forward at a time: the live graph holds one layer's activations, not all of
+them. The walk decides for its chunks by the same rule (`Engine.walk_recomputes_layers`).
 
 This is LongStraw's own mechanism, applied to the model's own decoder layers by
 replacing each layer's `forward` on the instance for one run (`forwards_replaced`); HF's

@@ -90,6 +90,11 @@ class PlanConfig:
     logits_chunk_size: int = defaults.LOGITS_CHUNK_SIZE
     """Response tokens per lm_head + log-softmax chunk (ExecConfig)."""
 
+    offload_snapshots: bool | None = defaults.OFFLOAD_SNAPSHOTS
+    """Exact mode: the recurrent layers' per-chunk snapshots (all but the latest) in host
+    memory, one staged back per walk chunk (ExecConfig.offload_snapshots). None: when
+    the state is offloaded (`offload_state`)."""
+
     self_attention: str = "flash"
     """How a replayed piece or a captured chunk attends to itself (and, without
     autograd, to the prompt). 'flash' (today's code): the blockwise causal kernel with
@@ -180,6 +185,9 @@ class PlanConfig:
                 raise ConfigError(f"PlanConfig.{name} must be a positive int or None, got {value!r}")
         if self.recompute_layers is not None and not isinstance(self.recompute_layers, bool):
             raise ConfigError(f"PlanConfig.recompute_layers must be True, False or None, got {self.recompute_layers!r}")
+        if self.offload_snapshots is not None and not isinstance(self.offload_snapshots, bool):
+            raise ConfigError(f"PlanConfig.offload_snapshots must be True, False or None, got "
+                              f"{self.offload_snapshots!r}")
         if isinstance(self.score_passes, bool) or not isinstance(self.score_passes, int) or self.score_passes < 0:
             raise ConfigError(f"PlanConfig.score_passes must be an int >= 0, got {self.score_passes!r}")
         if not (isinstance(self.host_bandwidth_gbs, (int, float)) and math.isfinite(self.host_bandwidth_gbs)

@@ -19,7 +19,9 @@ from .config import Basis
 from .experts import divided_moe_working, expert_parallel_weights
 from .offload import offload_plan
 from .traffic import divided_capture_traffic, divided_walk_traffic
-from ..defaults import recompute_pays
+from ..defaults import offloads_snapshots, recompute_pays
+from .snapshots import (divided_walk_recompute_working, snapshot_grad_bytes, snapshot_plan, walk_recompute_working,
+                        walk_starts)
 from .working import autograd_pass, graph_bytes_per_token, nograd_layer_bytes, recompute_pass
 
 # ----------------------------------------------------------------------------
@@ -57,8 +59,11 @@ class StatePlan:
         sizes: per kind (`state_sizes`), with 'per_token' and 'fixed' (constant in P) totals.
         total: the whole prompt's state; rank: the fullest rank's (per-token part sharded 1/W).
         n_chunks: capture chunks of the prompt.
-        checkpoints: exact mode's GDN snapshots at every chunk end but the last, per rank.
-        grad: exact mode's state gradients per rank (accumulated in fp32; fp64 under fp64).
+        checkpoints: exact mode's GDN snapshots at every chunk end but the last, per rank,
+            on the device (one staged pair with `offload_snapshots`: `snapshots.py`).
+        grad: exact mode's state gradients per rank (accumulated in fp32; fp64 under fp64):
+            the per-token rows', and two snapshots' per recurrent layer.
+        snapshots: exact mode's `snapshots.snapshot_plan` (None detached).
     """
 
     sizes: dict
@@ -67,6 +72,7 @@ class StatePlan:
     n_chunks: int
     checkpoints: int
     grad: int
+    snapshots: dict | None = None
 
 
 def plan_state(s: Basis) -> StatePlan:
@@ -76,14 +82,26 @@ def plan_state(s: Basis) -> StatePlan:
     # exact mode keeps the GDN snapshot at every chunk end of the WHOLE prompt on every rank
     # (the recurrent state is replicated, and every rank walks every chunk); the last one
     # is the state itself, already in the rank's state
+    # (in host memory but one staged pair under offload_snapshots: `snapshots.py`)
     n_chunks = math.ceil(P / s.config.chunk_size)
-    checkpoints = (n_chunks - 1) * (st["recurrent_fixed"] + st["conv_tail_fixed"]) if exact else 0
-    # state gradients accumulate in fp32 (fp64 for fp64) whatever the state dtype
-    # (and the GDN snapshots' gradients, one per chunk start, kept until the step ends)
-    grad = (st["per_token"] * p_rank * acc // b
-            + n_chunks * (st["recurrent_fixed"] + st["conv_tail_fixed"] * acc // b) if exact else 0)
+    snaps = snapshot_plan(st, positions=P - 1, chunk=s.config.chunk_size, walk_starts=walk_starts_of(s),
+                          offload=offloads_snapshots(s.config.offload_snapshots, exact, s.config.offload_state))
+    checkpoints = snaps["device_bytes"] if exact else 0
+    # state gradients accumulate in fp32 (fp64 for fp64) whatever the state dtype; the GDN
+    # snapshots' gradients: two per layer at a time (the walk takes each once it seeds its chunk)
+    grad = st["per_token"] * p_rank * acc // b + snapshot_grad_bytes(st, b, acc) if exact else 0
     return StatePlan(sizes=st, total=st["per_token"] * P + st["fixed"], rank=st["per_token"] * p_rank + st["fixed"],
-                     n_chunks=n_chunks, checkpoints=checkpoints, grad=grad)
+                     n_chunks=n_chunks, checkpoints=checkpoints, grad=grad, snapshots=snaps if exact else None)
+
+
+def walk_starts_of(s: Basis) -> int:
+    """Recomputed walk chunks that start after 0 (each stages a snapshot back), by the
+    engine's rules for a divided walk and kept graphs (`plan_walk`)."""
+    c = s.config
+    C = min(c.chunk_size, s.P)
+    return walk_starts(s.P - 1, c.chunk_size, divided=walk_is_divided(s, kept_chunks(s, C)), world=s.W,
+                       block=c.attention_block_size, at_chunks=bool(s.arch.count(mixer="gdn")),
+                       kept_chunks=kept_chunks(s, C))
 
 
 # ----------------------------------------------------------------------------
@@ -324,6 +342,9 @@ class WalkPlan:
         divided: each prompt token recomputed on one rank (the engine's `divides_walk`).
         chunk: tokens of one walk chunk (whole deal cycles when divided, else C).
         comm: bytes each rank receives in the divided walk (else 0).
+        recompute: each decoder layer recomputed in backward (`Engine.walk_recomputes_layers`).
+        transient: the blockwise attention's backward transient of one chunk (a kept graph's
+            backward holds it).
     """
 
     working: float
@@ -334,6 +355,8 @@ class WalkPlan:
     divided: bool
     chunk: int
     comm: float
+    recompute: bool = False
+    transient: float = 0.0
 
 
 def _divided_walk_working(s: Basis, walk_chunk: int, graph_tok: float) -> float:
@@ -352,28 +375,48 @@ def _divided_walk_working(s: Basis, walk_chunk: int, graph_tok: float) -> float:
 def plan_walk(s: Basis, capture: CapturePlan, graph_tok: float) -> WalkPlan:
     """Exact mode's recompute working set, kept graphs, and whether the walk is divided."""
     c, W, P, C, exact, params = s.config, s.W, s.P, capture.C, s.exact, s.params
-    working = sum(_autograd(s, C, s.p_rank)) if exact else 0.0
+    graph, transient = _autograd(s, C, s.p_rank)
+    # the engine's rule (Engine.walk_recomputes_layers): replay's, for chunks of min(C, P - 1); not under FSDP2
+    recompute = exact and not c.shard_params and recompute_pays(c.recompute_layers, min(C, P - 1), len(s.arch.layers))
+    working = (walk_recompute_working(s, C, s.p_rank) if recompute else graph + transient) if exact else 0.0
     # exact mode's kept capture graphs (the last chunks that fit), alive from capture to their walk
     chunks = -(-max(P - 1, 1) // C)
-    chunk_graph = _autograd(s, C, s.p_rank)[0]
-    kept_chunks = min(chunks, int(c.keep_graph_bytes // chunk_graph)) if exact and c.keep_graph_bytes else 0
-    # the engine's rule (Engine.divides_walk): no kept chunk graphs, no offloaded state, a block
-    # for every rank (sharded weights: FSDP2 over the W ranks, whose reduce-scatter then sums)
-    divided = (exact and c.divide_walk and W > 1 and not c.offload_state
-               and kept_chunks == 0 and s.every_rank_owns)
+    chunk_graph = graph
+    kept = kept_chunks(s, C)
+    divided = walk_is_divided(s, kept)
     walk_chunk, comm = C, 0.0
     if divided:
         walk_chunk = walk_chunk_tokens(P - 1, c.chunk_size, W, c.attention_block_size,
                                        bool(s.arch.count(mixer="gdn")))
-        working = _divided_walk_working(s, walk_chunk, graph_tok)
+        working = (divided_walk_recompute_working(
+            s, walk_chunk, s.deal.fullest(walk_chunk),
+            lambda layer: _gathered_walk_row_bytes(s.arch, layer, s.b, c.gdn_kernel)) if recompute
+            else _divided_walk_working(s, walk_chunk, graph_tok))
         # the replicated parameters' gradients summed after the walk: LoRA's, or (FSDP2 reduce-scatters
         # the sharded layers itself) the embeddings and lm_head, or every parameter
         grad_elems = (params.lora if c.lora_rank else params.embedding + params.lm_head if c.shard_params
                       else params.total - indexer_parameters(s.arch))
         comm = divided_walk_traffic(s.cfg, positions=P - 1, world=W, block=c.attention_block_size,
                                     chunk_size=c.chunk_size, dtype=s.dtype, grad_bytes=grad_elems * s.b)
-    return WalkPlan(working=working, chunks=chunks, chunk_graph=chunk_graph, kept_chunks=kept_chunks,
-                    kept_bytes=kept_chunks * chunk_graph, divided=bool(divided), chunk=walk_chunk, comm=comm)
+    return WalkPlan(working=working, chunks=chunks, chunk_graph=chunk_graph, kept_chunks=kept,
+                    kept_bytes=kept * chunk_graph, divided=bool(divided), chunk=walk_chunk, comm=comm,
+                    recompute=recompute, transient=transient)
+
+
+def kept_chunks(s: Basis, C: int) -> int:
+    """Exact mode's kept capture graphs: the last chunks whose graphs fit `keep_graph_bytes`."""
+    c = s.config
+    if not (s.exact and c.keep_graph_bytes):
+        return 0
+    return min(-(-max(s.P - 1, 1) // C), int(c.keep_graph_bytes // _autograd(s, C, s.p_rank)[0]))
+
+
+def walk_is_divided(s: Basis, kept: int) -> bool:
+    """The engine's rule (Engine.divides_walk): no kept chunk graphs, no offloaded state, a
+    block for every rank (sharded weights: FSDP2 over the W ranks, whose reduce-scatter
+    then sums)."""
+    c = s.config
+    return bool(s.exact and c.divide_walk and s.W > 1 and not c.offload_state and kept == 0 and s.every_rank_owns)
 
 
 def score_working(s: Basis) -> float:
@@ -424,8 +467,7 @@ def plan_offload(s: Basis, state: StatePlan, replay: ReplayPlan, capture: Captur
             "larger of the two)")
     return OffloadPlan(figures=figures, state_gpu=st["fixed"] + figures["slot_bytes"],
                        state_host=figures["host_bytes"],
-                       state_grad_gpu=(state.n_chunks * (st["recurrent_fixed"] + st["conv_tail_fixed"] * acc // b))
-                       if exact else 0, assumptions=(line,))
+                       state_grad_gpu=snapshot_grad_bytes(st, b, acc) if exact else 0, assumptions=(line,))
 
 
 @dataclass(frozen=True)
@@ -455,10 +497,12 @@ def plan_peak(s: Basis, state: StatePlan, weights: WeightPlan, replay: ReplayPla
               + offload.state_grad_gpu + state.checkpoints)
     kept = walk.kept_bytes
     # what each phase holds beyond the static memory (capture may run before any gradient exists)
-    phases = {"capture": capture.working + kept - (0 if c.grads_during_capture else w.grad_bytes),
+    # exact mode allocates the state gradients after capture (before it only to keep chunk graphs)
+    later = offload.state_grad_gpu if s.exact and not c.keep_graph_bytes else 0
+    phases = {"capture": capture.working + kept - (0 if c.grads_during_capture else w.grad_bytes) - later,
               "replay": replay.working + kept}
     if s.exact:  # the walk frees the kept graphs first; a chunk is recomputed only after all of them
-        phases["recompute"] = max(kept + (walk.working - walk.chunk_graph if walk.kept_chunks else 0),
+        phases["recompute"] = max(kept + (walk.transient if walk.kept_chunks else 0),
                                   walk.working if walk.kept_chunks < walk.chunks else 0)
     if c.score_passes:
         phases["score"] = score

@@ -16,7 +16,7 @@ from .timing import Timing
 # assumptions
 
 
-def step_assumptions(s: Basis, capture: CapturePlan, walk: WalkPlan, replay: ReplayPlan) -> list[str]:
+def step_assumptions(s: Basis, capture: CapturePlan, walk: WalkPlan, replay: ReplayPlan, state=None) -> list[str]:
     """The assumptions about state, passes, FLOPs and time (after those of the weights and offload)."""
     c, P, p_rank, exact, dtype, rb, acc = s.config, s.P, s.p_rank, s.exact, s.dtype, s.rb, s.acc
     divided, divided_walk, walk_chunk, gk = capture.divided, walk.divided, walk.chunk, c.gdn_kernel
@@ -32,6 +32,12 @@ def step_assumptions(s: Basis, capture: CapturePlan, walk: WalkPlan, replay: Rep
          "layer, kept through the forward, + one layer's activations) " if replay.recompute else
          "replay working = one piece's autograd graph (T tokens x activation bytes per token, all layers) ")
         + "+ the larger of the blockwise-attention and chunked-logits working sets",
+        *([("exact walk: each decoder layer recomputed in backward (a chunk keeps every layer's input, the live "
+            "graph one layer's; one more forward per chunk)" if walk.recompute else
+            "exact walk: one chunk's whole autograd graph (every layer)")
+           + ("; GDN snapshots but the latest in host memory, one staged back per walk chunk; their gradients: "
+              "two per layer at a time" if state.snapshots and state.snapshots["offload"] else
+              "; GDN snapshots on the device; their gradients: two per layer at a time")] if exact else []),
         "self-attention of a piece / chunk: " + {
             "dense": "plain torch everywhere ([heads, T, T] fp32 scores + probs per attention layer; today's code "
                      "on CUDA)",
@@ -115,6 +121,8 @@ def _memory_keys(s: Basis, state: StatePlan, weights: WeightPlan, replay: Replay
         "kept_graph_chunks": walk.kept_chunks,
         "kept_graph_bytes": int(walk.kept_bytes),
         "recomputed_chunks": walk.chunks - walk.kept_chunks if exact else 0,
+        "walk_recompute_layers": walk.recompute,
+        "exact_snapshots": state.snapshots,
         "score_working_bytes": int(score),
         "static_bytes_per_rank": int(peak.static),
         "peak_bytes_per_rank": int(peak.peak),
@@ -164,7 +172,7 @@ def build_report(s: Basis, state: StatePlan, weights: WeightPlan, replay: Replay
         },
         "offload": figures,
         "inputs": {**asdict(c), "dtype": s.dtype, "weight_dtype": s.wdt},
-        "assumptions": [*weights.assumptions, *offload.assumptions, *step_assumptions(s, capture, walk, replay)],
+        "assumptions": [*weights.assumptions, *offload.assumptions, *step_assumptions(s, capture, walk, replay, state)],
     }
 
 

@@ -11,7 +11,8 @@ exact mode's gradient rows in a second one), page-locked at its exact size when 
     exact mode's dLoss/dState for them (fp32; fp64 for a float64 model), same shapes
 
 Constant-size state (GDN recurrent and conv snapshots, a detached sliding-window
-layer's last W - 1 rows) stays on the device. Under context parallelism each rank
+layer's last W - 1 rows) is not staged here; exact mode's earlier GDN snapshots go to
+host memory by themselves (`ExecConfig.offload_snapshots`, `prompt.RecurrentState`). Under context parallelism each rank
 holds (and offloads) its own shard's rows, S = its share of the positions.
 
 A `Stager` owns two device slots, each sized for one layer's rows (and gradient sinks):

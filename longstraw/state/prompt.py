@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import torch
 
 from longstraw.parallel.deal import Deal
+from longstraw.state.recurrent import RecurrentState  # noqa: F401  (one of the state kinds, public here)
 from longstraw.tensors import KVSegment, accumulation_dtype, nbytes
 
 HOST = "host"
@@ -313,58 +314,6 @@ class PromptState:
                 s.release_grad_buffers()
         if self.offload is not None:
             self.offload.release_grad_buffers()
-
-
-@dataclass
-class RecurrentState:
-    """One Gated DeltaNet layer's state at chosen positions (constant size in P).
-
-    A snapshot at position p is the state after every token before p:
-        recurrent: [Hv, Dk, Dv], float32 (float64 for float64 models)
-        conv_tail: [conv_dim, K - 1], the last K - 1 pre-conv inputs (model dtype)
-    (None, None) stands for the zero state at the start of the sequence.
-
-    Fields:
-        snapshots: position -> (recurrent, conv_tail).
-        keep_all: keep every chunk boundary (exact mode, branch pieces); otherwise
-            capture keeps only the latest snapshot.
-        grads: when tracking gradients, position -> [dL/d recurrent, dL/d conv_tail]
-            accumulated over everything that read that snapshot; None otherwise.
-    """
-
-    snapshots: dict = field(default_factory=dict)
-    keep_all: bool = False
-    grads: dict | None = None
-
-    @classmethod
-    def empty(cls, *, start: int, keep_all: bool) -> "RecurrentState":
-        """A new state; a sequence start (position 0) holds the zero snapshot."""
-        return cls(snapshots={0: (None, None)} if start == 0 else {}, keep_all=keep_all)
-
-    def put(self, position: int, recurrent: torch.Tensor, conv_tail: torch.Tensor) -> None:
-        """Record the (detached) snapshot at `position`; drop older ones unless keep_all."""
-        assert recurrent.dim() == 3 and conv_tail.dim() == 2, (recurrent.shape, conv_tail.shape)
-        if not self.keep_all:
-            self.snapshots.clear()
-        self.snapshots[position] = (recurrent.detach(), conv_tail.detach())
-
-    def add_grad(self, position: int, which: int, grad: torch.Tensor) -> None:
-        """Accumulate dL/d snapshot[position][which] (0: recurrent, 1: conv tail)."""
-        slot = self.grads.setdefault(position, [None, None])
-        grad = grad.detach().to(accumulation_dtype(grad.dtype))  # the sum runs in fp32 for bf16/fp16
-        slot[which] = grad.clone() if slot[which] is None else slot[which] + grad
-
-    def enable_grad_buffers(self) -> None:
-        self.grads = {}
-
-    def release_grad_buffers(self) -> None:
-        self.grads = None
-
-    def nbytes(self) -> int:
-        return sum(nbytes(*pair) for pair in self.snapshots.values())
-
-    def grad_nbytes(self) -> int:
-        return 0 if self.grads is None else sum(nbytes(*pair) for pair in self.grads.values())
 
 
 class LatentKV(AttentionKV):

@@ -96,3 +96,33 @@ def test_gradient_buffers_accumulate_in_float32_for_half_states():
     for _ in range(300):  # 300 equal terms: a bf16 sum stalls at 256
         rec.add_grad(4, 1, torch.ones(2, 3, dtype=torch.bfloat16))
     assert rec.grads[4][1].dtype == torch.float32 and float(rec.grads[4][1][0, 0]) == 300
+
+
+def test_offloaded_snapshots_keep_the_latest_on_the_device():
+    """`host`: put moves the previous latest snapshot to host memory, `get` stages one back
+    (counted once, reused for a recompute's second read), and the latest stays put."""
+    g = torch.Generator().manual_seed(2)
+    pairs = [(torch.randn(2, 3, 4, generator=g, dtype=torch.float64), torch.randn(5, 2, generator=g,
+                                                                                dtype=torch.float64))
+             for _ in range(3)]
+    layer = RecurrentState.empty(start=0, keep_all=True)
+    layer.host = True
+    for p, (rec, tail) in zip((4, 8, 10), pairs):
+        layer.put(p, rec, tail)
+    one = sum(t.numel() * t.element_size() for t in pairs[0])
+    assert layer.on_host == {4, 8} and layer.d2h_bytes == 2 * one and layer.h2d_bytes == 0
+    assert layer.get(10, "cpu")[0].data_ptr() == pairs[2][0].data_ptr()  # the latest: held where it was made
+    staged = layer.get(4, "cpu")
+    torch.testing.assert_close(staged[0], pairs[0][0], rtol=0, atol=0)
+    assert layer.get(4, "cpu") is staged and layer.h2d_bytes == one  # a second read stages nothing
+    layer.get(8, "cpu")
+    assert layer.h2d_bytes == 2 * one and layer.staged[0] == 8
+
+
+def test_take_grad_removes_it():
+    layer = RecurrentState.empty(start=0, keep_all=True)
+    layer.enable_grad_buffers()
+    layer.add_grad(6, 0, torch.ones(2, 2, 2))
+    rec, tail = layer.take_grad(6)
+    assert float(rec.sum()) == 8 and tail is None and layer.grads == {}
+    assert layer.take_grad(6) == (None, None)

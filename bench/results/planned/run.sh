@@ -6,8 +6,10 @@ D=bench/results/planned
 PLAN="${PYTHON:-.venv/bin/python} -m longstraw.cli plan"
 Q="--model qwen3.6-27b --prompt-tokens 2088960 --group 8 --response-tokens 8192 --gpus 8 --lora-rank 16 --weight-dtype nf4"
 for mode in detached exact; do
+  # exact: the GDN snapshots (73 GiB on every rank) in host memory; the walk stays divided
+  X=""; [ $mode = exact ] && X="--offload-snapshots on"
   for pieces in 2048 8192; do
-    $PLAN $Q --branch-chunk-size $pieces --mode $mode --json > $D/qwen36_27b_8xh20_p${pieces}_${mode}.json
+    $PLAN $Q --branch-chunk-size $pieces --mode $mode $X --json > $D/qwen36_27b_8xh20_p${pieces}_${mode}.json
   done
   $PLAN --model qwen3.6-27b --prompt-tokens 2097152 --group 8 --response-tokens 8192 --gpus 1 --lora-rank 16 \
     --gpu-memory 141GB --offload-state --branch-chunk-size 2048 --mode $mode --json \
