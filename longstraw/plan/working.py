@@ -118,7 +118,24 @@ def graph_bytes_per_token(arch: Arch, layer: LayerSpec, ab: int, gdn_kernel: str
         H, kl, r = arch.heads, arch.kv_lora_rank, arch.rope_dim
         e += 4 * (arch.q_lora_rank or 0) + H * (arch.nope_dim + r) + H * (kl + r) + 4 * (kl + r) + H * kl
         e += H * arch.v_head_dim
-    return e * ab + extra + mlp_graph_bytes_per_token(arch, layer, ab)
+    return e * ab + extra + mlp_graph_bytes_per_token(arch, layer, ab) + context_parallel_bytes_per_token(arch, layer, ab)
+
+
+def context_parallel_bytes_per_token(arch: Arch, layer: LayerSpec, ab: int) -> float:
+    """What context parallelism adds to `graph_bytes_per_token` of an attention or MLA
+    layer (`arch.context_ranks` > 1): the query attends over its rank's shard and over the
+    replicated rows in two calls, merged across ranks (`collectives.MergeAcrossRanks`) and
+    then with each other (`ops.flash.merge_partials`). The graph keeps the second call's
+    output, the merged partial and the merged sum, each [H, Dv] per token in the
+    accumulation dtype (MLA: Dv = kv_lora_rank, the absorbed value), and a sparse (DSA)
+    layer the two [K] int64 selections of that split (the shard's local rows, the rest).
+    Found with `bench/live_attribution.py` on tiny glm_moe_dsa at W = 2 (P = 512, R = 1,024
+    in one piece, fp32): 27.8 MB more live at the peak than one process, 29.4 MB modelled."""
+    if arch.context_ranks <= 1 or layer.mixer not in ("attention", "mla"):
+        return 0.0
+    acc = max(4, ab)
+    dv = arch.kv_lora_rank if layer.mixer == "mla" else arch.head_dim
+    return 3 * arch.heads * dv * acc + (2 * arch.index_topk * 8 if layer.sparse else 0)
 
 
 def mlp_graph_bytes_per_token(arch: Arch, layer: LayerSpec, ab: int) -> float:
