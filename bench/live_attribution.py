@@ -1,7 +1,7 @@
 """Which tensors are alive at a call's live-tensor peak, and who allocated them: the CPU
 profiler's allocation events (address, size, time) paired alloc to free, replayed in time
 order, and the live set at the peak grouped by the innermost longstraw / transformers
-frame and torch op above each allocation. The diagnostic behind the planner's
+(or tests / bench) frame and torch op above each allocation. The diagnostic behind the planner's
 context-parallel and expert-parallel terms (`bench/bench_expert_parallel_live.py`,
 docs/planner.md); `bench.live_peak` is the cheap peak alone.
 
@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 
-_MINE = ("longstraw/", "transformers/")
+_MINE = ("longstraw/", "transformers/", "tests/", "bench/")
 
 
 def _label(chain: list[str]) -> str:
