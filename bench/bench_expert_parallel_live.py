@@ -12,9 +12,11 @@ peak (above weights and optimizer) and its replay graph for the same run.
 What it shows (docs/distributed.md, "Expert parallelism"): the tensors autograd saves do
 not shrink with expert parallelism (HF's grouped_mm experts forward, `longstraw.tiny`'s
 default, allocates every token's k rows and zeroes the other ranks'), which is what the
-planner now counts (k rows, plus the combined output [H]); the live peak is not within
-10% of the plan because the planner's context-parallel replay is already ~12-16% under the
-measured peak without expert parallelism. Ends with one JSON line.
+planner now counts (k rows, plus the combined output [H]). The live peak is within 10% of
+the plan since the planner counts context parallelism's kept merge partials
+(`plan.working.context_parallel_bytes_per_token`; before, the plan was 12-16% under the
+measured peak, with or without expert parallelism). tests/parallel/test_plan_live.py holds
+that ratio. Ends with one JSON line.
 """
 
 from __future__ import annotations

@@ -144,3 +144,27 @@ def test_planner_matches_the_walk_with_layer_recompute(family):
     assert plan["walk_recompute_layers"]
     predicted = plan["recompute_working_bytes"]
     assert abs(predicted / measured - 1) <= WALK_TOLERANCE[family], (family, predicted, measured)
+
+
+def test_live_attribution_lists_what_is_alive_at_the_peak():
+    """bench/live_attribution.py (the diagnostic behind the context-parallel term): the
+    allocations alive at the peak sum to the peak, which is `live_tensor_peak`'s, and a
+    temporary freed after the peak is among them while one allocated after it is not."""
+    from bench.live_attribution import live_at_peak
+
+    def keep():
+        return torch.empty(250_000)  # 1 MB, alive throughout
+
+    def temporary():
+        temp = torch.empty(1_000_000)  # 4 MB, freed: the peak is here
+        del temp
+
+    def fn():
+        kept = keep()
+        temporary()
+        return kept, torch.empty(500_000)  # 2 MB, after the peak
+
+    peak, rows = live_at_peak(fn)
+    assert peak == live_tensor_peak(fn) == 5_000_000
+    by_frame = {label.split(" | ")[0].rsplit(": ", 1)[-1]: b for b, label in rows}
+    assert by_frame == {"temporary": 4_000_000, "keep": 1_000_000}, rows

@@ -281,6 +281,8 @@ def resolve(model, config: PlanConfig) -> Basis:
         if not arch.experts:
             raise ConfigError(f"PlanConfig.expert_parallel but {name} has no routed experts; drop expert_parallel")
         arch = replace(arch, expert_ranks=c.gpus)
+    if c.gpus > 1:
+        arch = replace(arch, context_ranks=c.gpus)
     deal = Deal(c.gpus, c.attention_block_size)
     return Basis(name=name, cfg=cfg, preset=preset, arch=arch, config=c,
                  params=count_parameters(arch, c.lora_rank, c.lora_targets), dtype=dtype, wdt=wdt, b=b,

@@ -118,7 +118,28 @@ def graph_bytes_per_token(arch: Arch, layer: LayerSpec, ab: int, gdn_kernel: str
         H, kl, r = arch.heads, arch.kv_lora_rank, arch.rope_dim
         e += 4 * (arch.q_lora_rank or 0) + H * (arch.nope_dim + r) + H * (kl + r) + 4 * (kl + r) + H * kl
         e += H * arch.v_head_dim
-    return e * ab + extra + mlp_graph_bytes_per_token(arch, layer, ab)
+    return e * ab + extra + mlp_graph_bytes_per_token(arch, layer, ab) + context_parallel_bytes_per_token(arch, layer, ab)
+
+
+def context_parallel_bytes_per_token(arch: Arch, layer: LayerSpec, ab: int) -> float:
+    """What context parallelism adds to `graph_bytes_per_token` of an attention or MLA
+    layer (`arch.context_ranks` > 1), in the accumulation dtype per token. Attention
+    (`ops/attention.py`): the prompt shard's partial is merged across ranks
+    (`collectives.MergeAcrossRanks`), whose merged [H, Dv] the graph keeps; the prompt
+    and self parts are merged in one process too. MLA (`models/mla._sparse_attention`):
+    one process attends in one call; under CP the shard and the replicated rows take two,
+    merged across ranks and then with each other (`ops.flash.merge_partials`), so the
+    second call's output, the merged partial and the sum are kept, each [H, kv_lora_rank]
+    (the absorbed value), and a sparse (DSA) layer's two [K] int64 selections of that
+    split (the shard's local rows, the rest).
+    Found with `bench/live_attribution.py` on tiny glm_moe_dsa at W = 2 (P = 512, R = 1,024
+    in one piece, fp32): 27.8 MB more live at the peak than one process, 29.4 MB modelled."""
+    if arch.context_ranks <= 1 or layer.mixer not in ("attention", "mla"):
+        return 0.0
+    acc = max(4, ab)
+    if layer.mixer == "attention":  # one process merges prompt and self parts too: only the merged partial is new
+        return arch.heads * arch.head_dim * acc
+    return 3 * arch.heads * arch.kv_lora_rank * acc + (2 * arch.index_topk * 8 if layer.sparse else 0)
 
 
 def mlp_graph_bytes_per_token(arch: Arch, layer: LayerSpec, ab: int) -> float:
