@@ -21,7 +21,8 @@ there (`RecurrentState.take_grad`), so at most two per layer exist (the chunk en
 as a seed, and the chunk start's, accumulating): 2 pairs in the accumulation dtype.
 
 Walk recompute. A walk chunk of T tokens keeps every layer's input [T, d] and backpropagates
-one layer at a time (`working.recompute_pass`, as replay's pieces). The divided walk (each
+one layer at a time (`working.recompute_pass`, as replay's pieces), with the chunk's
+state-gradient seeds and (DSA) the live layer graphs' top-k selections beside it. The divided walk (each
 rank recomputes its own n of the chunk's T positions) keeps its n rows per layer, and one
 layer at a time holds its own rows' graph plus what that layer keeps for the whole chunk
 (the rows gathered from every rank, the chunk's replicated GDN recurrence:
@@ -114,7 +115,7 @@ def walk_recompute_working(s, tokens: int, keys: int) -> float:
     the chunk's state-gradient seeds (`seed_bytes_per_token`) and, for DSA layers, the
     [T, K] selections of the two layer graphs alive (the running one, the last one's).
     Check (P = 4,096, chunks of 2,048, fp32, the blockwise attention backward CUDA runs;
-    planner / live tensors): tiny qwen3 0.97, qwen3_5 1.00, glm_moe_dsa 0.96
+    planner / live tensors): tiny qwen3 0.97, qwen3_5 1.02, glm_moe_dsa 0.96
     (tests/test_plan_live.py)."""
     a = s.arch
     kept, moment, _ = recompute_pass(a, tokens, keys, s.config.attention_block_size, s.b, s.acc,
