@@ -21,7 +21,8 @@ there (`RecurrentState.take_grad`), so at most two per layer exist (the chunk en
 as a seed, and the chunk start's, accumulating): 2 pairs in the accumulation dtype.
 
 Walk recompute. A walk chunk of T tokens keeps every layer's input [T, d] and backpropagates
-one layer at a time (`working.recompute_pass`, as replay's pieces). The divided walk (each
+one layer at a time (`working.recompute_pass`, as replay's pieces), with the chunk's
+state-gradient seeds and (DSA) the live layer graphs' top-k selections beside it. The divided walk (each
 rank recomputes its own n of the chunk's T positions) keeps its n rows per layer, and one
 layer at a time holds its own rows' graph plus what that layer keeps for the whole chunk
 (the rows gathered from every rank, the chunk's replicated GDN recurrence:
@@ -89,12 +90,33 @@ def own_state_path_bytes_per_token(arch, layer) -> float:
     return None
 
 
+def seed_bytes_per_token(arch, b: int) -> float:
+    """The chunk's state-gradient seeds, per token over all layers: the copies of the
+    accumulated dk / dv (attention, 2 x Hkv x D) or latent-row gradients (MLA, kv_lora +
+    rope) that the walk reads for a chunk's roots (`PromptState.chunk_grads`), alive
+    until the chunk's backward ends. Recurrent layers seed a per-chunk state, not rows."""
+    per = {"attention": 2 * arch.kv_heads * arch.head_dim, "mla": arch.kv_lora_rank + arch.rope_dim}
+    return sum(per.get(layer.mixer, 0) for layer in arch.layers) * b
+
+
+def selection_bytes_per_token(arch, layer, keys: int) -> float:
+    """A sparse MLA layer's DSA selection [T, K] (int64) per token, saved for its sparse
+    attention's backward (not in `graph_bytes_per_token`, which the replay and capture
+    figures use; counted here for the walk's two live layer graphs)."""
+    return min(arch.index_topk, keys) * 8 if layer.mixer == "mla" and layer.sparse else 0.0
+
+
 def walk_recompute_working(s, tokens: int, keys: int) -> float:
     """One walk chunk of `tokens` over `keys` held positions, each layer recomputed in
     backward: the layers' inputs + the largest layer's backward moment (no logits), plus
     what the last layer's recompute keeps until the chunk's backward ends: its saved
     tensors that no root's gradient reaches (a walk has no loss on the chunk's output, so
-    everything past the last layer's own state rows: its queries, attention, MLP)."""
+    everything past the last layer's own state rows: its queries, attention, MLP), plus
+    the chunk's state-gradient seeds (`seed_bytes_per_token`) and, for DSA layers, the
+    [T, K] selections of the two layer graphs alive (the running one, the last one's).
+    Check (P = 4,096, chunks of 2,048, fp32, the blockwise attention backward CUDA runs;
+    planner / live tensors): tiny qwen3 0.97, qwen3_5 1.02, glm_moe_dsa 0.96
+    (tests/test_plan_live.py)."""
     a = s.arch
     kept, moment, _ = recompute_pass(a, tokens, keys, s.config.attention_block_size, s.b, s.acc,
                                      s.config.self_attention != "flash", s.config.gdn_kernel)
@@ -102,7 +124,8 @@ def walk_recompute_working(s, tokens: int, keys: int) -> float:
     path = own_state_path_bytes_per_token(a, last)
     whole = graph_bytes_per_token(a, last, s.b, s.config.gdn_kernel)
     retained = whole - (path * s.b + 3 * a.hidden * s.b) if path is not None else mlp_graph_bytes_per_token(a, last, s.b)
-    return kept + moment + tokens * max(retained, 0.0)
+    selections = max(selection_bytes_per_token(a, layer, keys) for layer in a.layers) + selection_bytes_per_token(a, last, keys)
+    return kept + moment + tokens * (max(retained, 0.0) + seed_bytes_per_token(a, s.b) + selections)
 
 
 def divided_walk_recompute_working(s, walk_chunk: int, own: int, gathered_row_bytes) -> float:
