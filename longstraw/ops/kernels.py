@@ -126,12 +126,16 @@ def ssd_mamba(kernel, x, dt, a, b, c, initial_state, chunk_size: int):
     return y[0].to(acc), state[0].to(acc)
 
 
+def heads_of_groups(x: torch.Tensor, heads: int) -> torch.Tensor:
+    """[T, G, N] -> [T, H, N]: group g serves the H // G consecutive heads g*H//G.. (SSD's
+    B and C per group, shared by its heads)."""
+    return x if x.shape[1] == heads else x.repeat_interleave(heads // x.shape[1], dim=1)
+
+
 def ssd_simple_gla(kernel, x, dt, a, b, c, initial_state):
     """`ssd.chunk_ssd_scan` through fla's `chunk_simple_gla`: S_t = e^(dt A) S + (dt x) B^T,
     y = S C is GLA with q = C, k = B, v = dt x, g = dt A and scale 1, in the transposed
     state layout [H, N, P]. Returns (y [T, H, P], state [H, P, N]) in the accumulation dtype."""
-    from .ssd import heads_of_groups
-
     acc = accumulation_dtype(x.dtype)
     h = x.shape[1]
     q, k = heads_of_groups(c, h), heads_of_groups(b, h)  # (T, H, N)

@@ -36,6 +36,7 @@ import torch
 from longstraw.tensors import accumulation_dtype
 
 from . import kernels
+from .kernels import heads_of_groups
 from .gated_delta import to_chunks
 
 
@@ -57,11 +58,6 @@ def _check(x, dt, a, b, c, state, batch: bool):
     want = (*(lead if batch else ()), h, p, b.shape[2])
     if state is not None and state.shape != want:
         raise ValueError(f"the state must be [{'B, ' if batch else ''}H, P, N] = {want}, got {tuple(state.shape)}")
-
-
-def heads_of_groups(x: torch.Tensor, heads: int) -> torch.Tensor:
-    """[T, G, N] -> [T, H, N]: group g serves the H // G consecutive heads g*H//G.."""
-    return x if x.shape[1] == heads else x.repeat_interleave(heads // x.shape[1], dim=1)
 
 
 def chunk_ssd_scan(x, dt, a, b, c, initial_state=None, *, chunk_size: int = 64, allow_kernel: bool = True):

@@ -17,7 +17,7 @@ from ..parallel.deal import walk_chunk_tokens
 from .arch import DTYPE_BYTES, QUANT_BYTES, Arch, LayerSpec, indexer_parameters
 from .config import Basis
 from .experts import divided_moe_working, expert_parallel_weights
-from .offload import offload_plan
+from .offload import OffloadPlan, plan_offload  # noqa: F401 (the planner's phases, re-exported here)
 from .traffic import divided_capture_traffic, divided_walk_traffic
 from ..defaults import offloads_snapshots, recompute_pays
 from .snapshots import (divided_walk_recompute_working, snapshot_grad_bytes, snapshot_plan, walk_recompute_working,
@@ -428,46 +428,7 @@ def score_working(s: Basis) -> float:
 
 
 # ----------------------------------------------------------------------------
-# state offload, and the peak
-
-
-@dataclass(frozen=True)
-class OffloadPlan:
-    """Where the state lives under state offload (without it: all on the device).
-
-    Fields:
-        figures: `offload.offload_plan`'s dict (None without offload).
-        state_gpu / state_host: the rank's state bytes on the device / in host memory.
-        state_grad_gpu: exact mode's state gradient bytes on the device.
-        assumptions: the report's line about it (none without offload).
-    """
-
-    figures: dict | None
-    state_gpu: float
-    state_host: int
-    state_grad_gpu: float
-    assumptions: tuple
-
-
-def plan_offload(s: Basis, state: StatePlan, replay: ReplayPlan, capture: CapturePlan) -> OffloadPlan:
-    """Per-token rows (and their gradients) in host memory, two layers' slots on the device."""
-    c, st, acc, b, exact = s.config, state.sizes, s.acc, s.b, s.exact
-    if not c.offload_state:
-        return OffloadPlan(figures=None, state_gpu=state.rank, state_host=0, state_grad_gpu=state.grad,
-                           assumptions=())
-    T = replay.T
-    figures = offload_plan(s.arch, b=b, acc=acc, exact=exact, prompt=s.P, chunk=c.chunk_size, world=s.W,
-                           block=c.attention_block_size, group=s.G, pieces=-(-s.R // T),
-                           held_pieces=replay.held // T, score_passes=c.score_passes,
-                           divided_capture=capture.divided)
-    line = (f"offload: {figures['staged_layers']} layers' per-token rows (+ exact mode's gradient rows) in host "
-            "memory; on the device two slots of the largest layer's rows (+ its gradient rows) and the constant "
-            "state; every pass stages each layer it visits once (traffic and its time at "
-            f"{c.host_bandwidth_gbs:g} GB/s host link; copies overlap compute, so the step takes at least the "
-            "larger of the two)")
-    return OffloadPlan(figures=figures, state_gpu=st["fixed"] + figures["slot_bytes"],
-                       state_host=figures["host_bytes"],
-                       state_grad_gpu=snapshot_grad_bytes(st, b, acc) if exact else 0, assumptions=(line,))
+# the peak (state offload: `offload.plan_offload`)
 
 
 @dataclass(frozen=True)
