@@ -23,7 +23,11 @@ from tests.reference import (
     float64_norms,
     grads_of,
     random_group,
+    tiny_falcon_h1,
+    tiny_family,
     tiny_hybrid,
+    tiny_kimi,
+    tiny_mamba,
     tiny_mla,
     tiny_model,
 )
@@ -56,6 +60,26 @@ def assert_recompute_changes_nothing(model, group, exec_kw: dict, rel: float = 1
 def test_recompute_equals_no_recompute(name, mode, pieces):
     group = random_group(GROUP["vocab"], GROUP["prompt_len"], GROUP["response_lens"], seed=3)
     assert_recompute_changes_nothing(MODELS[name](), group, dict(EXEC, mode=mode, branch_chunk_size=pieces))
+
+
+ROUND_THREE = {  # the families added in the third round: the same wrapper, each family's own routing
+    "mixtral": lambda: tiny_family("mixtral"),
+    "gpt_oss": lambda: tiny_family("gpt_oss"),  # sliding windows and sinks
+    "gemma3_text": lambda: tiny_family("gemma3_text"),
+    "nemotron_h": lambda: tiny_mamba("nemotron_h"),
+    "falcon_h1": lambda: tiny_falcon_h1(),
+    "kimi_linear": lambda: tiny_kimi(),
+}
+
+
+@pytest.mark.parametrize("mode", ["detached", "exact"])
+@pytest.mark.parametrize("name", sorted(ROUND_THREE))
+def test_recompute_equals_no_recompute_for_the_new_families(name, mode):
+    """MoE, sliding-window + sink, Mamba2 hybrid, parallel hybrid and KDA + MLA models: on
+    = off (loss, every .grad) in both modes, in branch pieces."""
+    model = ROUND_THREE[name]()
+    group = random_group(model.config.vocab_size, GROUP["prompt_len"], GROUP["response_lens"], seed=3)
+    assert_recompute_changes_nothing(model, group, dict(EXEC, mode=mode, branch_chunk_size=3), rel=1e-9)
 
 
 @pytest.mark.parametrize("name,mode", [("qwen3", "detached"), ("qwen3", "exact"), ("glm_moe_dsa", "exact")])
