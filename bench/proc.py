@@ -7,9 +7,11 @@ but importing `longstraw` imports torch.)
 
 from __future__ import annotations
 
+import json
 import os
 import resource
 import subprocess
+import time
 
 
 def status_bytes(field: str, pid: int | str = "self") -> int:
@@ -89,15 +91,11 @@ def worker_row(cmd: list[str], **kwargs) -> dict:
     done = subprocess.run(cmd, capture_output=True, text=True, check=False, **kwargs)
     if done.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd[-20:])} failed (rc {done.returncode}):\n{done.stderr[-3000:]}")
-    import json
-
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
 def machine_row(repo: str) -> dict:
     """What every benchmark row records about where and when it ran: the load average,
     CPU model, memory, time and the measured code's revision (`code_info`)."""
-    import time
-
     return dict(load_avg_1m=os.getloadavg()[0], cpu=cpu_model(), mem_total=mem_total(),
                 when=time.strftime("%Y-%m-%dT%H:%M:%S"), **code_info(repo, short=True))
