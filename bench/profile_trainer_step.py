@@ -22,7 +22,6 @@ Prints one table per rank and ends with one JSON line (rank -> phase -> [cpu_s, 
 from __future__ import annotations
 
 import argparse
-import contextlib
 import functools
 import json
 import os

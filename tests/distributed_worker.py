@@ -16,8 +16,8 @@ import torch.distributed as dist
 import longstraw as ls
 from tests.reference import (
     assert_grads_close,
+    FLOAT64,
     compare_step,
-    float64_hybrid,
     float64_norms,
     grads_of,
     hf_cached_logprobs,
@@ -25,6 +25,7 @@ from tests.reference import (
     masked_group,
     random_group,
     float64_internals,
+    float64_throughout,
     tiny_falcon_h1,
     tiny_family,
     tiny_hybrid,
@@ -66,12 +67,11 @@ FAMILY_CASES = ("qwen3_moe", "glm4_moe", "mixtral", "phi3", "minimax_m2", "gpt_o
 MAMBA_CASES = ("nemotron_h", "bamba")
 PART2_CASES = ("kimi_linear", "falcon_h1")  # model families part 2 (float64 internals)
 HYBRIDS = ("hybrid", "next", "hybrid_moe")
-# MoE layers whose HF router computes its logits in float32: exact mode's divided walk
-# routes a rank's own rows rather than the whole chunk's, which rounds the router's float32
-# products differently. One process moves these gradients as much by changing chunk_size
-# (6 vs 12: 1.6e-7 relative on the tiny DeepSeek-V3, against 6e-16 with dense MLPs), so
-# they are compared at 1e-6 there; their "_mlp" twins (dense MLPs) hold the walk to 1e-9.
-FLOAT32_ROUTERS = ("mla", "glm", "glm_sparse", "dsv32_sparse")
+# Every comparison runs under `float64_throughout` (HF's float32 norms, routers and GDN
+# kernel cast to float64 on both sides) and is held to FLOAT64: with HF's float32 MoE
+# routers left in, exact mode's divided walk (a rank's own rows rather than the whole
+# chunk's) rounded the router's products differently, ~1e-7 apart and by how much
+# depending on the CPU's vector width.
 
 
 PG_TIMEOUT_S = 300
@@ -112,9 +112,7 @@ def run_cases(rank: int, world: int, init_file: str, cases: list[str], modes: li
             group = random_group(97, 23, [5, 1, 7], seed=3)
             for mode in modes:
                 exec_kw = dict(chunk_size=6, attention_block_size=4, shard_block_size=3, mode=mode)
-                ctx = float64_hybrid(model) if name == "hybrid" else _null()
-                ctx = float64_internals() if name in FAMILY_CASES + MAMBA_CASES + PART2_CASES else ctx
-                with ctx:
+                with float64_throughout(model):
                     model.zero_grad(set_to_none=True)
                     single = ls.Engine(model, ls.ExecConfig(**exec_kw)).step(group)
                     want = grads_of(model)
@@ -123,7 +121,7 @@ def run_cases(rank: int, world: int, init_file: str, cases: list[str], modes: li
                     result = engine.step(group)
                     got = grads_of(model)
                 assert abs(result.loss - single.loss) <= 1e-9 * abs(single.loss) + 1e-13, (name, mode)
-                assert_grads_close(got, want, 1e-6 if mode == "exact" and name in FLOAT32_ROUTERS else 1e-9)
+                assert_grads_close(got, want, FLOAT64)
                 # each rank holds ~1/W of the per-token state (within one block of 3 positions)
                 mine = _per_token_bytes(engine.capture(group.prompt))
                 total = _per_token_bytes(ls.Engine(model, ls.ExecConfig(**exec_kw)).capture(group.prompt))
@@ -138,14 +136,6 @@ def _per_token_bytes(state) -> int:
 
     return sum(layer.nbytes() if isinstance(layer, AttentionKV) else layer.latent.nbytes()
                for layer in state.layers if isinstance(layer, (AttentionKV, MLAState)))
-
-
-class _null:
-    def __enter__(self):
-        return None
-
-    def __exit__(self, *exc):
-        return False
 
 
 def crash_one_rank(rank: int, world: int, init_file: str, flag_dir: str) -> None:
@@ -178,7 +168,7 @@ def run_fsdp(rank: int, world: int, init_file: str) -> None:
             model = CASES[name]()
             group = random_group(97, 23, [5, 3], seed=3)
             kw = dict(chunk_size=6, attention_block_size=4, shard_block_size=3)
-            with float64_hybrid(model) if name in HYBRIDS else _null():
+            with float64_throughout(model):
                 want = {}
                 for mode in ("detached", "exact"):
                     model.zero_grad(set_to_none=True)
@@ -333,7 +323,7 @@ def run_generate(rank: int, world: int, init_file: str, cases: list[str]) -> Non
         for name in cases:
             model = CASES[name]()
             exec_kw = dict(chunk_size=6, attention_block_size=4, shard_block_size=3)
-            with float64_hybrid(model) if name == "hybrid" else _null():
+            with float64_throughout(model):
                 single = ls.Engine(model, ls.ExecConfig(**exec_kw)).generate(
                     prompt, num_samples=3, max_new_tokens=5, generator=torch.Generator().manual_seed(7))
                 engine = ls.Engine(model, ls.ExecConfig(context_parallel=True, **exec_kw))
@@ -369,7 +359,7 @@ def run_episode(rank: int, world: int, init_file: str, cases: list[str]) -> None
         prefix = torch.tensor([11, 3, 50, 8])
         for name in cases:
             model = CASES[name]()
-            with float64_hybrid(model) if name == "hybrid" else _null():
+            with float64_throughout(model):
                 engines = [ls.Engine(model, ls.ExecConfig(context_parallel=cp, **exec_kw)) for cp in (False, True)]
                 eos = int(engines[0].generate(prompt, num_samples=1, max_new_tokens=3, temperature=0).responses[0][-1])
                 kw = dict(num_samples=3, max_new_tokens=16, temperature=0, eos_token_id=eos)
@@ -492,7 +482,7 @@ def check_planner(world: int) -> None:
     group = random_group(97, 41, [3, 2], seed=2)
     for name in ("dense", "hybrid", "mla", "glm_sparse"):
         model = CASES[name]()
-        with float64_hybrid(model) if name in HYBRIDS else _null():
+        with float64_throughout(model):
             model.zero_grad(set_to_none=True)
             result = ls.Engine(model, ls.ExecConfig(context_parallel=True, chunk_size=7, attention_block_size=3,
                                                     mode="exact")).step(group)
@@ -530,7 +520,7 @@ def run_divided(rank: int, world: int, init_file: str) -> None:
         for name, prompt_len, block, chunk in cases:
             model = CASES[name]()
             group = random_group(97, prompt_len, [4, 2], seed=5)
-            with float64_hybrid(model) if name in HYBRIDS else _null():
+            with float64_throughout(model):
                 for mode in ("detached", "exact"):
                     kw = dict(chunk_size=chunk, attention_block_size=3, shard_block_size=block, mode=mode)
                     model.zero_grad(set_to_none=True)
@@ -542,7 +532,7 @@ def run_divided(rank: int, world: int, init_file: str) -> None:
                     assert got.metrics["divided_capture"] == float(prompt_len - 1 > (world - 1) * block), name
                     assert abs(got.loss - want.loss) <= 1e-9 * abs(want.loss) + 1e-13, (name, mode)
                     assert_grads_close(grads_of(model), grads,
-                                       1e-6 if mode == "exact" and name in FLOAT32_ROUTERS else 1e-9)
+                                       FLOAT64)
                     divided = ls.Engine(model, ls.ExecConfig(context_parallel=True, **kw)).capture(
                         group.prompt, exact=mode == "exact")
                     replicated = ls.Engine(model, ls.ExecConfig(context_parallel=True, divide_capture=False,
@@ -597,10 +587,8 @@ def run_divided_walk(rank: int, world: int, init_file: str) -> None:
         # walk chunks that are the capture chunks
         cases += [("hybrid", 25, 3, 6, None) if world == 2 else ("hybrid", 28, 3, 9, None)]
         # MLA (DeepSeek-V3), and DSA with a top-k smaller than the prompt: GLM-5 (a shared
-        # indexer layer reuses the selection) and DeepSeek-V3.2. Their MoE routers compute in
-        # float32 (HF's choice), so a walk that routes a rank's rows rather than the whole
-        # chunk's rounds the router differently (~5e-8 relative, measured): these cases use
-        # dense MLPs at 1e-9, and one MoE case below checks MoE routing at float32's level.
+        # indexer layer reuses the selection) and DeepSeek-V3.2, with dense MLPs; one MoE
+        # case below checks the routing of a rank's own rows.
         cases += [("mla_mlp", 22, 3, 6, None), ("glm_sparse_mlp", 23, 2, 7, 2), ("dsv32_sparse_mlp", 20, 4, 1, None)]
         if world == 2:  # Qwen3-Next's grouped projection layout and Qwen3.5's MoE, once
             cases += [("next", 19, 3, 4, None), ("hybrid_moe", 16, 3, 4, None)]
@@ -616,7 +604,7 @@ def run_divided_walk(rank: int, world: int, init_file: str) -> None:
             first, second = (random_group(97, prompt_len, lens, seed=s) for lens, s in (([4, 2, 5], 5), ([3, 1], 6)))
             kw = dict(chunk_size=chunk, attention_block_size=3, shard_block_size=block, mode="exact",
                       branch_chunk_size=pieces)
-            with float64_hybrid(model) if name in HYBRIDS else _null():
+            with float64_throughout(model):
                 model.zero_grad(set_to_none=True)
                 engine = ls.Engine(model, ls.ExecConfig(**kw))
                 want = [engine.step(first).loss, engine.step(second).loss]  # .grad accumulates over both
@@ -628,18 +616,19 @@ def run_divided_walk(rank: int, world: int, init_file: str) -> None:
                 assert r.metrics["divided_walk"] == 1.0, (name, prompt_len, r.metrics["divided_walk"])
                 assert abs(r.loss - w) <= 1e-9 * abs(w) + 1e-13, (name, prompt_len, r.loss, w)
             assert_grads_close(grads_of(model), grads, 1e-9)
-        # MoE routing of a rank's own rows (GLM-5 DSA, MoE layers, float32 routers: FLOAT32_ROUTERS)
+        # MoE routing of a rank's own rows (GLM-5 DSA with MoE layers; routers in float64)
         model = CASES["glm_sparse"]()
         group = random_group(97, 22, [4, 2], seed=5)
         kw = dict(chunk_size=6, attention_block_size=3, shard_block_size=3, mode="exact")
-        model.zero_grad(set_to_none=True)
-        want = ls.Engine(model, ls.ExecConfig(**kw)).step(group)
-        grads = grads_of(model)
-        model.zero_grad(set_to_none=True)
-        got = ls.Engine(model, ls.ExecConfig(context_parallel=True, **kw)).step(group)
+        with float64_throughout(model):
+            model.zero_grad(set_to_none=True)
+            want = ls.Engine(model, ls.ExecConfig(**kw)).step(group)
+            grads = grads_of(model)
+            model.zero_grad(set_to_none=True)
+            got = ls.Engine(model, ls.ExecConfig(context_parallel=True, **kw)).step(group)
         assert got.metrics["divided_walk"] == 1.0
         assert abs(got.loss - want.loss) <= 1e-9 * abs(want.loss) + 1e-13
-        assert_grads_close(grads_of(model), grads, 1e-6)
+        assert_grads_close(grads_of(model), grads, FLOAT64)
         # a rollout's state, stepped in exact mode: the walk over it is divided too
         model = tiny_model("qwen3")
         kw = dict(chunk_size=5, attention_block_size=3, shard_block_size=2, mode="exact")
@@ -660,7 +649,7 @@ def run_divided_walk(rank: int, world: int, init_file: str) -> None:
             model = CASES[name]()
             group = random_group(97, 22, [4, 2], seed=5)
             kw = dict(chunk_size=6, attention_block_size=3, shard_block_size=3, mode="exact")
-            with float64_hybrid(model) if name in HYBRIDS else _null():
+            with float64_throughout(model):
                 model.zero_grad(set_to_none=True)
                 want = ls.Engine(model, ls.ExecConfig(**kw)).step(group)
                 grads = grads_of(model)
@@ -847,17 +836,16 @@ def all_gather_tensors(x: torch.Tensor) -> list:
     return out
 
 
-TREE_CASES = {"dense": 1e-9, "hybrid": 1e-5, "glm_sparse": 1e-6}
+TREE_CASES = {"dense": FLOAT64, "hybrid": FLOAT64, "glm_sparse": FLOAT64}
 """Prefix trees under context parallelism: the cases, each with its tolerance of tree
-against flat (tests/engine/test_tree.py says why: float32 casts inside HF's GDN decay
-and MoE router round a tree's sums differently)."""
+against flat (float64 throughout: HF's float32 GDN decay and MoE router, left in, round a
+tree's sums differently from the flat group's, 1e-7 to 1e-6 apart)."""
 
 
 def run_trees(rank: int, world: int, init_file: str) -> None:
     """Prefix trees (`share_response_prefixes`) with context parallelism: the shared
     segments run replicated on every rank, as branches do, against the sharded prompt.
-    Every rank's tree step equals the single-process tree step (1e-9; exact mode's float32
-    routers 1e-6) and the single-process flat step (the case's tolerance); its score
+    Every rank's tree step equals the single-process tree step (FLOAT64) and the single-process flat step (the case's tolerance); its score
     equals the single-process one."""
     _init(rank, world, init_file)
     try:
@@ -866,7 +854,7 @@ def run_trees(rank: int, world: int, init_file: str) -> None:
             group = tree_group(["ABD", "ABE", "LC", "L", "AC"], prompt_len=23)
             for mode in ("detached", "exact"):
                 kw = dict(chunk_size=6, attention_block_size=4, shard_block_size=3, mode=mode)
-                with float64_hybrid(model) if name == "hybrid" else _null():
+                with float64_throughout(model):
                     runs = {}
                     for key, extra in (("cp", dict(context_parallel=True)), ("one", {}),
                                        ("flat", dict(share_response_prefixes=False))):
@@ -876,7 +864,7 @@ def run_trees(rank: int, world: int, init_file: str) -> None:
                 (loss, got, scores), (one_loss, one, one_scores), (flat_loss, flat, _) = runs["cp"], runs["one"], \
                     runs["flat"]
                 assert abs(loss - one_loss) <= 1e-9 * abs(one_loss) + 1e-13, (name, mode)
-                assert_grads_close(got, one, 1e-6 if mode == "exact" and name in FLOAT32_ROUTERS else 1e-9)
+                assert_grads_close(got, one, FLOAT64)
                 assert abs(loss - flat_loss) <= rel * abs(flat_loss) + 1e-13, (name, mode)
                 assert_grads_close(got, flat, rel)
                 for s, o in zip(scores, one_scores):

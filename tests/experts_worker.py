@@ -14,8 +14,8 @@ import torch
 
 import longstraw as ls
 from longstraw.parallel.experts import SHARD_ATTR, expert_bounds
-from tests.distributed_worker import CASES, _init, _null, all_gather_tensors
-from tests.reference import assert_grads_close, float64_internals, grads_of, random_group, tiny_family
+from tests.distributed_worker import CASES, _init, all_gather_tensors
+from tests.reference import assert_grads_close, float64_throughout, grads_of, random_group, tiny_family
 
 KW = dict(chunk_size=6, attention_block_size=4, shard_block_size=3)
 # three layers, so that an MoE layer's capture output reaches a later layer's state
@@ -64,7 +64,7 @@ def run_expert_parallel(rank: int, world: int, init_file: str, cases: list[str],
             sharded = copy.deepcopy(model)
             group = random_group(97, 23, [5, 1, 7], seed=3)
             kw = dict(KW, context_parallel=True, divide_capture=divide, divide_walk=divide)
-            with float64_internals() if name != "glm_sparse" else _null():
+            with float64_throughout(model):
                 for mode in modes:
                     model.zero_grad(set_to_none=True)
                     sharded.zero_grad(set_to_none=True)

@@ -48,7 +48,9 @@ def test_the_tree_arm_forks_after_the_observation_and_steps_with_one_capture(tmp
             fork = g.responses[f * k:(f + 1) * k]
             head = fork[0][:T.TURN2]
             assert all(torch.equal(r[:T.TURN2], head) for r in fork)
-            if head.numel() < T.TURN2 or int(head[1]) != 1:  # no tool call: k copies of the root episode
+            # the rollout's own record, not a token value: a root episode with a tool call holds
+            # its observation (loss mask False) inside the fork point; one without has none
+            if head.numel() < T.TURN2 or bool(g.loss_masks[f * k][:T.TURN2].all()):  # k copies of the root
                 assert all(torch.equal(r, fork[0]) for r in fork)
         forks = torch.arange(T.TREE_ROOTS).repeat_interleave(k)
         torch.testing.assert_close(g.advantages, T.tree_advantages(g.rewards, forks))

@@ -254,7 +254,7 @@ def test_an_observation_is_absorbed_in_one_call_not_one_decode_step_per_token():
     rollout = engine.generate(prompt, num_samples=1, max_new_tokens=30, temperature=0, eos_token_id=eos,
                               environment=lambda i, r: obs, max_turns=1)
     engine.adapter.run = run
-    r, m = rollout.responses[0], rollout.loss_masks[0]
+    m = rollout.loss_masks[0]
     assert rollout.turns == [1] and int((~m).sum()) == 12
     absorbed = [t for p, t, start in runs if p is Phase.CAPTURE and start >= prompt.numel() - 1]  # not the prompt's
     decoded = [t for p, t, _ in runs if p is Phase.DECODE]
