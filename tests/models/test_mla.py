@@ -2,9 +2,9 @@
 DeepSeek-V3.2 (`deepseek_v32`), DeepSeek-V3 (`deepseek_v3`).
 
 Tolerances: the MoE router (`mlp.gate`) of these HF models computes in float32 even in a
-float64 model, and so do the RMSNorms. With the norms in float64 (`float64_norms`, the
-same model instance on both sides), detached mode agrees to ~1e-14 except through the
-router (~1e-8), so we use 1e-6; against the fully stock model, 1e-5 (measured ~3e-7).
+float64 model, and so do the RMSNorms. With both cast to float64 (`float64_throughout`, on
+both sides) the comparisons hold to FLOAT64; against the fully stock model, to
+FLOAT32_INTERNALS (measured ~3e-7).
 """
 
 import pytest
@@ -14,9 +14,11 @@ from torch.utils._python_dispatch import TorchDispatchMode
 import longstraw as ls
 from longstraw.state.prompt import MLAState
 from tests.reference import (
+    FLOAT32_INTERNALS,
+    FLOAT64,
     MLA_FAMILIES,
     compare_step,
-    float64_norms,
+    float64_throughout,
     hf_cached_logprobs,
     hf_full_logprobs,
     random_group,
@@ -28,14 +30,16 @@ from tests.reference import (
 @pytest.mark.parametrize("mode", ["detached", "exact"])
 def test_dense_selection_matches_hf(family, mode):
     """index_topk >= P: every query selects everything it sees (dense MLA)."""
-    model = float64_norms(tiny_mla(family, index_topk=64) if family != "deepseek_v3" else tiny_mla(family))
+    model = tiny_mla(family, index_topk=64) if family != "deepseek_v3" else tiny_mla(family)
     group = random_group(97, 20, [5, 1, 7], seed=1)
     reference = hf_cached_logprobs if mode == "detached" else hf_full_logprobs
-    compare_step(model, group, ls.ExecConfig(chunk_size=6, mode=mode, attention_block_size=5), reference, 1e-6)
-    if mode == "detached":
-        for s, r in zip(ls.Engine(model, ls.ExecConfig(chunk_size=7)).score(group), group.responses):
-            with torch.no_grad():
-                torch.testing.assert_close(s, hf_cached_logprobs(model, group.prompt, r), rtol=1e-10, atol=1e-12)
+    with float64_throughout(model):
+        compare_step(model, group, ls.ExecConfig(chunk_size=6, mode=mode, attention_block_size=5), reference,
+                     FLOAT64)
+        if mode == "detached":
+            for s, r in zip(ls.Engine(model, ls.ExecConfig(chunk_size=7)).score(group), group.responses):
+                with torch.no_grad():
+                    torch.testing.assert_close(s, hf_cached_logprobs(model, group.prompt, r), rtol=0, atol=FLOAT64)
 
 
 @pytest.mark.parametrize("family", ["glm_moe_dsa", "deepseek_v32"])
@@ -45,17 +49,18 @@ def test_sparse_selection_matches_hf(family, mode, chunk):
     """index_topk = 8 < P: each query attends to its own top-8 positions (16 indexer
     heads, so HF's scores have no exact ties); GLM-5's middle layer reuses the
     previous layer's selection ("shared")."""
-    model = float64_norms(tiny_mla(family))
+    model = tiny_mla(family)
     assert model.config.index_topk < 20
     group = random_group(97, 20, [5, 1, 7], seed=1)
     reference = hf_cached_logprobs if mode == "detached" else hf_full_logprobs
-    compare_step(model, group, ls.ExecConfig(chunk_size=chunk, mode=mode), reference, 1e-6)
+    with float64_throughout(model):
+        compare_step(model, group, ls.ExecConfig(chunk_size=chunk, mode=mode), reference, FLOAT64)
 
 
 def test_stock_model_within_float32_tolerance():
     model = tiny_mla("glm_moe_dsa", index_topk=64)
     group = random_group(97, 15, [4, 6], seed=2)
-    compare_step(model, group, ls.ExecConfig(chunk_size=4), hf_cached_logprobs, 1e-5)
+    compare_step(model, group, ls.ExecConfig(chunk_size=4), hf_cached_logprobs, FLOAT32_INTERNALS)
 
 
 def test_state_bytes_per_token_formula():
@@ -107,10 +112,11 @@ def test_no_heads_by_prompt_tensor_is_ever_allocated(family, topk):
 def test_lora_wrapped_kv_b_proj_uses_effective_weight():
     peft = pytest.importorskip("peft")
     torch.manual_seed(0)
-    model = peft.get_peft_model(float64_norms(tiny_mla("deepseek_v3")), peft.LoraConfig(
+    model = peft.get_peft_model(tiny_mla("deepseek_v3"), peft.LoraConfig(
         r=2, target_modules=["kv_b_proj", "q_b_proj", "o_proj"], init_lora_weights=False)).eval()
     group = random_group(97, 12, [4, 3], seed=4)
-    compare_step(model, group, ls.ExecConfig(chunk_size=5), hf_cached_logprobs, 1e-6)
+    with float64_throughout(model):
+        compare_step(model, group, ls.ExecConfig(chunk_size=5), hf_cached_logprobs, FLOAT64)
     assert all(("lora_" in n) == (p.grad is not None) for n, p in model.named_parameters())
     assert any("kv_b_proj" in n and p.grad is not None for n, p in model.named_parameters())
 
