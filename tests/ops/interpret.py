@@ -1,0 +1,83 @@
+"""Triton's interpreter for the real fla kernels on CPU: import this module before
+anything imports triton or fla (it sets TRITON_INTERPRET=1, which triton reads when
+a kernel is decorated), then call `install()` once.
+
+The interpreter runs each Triton program on numpy arrays, program by program. Two
+things differ from compiled Triton in ways fla 0.6.0 hits; `install()` patches them in
+memory (nothing on disk changes):
+
+1. Autotuning keeps one config (`Autotuner.prune_configs` -> its first config).
+   Reason: with several configs triton benchmarks each one through
+   `triton.testing.do_bench`, which needs a GPU driver. fla wraps its kernels in its
+   own `CachedAutotuner` (`fla.ops.utils.cache`), which bypasses `triton.autotune`
+   but still calls `Autotuner.run` -> `prune_configs`, so this is the one seam that
+   catches both. Under the interpreter every config computes the same numbers (block
+   sizes only change the tiling; the dot is exact fp32 either way).
+2. `range` / `tl.range` loop variables become tensors (int32 scalars).
+   Reason: the interpreter runs a kernel's `for i in range(n)` as Python's `range`
+   (and maps `tl.range` to it), so the loop variable is a Python int; compiled Triton
+   makes it a tensor, and `fla/ops/common/chunk_delta_h.py` calls `i_t.to(tl.int64)`
+   on one. The patch adds one step to the interpreter's source rewrite
+   (`interpreter.ASTTransformer`): the loop body starts with
+   `i = interpreter_semantic.to_tensor(i, False)`. `tl.static_range` keeps Python
+   ints (compiled Triton unrolls it, its variable a constexpr).
+
+Known interpreter limits: no bf16 (numpy has none), and `tl.dot` is exact fp32, not
+TF32, so fp32 results here are tighter than on a GPU.
+"""
+
+from __future__ import annotations
+
+import ast
+import os
+
+os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported: triton.jit reads it
+
+_installed = False
+
+
+def available() -> bool:
+    """True when fla and triton import (the `kernels` extra is installed)."""
+    try:
+        import fla  # noqa: F401
+        import triton  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+def install() -> None:
+    """Apply the two patches (idempotent). Raises if triton was imported without the
+    interpreter (then its kernels would try to compile for a GPU)."""
+    global _installed
+    if _installed:
+        return
+    import triton
+    from triton import knobs
+    from triton.runtime import autotuner, interpreter
+
+    if not knobs.runtime.interpret:
+        raise RuntimeError("triton was imported before TRITON_INTERPRET=1 was set: import tests.ops.interpret first")
+
+    # 1. one config: no benchmarking through the missing GPU driver
+    prune = autotuner.Autotuner.prune_configs
+    autotuner.Autotuner.prune_configs = lambda self, kwargs: prune(self, kwargs)[:1]
+
+    # 2. `for i in range(...)` / `tl.range(...)` loop variables become tensors
+    def visit_for(self, node):
+        node = self.generic_visit(node)
+        call = node.iter
+        name = getattr(call, "func", None)
+        name = getattr(name, "attr", getattr(name, "id", None))
+        if isinstance(call, ast.Call) and name == "range" and isinstance(node.target, ast.Name):
+            to_tensor = ast.Attribute(value=ast.Name(id="interpreter_semantic", ctx=ast.Load()), attr="to_tensor",
+                                      ctx=ast.Load())
+            wrap = ast.Assign(targets=[ast.Name(id=node.target.id, ctx=ast.Store())],
+                              value=ast.Call(func=to_tensor, args=[ast.Name(id=node.target.id, ctx=ast.Load()),
+                                                                   ast.Constant(value=False)], keywords=[]))
+            node.body.insert(0, ast.copy_location(wrap, node))
+        return node
+
+    interpreter.ASTTransformer.visit_For = visit_for
+    assert triton.__version__
+    _installed = True
