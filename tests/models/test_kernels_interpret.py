@@ -49,8 +49,9 @@ MODELS = {
                 (16, 16), "chunk_gated_delta_rule", "fused_recurrent_gated_delta_rule"),
     "kimi_linear": (lambda: tiny_kimi(dtype=torch.float32, linear_head_dim=16), (16, 16), "chunk_kda",
                     "fused_recurrent_kda"),
-    "bamba": (lambda: tiny_mamba("bamba", dtype=torch.float32, mamba_n_heads=2, mamba_d_head=16, mamba_d_state=16),
-              (16, 16), "chunk_simple_gla", None),  # Mamba2 decode is ssd_step's torch code: no kernel
+    # 4 heads over 2 groups of B / C, so that the heads' grouping shows
+    "bamba": (lambda: tiny_mamba("bamba", dtype=torch.float32, mamba_n_heads=4, mamba_d_head=16, mamba_expand=2,
+                                 mamba_d_state=16), (16, 16), "chunk_simple_gla", None),  # decode: torch's ssd_step
 }
 
 
