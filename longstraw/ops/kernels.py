@@ -4,9 +4,11 @@ behind availability checks, with the torch kernels of `kda.py` / `ssd.py` as the
 Tested two ways without a GPU. `tests/ops/test_kernels.py` checks the dispatch (the
 torch path on CPU, in float32, or when a package is missing) and each adapter's layout
 against fakes that are the naive twins, in float64. `tests/ops/test_kernels_interpret.py`
-(`pytest -m interpret`, needs the `kernels` extra) runs fla's real Triton kernels under
-Triton's interpreter on CPU in float32, through these adapters, with the dispatch opened
-by `forced()` (below). mamba-ssm's kernel is not run: see docs/gpu.md.
+(`pytest -m interpret`, needs the `kernels` extra) runs fla's real Triton kernels, and
+mamba-ssm's Triton SSD when mamba-ssm is installed (without its CUDA extensions:
+docs/gpu.md), under Triton's interpreter on CPU in float32, through these adapters,
+with the dispatch opened by `forced()` (below). Not run anywhere yet: bf16 / fp16 (the
+interpreter has no bf16) and the compiled kernels themselves.
 
 The kernels used, and what each takes (their real signatures, fla-core 0.6.0 and
 mamba-ssm 2.3.2, read from the packages' sources):

@@ -1,6 +1,7 @@
 """Whole-model GRPO steps with fla's real Triton kernels (Triton's interpreter, CPU,
 float32) equal the same steps on the torch path: a tiny Qwen3.5 (GDN, grouped heads),
-a tiny Kimi Linear (KDA) and a tiny Bamba (Mamba2's SSD as `chunk_simple_gla`).
+a tiny Kimi Linear (KDA) and a tiny Bamba (Mamba2's SSD as fla's `chunk_simple_gla`,
+and as mamba-ssm's `mamba_chunk_scan_combined` when mamba-ssm is installed).
 
 Opt in: `python -m pytest -q -m interpret` with the `kernels` extra installed. Each
 test asserts which kernels the engine really picked (and how often), then compares
@@ -105,10 +106,27 @@ def _step(model, mode, forced: bool):
     return result.loss, grads_of(model), time.perf_counter() - start
 
 
+@pytest.fixture
+def without_mamba_ssm(monkeypatch):
+    """`kernels.load` as if mamba-ssm were not installed (Mamba2 then takes fla's chunk_simple_gla)."""
+    load = kernels.load
+    monkeypatch.setattr(kernels, "load", lambda name: None if name == "mamba_chunk_scan_combined" else load(name))
+
+
 @pytest.mark.parametrize("family", list(MODELS))
 @pytest.mark.parametrize("mode", ["detached", "exact"])
-def test_step_with_kernels_equals_torch_path(family, mode, picked):
-    build, (dk, dv), kernel, _ = MODELS[family]
+def test_step_with_kernels_equals_torch_path(family, mode, picked, without_mamba_ssm):
+    _check_step(family, mode, picked, MODELS[family][2])
+
+
+@pytest.mark.skipif(not interpret.mamba_available(), reason="needs mamba-ssm (MAMBA_SKIP_CUDA_BUILD=TRUE, docs/gpu.md)")
+@pytest.mark.parametrize("mode", ["detached", "exact"])
+def test_mamba2_step_with_mamba_ssm_equals_torch_path(mode, picked):
+    _check_step("bamba", mode, picked, "mamba_chunk_scan_combined")
+
+
+def _check_step(family, mode, picked, kernel):
+    build, (dk, dv), _, _ = MODELS[family]
     model = build()
     loss0, grads0, sec0 = _step(model, mode, forced=False)
     assert not picked  # outside forced(): the torch path on CPU

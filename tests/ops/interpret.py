@@ -3,8 +3,8 @@ anything imports triton or fla (it sets TRITON_INTERPRET=1, which triton reads w
 a kernel is decorated), then call `install()` once.
 
 The interpreter runs each Triton program on numpy arrays, program by program. Two
-things differ from compiled Triton in ways fla 0.6.0 hits; `install()` patches them in
-memory (nothing on disk changes):
+things differ from compiled Triton in ways fla 0.6.0 (and mamba-ssm) hit; `install()`
+patches them in memory (nothing on disk changes):
 
 1. Autotuning keeps one config (`Autotuner.prune_configs` -> its first config).
    Reason: with several configs triton benchmarks each one through
@@ -22,6 +22,20 @@ memory (nothing on disk changes):
    `i = interpreter_semantic.to_tensor(i, False)`. `tl.static_range` keeps Python
    ints (compiled Triton unrolls it, its variable a constexpr).
 
+mamba-ssm (2.3.2.post1, installed without its CUDA extensions: see docs/gpu.md) needs
+three more stand-ins, all host-side Python, none inside a kernel:
+
+3. A stub `selective_scan_cuda` module, only when the real one is missing. Reason:
+   `import mamba_ssm` runs `mamba_ssm/__init__.py`, which imports the selective-scan
+   interface, which does a bare `import selective_scan_cuda` (the Mamba1 CUDA
+   extension). The Triton SSD (`mamba_ssm.ops.triton.ssd_combined`) never calls it.
+4. `torch.cuda.device(None)` is a no-op. Reason: mamba-ssm wraps each launch in
+   `with torch.cuda.device(x.device.index)`, and a CPU tensor's index is None.
+5. `torch.cuda.get_device_properties(cpu)` answers `multi_processor_count=1`. Reason:
+   mamba-ssm's backward (`_chunk_state_bwd_db`, `_chunk_scan_bwd_dC`, ...) sizes a
+   split of its grid by the SM count; any count gives the same sums here.
+   Both 4 and 5 pass every CUDA device through to torch unchanged.
+
 Known interpreter limits: no bf16 (numpy has none), and `tl.dot` is exact fp32, not
 TF32, so fp32 results here are tighter than on a GPU.
 """
@@ -29,7 +43,11 @@ TF32, so fp32 results here are tighter than on a GPU.
 from __future__ import annotations
 
 import ast
+import contextlib
+import importlib.util
 import os
+import sys
+import types
 
 os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported: triton.jit reads it
 
@@ -46,12 +64,25 @@ def available() -> bool:
     return True
 
 
+def mamba_available() -> bool:
+    """True when mamba-ssm's Triton SSD imports (after `install()`'s stub extension)."""
+    if not available():
+        return False
+    install()
+    try:
+        import mamba_ssm.ops.triton.ssd_combined  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
 def install() -> None:
-    """Apply the two patches (idempotent). Raises if triton was imported without the
+    """Apply the patches (idempotent). Raises if triton was imported without the
     interpreter (then its kernels would try to compile for a GPU)."""
     global _installed
     if _installed:
         return
+    import torch
     import triton
     from triton import knobs
     from triton.runtime import autotuner, interpreter
@@ -79,5 +110,15 @@ def install() -> None:
         return node
 
     interpreter.ASTTransformer.visit_For = visit_for
-    assert triton.__version__
+
+    # 3. mamba_ssm's package import needs its Mamba1 CUDA extension's name only
+    if importlib.util.find_spec("selective_scan_cuda") is None:
+        sys.modules["selective_scan_cuda"] = types.ModuleType("selective_scan_cuda")
+
+    # 4. and 5. mamba-ssm's host code asks CUDA about the tensors' device
+    cuda_device, properties = torch.cuda.device, torch.cuda.get_device_properties
+    torch.cuda.device = lambda device: contextlib.nullcontext() if device is None else cuda_device(device)
+    torch.cuda.get_device_properties = lambda device=None: (
+        types.SimpleNamespace(multi_processor_count=1) if device is not None and torch.device(device).type == "cpu"
+        else properties(device))
     _installed = True

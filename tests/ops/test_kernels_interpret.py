@@ -3,7 +3,8 @@ own dispatch (`ops/kernels.py`, opened by `kernels.forced()`) and its callers
 (`gated_delta.py`, `kda.py`, `ssd.py`), against the torch path.
 
 Opt in: `pip install -e .[kernels] && python -m pytest -q -m interpret` (the `interpret`
-marker is off by default). Nothing here is faked: each test asserts that the named
+marker is off by default); mamba-ssm's SSD also runs when mamba-ssm is installed
+without its CUDA extensions (docs/gpu.md), and is skipped otherwise. Nothing here is faked: each test asserts that the named
 kernel was really picked, then compares, in float32 on small shapes,
 
 * outputs and final states, and
@@ -191,11 +192,17 @@ def test_kda_step_decode(picked):
 
 
 # ----------------------------------------------------------------------------
-# Mamba2's SSD as fla's chunk_simple_gla (mamba-ssm is not installable here: docs/gpu.md)
+# Mamba2's SSD: mamba-ssm's mamba_chunk_scan_combined (picked first), fla's chunk_simple_gla
 
 
-@pytest.mark.parametrize("t", [1, 37, 130])
-def test_ssd_through_chunk_simple_gla(t, picked):
+@pytest.fixture
+def without_mamba_ssm(monkeypatch):
+    """`kernels.load` as if mamba-ssm were not installed (ssd_chunk then takes fla's kernel)."""
+    load = kernels.load
+    monkeypatch.setattr(kernels, "load", lambda name: None if name == "mamba_chunk_scan_combined" else load(name))
+
+
+def _ssd_case(t, label, chunk):
     h, p, g_, n = 4, 16, 2, 16  # 2 groups of B / C for 4 heads
     gen = torch.Generator().manual_seed(200 + t)
     x, b, c = _rand(gen, t, h, p), _rand(gen, t, g_, n), _rand(gen, t, g_, n)
@@ -204,8 +211,20 @@ def test_ssd_through_chunk_simple_gla(t, picked):
     h0 = _rand(gen, h, p, n) * 0.5
 
     def scan(*xs, allow_kernel):
-        return chunk_ssd_scan(*xs, chunk_size=16, allow_kernel=allow_kernel)
+        return chunk_ssd_scan(*xs, chunk_size=chunk, allow_kernel=allow_kernel)
     got, want, fp32, sec = run_both(scan, [x, dt, a, b, c, h0], grad=True)
-    assert picked == ["chunk_simple_gla"]
-    compare("fla chunk_simple_gla (SSD)", "ssd.chunk_ssd_scan", f"T={t} H={h} P={p} G={g_} N={n}",
+    compare(label, "ssd.chunk_ssd_scan", f"T={t} H={h} P={p} G={g_} N={n}" + (f" chunk={chunk}" if chunk else ""),
             ["y", "state", "dx", "ddt", "dA", "dB", "dC", "dh0"], got, want, fp32, tolerance(t, n, p), sec)
+
+
+@pytest.mark.parametrize("t", [1, 37, 130])
+def test_ssd_through_chunk_simple_gla(t, picked, without_mamba_ssm):
+    _ssd_case(t, "fla chunk_simple_gla (SSD)", 16)
+    assert picked == ["chunk_simple_gla"]
+
+
+@pytest.mark.skipif(not interpret.mamba_available(), reason="needs mamba-ssm (MAMBA_SKIP_CUDA_BUILD=TRUE, docs/gpu.md)")
+@pytest.mark.parametrize("t", [1, 37, 130])
+def test_ssd_through_mamba_chunk_scan_combined(t, picked):
+    _ssd_case(t, "mamba-ssm mamba_chunk_scan_combined", 16)
+    assert picked == ["mamba_chunk_scan_combined"]
