@@ -84,7 +84,7 @@ def run_check(name: str, cpu: bool, tmp: str, scale: float, left_s: float = floa
     module, gpu_argv, cpu_argv, limit = CHECKS[name]
     argv = [a.format(tmp=tmp) for a in (cpu_argv if cpu else gpu_argv)]
     limit = min(limit * scale, left_s)
-    if limit < 1:
+    if limit <= 0:
         return {"name": name, "rc": None, "wall_s": 0.0, "limit_s": 0.0, "ok": False,
                 "error": "not run: the suite's --budget-s is spent"}
     env = {k: v for k, v in os.environ.items() if k != "OUT"}  # the suite writes the one JSON
