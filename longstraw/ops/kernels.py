@@ -11,14 +11,16 @@ with the dispatch opened by `forced()` (below). Not run anywhere yet: bf16 / fp1
 interpreter has no bf16) and the compiled kernels themselves.
 
 The kernels used, and what each takes (their real signatures, fla-core 0.6.0 and
-mamba-ssm 2.3.2, read from the packages' sources):
+mamba-ssm 2.3.2.post1, read from the packages' sources):
 
     fla.ops.kda.chunk_kda(q, k, v, g, beta, scale, initial_state, output_final_state,
         use_qk_l2norm_in_kernel)      [B, T, H, D] layout, g the per-channel log decay
         [B, T, H, Dk], initial_state [B, H, Dk, Dv] float32; autograd gives dh0
     fla.ops.kda.fused_recurrent_kda(...)           same arguments; forward only (decode)
     fla.ops.gated_delta_rule.chunk_gated_delta_rule / fused_recurrent_gated_delta_rule
-        the same with g [B, T, H] per head (GDN; the chunk one is `gated_delta.py`'s)
+        the same with g [B, T, HV] per value head (GDN); q, k [B, T, H, Dk] with H
+        dividing HV: value head hv reads q/k head hv // (HV // H) (fla's GVA, HF's
+        `repeat_interleave` order), so q / k go in un-expanded (`gdn_chunk`, `gdn_decode`)
     mamba_ssm.ops.triton.ssd_combined.mamba_chunk_scan_combined(x, dt, A, B, C,
         chunk_size, initial_states=, return_final_states=True)      x [B, T, H, P],
         dt [B, T, H] (softplus already applied: dt_softplus=False), B / C [B, T, G, N],
@@ -30,7 +32,7 @@ mamba-ssm 2.3.2, read from the packages' sources):
 LongStraw dispatches to them on CUDA in bf16 / fp16 only. That is LongStraw's choice,
 not the kernels' limit: fla-core 0.6.0 takes float32 too (no dtype check in its chunk
 kernels; the interpreter tests run them in float32), but in float32 the torch path is
-the reference and fast enough, and `tl.dot` would round to TF32 on a GPU. The state
+the reference, and `tl.dot` would round float32 to TF32 on a GPU. The state
 handed in and out is float32, as the torch kernels keep it.
 
 `forced()` (or LONGSTRAW_FORCE_KERNELS=1 in the environment) opens the dispatch to
