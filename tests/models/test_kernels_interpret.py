@@ -24,7 +24,6 @@ from __future__ import annotations
 import tests.ops.interpret as interpret  # first: sets TRITON_INTERPRET=1 before triton / fla load
 
 import collections
-import csv
 import os
 import time
 from pathlib import Path
@@ -34,6 +33,7 @@ import torch
 
 import longstraw as ls
 from longstraw.ops import kernels
+from tests.ops.test_kernels_interpret import write_rows
 from tests.reference import grads_of, random_group, tiny_hybrid, tiny_kimi, tiny_mamba
 
 pytestmark = [pytest.mark.interpret,
@@ -63,10 +63,7 @@ def _interpreter():
     yield
     kernels.load.cache_clear()
     if _rows and os.environ.get("LONGSTRAW_INTERPRET_CSV", "1") == "1":
-        with RESULTS.open("w", newline="") as f:
-            w = csv.DictWriter(f, list(_rows[0]))
-            w.writeheader()
-            w.writerows(_rows)
+        write_rows(RESULTS, _rows, ("family", "mode", "kernel"))
 
 
 @pytest.fixture

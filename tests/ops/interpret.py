@@ -31,9 +31,11 @@ three more stand-ins, all host-side Python, none inside a kernel:
    extension). The Triton SSD (`mamba_ssm.ops.triton.ssd_combined`) never calls it.
 4. `torch.cuda.device(None)` is a no-op. Reason: mamba-ssm wraps each launch in
    `with torch.cuda.device(x.device.index)`, and a CPU tensor's index is None.
-5. `torch.cuda.get_device_properties(cpu)` answers `multi_processor_count=1`. Reason:
-   mamba-ssm's backward (`_chunk_state_bwd_db`, `_chunk_scan_bwd_dC`, ...) sizes a
-   split of its grid by the SM count; any count gives the same sums here.
+5. `torch.cuda.get_device_properties(cpu)` answers `multi_processor_count=132` (an
+   H100 / H200 SXM). Reason: mamba-ssm's backward (`_chunk_state_bwd_db`,
+   `_chunk_scan_bwd_dC`, `_chunk_scan_bwd_dcb`) splits the heads of a group over
+   ceil(batch * chunks * heads / SMs) programs and sums the splits after; with a GPU's
+   count the small shapes here take the split path a GPU takes (1 would never split).
    Both 4 and 5 pass every CUDA device through to torch unchanged.
 
 Known interpreter limits: no bf16 (numpy has none), and `tl.dot` is exact fp32, not
@@ -119,6 +121,6 @@ def install() -> None:
     cuda_device, properties = torch.cuda.device, torch.cuda.get_device_properties
     torch.cuda.device = lambda device: contextlib.nullcontext() if device is None else cuda_device(device)
     torch.cuda.get_device_properties = lambda device=None: (
-        types.SimpleNamespace(multi_processor_count=1) if device is not None and torch.device(device).type == "cpu"
+        types.SimpleNamespace(multi_processor_count=132) if device is not None and torch.device(device).type == "cpu"
         else properties(device))
     _installed = True

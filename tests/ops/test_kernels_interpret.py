@@ -46,8 +46,21 @@ pytestmark = [pytest.mark.interpret,
 F32, F64 = torch.float32, torch.float64
 EPS32 = torch.finfo(F32).eps / 2  # unit roundoff u = 2^-24
 RESULTS = Path(__file__).resolve().parents[2] / "bench" / "results" / "interpret_kernels.csv"
-FIELDS = ["kernel", "caller", "shapes", "tensor", "max_abs_err", "max_rel_err", "torch_fp32_rel_err", "tol", "time_s"]
+KEY = ("kernel", "caller", "shapes", "tensor")  # a row of this run replaces the file's row of the same key
 _rows: list[dict] = []
+
+
+def write_rows(path: Path, rows: list[dict], key: tuple) -> None:
+    """Merge `rows` into the CSV at `path`: this run's rows replace the old ones with the
+    same key, the others stay (a `-k` subset does not drop the rest)."""
+    old = list(csv.DictReader(path.open())) if path.exists() else []
+    new = {tuple(r[k] for k in key) for r in rows}
+    merged = [r for r in old if tuple(r[k] for k in key) not in new and set(r) == set(rows[0])] + rows
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w", newline="") as f:
+        w = csv.DictWriter(f, list(rows[0]))
+        w.writeheader()
+        w.writerows(merged)
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -57,11 +70,7 @@ def _interpreter():
     yield
     kernels.load.cache_clear()
     if _rows and os.environ.get("LONGSTRAW_INTERPRET_CSV", "1") == "1":
-        RESULTS.parent.mkdir(parents=True, exist_ok=True)
-        with RESULTS.open("w", newline="") as f:
-            w = csv.DictWriter(f, FIELDS)
-            w.writeheader()
-            w.writerows(_rows)
+        write_rows(RESULTS, _rows, KEY)
 
 
 @pytest.fixture
