@@ -1,6 +1,7 @@
 """Triton's interpreter for the real fla kernels on CPU: import this module before
 anything imports triton or fla (it sets TRITON_INTERPRET=1, which triton reads when
-a kernel is decorated), then call `install()` once.
+a kernel is decorated; `tests/conftest.py` imports it first under `-m interpret`),
+then call `install()` once.
 
 The interpreter runs each Triton program on numpy arrays, program by program. Two
 things differ from compiled Triton in ways fla 0.6.0 (and mamba-ssm) hit; `install()`
@@ -51,7 +52,10 @@ import os
 import sys
 import types
 
-os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported: triton.jit reads it
+# fla / mamba-ssm decorate their kernels when imported: compiled, for good, unless this is set first
+_TOO_LATE = [m for m in ("triton", "fla", "mamba_ssm") if m in sys.modules] if os.environ.get(
+    "TRITON_INTERPRET") != "1" else []
+os.environ["TRITON_INTERPRET"] = "1"
 
 _installed = False
 
@@ -89,8 +93,9 @@ def install() -> None:
     from triton import knobs
     from triton.runtime import autotuner, interpreter
 
-    if not knobs.runtime.interpret:
-        raise RuntimeError("triton was imported before TRITON_INTERPRET=1 was set: import tests.ops.interpret first")
+    if _TOO_LATE or not knobs.runtime.interpret:
+        raise RuntimeError(f"{', '.join(_TOO_LATE) or 'triton'} imported before TRITON_INTERPRET=1 was set: import "
+                           "tests.ops.interpret first (tests/conftest.py does, under -m interpret)")
 
     # 1. one config: no benchmarking through the missing GPU driver
     prune = autotuner.Autotuner.prune_configs
