@@ -7,7 +7,7 @@ per-process memory cap cannot leak into the next one), each under its own time l
 keeps going past a check that fails, times out or crashes. It writes one JSON of results
 and prints a table.
 
-    python bench/gpu_suite.py                       # one GPU: about 6 minutes on an H200 (+ the trainer check, unmeasured)
+    python bench/gpu_suite.py                       # one GPU: at most 8 minutes (--budget-s 480), estimated ~7 on an H200
     python bench/gpu_suite.py --cpu                 # smoke run of every check on CPU (~1 min)
     python bench/gpu_suite.py --only checks cp      # a subset
 
@@ -16,6 +16,10 @@ The checks (their own docstrings say what each measures):
     checks   correctness on the device: CP over NCCL vs one process, bf16 exact mode vs
              float64, the autocast refusal, greedy generate vs HF, a bf16 CP rollout
              (`bench/gpu/checks.py`)
+    features what came after `checks`: prefix trees vs the flat group, an agent episode
+             (environment, loss masks) vs score, layer recompute on vs off, snapshots on
+             host vs on the device, expert parallelism with HF's grouped_mm experts vs the
+             eager MoE (`bench/gpu/features.py`)
     cp       a divided capture and an exact step per world size (W = 1 on one GPU; more
              where there are more GPUs) with bytes received vs the planner (`bench/gpu/cp.py`)
     offload  state offload: device peak vs depth at fixed P (flat when offloaded) and the
@@ -44,10 +48,13 @@ import time
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
-# name -> (module, GPU argv, CPU argv, GPU time limit s). The limits add up to 12 minutes;
+# name -> (module, GPU argv, CPU argv, GPU time limit s). The limits add up to 13.5 minutes;
 # each is a ceiling, not an estimate (on one GPU the trainer check runs W = 1 alone, ~1 min).
+# The suite's own budget (--budget-s, 8 minutes on a GPU) caps them further: a check gets
+# at most what is left of it, and one the budget cannot reach is reported, not run.
 CHECKS = {
     "checks": ("bench.gpu.checks", [], ["--cpu"], 90),
+    "features": ("bench.gpu.features", [], ["--cpu"], 90),
     "cp": ("bench.gpu.cp", ["--family", "qwen3_5", "--prompt-tokens", "65536", "--worlds", "1", "2", "--exact",
                             "--out", "{tmp}/cp_gpu.csv"],
            ["--family", "qwen3_5", "--prompt-tokens", "2048", "--chunk-size", "512", "--block", "256",
@@ -72,11 +79,14 @@ def last_json(text: str) -> dict | None:
     return None
 
 
-def run_check(name: str, cpu: bool, tmp: str, scale: float) -> dict:
-    """Run one check in a fresh interpreter; never raises."""
+def run_check(name: str, cpu: bool, tmp: str, scale: float, left_s: float = float("inf")) -> dict:
+    """Run one check in a fresh interpreter, within its limit and `left_s`; never raises."""
     module, gpu_argv, cpu_argv, limit = CHECKS[name]
     argv = [a.format(tmp=tmp) for a in (cpu_argv if cpu else gpu_argv)]
-    limit = limit * scale
+    limit = min(limit * scale, left_s)
+    if limit <= 0:
+        return {"name": name, "rc": None, "wall_s": 0.0, "limit_s": 0.0, "ok": False,
+                "error": "not run: the suite's --budget-s is spent"}
     env = {k: v for k, v in os.environ.items() if k != "OUT"}  # the suite writes the one JSON
     env["PYTHONUNBUFFERED"] = "1"
     env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
@@ -106,6 +116,8 @@ def main() -> int:
     ap.add_argument("--only", nargs="+", choices=sorted(CHECKS), help="run only these checks")
     ap.add_argument("--limit-scale", type=float, default=1.0, help="multiply every time limit (a slow machine)")
     ap.add_argument("--out", help="where the JSON goes")
+    ap.add_argument("--budget-s", type=float, default=480.0,
+                    help="wall-clock cap of the whole suite on a GPU (x4 with --cpu, as the limits)")
     args = ap.parse_args()
     import tempfile
 
@@ -119,7 +131,9 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         for name in args.only or list(CHECKS):
             print(f"[gpu_suite] {name} ...", flush=True)
-            rows.append(run_check(name, cpu, tmp, args.limit_scale * (4.0 if cpu else 1.0)))
+            scale = args.limit_scale * (4.0 if cpu else 1.0)
+            left = args.budget_s * scale - (time.perf_counter() - t0)
+            rows.append(run_check(name, cpu, tmp, scale, left))
             print(f"[gpu_suite] {name}: {'ok' if rows[-1]['ok'] else 'FAILED'} in {rows[-1]['wall_s']} s", flush=True)
     summary = {"bench": "gpu_suite", "device": device, "torch": torch.__version__, "cpu": cpu,
                "total_s": round(time.perf_counter() - t0, 2), "all_ok": all(r["ok"] for r in rows), "checks": rows}
@@ -128,7 +142,7 @@ def main() -> int:
         json.dump(summary, f, indent=1)
     print(f"\n{'check':<10} {'ok':<4} {'rc':>4} {'wall s':>8} {'limit s':>8}")
     for r in rows:
-        print(f"{r['name']:<10} {'yes' if r['ok'] else 'NO':<4} {r['rc']:>4} {r['wall_s']:>8.1f} {r['limit_s']:>8.0f}")
+        print(f"{r['name']:<10} {'yes' if r['ok'] else 'NO':<4} {str(r['rc']):>4} {r['wall_s']:>8.1f} {r['limit_s']:>8.0f}")
         if not r["ok"]:
             print("    " + r["error"].strip().splitlines()[-1][:200] if r.get("error") else "    check said not ok")
     print(f"written: {out}")

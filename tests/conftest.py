@@ -9,6 +9,11 @@
   each rank's waits towards its process-group timeout. Which tests do is read from the
   test function's source (the spawn helpers it calls), so a new multi-process test is
   grouped without a marker to forget.
+* With the `interpret` marker selected (`pytest -m interpret`), Triton's interpreter has
+  to be on before the first test module is imported: with fla installed, Hugging Face's
+  model modules (imported by many test modules) import fla, and fla decorates its kernels
+  when it is imported, compiled or interpreted for good. `tests/ops/interpret.py` sets it.
+  Any other selection leaves the environment alone (a GPU run keeps its compiled kernels).
 """
 
 from __future__ import annotations
@@ -24,6 +29,9 @@ SPAWNS = ("mp.spawn(", "spawn_each(", "_run_each(", "_spawn(", "_spawn_checkpoin
 
 
 def pytest_configure(config):
+    expr = config.getoption("markexpr", "") or ""
+    if "interpret" in expr and "not interpret" not in expr:
+        import tests.ops.interpret  # noqa: F401  sets TRITON_INTERPRET=1
     if os.environ.get("PYTEST_XDIST_WORKER"):
         import torch
 

@@ -55,3 +55,9 @@ def test_the_trainer_check_skips_what_the_gpus_cannot_run_and_says_why():
     assert runs == [(1, 1), (2, 2), (2, 1), (4, 4)] and skipped == ["W=8 C=8: 4 CUDA device(s) here, NCCL needs one "
                                                                     "GPU per rank"]
     assert plan_meshes(gpu=False, devices=0) == ([(1, 1), (2, 2)], [])
+
+
+def test_a_check_the_suites_budget_cannot_reach_is_reported_not_run(tmp_path):
+    row = gpu_suite.run_check("checks", cpu=True, tmp=str(tmp_path), scale=1.0, left_s=-1.0)
+    assert not row["ok"] and row["rc"] is None and "budget" in row["error"]
+    assert sum(limit for *_, limit in gpu_suite.CHECKS.values()) > 480  # the budget, not the limits, bounds a call

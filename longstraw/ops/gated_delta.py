@@ -58,27 +58,10 @@ def expand_kv_heads(x: torch.Tensor, num_v_heads: int) -> torch.Tensor:
 
 
 def fla_kernel():
-    """flash-linear-attention's fused chunk kernel, or None when it cannot be imported."""
+    """flash-linear-attention's fused chunk kernel, or None when it cannot be imported.
+    `kernels.pick` decides when it is used: on CUDA in bf16 / fp16 (LongStraw's choice;
+    fla 0.6 takes float32 too, see `kernels.py`), or anywhere inside `kernels.forced()`."""
     return kernels.load("chunk_gated_delta_rule")
-
-
-def _can_use_fla(q: torch.Tensor, v: torch.Tensor) -> bool:
-    """fla runs on CUDA in half precision only (its chunk kernel rejects float32)."""
-    half = (torch.bfloat16, torch.float16)
-    return q.is_cuda and q.dtype in half and v.dtype in half and fla_kernel() is not None
-
-
-def _fla_chunk(q, k, v, g, beta, initial_state, use_qk_l2norm):
-    """The same computation through fla (layout [B, T, H, D], batch of one; fla's own chunk size)."""
-    hv = v.shape[1]
-    q, k = expand_kv_heads(q, hv), expand_kv_heads(k, hv)
-    h0 = None if initial_state is None else initial_state.float()[None]
-    out, state = fla_kernel()(
-        q[None].contiguous(), k[None].contiguous(), v[None].contiguous(), g.float()[None].contiguous(),
-        beta[None].contiguous(), scale=q.shape[-1] ** -0.5, initial_state=h0, output_final_state=True,
-        use_qk_l2norm_in_kernel=use_qk_l2norm,
-    )
-    return out[0].to(v.dtype), state[0]
 
 
 def _check_shapes(q, k, v, g, beta, initial_state):
@@ -111,23 +94,23 @@ def chunk_gated_delta_rule(q, k, v, g, beta, initial_state=None, *, chunk_size: 
     """Gated delta rule over the T tokens of one sequence, starting from `initial_state`.
 
     Args:
-        q, k: [T, Hk, Dk] queries and keys (after the short conv), Hk dividing Hv; they
-            are repeated up to Hv heads here, as HF does.
+        q, k: [T, Hk, Dk] queries and keys (after the short conv), Hk dividing Hv; the
+            torch path repeats them up to Hv heads as HF does (fla groups them itself).
         v: [T, Hv, Dv] values.
         g: [T, Hv] log decay (<= 0). beta: [T, Hv] write strength.
         initial_state: [Hv, Dk, Dv] state before the first token, or None for zeros.
         chunk_size: tokens per chunk of the torch path (any T works; it is padded).
         use_qk_l2norm: L2-normalise q and k per head first (True for Qwen3.5 / Qwen3-Next).
         allow_kernel: on CUDA in bf16/fp16, use flash-linear-attention when importable
-            (its chunk size is its own); False forces the torch path.
+            (`kernels.gdn_chunk`; its chunk size is its own); False forces the torch path.
 
     Returns:
         (out [T, Hv, Dv] in v's dtype, final_state [Hv, Dk, Dv] in float32, or float64
         for float64 inputs). Differentiable w.r.t. q, k, v, g, beta and initial_state.
     """
     _check_shapes(q, k, v, g, beta, initial_state)
-    if allow_kernel and _can_use_fla(q, v):
-        return _fla_chunk(q, k, v, g, beta, initial_state, use_qk_l2norm)
+    if allow_kernel and q.shape[0] and (kernel := kernels.pick("chunk_gated_delta_rule", q, k, v)) is not None:
+        return kernels.gdn_chunk(kernel, q, k, v, g, beta, initial_state, use_qk_l2norm)
 
     t, hv, dv = v.shape
     dk = q.shape[2]

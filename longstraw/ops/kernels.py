@@ -1,20 +1,26 @@
 """CUDA kernels of flash-linear-attention (fla) and mamba-ssm for the recurrent mixers,
 behind availability checks, with the torch kernels of `kda.py` / `ssd.py` as the fallback.
 
-UNTESTED ON REAL KERNELS: no CUDA and neither package here. What the tests check is the
-dispatch (the torch path on CPU, in float32, or when a package is missing) and each
-adapter's argument layout and conversion back, with fakes that are the naive twins
-(`tests/ops/test_kernels.py`); the kernels' own numerics are fla's and mamba-ssm's.
+Tested two ways without a GPU. `tests/ops/test_kernels.py` checks the dispatch (the
+torch path on CPU, in float32, or when a package is missing) and each adapter's layout
+against fakes that are the naive twins, in float64. `tests/ops/test_kernels_interpret.py`
+(`pytest -m interpret`, needs the `kernels` extra) runs fla's real Triton kernels, and
+mamba-ssm's Triton SSD when mamba-ssm is installed (without its CUDA extensions:
+docs/gpu.md), under Triton's interpreter on CPU in float32, through these adapters,
+with the dispatch opened by `forced()` (below). Not run anywhere yet: bf16 / fp16 (the
+interpreter has no bf16) and the compiled kernels themselves.
 
 The kernels used, and what each takes (their real signatures, fla-core 0.6.0 and
-mamba-ssm 2.3.2, read from the packages' sources):
+mamba-ssm 2.3.2.post1, read from the packages' sources):
 
     fla.ops.kda.chunk_kda(q, k, v, g, beta, scale, initial_state, output_final_state,
         use_qk_l2norm_in_kernel)      [B, T, H, D] layout, g the per-channel log decay
         [B, T, H, Dk], initial_state [B, H, Dk, Dv] float32; autograd gives dh0
     fla.ops.kda.fused_recurrent_kda(...)           same arguments; forward only (decode)
     fla.ops.gated_delta_rule.chunk_gated_delta_rule / fused_recurrent_gated_delta_rule
-        the same with g [B, T, H] per head (GDN; the chunk one is `gated_delta.py`'s)
+        the same with g [B, T, HV] per value head (GDN); q, k [B, T, H, Dk] with H
+        dividing HV: value head hv reads q/k head hv // (HV // H) (fla's GVA, HF's
+        `repeat_interleave` order), so q / k go in un-expanded (`gdn_chunk`, `gdn_decode`)
     mamba_ssm.ops.triton.ssd_combined.mamba_chunk_scan_combined(x, dt, A, B, C,
         chunk_size, initial_states=, return_final_states=True)      x [B, T, H, P],
         dt [B, T, H] (softplus already applied: dt_softplus=False), B / C [B, T, G, N],
@@ -23,14 +29,22 @@ mamba-ssm 2.3.2, read from the packages' sources):
         output_final_state)           SSD is a scalar-gated linear attention: q = C,
         k = B, v = dt x, g = dt A per head, scale 1; its state is [B, H, N, P] (S^T)
 
-They run on CUDA in bf16 / fp16 only (fla's chunk kernels reject float32); the state
+LongStraw dispatches to them on CUDA in bf16 / fp16 only. That is LongStraw's choice,
+not the kernels' limit: fla-core 0.6.0 takes float32 too (no dtype check in its chunk
+kernels; the interpreter tests run them in float32), but in float32 the torch path is
+the reference, and `tl.dot` would round float32 to TF32 on a GPU. The state
 handed in and out is float32, as the torch kernels keep it.
+
+`forced()` (or LONGSTRAW_FORCE_KERNELS=1 in the environment) opens the dispatch to
+float32 and half tensors on any device, CPU included: for the interpreter tests only.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
+import os
 
 import torch
 
@@ -46,6 +60,8 @@ KERNELS = {
     "chunk_simple_gla": ("fla.ops.simple_gla", "chunk_simple_gla"),
 }
 HALF = (torch.bfloat16, torch.float16)
+FORCE_ENV = "LONGSTRAW_FORCE_KERNELS"  # "1": as inside `forced()`, for the whole process
+_forced = 0  # depth of `forced()` blocks
 
 
 @functools.lru_cache(maxsize=None)
@@ -58,8 +74,29 @@ def load(name: str):
         return None
 
 
+def forcing() -> bool:
+    """True inside `forced()` or with LONGSTRAW_FORCE_KERNELS=1."""
+    return _forced > 0 or os.environ.get(FORCE_ENV) == "1"
+
+
+@contextlib.contextmanager
+def forced():
+    """Tests only: inside this block the kernels are picked for float32 / half tensors
+    on any device (CPU too, where Triton's interpreter runs them), when their package
+    imports. Outside it nothing changes."""
+    global _forced
+    _forced += 1
+    try:
+        yield
+    finally:
+        _forced -= 1
+
+
 def kernel_tensors(*tensors: torch.Tensor) -> bool:
-    """True when every tensor is on CUDA in half precision: the only inputs the kernels take."""
+    """True when every tensor is on CUDA in half precision: the inputs LongStraw sends
+    to the kernels. With `forcing()`: float32 or half on any device."""
+    if forcing():
+        return all(t.dtype in HALF or t.dtype == torch.float32 for t in tensors)
     return all(t.is_cuda and t.dtype in HALF for t in tensors)
 
 
@@ -101,12 +138,30 @@ def kda_decode(kernel, q, k, v, g, beta, state, use_qk_l2norm: bool):
     return out[:, 0].to(v.dtype), new.to(acc)
 
 
+# ----------------------------------------------------------------------------
+# GDN (Gated DeltaNet)
+
+
+def gdn_chunk(kernel, q, k, v, g, beta, initial_state, use_qk_l2norm: bool):
+    """`gated_delta.chunk_gated_delta_rule` through fla's `chunk_gated_delta_rule`:
+    q, k [T, Hk, Dk], v [T, Hv, Dv], g / beta [T, Hv] -> [1, T, H, D] and back. q / k
+    go in un-expanded: fla's GVA gives value head hv the q/k head hv // (Hv // Hk), as
+    HF's `repeat_interleave` does (measured under the interpreter, grouped heads).
+
+    Returns (out [T, Hv, Dv] in v's dtype, final_state [Hv, Dk, Dv] in the accumulation dtype)."""
+    acc = accumulation_dtype(v.dtype)
+    h0 = None if initial_state is None else initial_state.to(acc)[None]  # (1, Hv, Dk, Dv)
+    out, state = kernel(q[None].contiguous(), k[None].contiguous(), v[None].contiguous(),
+                        g.to(acc)[None].contiguous(), beta[None].contiguous(), scale=q.shape[-1] ** -0.5,
+                        initial_state=h0, output_final_state=True, use_qk_l2norm_in_kernel=use_qk_l2norm)
+    return out[0].to(v.dtype), state[0].to(acc)
+
+
 def gdn_decode(kernel, q, k, v, g, beta, state, use_qk_l2norm: bool):
     """`gated_delta.gated_delta_step` through fla's `fused_recurrent_gated_delta_rule`
-    (decode, no gradient): q, k [B, Hk, Dk] repeated up to v's Hv heads as HF groups them.
-    Returns (out [B, Hv, Dv] in v's dtype, state [B, Hv, Dk, Dv] in the accumulation dtype)."""
-    hv = v.shape[1]
-    q, k = (x.repeat_interleave(hv // x.shape[1], dim=1) for x in (q, k))
+    (decode, no gradient): q, k [B, Hk, Dk] un-expanded (fla groups the Hv value heads
+    as HF does, like `gdn_chunk`). Returns (out [B, Hv, Dv] in v's dtype, state
+    [B, Hv, Dk, Dv] in the accumulation dtype)."""
     return kda_decode(kernel, q, k, v, g, beta, state, use_qk_l2norm)
 
 

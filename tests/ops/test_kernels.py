@@ -7,6 +7,7 @@ every input gradient (the initial state's included) equal the torch path's in fl
 The real kernels are NOT exercised here (no CUDA, neither package installed); the
 `cuda` tests at the end run them against the torch path where both exist."""
 
+import importlib.util
 import sys
 import types
 
@@ -14,7 +15,7 @@ import pytest
 import torch
 
 from longstraw.ops import kernels
-from longstraw.ops.gated_delta import gated_delta_step
+from longstraw.ops.gated_delta import chunk_gated_delta_rule, gated_delta_step
 from longstraw.ops.kda import chunk_kda, kda_step
 from longstraw.ops.naive import naive_gated_delta_rule, naive_kda, naive_ssd_scan
 from longstraw.ops.ssd import chunk_ssd_scan
@@ -49,14 +50,34 @@ def fake_kda(calls):
 
 
 def fake_gdn_recurrent(calls):
-    """fla's fused_recurrent_gated_delta_rule: g [B, T, HV] per head; gk / gv between g and beta."""
+    """fla's fused_recurrent_gated_delta_rule: q, k [B, T, H, K], v [B, T, HV, V], g / beta
+    [B, T, HV]; value head hv reads q/k head hv // (HV // H) (fla's GVA); gk / gv between g and beta."""
     def kernel(q, k, v, g=None, gk=None, gv=None, beta=None, scale=None, initial_state=None,
                output_final_state=False, use_qk_l2norm_in_kernel=False, **extra):
         b, t, h, dk = q.shape
+        hv = v.shape[2]
         assert gk is None and gv is None and not extra and output_final_state and scale == dk ** -0.5
-        assert v.shape[:3] == (b, t, h) and g.shape == beta.shape == (b, t, h)  # heads expanded by the adapter
+        assert v.shape[:2] == (b, t) and hv % h == 0 and g.shape == beta.shape == (b, t, hv)
         calls.append(dict(shape=tuple(q.shape)))
+        q, k = q.repeat_interleave(hv // h, dim=2), k.repeat_interleave(hv // h, dim=2)
         pairs = [naive_gated_delta_rule(q[i], k[i], v[i], g[i], beta[i], initial_state[i],
+                                        use_qk_l2norm=use_qk_l2norm_in_kernel) for i in range(b)]
+        return torch.stack([o for o, _ in pairs]), torch.stack([s for _, s in pairs])
+    return kernel
+
+
+def fake_gdn_chunk(calls):
+    """fla's chunk_gated_delta_rule: g / beta positional [B, T, HV]; q, k [B, T, H, K] un-expanded
+    (the naive twin groups value head hv onto q/k head hv // (HV // H), as fla's GVA does)."""
+    def kernel(q, k, v, g, beta, scale=None, initial_state=None, output_final_state=False,
+               use_qk_l2norm_in_kernel=False, **extra):
+        b, t, h, dk = q.shape
+        hv = v.shape[2]
+        assert k.shape == q.shape and hv % h == 0 and g.shape == beta.shape == (b, t, hv)
+        assert not extra and output_final_state and scale == dk ** -0.5 and g.dtype not in kernels.HALF
+        calls.append(dict(shape=tuple(q.shape), hv=hv, h0=initial_state is not None))
+        pairs = [naive_gated_delta_rule(q[i], k[i], v[i], g[i], beta[i],
+                                        None if initial_state is None else initial_state[i],
                                         use_qk_l2norm=use_qk_l2norm_in_kernel) for i in range(b)]
         return torch.stack([o for o, _ in pairs]), torch.stack([s for _, s in pairs])
     return kernel
@@ -148,7 +169,24 @@ def _ssd_inputs(t=13, h=4, p=3, g=2, n=5):
 
 def test_no_kernel_without_its_package():
     kernels.load.cache_clear()
-    assert all(kernels.load(name) is None for name in kernels.KERNELS)  # neither fla nor mamba-ssm here
+    missing = [name for name, (module, _) in kernels.KERNELS.items()
+               if importlib.util.find_spec(module.split(".")[0]) is None]
+    assert "mamba_chunk_scan_combined" in missing  # mamba-ssm is never installed here (docs/gpu.md)
+    assert all(kernels.load(name) is None for name in missing)
+
+
+def test_forced_opens_the_dispatch_to_cpu_float32_only_inside_it(monkeypatch):
+    monkeypatch.delenv(kernels.FORCE_ENV, raising=False)
+    f32, f64 = torch.zeros(2), torch.zeros(2, dtype=F64)
+    assert not kernels.kernel_tensors(f32)
+    with kernels.forced():
+        assert kernels.kernel_tensors(f32, f32.bfloat16()) and not kernels.kernel_tensors(f32, f64)
+        with kernels.forced():
+            pass
+        assert kernels.forcing()
+    assert not kernels.forcing() and not kernels.kernel_tensors(f32)
+    monkeypatch.setenv(kernels.FORCE_ENV, "1")
+    assert kernels.kernel_tensors(f32)
 
 
 def test_cpu_and_float32_take_the_torch_path_even_with_a_kernel_installed(inject):
@@ -187,7 +225,7 @@ def test_kda_decode_uses_the_recurrent_kernel_only_without_gradients(inject, ope
     assert len(calls) == 1
 
 
-def test_gdn_decode_expands_key_heads_and_passes_beta_by_name(inject, open_device):
+def test_gdn_decode_passes_key_heads_unexpanded_and_beta_by_name(inject, open_device):
     calls = []
     inject("fla.ops.gated_delta_rule", "fused_recurrent_gated_delta_rule", fake_gdn_recurrent(calls))
     gen = torch.Generator().manual_seed(3)
@@ -196,8 +234,25 @@ def test_gdn_decode_expands_key_heads_and_passes_beta_by_name(inject, open_devic
     g, beta = -torch.rand(3, 4, generator=gen, dtype=F64), torch.rand(3, 4, generator=gen, dtype=F64)
     with torch.no_grad():
         got = gated_delta_step(q, k, v, g, beta, state)
-    assert calls == [dict(shape=(3, 1, 4, 8))]
+    assert calls == [dict(shape=(3, 1, 2, 8))]  # fla groups the 4 value heads over the 2 key heads itself
     _assert_same(got, gated_delta_step(q, k, v, g, beta, state, allow_kernel=False))
+
+
+def test_gdn_chunk_passes_key_heads_unexpanded_and_converts_back(inject, open_device):
+    calls = []
+    inject("fla.ops.gated_delta_rule", "chunk_gated_delta_rule", fake_gdn_chunk(calls))
+    gen = torch.Generator().manual_seed(4)
+    mk = lambda *s: torch.randn(*s, generator=gen, dtype=F64)  # noqa: E731
+    q, k, v, h0 = mk(9, 2, 8), mk(9, 2, 8), mk(9, 4, 6), mk(4, 8, 6) * 0.5  # 2 key heads, 4 value heads
+    g, beta = -torch.rand(9, 4, generator=gen, dtype=F64), torch.rand(9, 4, generator=gen, dtype=F64)
+    leaves = [x.requires_grad_() for x in (q, k, v, g, beta, h0)]
+    got = chunk_gated_delta_rule(*leaves)
+    assert calls == [dict(shape=(1, 9, 2, 8), hv=4, h0=True)]
+    want = chunk_gated_delta_rule(*leaves, allow_kernel=False)
+    _assert_same(got, want)
+    _assert_same(_grads(got, leaves), _grads(want, leaves))
+    assert chunk_gated_delta_rule(*(x[:0] for x in leaves[:5]), h0)[0].shape == (0, 4, 6)  # T = 0: torch path
+    assert len(calls) == 1
 
 
 def test_ssd_through_mamba_ssm_layout_and_gradients(inject, open_device):
