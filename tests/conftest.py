@@ -54,6 +54,7 @@ def _starts_ranks(fn, depth: int = 3) -> bool:
                and _starts_ranks(g, depth - 1) for g in called)
 
 
+@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups into the node ids
 def pytest_collection_modifyitems(config, items):
     for item in items:
         if isinstance(item, pytest.Function) and _starts_ranks(item.function):

@@ -10,7 +10,6 @@ exactly at sampled tokens; the same with `prefix=`; observation absorption is on
 per observation, not one decode step per token; bad input is refused.
 """
 
-import contextlib
 import copy
 
 import pytest
@@ -22,8 +21,9 @@ from longstraw.phase import Phase
 from tests.reference import (
     assert_grads_close,
     assert_loss_close,
-    float64_hybrid,
+    FLOAT64,
     float64_norms,
+    float64_throughout,
     grads_of,
     hf_cached_logprobs,
     hf_full_logprobs,
@@ -39,11 +39,11 @@ FAMILIES = {
     "glm_moe_dsa_sparse": lambda: tiny_mla("glm_moe_dsa"),  # index_topk 8 < P: sparse selection
 }
 EXEC = dict(chunk_size=5, attention_block_size=4)
-_HF_TOL = {"glm_moe_dsa_sparse": 1e-6}  # HF's MoE router computes in float32 even in a float64 model
 
 
 def _context(name, model):
-    return float64_hybrid(model) if name.startswith("qwen3_") else contextlib.nullcontext()
+    """float64 throughout (HF's float32 MoE router and GDN internals cast too): FLOAT64."""
+    return float64_throughout(model)
 
 
 def _prompt(n=23, seed=0):
@@ -117,7 +117,7 @@ def test_greedy_episode_equals_the_hf_tool_loop_token_for_token(name):
             assert rollout.turns[i] == made, (i, rollout.turns, made)
         assert sum(rollout.turns) >= 3 and not all(m.all() for m in rollout.loss_masks)  # turns were taken
         assert len({r.numel() for r in rollout.responses}) > 1 or n == rollout.responses[0].numel()
-        _check_logprobs(model, prompt, rollout, _HF_TOL.get(name, 1e-9))
+        _check_logprobs(model, prompt, rollout, FLOAT64)
 
 
 @pytest.mark.parametrize("name", ["qwen3", "qwen3_5"])
@@ -165,13 +165,13 @@ def test_prefix_continues_from_the_same_state_without_a_second_capture(name):
             assert torch.equal(m[:5], mask) and bool(m[5:].all())
             with torch.no_grad():  # prefix tokens too: their log-probs under the current weights
                 torch.testing.assert_close(lp, hf_full_logprobs(model, prompt, r), rtol=0,
-                                           atol=_HF_TOL.get(name, 1e-9))
+                                           atol=FLOAT64)
         sampled = engine.generate(prompt, num_samples=3, max_new_tokens=n, temperature=1.0, prefix=prefix,
                                   state=first.state, generator=torch.Generator().manual_seed(1))
         assert all(torch.equal(r[:5], prefix) and bool(m.all()) for r, m in zip(sampled.responses,
                                                                                 sampled.loss_masks))
         assert len({tuple(r.tolist()) for r in sampled.responses}) > 1  # each branch its own state after the prefix
-        _check_logprobs(model, prompt, sampled, _HF_TOL.get(name, 1e-9))
+        _check_logprobs(model, prompt, sampled, FLOAT64)
 
 
 def _poisoned(engine):

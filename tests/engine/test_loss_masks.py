@@ -15,10 +15,11 @@ import torch
 import longstraw as ls
 from longstraw.engine import grpo as G
 from tests.reference import (
+    FLOAT64,
     assert_grads_close,
     assert_loss_close,
     compare_step,
-    float64_hybrid,
+    float64_throughout,
     float64_norms,
     grads_of,
     hf_cached_logprobs,
@@ -81,19 +82,18 @@ def test_hybrid_masked_step_matches_hf(mode):
     model = tiny_hybrid("qwen3_5")
     group = _group(model, lens=(6, 1, 5), seed=2)
     reference = hf_cached_logprobs if mode == "detached" else hf_full_logprobs
-    with float64_hybrid(model):
-        # exact: one backward per chunk rounds A_log's gradient in float32 (tests/models/test_hybrid.py)
-        compare_step(model, group, ls.ExecConfig(chunk_size=5, mode=mode), reference,
-                     1e-9 if mode == "detached" else 1e-6, grpo=KL)
+    with float64_throughout(model):  # the GDN gate's float32 A_log cast too: FLOAT64 in both modes
+        compare_step(model, group, ls.ExecConfig(chunk_size=5, mode=mode), reference, FLOAT64, grpo=KL)
 
 
 @pytest.mark.parametrize("mode", ["detached", "exact"])
 def test_glm_sparse_masked_step_matches_hf(mode):
-    model = float64_norms(tiny_mla("glm_moe_dsa"))  # index_topk 8 < P: sparse DSA selection
+    model = tiny_mla("glm_moe_dsa")  # index_topk 8 < P: sparse DSA selection
     assert model.config.index_topk < 20
-    group = _off_policy(model, masked_group(97, 20, [5, 1, 7], seed=3), 3)
-    reference = hf_cached_logprobs if mode == "detached" else hf_full_logprobs
-    compare_step(model, group, ls.ExecConfig(chunk_size=6, mode=mode), reference, 1e-6, grpo=KL)  # float32 router
+    with float64_throughout(model):  # HF's float32 router and norms cast too
+        group = _off_policy(model, masked_group(97, 20, [5, 1, 7], seed=3), 3)
+        reference = hf_cached_logprobs if mode == "detached" else hf_full_logprobs
+        compare_step(model, group, ls.ExecConfig(chunk_size=6, mode=mode), reference, FLOAT64, grpo=KL)
 
 
 # ----------------------------------------------------------------------------
