@@ -37,6 +37,19 @@ def local_nonfinite(params) -> bool:
     return bool(torch.stack(bad).any()) if bad else False
 
 
+def all_finite(params=None, *, local: bool | None = None, group=None, device=None) -> bool:
+    """True when every rank's gradients are finite: this rank's verdict (`local`: "is
+    non-finite", or computed from `params`) as a one-element float64 flag all-reduced with
+    MAX over `group` (the default group; nothing to agree on outside torch.distributed).
+    One collective, 8 bytes."""
+    bad = local_nonfinite(params) if local is None else bool(local)
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
+        flag = torch.tensor([float(bad)], dtype=torch.float64, device=device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
+        bad = bool(flag.item() > 0)
+    return not bad
+
+
 @dataclass(kw_only=True, slots=True)
 class NonFiniteGuard:
     """The counters of skipped steps; `agree` then `record` once per optimizer step."""
@@ -53,15 +66,23 @@ class NonFiniteGuard:
             raise ValueError(f"max_in_row (max_nonfinite_steps) must be >= 1, got {self.max_in_row}")
 
     def agree(self, params=None, *, local: bool | None = None, group=None, device=None) -> bool:
-        """True when every rank's gradients are finite: this rank's verdict (`local`, a
-        bool "is non-finite", or computed from `params`) all-reduced with MAX over `group`
-        (the default group; nothing to agree outside torch.distributed). One collective."""
-        bad = local_nonfinite(params) if local is None else bool(local)
-        if dist.is_available() and dist.is_initialized() and dist.get_world_size(group) > 1:
-            flag = torch.tensor([float(bad)], dtype=torch.float64, device=device)
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=group)
-            bad = bool(flag.item() > 0)
-        return not bad
+        """`all_finite` (one all-reduce over `group`, the default group)."""
+        return all_finite(params, local=local, group=group, device=device)
+
+    def skip_if_nonfinite(self, params, step: int, *, rank: int = 0, group=None, device=None) -> bool:
+        """The whole guard for loops whose optimizer step is taken by someone else (HF's
+        Trainer): the test hook, the agreement, and on a non-finite step every `.grad`
+        set to None (torch optimizers leave a parameter without a gradient untouched:
+        weights and moments stay), counted; NonFiniteError at `max_in_row`. Returns
+        whether the step was skipped."""
+        params = list(params)
+        inject(params, step, rank)
+        finite = self.agree(params, group=group, device=device)
+        if not finite:
+            for p in params:
+                p.grad = None
+        self.record(finite, step)
+        return not finite
 
     def record(self, finite: bool, step: int, what: str = "gradient") -> None:
         """Count this step; raise NonFiniteError at `max_in_row` skipped steps in a row."""
@@ -90,12 +111,16 @@ class NonFiniteGuard:
 
 
 def inject(params, step: int, rank: int) -> None:
-    """LONGSTRAW_FAULT="nan@R:S": at step S rank R's gradients become NaN (test hook)."""
+    """LONGSTRAW_FAULT="nan@R:S": at step S rank R's gradients become NaN (test hook; a
+    parameter without a gradient, e.g. a step whose groups all had zero advantage, gets a
+    NaN one)."""
     if (rank, step) in faults("nan"):
         with torch.no_grad():
             for p in params:
-                if p.grad is not None:
+                if p.grad is None:
+                    p.grad = torch.full_like(p, float("nan"))
+                else:
                     _local(p.grad).fill_(float("nan"))
 
 
-__all__ = ["DEFAULT_MAX_NONFINITE_STEPS", "NonFiniteGuard", "inject", "local_nonfinite"]
+__all__ = ["DEFAULT_MAX_NONFINITE_STEPS", "NonFiniteGuard", "all_finite", "inject", "local_nonfinite"]
