@@ -164,10 +164,14 @@ def phase(name: str):
     error inside it (a peer that died or stopped past the timeout) is raised as a
     `DistributedError` naming this rank, the phase and the timeout; and the watchdog ends
     the process if the phase outlives twice the timeout. Phases do not nest (the inner
-    one replaces the outer one's deadline until it ends)."""
+    one replaces the outer one's deadline until it ends). With LONGSTRAW_PHASE_FILE set,
+    the phase's name is written to `<that path>.rank<R>` as it starts (for benchmarks)."""
     timeout = collective_timeout().total_seconds()
     start = time.monotonic()
     _WATCHDOG.arm(name, 2 * timeout)
+    if os.environ.get("LONGSTRAW_PHASE_FILE"):  # where a kill from outside landed (bench/fault_run_distributed.py)
+        with open(f"{os.environ['LONGSTRAW_PHASE_FILE']}.rank{_rank()}", "w") as f:
+            f.write(name)
     try:
         yield
     except RuntimeError as exc:  # gloo/NCCL errors; DistributedError (a context-parallel collective's)
