@@ -185,6 +185,7 @@ def test_a_context_parallel_size_that_does_not_divide_the_processes_is_refused(t
         worker.record_run("detached", str(tmp_path), data_groups=1, context=2)
 
 
+@pytest.mark.slow  # 27 s on 2 shared cores
 def test_a_nan_on_rank_one_skips_the_step_on_every_rank(tmp_path, float64_default, monkeypatch):
     """W = 2, C = 1: rank 1's gradient of the first optimizer step is NaN (LONGSTRAW_FAULT
     nan@1:0), rank 0's is finite. Both ranks skip it (one all-reduce of a flag): the Trainer's
