@@ -93,6 +93,7 @@ def where(out: str, phase_file: str, rank: int, since: float) -> dict:
 
 
 def faulted_run(args, out: str, rng: random.Random) -> tuple[list[dict], int, str]:
+    os.makedirs(out, exist_ok=True)
     phase_file = os.path.join(out, "phase")
     proc = subprocess.Popen(command(args, out, args.kills + 2), cwd=ROOT, env=_env(phase_file),
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
