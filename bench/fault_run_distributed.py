@@ -18,10 +18,13 @@ start-up: imports, the process group, the model, the resume), and SIGKILLs a ran
 Each row says where it landed: the victim's rank, the last phase it had entered
 (LONGSTRAW_PHASE_FILE, written by `parallel.launch.phase`; "start-up" when it had entered
 none this attempt), the step `latest` named and whether a `.partial` checkpoint was being
-written. After the last kill the run goes on to the end; its final weights are compared.
+written. `--in-steps` counts the delay from the attempt's first phase instead, so the kills
+land inside steps, collectives and checkpoint writes rather than mostly in start-up.
+After the last kill the run goes on to the end; its final weights are compared.
 
     .venv/bin/python bench/fault_run_distributed.py --context-parallel 2     # 20 kills
     .venv/bin/python bench/fault_run_distributed.py --context-parallel 1 --kills 5
+    .venv/bin/python bench/fault_run_distributed.py --in-steps --max-delay-s 8  # kills inside the steps
 
 Machine: CPU, gloo, float64, OMP_NUM_THREADS=1, tiny qwen3 (the tests' task). Writes
 `<out>.csv` (one row per kill) and `<out>.json`; ends with one JSON line.
@@ -106,6 +109,11 @@ def faulted_run(args, out: str, rng: random.Random) -> tuple[list[dict], int, st
                 continue
             seen.update(w.pid for w in ws.values())
             since = min(w.create_time() for w in ws.values())
+            if args.in_steps:  # wait for this attempt's first phase: the kill lands in the steps, not start-up
+                while proc.poll() is None and not any(
+                        os.path.exists(f"{phase_file}.rank{r}") and os.path.getmtime(f"{phase_file}.rank{r}") >= since
+                        for r in ws):
+                    time.sleep(0.02)
             delay = rng.uniform(0, args.max_delay_s)
             time.sleep(delay)
             rank = rng.randrange(2)
@@ -134,10 +142,13 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=30, help="enough that 20 kills land before the end")
     p.add_argument("--max-delay-s", type=float, default=20.0)
     p.add_argument("--kill-seed", type=int, default=0)
+    p.add_argument("--in-steps", action="store_true", help="count the delay from the attempt's first phase, not "
+                                                            "its start (kills land in steps, collectives, checkpoints)")
     p.add_argument("--timeout-s", type=float, default=1800)
     p.add_argument("--out", default="")
     args = p.parse_args()
-    out_base = args.out or os.path.join(ROOT, "bench", "results", f"fault_distributed_c{args.context_parallel}")
+    out_base = args.out or os.path.join(ROOT, "bench", "results", f"fault_distributed_c{args.context_parallel}"
+                                        + ("_in_steps" if args.in_steps else ""))
     rng = random.Random(args.kill_seed)
     work = tempfile.mkdtemp(prefix="fault-dist-")
     ref, run = os.path.join(work, "reference"), os.path.join(work, "faulted")
@@ -153,6 +164,7 @@ def main() -> None:
     for row in rows:
         row["final_weights_bitwise_equal"] = equal
     summary = {"bench": "fault_run_distributed", "world": 2, "context_parallel": args.context_parallel,
+               "in_steps": args.in_steps, "max_delay_s": args.max_delay_s,
                "kills": len(rows), "kills_requested": args.kills, "steps": args.steps,
                "kills_in_startup": sum(r["phase"] == "start-up" for r in rows),
                "kills_during_checkpoint": sum(r["partial_checkpoint"] or "checkpoint" in r["phase"] for r in rows),
