@@ -17,8 +17,9 @@ two workers, sleeps a random 0..`--max-delay-s` (most of an attempt on this mach
 start-up: imports, the process group, the model, the resume), and SIGKILLs a random one.
 Each row says where it landed: the victim's rank, the last phase it had entered
 (LONGSTRAW_PHASE_FILE, written by `parallel.launch.phase`; "start-up" when it had entered
-none this attempt), the step `latest` named and whether a `.partial` checkpoint was being
-written. `--in-steps` counts the delay from the attempt's first phase instead, so the kills
+none this attempt: imports, init, model, resume), the step `latest` named, and whether a
+`.partial` folder was present (one being written, or one a kill left, which the next save
+deletes). `--in-steps` counts the delay from the attempt's first phase instead, so the kills
 land inside steps, collectives and checkpoint writes rather than mostly in start-up.
 After the last kill the run goes on to the end; its final weights are compared.
 
@@ -92,7 +93,7 @@ def where(out: str, phase_file: str, rank: int, since: float) -> dict:
         with open(os.path.join(ck, "latest")) as f:
             marked = int(f.read().strip().rsplit("step-", 1)[-1] or -1)
     partial = os.path.isdir(ck) and any(n.endswith(".partial") for n in os.listdir(ck))
-    return {"phase": phase, "marked_step": marked, "partial_checkpoint": partial}
+    return {"phase": phase, "marked_step": marked, "partial_folder_present": partial}
 
 
 def faulted_run(args, out: str, rng: random.Random) -> tuple[list[dict], int, str]:
@@ -126,7 +127,7 @@ def faulted_run(args, out: str, rng: random.Random) -> tuple[list[dict], int, st
                          "since_start_s": round(time.time() - since, 3), **landed})
             print(f"kill {len(rows):>2}: rank {rank} {delay:5.2f} s into attempt {len(rows) - 1} "
                   f"({rows[-1]['since_start_s']:.1f} s since its start): phase {landed['phase']!r}, latest step "
-                  f"{landed['marked_step']}, checkpoint being written: {landed['partial_checkpoint']}", flush=True)
+                  f"{landed['marked_step']}, a .partial folder present: {landed['partial_folder_present']}", flush=True)
         log, _ = proc.communicate(timeout=args.timeout_s)
     finally:
         if proc.poll() is None:
@@ -167,7 +168,7 @@ def main() -> None:
                "in_steps": args.in_steps, "max_delay_s": args.max_delay_s,
                "kills": len(rows), "kills_requested": args.kills, "steps": args.steps,
                "kills_in_startup": sum(r["phase"] == "start-up" for r in rows),
-               "kills_during_checkpoint": sum(r["partial_checkpoint"] or "checkpoint" in r["phase"] for r in rows),
+               "kills_during_checkpoint": sum("checkpoint" in r["phase"] for r in rows),
                "returncode": rc, "restart_count": last[-1]["restart_count"] if last else None,
                "final_weights_bitwise_equal": bool(equal), "reference_time_s": round(t_ref, 1),
                "total_time_s": round(time.perf_counter() - t0, 1), "dtype": "float64", "backend": "gloo",

@@ -158,6 +158,20 @@ def _rank() -> int | str:
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else "?"
 
 
+_TRANSPORT_WORDS = ("gloo", "nccl", "timed out", "timeout", "connection", "socket", "peer")
+
+
+def _collective_error(exc: BaseException) -> bool:
+    """A collective's failure (a dead, stopped or failed peer), not a bug in the step:
+    LongStraw's `DistributedError`, torch's `DistError`s, or a RuntimeError from the
+    transport (gloo raises plain RuntimeErrors naming itself)."""
+    if isinstance(exc, DistributedError) or isinstance(exc, getattr(dist, "DistError", ())):
+        return True
+    if isinstance(exc, LongStrawError):
+        return False
+    return any(word in str(exc).lower() for word in _TRANSPORT_WORDS)
+
+
 @contextlib.contextmanager
 def phase(name: str):
     """Run a phase of a step (rollouts, update, gradient reduce, checkpoint): a collective
@@ -175,9 +189,9 @@ def phase(name: str):
                 f.write(name)
     try:
         yield
-    except RuntimeError as exc:  # gloo/NCCL errors; DistributedError (a context-parallel collective's)
-        if (isinstance(exc, LongStrawError) and not isinstance(exc, DistributedError)) or str(exc).startswith("rank "):
-            raise  # NonFiniteError and the like are not a peer's failure; an inner phase named it already
+    except RuntimeError as exc:
+        if not _collective_error(exc) or str(exc).startswith("rank "):
+            raise  # a bug or a NonFiniteError is not a peer's failure; an inner phase named it already
         raise DistributedError(
             f"rank {_rank()}: phase {name!r} failed after {time.monotonic() - start:.1f} s (collective timeout "
             f"{timeout:g} s, LONGSTRAW_COLLECTIVE_TIMEOUT): a peer died, stopped or hit an error first "

@@ -107,3 +107,19 @@ def test_collective_timeout_is_stated_and_checked(monkeypatch):
         monkeypatch.setenv("LONGSTRAW_COLLECTIVE_TIMEOUT", bad)
         with pytest.raises(DistributedError, match="LONGSTRAW_COLLECTIVE_TIMEOUT"):
             collective_timeout()
+
+
+def test_a_phase_names_collective_failures_and_leaves_other_errors_alone():
+    from longstraw.errors import NonFiniteError
+    from longstraw.parallel.launch import phase
+
+    with pytest.raises(DistributedError, match=r"rank \?: phase 'update' failed .*Connection reset by peer"):
+        with phase("update"):
+            raise RuntimeError("[gloo/transport/tcp/pair.cc:537] Read error: Connection reset by peer")
+    with pytest.raises(RuntimeError, match="shapes cannot be multiplied") as bug:
+        with phase("update"):
+            raise RuntimeError("mat1 and mat2 shapes cannot be multiplied (2x3 and 4x5)")
+    assert not isinstance(bug.value, DistributedError)  # a bug is not reported as a dead peer
+    with pytest.raises(NonFiniteError):
+        with phase("update"):
+            raise NonFiniteError("3 steps in a row")
