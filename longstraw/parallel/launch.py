@@ -4,16 +4,18 @@ collectives that end: the one place every launch path we ship initializes torch.
 `LongStrawGRPOTrainer`, whose script calls `init_distributed()` before it builds its
 `GRPOConfig`: accelerate then reuses the group).
 
-Why not plain `init_process_group()` (env://). Under `torchrun --max-restarts N` with a
-c10d rendezvous (`--standalone`, and `--rdzv-backend c10d` across nodes) every worker is a
-client of the agent's TCPStore (TORCHELASTIC_USE_AGENT_STORE=True), and that store lives
-across restarts. env:// keys the default group under the same names on every attempt, so
-a restarted rank reads the killed rank's old address ("Gloo connectFullMesh failed ...
-Connection refused") and later attempts hang in `_new_process_group_helper`. Here the
-group is initialized on `PrefixStore("longstraw/attempt_<TORCHELASTIC_RESTART_COUNT>",
-<a client of that store>)`: each attempt has its own keys. Without the agent's store
-(static rendezvous, `--rdzv-backend static`: rank 0 hosts a fresh store on every
-attempt) env:// is already right and is used.
+Why not plain `init_process_group()` (env://). Under `torchrun --max-restarts N` every
+worker is a client of the elastic agent's TCPStore (TORCHELASTIC_USE_AGENT_STORE=True: the
+c10d rendezvous of `--standalone` and `--rdzv-backend c10d` across nodes, and the static
+one of `--master-addr/--master-port`; `accelerate launch` runs torchrun's launcher), and
+that store lives across restarts. env:// keys the default group under the same names on
+every attempt, so a restarted rank can read the killed rank's old address ("Gloo
+connectFullMesh failed ... Connection refused") and the group hangs in
+`_new_process_group_helper`: a race, seen on 1 of 3 tries here (bench/elastic_repro.py).
+Here the group is initialized on `PrefixStore("longstraw/attempt_<TORCHELASTIC_RESTART_COUNT>",
+<a client of that store>)`: each attempt has its own keys. Without an agent's store (ranks
+started by hand or by `mp.spawn` with MASTER_ADDR/MASTER_PORT set) env:// is right and is
+used.
 
 Timeouts. A collective waits at most `collective_timeout()` (LONGSTRAW_COLLECTIVE_TIMEOUT
 seconds, default 600), not the process group's 30 minutes: it is passed to
