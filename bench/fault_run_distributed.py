@@ -99,8 +99,10 @@ def where(out: str, phase_file: str, rank: int, since: float) -> dict:
 def faulted_run(args, out: str, rng: random.Random) -> tuple[list[dict], int, str]:
     os.makedirs(out, exist_ok=True)
     phase_file = os.path.join(out, "phase")
+    log_path = os.path.join(out, "torchrun.log")  # a file, not a pipe: a full pipe would block the agent
+    log_file = open(log_path, "w")
     proc = subprocess.Popen(command(args, out, args.kills + 2), cwd=ROOT, env=_env(phase_file),
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+                            stdout=log_file, stderr=subprocess.STDOUT, text=True)
     agent, rows, seen = psutil.Process(proc.pid), [], set()
     try:
         while len(rows) < args.kills and proc.poll() is None:
@@ -128,12 +130,14 @@ def faulted_run(args, out: str, rng: random.Random) -> tuple[list[dict], int, st
             print(f"kill {len(rows):>2}: rank {rank} {delay:5.2f} s into attempt {len(rows) - 1} "
                   f"({rows[-1]['since_start_s']:.1f} s since its start): phase {landed['phase']!r}, latest step "
                   f"{landed['marked_step']}, a .partial folder present: {landed['partial_folder_present']}", flush=True)
-        log, _ = proc.communicate(timeout=args.timeout_s)
+        proc.wait(timeout=args.timeout_s)
     finally:
         if proc.poll() is None:
             proc.kill()
             proc.wait()
-    return rows, proc.returncode, log
+        log_file.close()
+    with open(log_path) as f:
+        return rows, proc.returncode, f.read()
 
 
 def main() -> None:

@@ -57,7 +57,8 @@ def soak(args) -> list[dict]:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(args.world),
            *train_command(args, out_dir)[1:]]  # "-m longstraw.cli train ..." under torchrun
     env = dict(os.environ, PYTHONPATH=ROOT, OMP_NUM_THREADS=str(args.threads))
-    child = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    err = open(os.path.join(out_dir, "torchrun.err"), "w+")  # a file, not a pipe: a full pipe blocks the agent
+    child = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=err)
     agent, workers, rows, seen, t0 = psutil.Process(child.pid), {}, [], 0, time.perf_counter()
     while True:
         done = child.poll() is not None
@@ -75,8 +76,8 @@ def soak(args) -> list[dict]:
             break
         time.sleep(0.02)
     if child.returncode != 0:
-        raise SystemExit(f"torchrun exited with {child.returncode} (run dir {out_dir}): "
-                         f"{child.stderr.read().decode()[-2000:]}")
+        err.seek(0)
+        raise SystemExit(f"torchrun exited with {child.returncode} (run dir {out_dir}): {err.read()[-2000:]}")
     return rows
 
 
