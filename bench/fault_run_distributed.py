@@ -38,6 +38,7 @@ import csv
 import json
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -188,6 +189,7 @@ def main() -> None:
         json.dump(summary, f, indent=1)
     if rc != 0:
         print(log[-3000:])
+    shutil.rmtree(work, ignore_errors=True)
     print(f"W=2 C={args.context_parallel}: {len(rows)} kills ({summary['kills_in_startup']} in start-up, "
           f"{summary['kills_during_checkpoint']} during a checkpoint), run rc {rc}; final weights bitwise equal to "
           f"the uninterrupted run's: {equal}  {'PASS' if summary['pass'] else 'FAIL'}")

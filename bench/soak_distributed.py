@@ -24,6 +24,7 @@ import argparse
 import csv
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -78,6 +79,7 @@ def soak(args) -> list[dict]:
     if child.returncode != 0:
         err.seek(0)
         raise SystemExit(f"torchrun exited with {child.returncode} (run dir {out_dir}): {err.read()[-2000:]}")
+    shutil.rmtree(out_dir, ignore_errors=True)
     return rows
 
 
