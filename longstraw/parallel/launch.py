@@ -11,7 +11,8 @@ one of `--master-addr/--master-port`; `accelerate launch` runs torchrun's launch
 that store lives across restarts. env:// keys the default group under the same names on
 every attempt, so a restarted rank can read the killed rank's old address ("Gloo
 connectFullMesh failed ... Connection refused") and the group hangs in
-`_new_process_group_helper`: a race, seen on 1 of 3 tries here (bench/elastic_repro.py).
+`_new_process_group_helper`: a race, 3 of 8 tries failed or hung here, 0 of 8 with the
+prefix (bench/results/elastic_repro.csv).
 Here the group is initialized on `PrefixStore("longstraw/attempt_<TORCHELASTIC_RESTART_COUNT>",
 <a client of that store>)`: each attempt has its own keys. Without an agent's store (ranks
 started by hand or by `mp.spawn` with MASTER_ADDR/MASTER_PORT set) env:// is right and is
