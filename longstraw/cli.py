@@ -14,7 +14,6 @@ import ast
 import dataclasses
 import inspect
 import json
-import os
 import sys
 import time
 

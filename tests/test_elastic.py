@@ -12,7 +12,6 @@ rank 1 only makes both ranks skip the step (the template's JSON line counts it).
 
 import json
 import os
-import socket
 import subprocess
 import sys
 
