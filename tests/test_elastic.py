@@ -6,8 +6,9 @@ SIGKILLed once (LONGSTRAW_FAULT, on the first attempt only): inside a step, betw
 DCP shards and the marker, and with half of the `latest` marker written. The group
 restarts from the last complete checkpoint and ends on the uninterrupted run's weights,
 bit for bit (float64, gloo: a restart replays the same steps on the same inputs). The
-same for `longstraw train` under torchrun (context parallelism over both ranks). A NaN on
-rank 1 only makes both ranks skip the step (the template's JSON line counts it).
+same for `longstraw train` under torchrun (context parallelism over both ranks) and for
+`LongStrawGRPOTrainer` (`train(resume_from_checkpoint=True)`). A NaN on rank 1 only makes
+both ranks skip the step (the template's JSON line counts it).
 """
 
 import json
@@ -36,7 +37,7 @@ def torchrun(script: list, *args, fault: str = "", nproc: int = 2, restarts: int
            "--max-restarts", str(restarts), *script, *args]
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-4000:]
-    return [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
+    return [json.loads(line) for line in done.stdout.splitlines() if line.startswith('{"')]  # not HF's dict prints
 
 
 def template(out, *args, fault=""):
@@ -106,3 +107,18 @@ def test_longstraw_train_skips_a_nan_on_one_rank(tmp_path):
     torchrun(["-m", "longstraw.cli", "train"], *TRAIN, "--out-dir", str(tmp_path), fault="nan@1:1", restarts=0)
     log = [json.loads(line) for line in open(tmp_path / "log.jsonl")][1:]
     assert [r["skipped_nonfinite_steps"] for r in log] == [0, 1, 1]  # rank 0's own norm was finite (it logs)
+
+
+def test_the_trl_trainer_restarts_onto_the_same_weights(tmp_path):
+    """`LongStrawGRPOTrainer` under torchrun (W = 2, C = 1, a checkpoint every step,
+    `train(resume_from_checkpoint=True)`: the first start finds none and starts at step 0):
+    rank 1 SIGKILLed at the end of step 2, before its checkpoint; the restarted group
+    resumes from checkpoint-1 and ends on the uninterrupted run's weights, bit for bit."""
+    pytest.importorskip("trl")
+    script = [os.path.join(REPO, "tests", "integrations", "trl_restart_worker.py")]
+    for name, kill_at in (("straight", "0"), ("killed", "2")):
+        (tmp_path / name).mkdir()
+        torchrun(script, str(tmp_path / name), kill_at)
+    assert (tmp_path / "straight" / "attempts.txt").read_text().split("\n")[:-1] == ["0 0"]
+    assert (tmp_path / "killed" / "attempts.txt").read_text().split("\n")[:-1] == ["0 0", "1 1"]  # resumed at 1
+    _bitwise(_weights(tmp_path / "straight" / "final.pt"), _weights(tmp_path / "killed" / "final.pt"))
