@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 
 import torch
 
@@ -88,3 +89,80 @@ def append_log(path: str, record: dict) -> None:
         except BaseException:
             f.truncate(end)  # all or nothing, as the rename-written files: the log as it was
             raise
+
+
+# ----------------------------------------------------------------------------
+# a folder of sharded checkpoints (DCP): step-N folders and the `latest` marker
+#
+# A checkpoint is complete or absent: it is written as step-N.partial, renamed to step-N
+# once every rank's shard is on disk, and only then does `latest` (written atomically)
+# name it. The checkpoint `latest` named before stays until then; older ones may be
+# pruned after.
+
+MARKER = "latest"
+
+
+def step_dir(folder: str, step: int) -> str:
+    return os.path.join(folder, f"step-{step}")
+
+
+def read_marker(folder: str) -> str | None:
+    """The checkpoint `folder/latest` names (an absolute path), or None when there is no
+    marker yet (a first start). A marker that names a missing folder is a CheckpointError."""
+    path = os.path.join(folder, MARKER)
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        name = f.read().strip()
+    target = name if os.path.isabs(name) else os.path.join(folder, name)
+    if not name or not os.path.isdir(target):
+        raise CheckpointError(f"{path} names {name!r}, which is not a checkpoint folder; delete the marker to start "
+                              "from step 0, or point --resume at a step-N folder")
+    return target
+
+
+def write_marker(folder: str, target: str, between=None) -> None:
+    """`folder/latest` := target's absolute path, atomically (write_atomic: temp file in the
+    same folder, fsync, os.replace). `between()`, if given, runs with half of it written
+    (a test's kill lands inside the write)."""
+    name = os.path.abspath(target).encode()
+
+    def write(f):
+        f.write(name[: len(name) // 2])
+        if between is not None:
+            f.flush()
+            between()
+        f.write(name[len(name) // 2:])
+
+    write_atomic(os.path.join(folder, MARKER), write)
+
+
+def commit_step_dir(partial: str, target: str, between=None) -> None:
+    """Rename a fully written `partial` checkpoint folder to `target` (replacing a stale
+    one a killed attempt left unmarked), fsync the parent, then mark it `latest`."""
+    if os.path.exists(target):
+        shutil.rmtree(target)
+    os.replace(partial, target)
+    folder = os.path.dirname(os.path.abspath(target))
+    fd = os.open(folder, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    write_marker(folder, target, between)
+
+
+def prune_step_dirs(folder: str, keep: int) -> list[str]:
+    """Delete all but the `keep` newest step-N folders (0: keep all) and every stale
+    .partial folder; the marked one is never deleted. Returns what was deleted."""
+    marked = read_marker(folder)
+    names = [n for n in os.listdir(folder) if n.startswith("step-")]
+    done = sorted((n for n in names if n[5:].isdigit()), key=lambda n: int(n[5:]))
+    doomed = [n for n in names if n.endswith(".partial")] + (done[:-keep] if keep > 0 else [])
+    gone = []
+    for name in doomed:
+        path = os.path.join(folder, name)
+        if marked is None or os.path.abspath(path) != os.path.abspath(marked):
+            shutil.rmtree(path, ignore_errors=True)
+            gone.append(path)
+    return gone

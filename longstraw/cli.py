@@ -12,10 +12,8 @@ from __future__ import annotations
 import argparse
 import ast
 import dataclasses
-import datetime
 import inspect
 import json
-import os
 import sys
 import time
 
@@ -33,20 +31,13 @@ def _mib(n: float) -> str:
 
 
 def _init_torchrun():
-    import torch
-    import torch.distributed as dist
+    from longstraw.parallel.launch import init_distributed
 
-    """Under torchrun (WORLD_SIZE > 1): init the default process group; return (rank,
-    device): NCCL on cuda:LOCAL_RANK where CUDA is available (the model must live there:
-    NCCL carries CUDA tensors only), else gloo on CPU. (None, cpu) without torchrun."""
-    if int(os.environ.get("WORLD_SIZE", "1")) <= 1:
-        return None, torch.device("cpu")
-    device = torch.device("cpu")
-    if torch.cuda.is_available():
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-        torch.cuda.set_device(device)
-    dist.init_process_group("nccl" if device.type == "cuda" else "gloo", timeout=datetime.timedelta(minutes=10))
-    return dist.get_rank(), device
+    """Under torchrun (WORLD_SIZE > 1): init the default process group
+    (`parallel.launch.init_distributed`: restartable under --max-restarts, collectives
+    time out after LONGSTRAW_COLLECTIVE_TIMEOUT); return (rank, device): NCCL on
+    cuda:LOCAL_RANK where CUDA is available, else gloo on CPU. (None, cpu) without torchrun."""
+    return init_distributed()
 
 
 def toy_reward(response, vocab_size: int) -> float:
@@ -230,8 +221,11 @@ def train(args) -> int:
     from longstraw.train import train as run_training
 
     values = {f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig)}
-    summary = run_training(config_from_args(values, args.config))
-    print(json.dumps(summary))
+    cfg = config_from_args(values, args.config)
+    rank, _ = _init_torchrun()  # under torchrun: context parallelism over every rank, rank 0 writes the files
+    summary = run_training(cfg)
+    if rank in (None, 0):
+        print(json.dumps(summary))
     return 0
 
 

@@ -34,7 +34,6 @@ from __future__ import annotations
 
 import copy
 import dataclasses
-import hashlib
 import json
 import os
 import time
@@ -51,9 +50,11 @@ from longstraw.errors import NonFiniteError
 from longstraw.group import BatchTotals, Group
 from longstraw.measure import peak_rss_bytes
 from longstraw.parallel.context import check_replicas
+from longstraw.parallel.launch import inject_signal, phase
+from longstraw.parallel.nonfinite import all_finite, inject
 from longstraw.tasks import KVRecall, ToolLookup, Vocab
 from longstraw.tasks.episodes import TASKS, episode_kwargs, evaluate
-from longstraw.tiny import tiny_model
+from longstraw.warm import build_model, warm_model, warm_start
 
 ARMS = ("detached", "exact")
 
@@ -196,78 +197,6 @@ class TrainConfig:
 
 
 # ----------------------------------------------------------------------------
-# model, warm start
-
-
-def build_model(cfg: TrainConfig):
-    """The preset model of cfg with random weights (seed cfg.model_seed)."""
-    family, overrides = cfg.presets[cfg.model]
-    dtype = getattr(torch, cfg.dtype)
-    task = cfg.task()
-    max_pos = max(cfg.prompt_tokens, cfg.warm_prompt_tokens) + task.response_tokens - 1 + 64
-    return tiny_model(family, dtype=dtype, seed=cfg.model_seed, vocab_size=task.vocab_size,
-                      max_position_embeddings=max_pos, **overrides)
-
-
-_WARM_FIELDS = ("model", "dtype", "model_seed", "warm_steps", "warm_prompt_tokens", "warm_min_prompt_tokens",
-                "warm_batch", "warm_lr", "num_facts", "num_queries", "fact_region", "num_values", "num_keys", "num_filler", "records", "task_seed")
-_AGENT_WARM_FIELDS = ("task_name", "num_answers")  # in the key only for the agent task (kv_recall's keys stay)
-
-
-def warm_start(model, cfg: TrainConfig) -> dict:
-    """Supervised phase at short context: cross-entropy on the ideal response's own tokens (teacher forcing).
-
-    Returns metrics (final loss, time). Uses train-split items of the task at short
-    lengths (disjoint from every held-out prompt by split, and from the RL prompts by
-    length)."""
-    lengths, p = [], cfg.warm_min_prompt_tokens
-    while p < cfg.warm_prompt_tokens:
-        lengths.append(p)
-        p *= 2
-    tasks = [cfg.task(p) for p in lengths + [cfg.warm_prompt_tokens]]
-    opt = torch.optim.Adam(model.parameters(), lr=cfg.warm_lr)
-    t0, loss = time.perf_counter(), torch.tensor(float("nan"))
-    n = tasks[0].response_tokens
-    for s in range(cfg.warm_steps):
-        first = 2 * cfg.warm_steps // 3
-        task = tasks[0] if s < first or len(tasks) == 1 else tasks[1 + (s - first) % (len(tasks) - 1)]
-        items = [task.item("train", s * cfg.warm_batch + b) for b in range(cfg.warm_batch)]
-        ids = torch.stack([torch.cat([it.prompt, it.target[:-1]]) for it in items])  # (B, P + n - 1)
-        targets = torch.stack([it.target for it in items])  # (B, n)
-        mask = torch.stack([it.target_mask for it in items]).reshape(-1)  # (B * n,): the policy's tokens
-        logits = model(ids, logits_to_keep=n).logits  # (B, n, V)
-        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1])[mask].float(),
-                                                 targets.reshape(-1)[mask])
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
-    model.zero_grad(set_to_none=True)
-    return {"warm_loss": float(loss.detach()), "warm_time_s": time.perf_counter() - t0}
-
-
-def _warm_key(cfg: TrainConfig) -> str:
-    fields = _WARM_FIELDS + (_AGENT_WARM_FIELDS if cfg.task_name != "kv_recall" else ())
-    blob = json.dumps({"preset": cfg.presets[cfg.model], **{k: getattr(cfg, k) for k in fields}}, sort_keys=True)
-    return hashlib.sha256(blob.encode()).hexdigest()[:16]
-
-
-def warm_model(cfg: TrainConfig):
-    """The warm-started model for cfg (from the cache when there is one)."""
-    model = build_model(cfg)
-    path = os.path.join(cfg.warm_cache, f"warm-{cfg.model}-{_warm_key(cfg)}.pt") if cfg.warm_cache else None
-    if path and os.path.exists(path):
-        model.load_state_dict(torch.load(path, weights_only=True))
-        return model, {"warm_cached": 1.0}
-    torch.manual_seed(cfg.model_seed)
-    info = warm_start(model, cfg) if cfg.warm_steps > 0 else {}
-    if path:
-        os.makedirs(cfg.warm_cache, exist_ok=True)
-        state = model.state_dict()
-        write_atomic(path, lambda f: torch.save(state, f))
-    return model, info
-
-
-# ----------------------------------------------------------------------------
 # evaluation
 
 
@@ -281,6 +210,11 @@ def _save(path: str, model, optimizer, step: int, cfg: TrainConfig, nonfinite: d
     ckpt = {"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step,
             "torch_rng": torch.get_rng_state(), "config": dataclasses.asdict(cfg), "nonfinite": dict(nonfinite)}
     write_atomic(path, lambda f: torch.save(ckpt, f))
+
+
+def _rank() -> int:
+    """This process's rank (0 without torch.distributed): rank 0 alone writes the run's files."""
+    return torch.distributed.get_rank() if torch.distributed.is_available() and torch.distributed.is_initialized() else 0
 
 
 def _step_generator(cfg: TrainConfig, step: int) -> torch.Generator:
@@ -334,7 +268,8 @@ def _start(cfg: TrainConfig) -> tuple[Run, dict]:
     os.makedirs(cfg.out_dir, exist_ok=True)
     log_path, ckpt_path = os.path.join(cfg.out_dir, "log.jsonl"), os.path.join(cfg.out_dir, "checkpoint.pt")
     config_json = json.dumps(dataclasses.asdict(cfg), indent=1).encode()
-    write_atomic(os.path.join(cfg.out_dir, "config.json"), lambda f: f.write(config_json))
+    if _rank() == 0:
+        write_atomic(os.path.join(cfg.out_dir, "config.json"), lambda f: f.write(config_json))
     model, warm_info = warm_model(cfg)
     reference = copy.deepcopy(model).requires_grad_(False) if (cfg.log_kl or cfg.beta > 0) else None
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
@@ -347,10 +282,13 @@ def _start(cfg: TrainConfig) -> tuple[Run, dict]:
         start = ckpt["step"]
         nonfinite.update(ckpt.get("nonfinite", {}))
         del ckpt
-    truncate_log(log_path, start if start > 0 else -1)  # from scratch: the warm-start line is written again
+    if _rank() == 0:
+        truncate_log(log_path, start if start > 0 else -1)  # from scratch: the warm-start line is written again
     mode = "exact" if cfg.arm == "exact" else "detached"
-    engine = Engine(model, ExecConfig(chunk_size=cfg.chunk_size, mode=mode))
-    ref_engine = Engine(reference, ExecConfig(chunk_size=cfg.chunk_size)) if reference is not None else None
+    cp = torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1  # under torchrun: one prompt
+    engine = Engine(model, ExecConfig(chunk_size=cfg.chunk_size, mode=mode, context_parallel=cp))  # over all ranks
+    ref_engine = (Engine(reference, ExecConfig(chunk_size=cfg.chunk_size, context_parallel=cp))
+                  if reference is not None else None)
     grpo = GRPOConfig(loss_type=cfg.loss_type, epsilon_low=cfg.epsilon, epsilon_high=cfg.epsilon, beta=cfg.beta,
                       temperature=cfg.temperature)
     run = Run(cfg=cfg, task=cfg.task(), model=model, engine=engine, ref_engine=ref_engine, optimizer=optimizer,
@@ -392,11 +330,12 @@ def _reference_kl(run: Run, groups: list, rollouts: list) -> float | None:
 
 
 def _optimizer_step(run: Run, params: list) -> tuple[torch.Tensor, bool]:
-    """Clip and step, unless the gradient norm is NaN/inf: then skip the update (it would
-    reach the weights and the next checkpoint) and count it. Returns (grad_norm, finite)."""
+    """Clip and step, unless the gradient norm is NaN/inf on any rank (under torchrun: agreed
+    with one all-reduce, so every rank skips alike): then skip the update (it would reach
+    the weights and the next checkpoint) and count it. Returns (grad_norm, finite)."""
     cfg, nonfinite = run.cfg, run.nonfinite
     grad_norm = torch.nn.utils.clip_grad_norm_(params, cfg.grad_clip if cfg.grad_clip > 0 else float("inf"))
-    finite = bool(torch.isfinite(grad_norm))
+    finite = all_finite(local=not bool(torch.isfinite(grad_norm)))  # every rank's verdict: one 8-byte all-reduce
     if finite:
         run.optimizer.step()
         nonfinite["in_row"] = 0
@@ -421,7 +360,9 @@ def _step(run: Run, step: int, update, params: list, rollout_fn) -> dict:
     metrics = [update(run, grp, ro.state, run.grpo, totals) for grp, ro in zip(groups, rollouts)]
     calls = sum(ro.metrics["environment_calls"] for ro in rollouts)
     del rollouts  # their prompt states: nothing after the update reads them (not the next capture)
-    grad_norm, finite = _optimizer_step(run, params)
+    inject(params, step, _rank())  # test hook (LONGSTRAW_FAULT nan@R:S)
+    with phase(f"step {step}: optimizer step"):
+        grad_norm, finite = _optimizer_step(run, params)
     if cfg.replica_check_every and (step + 1) % cfg.replica_check_every == 0:
         check_replicas(run.model, run.engine.cp)  # DistributedError if the ranks' weights drifted apart
     t_upd = time.perf_counter()
@@ -440,7 +381,7 @@ def _step(run: Run, step: int, update, params: list, rollout_fn) -> dict:
         "kl_ref": kl, "grad_norm": float(grad_norm), "response_tokens": resp_tokens,
         "environment_calls": calls,
         "nonfinite_grad": float(not finite), "nonfinite_in_row": run.nonfinite["in_row"],
-        "nonfinite_steps": run.nonfinite["total"],
+        "nonfinite_steps": run.nonfinite["total"], "skipped_nonfinite_steps": run.nonfinite["total"],
         "tokens_per_s": (cfg.prompts_per_step * cfg.prompt_tokens + resp_tokens) / (t_upd - t_start),
         "peak_rss_bytes": peak_rss_bytes(),
         "time_generate_s": t_gen - t_start, "time_ref_s": t_ref - t_gen, "time_update_s": t_upd - t_ref,
@@ -448,7 +389,8 @@ def _step(run: Run, step: int, update, params: list, rollout_fn) -> dict:
         **{k: sum(m.get(k, 0.0) for m in metrics) for k in ("time_capture_s", "time_replay_s", "time_reverse_s")},
         **ev,
     }
-    append_log(run.log_path, record)
+    if _rank() == 0:  # under torchrun every rank holds the same record; one writes it
+        append_log(run.log_path, record)
     return record
 
 
@@ -457,13 +399,16 @@ def _train(cfg: TrainConfig, update, rollout_fn) -> dict:
     if run.start == 0:
         t0 = time.perf_counter()
         ev = evaluate(run.engine, run.task, cfg.eval_prompts, split=cfg.eval_split)
-        append_log(run.log_path, {"step": 0, "phase": "warm_start", **warm_info, **ev, "time_eval_s": time.perf_counter() - t0})
+        if _rank() == 0:
+            append_log(run.log_path, {"step": 0, "phase": "warm_start", **warm_info, **ev,
+                                      "time_eval_s": time.perf_counter() - t0})
     params = [p for p in run.model.parameters() if p.requires_grad]
     bar = range(run.start, cfg.steps)
     if cfg.progress:
         bar = tqdm(bar, desc=f"train {cfg.arm}", initial=run.start, total=cfg.steps)
     record: dict = {}
     for step in bar:
+        inject_signal(step, _rank())  # test hook (LONGSTRAW_FAULT kill@R:S / stop@R:S)
         record = _step(run, step, update, params, rollout_fn)
         if cfg.progress:
             ev = {k: v for k, v in record.items() if k.endswith("_accuracy")}
@@ -476,8 +421,8 @@ def _train(cfg: TrainConfig, update, rollout_fn) -> dict:
                 "holds the last good weights. Lower lr, check the rewards and the model dtype, or raise "
                 "max_nonfinite_steps"
             )
-        if (step + 1) % cfg.checkpoint_every == 0 or step + 1 == cfg.steps:
-            _save(run.ckpt_path, run.model, run.optimizer, step + 1, cfg, run.nonfinite)
+        if ((step + 1) % cfg.checkpoint_every == 0 or step + 1 == cfg.steps) and _rank() == 0:
+            _save(run.ckpt_path, run.model, run.optimizer, step + 1, cfg, run.nonfinite)  # the replicas': rank 0's
     return record
 
 

@@ -75,7 +75,9 @@ from ..errors import ConfigError, ModelStateError, StaleStateError
 from ..group import BatchTotals, Group
 from ..measure import peak_rss_bytes
 from longstraw.engine.rollout import check_state
+from longstraw.parallel.launch import collective_timeout, init_distributed  # one restartable init (docs/faults.md)
 from longstraw.parallel.mesh import Mesh, mesh_groups
+from longstraw.parallel.nonfinite import DEFAULT_MAX_NONFINITE_STEPS, NonFiniteGuard
 from longstraw.integrations.trl_settings import LOSS_TYPES, unsupported_settings  # noqa: F401 (public here too)
 from longstraw.parallel.data import agreed, global_totals, process_group_view, reduce_gradients, sampling_generator
 from longstraw.integrations.trl_parallel import (DataParallelView, check_mesh_settings, reduce_metrics,
@@ -92,7 +94,7 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
 logger = logging.getLogger(__name__)
 
 WINDOW_KEYS = ("captures", "tool_continuations", "time_capture_s", "time_generate_s", "time_replay_s",
-               "time_reverse_s", "state_bytes", "state_grad_bytes", "peak_memory_bytes")
+               "time_reverse_s", "state_bytes", "state_grad_bytes", "peak_memory_bytes", "skipped_nonfinite_steps")
 """The `longstraw/...` metrics logged per optimizer step (every rank reduces the same keys)."""
 
 
@@ -168,13 +170,17 @@ class LongStrawGRPOTrainer(trl_checkpoint.TrainerCheckpoints, trl.GRPOTrainer):
             context-parallel group on a 2-D (dp, cp) mesh, before the optimizer is made
             (`trl_fsdp.py`; needs C >= 2 and no `optimizers=` optimizer). The sum across
             data-parallel groups stays one all-reduce per step.
+        longstraw_max_nonfinite_steps: NaN/inf gradients on any rank skip the step on all ranks
+            (`longstraw/skipped_nonfinite_steps`); this many in a row raise `NonFiniteError`.
     """
 
     def __init__(self, model, reward_funcs=None, args=None, train_dataset=None, eval_dataset=None,
                  processing_class=None, reward_processing_classes=None, callbacks=None, optimizers=(None, None),
                  peft_config=None, *, longstraw_config: ExecConfig | None = None, longstraw_keep_states: bool = True,
                  longstraw_replica_check_every: int = 0, longstraw_context_parallel_size: int = 1,
-                 longstraw_fsdp: bool = False, **kwargs):
+                 longstraw_fsdp: bool = False, longstraw_max_nonfinite_steps: int = DEFAULT_MAX_NONFINITE_STEPS,
+                 **kwargs):
+        init_distributed()  # a no-op when the script (or accelerate, from `args`) initialized the group
         longstraw_config = ExecConfig() if longstraw_config is None else longstraw_config
         if not isinstance(longstraw_replica_check_every, int) or longstraw_replica_check_every < 0:
             raise ConfigError(f"longstraw_replica_check_every must be an int >= 0 (0: off), got "
@@ -208,7 +214,8 @@ class LongStrawGRPOTrainer(trl_checkpoint.TrainerCheckpoints, trl.GRPOTrainer):
             raise ConfigError("the MoE load-balancing loss is not supported by LongStrawGRPOTrainer; "
                               "set GRPOConfig(router_aux_loss_coef=0.0)")
         policy = self.accelerator.unwrap_model(self.model)
-        groups = mesh_groups(mesh)
+        groups = mesh_groups(mesh, timeout=collective_timeout())
+        self._nonfinite = NonFiniteGuard(max_in_row=longstraw_max_nonfinite_steps)
         if longstraw_fsdp:  # before the Trainer makes the optimizer (in train())
             shard_decoder_layers(self.model, mesh, self.accelerator.device)
             without_ddp(self.accelerator)
@@ -464,6 +471,9 @@ class LongStrawGRPOTrainer(trl_checkpoint.TrainerCheckpoints, trl.GRPOTrainer):
         if self._step % self.current_gradient_accumulation_steps == 0:
             # the last micro-step: every data-parallel group's gradient added up (their divisors are the global batch's)
             reduce_gradients(self.longstraw_engine.model.parameters(), self._data)
+            self._nonfinite.skip_if_nonfinite(self.longstraw_engine.model.parameters(), self.state.global_step,
+                                              rank=self.longstraw_mesh.rank, device=self.accelerator.device)
+            self._window["skipped_nonfinite_steps"] = float(self._nonfinite.total)  # every rank skipped alike
             self._current_train_step_time += time.perf_counter() - start
             self._metrics["train"]["step_time"].append(self._current_train_step_time)
             self._current_train_step_time = 0.0

@@ -35,6 +35,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 
 import torch
 import torch.distributed as dist
@@ -43,6 +44,7 @@ from torch.distributed.checkpoint.state_dict import (StateDictOptions, get_model
                                                      get_state_dict,
                                                      set_model_state_dict, set_optimizer_state_dict)
 
+from longstraw.checkpoint import write_atomic
 from longstraw.errors import CheckpointError
 
 logger = logging.getLogger(__name__)
@@ -50,6 +52,9 @@ logger = logging.getLogger(__name__)
 DCP_FOLDER = "longstraw_dcp"
 META_FILE = "longstraw.json"
 SCHEDULER_FILE = "scheduler.pt"  # transformers' SCHEDULER_NAME
+COMPLETE_FILE = "longstraw_complete"
+"""Written (atomically, rank 0, after a barrier) once the Trainer's whole checkpoint-N is on disk."""
+_CHECKPOINT = re.compile(r"^checkpoint-(\d+)$")  # transformers' PREFIX_CHECKPOINT_DIR folders
 
 
 def _rank() -> int:
@@ -180,11 +185,44 @@ def whole_model_state(model) -> dict | None:
     return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
 
+def last_complete_checkpoint(output_dir: str) -> str | None:
+    """The newest `checkpoint-N` of `output_dir` that was written whole (`COMPLETE_FILE`),
+    or None when there is none yet: a first start. The Trainer writes a checkpoint folder
+    in place, so a kill inside a save leaves a newest folder that is partial; it is passed
+    over. Folders written before the marker existed (none marked at all): the newest one,
+    as the Trainer would pick."""
+    if not os.path.isdir(output_dir):
+        return None
+    found = sorted(((int(m.group(1)), n) for n in os.listdir(output_dir) if (m := _CHECKPOINT.match(n))
+                    and os.path.isdir(os.path.join(output_dir, n))), reverse=True)
+    complete = [n for _, n in found if os.path.exists(os.path.join(output_dir, n, COMPLETE_FILE))]
+    name = complete[0] if complete else (found[0][1] if found else None)
+    return None if name is None else os.path.join(output_dir, name)
+
+
 class TrainerCheckpoints:
     """The Trainer's checkpoint hooks for `LongStrawGRPOTrainer` (a mixin ahead of
     `trl.GRPOTrainer`): the model and optimizer state through DCP (`save`, `load_model`,
     `load_optimizer`: any W), the `from_pretrained` export with FSDP2 shards gathered
     (`whole_model_state`). Uses the trainer's `longstraw_engine` and `longstraw_mesh`."""
+
+    def train(self, resume_from_checkpoint=None, trial=None, ignore_keys_for_eval=None, **kwargs):
+        """The Trainer's `train`; `resume_from_checkpoint=True` resumes from the newest
+        *complete* checkpoint, and starts from step 0 when there is none yet (the same call
+        starts a run and restarts it under `torchrun --max-restarts`)."""
+        if resume_from_checkpoint is True:
+            resume_from_checkpoint = last_complete_checkpoint(self.args.output_dir)
+        return super().train(resume_from_checkpoint=resume_from_checkpoint, trial=trial,
+                             ignore_keys_for_eval=ignore_keys_for_eval, **kwargs)
+
+    def _save_checkpoint(self, model, trial) -> None:
+        """The Trainer's checkpoint, then (every rank done: a barrier) rank 0 marks it complete."""
+        super()._save_checkpoint(model, trial)
+        folder = os.path.join(self._get_output_dir(trial=trial), f"checkpoint-{self.state.global_step}")
+        if dist.is_available() and dist.is_initialized():
+            dist.barrier()
+        if _rank() == 0 and os.path.isdir(folder):
+            write_atomic(os.path.join(folder, COMPLETE_FILE), lambda f: f.write(b"complete\n"))
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
         """Every rank writes its part of the model and optimizer state (DCP); rank 0 the scheduler."""

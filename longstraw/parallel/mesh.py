@@ -82,13 +82,16 @@ class MeshGroups:
     data_group: object = None
 
 
-def mesh_groups(mesh: Mesh, backend: str | None = None) -> MeshGroups:
+def mesh_groups(mesh: Mesh, backend: str | None = None, timeout=None) -> MeshGroups:
     """Build the mesh's process groups on the initialized default group (every rank must
     call it, in the same order as every other `new_group`); returns this rank's.
 
     Args:
         mesh: the mesh; `mesh.world` must equal the default group's size.
         backend: the groups' backend (default: the default group's).
+        timeout: the groups' collective timeout, a timedelta (default: torch's; a
+            `new_group` does not inherit the default group's: pass
+            `parallel.launch.collective_timeout()`).
     """
     if not dist.is_available() or not dist.is_initialized():
         if mesh.world == 1:
@@ -101,9 +104,9 @@ def mesh_groups(mesh: Mesh, backend: str | None = None) -> MeshGroups:
     dp, cp = mesh.coords(rank)
     context_group = data_group = None
     for d in range(mesh.data):  # every rank creates every group, in the same order
-        g = dist.new_group(mesh.context_ranks(d), backend=backend) if mesh.context > 1 else None
+        g = dist.new_group(mesh.context_ranks(d), backend=backend, timeout=timeout) if mesh.context > 1 else None
         context_group = g if d == dp else context_group
     for c in range(mesh.context):
-        g = dist.new_group(mesh.data_ranks(c), backend=backend) if mesh.data > 1 else None
+        g = dist.new_group(mesh.data_ranks(c), backend=backend, timeout=timeout) if mesh.data > 1 else None
         data_group = g if c == cp else data_group
     return MeshGroups(mesh=mesh, rank=rank, dp=dp, cp=cp, context_group=context_group, data_group=data_group)

@@ -226,3 +226,32 @@ def test_resuming_inside_a_num_iterations_cycle_says_it_generates_again(one_proc
         trainer._load_optimizer_and_scheduler(str(one_process["root"] / "run" / "checkpoint-1"))
     assert "inside a num_iterations=2 cycle" in caplog.text
     assert trainer._step == 1 * trainer.args.gradient_accumulation_steps  # TRL's micro-step counter, from the step
+
+
+def test_resume_true_starts_fresh_then_passes_over_a_partial_newest_checkpoint(one_process, tmp_path):
+    """`train(resume_from_checkpoint=True)`, the call a torchrun restart repeats: with no
+    checkpoint yet it starts from step 0 (the Trainer alone raises); with a newest
+    checkpoint-2 that a kill left partial (no `longstraw_complete`, no trainer state) it
+    resumes from the complete checkpoint-1 onto the uninterrupted curve. Every checkpoint
+    the Trainer finished is marked complete."""
+    import shutil
+
+    from longstraw.integrations.trl_checkpoint import COMPLETE_FILE, last_complete_checkpoint
+
+    run = one_process["root"] / "run"
+    assert all((run / f"checkpoint-{s}" / COMPLETE_FILE).exists() for s in (1, 2, 3))
+    assert last_complete_checkpoint(str(run)) == str(run / "checkpoint-3")
+    fresh = _float64(lambda: worker.record_run(CASE, str(tmp_path / "fresh"), steps=1, settings=worker.CHECKPOINTED,
+                                               resume=True, **ONE_PROMPT))
+    assert fresh["global_step"] == 1
+    assert all(torch.equal(fresh["loaded"]["params"][n], p) for n, p in one_process["whole"]["before"].items())
+    killed = tmp_path / "killed" / "run"
+    for step in (1, 2):
+        shutil.copytree(run / f"checkpoint-{step}", killed / f"checkpoint-{step}")
+    (killed / "checkpoint-2" / COMPLETE_FILE).unlink()
+    (killed / "checkpoint-2" / "trainer_state.json").unlink()  # killed before the Trainer's last file
+    assert last_complete_checkpoint(str(killed)) == str(killed / "checkpoint-1")
+    resumed = _float64(lambda: worker.record_run(CASE, str(tmp_path / "killed"), steps=3,
+                                                 settings=worker.CHECKPOINTED, resume=True, stop_after=2,
+                                                 **ONE_PROMPT))
+    _assert_resumed_on_the_curve(one_process["whole"]["params_at"][1], resumed, one_process["whole"])

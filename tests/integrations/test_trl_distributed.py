@@ -183,3 +183,21 @@ def test_a_context_parallel_size_that_does_not_divide_the_processes_is_refused(t
 
     with pytest.raises(ls.ConfigError, match="context-parallel size 2 does not divide the 1 processes"):
         worker.record_run("detached", str(tmp_path), data_groups=1, context=2)
+
+
+@pytest.mark.slow  # 27 s on 2 shared cores
+def test_a_nan_on_rank_one_skips_the_step_on_every_rank(tmp_path, float64_default, monkeypatch):
+    """W = 2, C = 1: rank 1's gradient of the first optimizer step is NaN (LONGSTRAW_FAULT
+    nan@1:0), rank 0's is finite. Both ranks skip it (one all-reduce of a flag): the Trainer's
+    optimizer step finds no gradient, the weights after step 1 are the initial ones on both
+    ranks, the skip is logged, and step 2 trains."""
+    monkeypatch.setenv("LONGSTRAW_FAULT", "nan@1:0")  # the spawned ranks inherit it
+    ranks = _spawn("detached", 2, 1, tmp_path / "ranks", 2)
+    for record in ranks:
+        assert record["grads"][0] == {}  # every .grad dropped before HF's optimizer.step
+        for name, w in record["before"].items():
+            assert torch.equal(record["params_at"][1][name], w), name
+        assert any(not torch.equal(record["params_at"][2][n], w) for n, w in record["before"].items())
+        assert [log["longstraw/skipped_nonfinite_steps"] for log in record["logs"]] == [1.0, 1.0]
+    for name, w in ranks[0]["after"].items():
+        assert torch.equal(ranks[1]["after"][name], w), name  # the replicas stayed equal
