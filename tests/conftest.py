@@ -24,7 +24,7 @@ import os
 import pytest
 
 SPAWNS = ("mp.spawn(", "spawn_each(", "_run_each(", "_spawn(", "_spawn_checkpoint_job(", "torchrun",
-          "torch.distributed.run", "start_processes(", "_spawn_ranks(", "_launch(")
+          "torch.distributed.run", "start_processes(", "_spawn_ranks(", "_launch(", "_start(")
 """Calls that start ranks of a process group, as the tests spell them."""
 
 

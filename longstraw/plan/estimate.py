@@ -14,8 +14,9 @@ in `traffic.py`. Torch-free."""
 from __future__ import annotations
 
 from .config import PlanConfig, resolve
-from .memory import (plan_capture, plan_offload, plan_peak, plan_replay, plan_state, plan_walk, plan_weights,
-                     score_working)
+from .memory import plan_capture, plan_replay, plan_state, plan_walk, plan_weights, score_working
+from .offload import plan_offload
+from .peak import plan_peak
 from .report import build_report
 from .timing import plan_time
 from .tree_cost import plan_tree_replay, tree_report, tree_timing

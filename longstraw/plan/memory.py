@@ -1,7 +1,7 @@
 """The planner's memory per rank: the prompt state (what capture keeps, sharded over the
 ranks), weights / gradients / optimizer state, the working set of each pass (capture of
 one chunk, replay of one branch or piece, exact mode's recompute of one chunk, a scoring
-pass), state offload, and the peak over phases. Each section returns a dataclass.
+pass), state offload (`offload.py`), and the peak over phases (`peak.py`). Each section returns a dataclass.
 Torch-free; the per-pass activation model is in `working.py`.
 
 Legend: P prompt tokens, R response tokens, T tokens of one replayed piece, C tokens of one
@@ -17,7 +17,6 @@ from ..parallel.deal import walk_chunk_tokens
 from .arch import DTYPE_BYTES, QUANT_BYTES, Arch, LayerSpec, indexer_parameters
 from .config import Basis
 from .experts import divided_moe_working, expert_parallel_weights
-from .offload import OffloadPlan, plan_offload  # noqa: F401 (the planner's phases, re-exported here)
 from .traffic import divided_capture_traffic, divided_walk_traffic
 from ..defaults import offloads_snapshots, recompute_pays
 from .snapshots import (divided_walk_recompute_working, snapshot_grad_bytes, snapshot_plan, walk_recompute_working,
@@ -425,48 +424,3 @@ def score_working(s: Basis) -> float:
     if not c.score_passes:
         return 0.0
     return nograd_working(s, R) + min(R, c.logits_chunk_size) * s.arch.vocab * (s.b + 2 * 4)
-
-
-# ----------------------------------------------------------------------------
-# the peak (state offload: `offload.plan_offload`)
-
-
-@dataclass(frozen=True)
-class Peak:
-    """The peak per rank: static memory plus the largest phase's working set, bytes.
-
-    Fields:
-        static: weights, gradients, optimizer state, gathered weights, state (device part),
-            state gradients and GDN checkpoints.
-        phases: what each phase holds beyond `static` ('capture', 'replay', exact mode's
-            'recompute', and 'score' with score passes).
-        phase / peak / fits: the largest phase, static + its bytes, and peak + reserve <= gpu_memory.
-    """
-
-    static: float
-    phases: dict
-    phase: str
-    peak: float
-    fits: bool
-
-
-def plan_peak(s: Basis, state: StatePlan, weights: WeightPlan, replay: ReplayPlan, capture: CapturePlan,
-              walk: WalkPlan, offload: OffloadPlan, score: float) -> Peak:
-    """The static memory, each phase's working set, and the largest."""
-    c, w = s.config, weights
-    static = (w.param_bytes + w.grad_bytes + w.optimizer_bytes + w.gathered + offload.state_gpu
-              + offload.state_grad_gpu + state.checkpoints)
-    kept = walk.kept_bytes
-    # what each phase holds beyond the static memory (capture may run before any gradient exists)
-    # exact mode allocates the state gradients after capture (before it only to keep chunk graphs)
-    later = offload.state_grad_gpu if s.exact and not c.keep_graph_bytes else 0
-    phases = {"capture": capture.working + kept - (0 if c.grads_during_capture else w.grad_bytes) - later,
-              "replay": replay.working + kept}
-    if s.exact:  # the walk frees the kept graphs first; a chunk is recomputed only after all of them
-        phases["recompute"] = max(kept + (walk.transient if walk.kept_chunks else 0),
-                                  walk.working if walk.kept_chunks < walk.chunks else 0)
-    if c.score_passes:
-        phases["score"] = score
-    phase = max(phases, key=phases.get)
-    peak = static + phases[phase]
-    return Peak(static=static, phases=phases, phase=phase, peak=peak, fits=peak + c.reserve <= c.gpu_memory)

@@ -9,7 +9,9 @@ from dataclasses import asdict
 from .arch import BACKWARD_FACTOR, human_bytes
 from .config import Basis
 from .experts import expert_report
-from .memory import CapturePlan, OffloadPlan, Peak, ReplayPlan, StatePlan, WalkPlan, WeightPlan
+from .memory import CapturePlan, ReplayPlan, StatePlan, WalkPlan, WeightPlan
+from .offload import OffloadPlan
+from .peak import Peak
 from .timing import Timing
 
 # ----------------------------------------------------------------------------

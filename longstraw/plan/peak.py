@@ -1,0 +1,57 @@
+"""The planner's peak per rank: the static memory (weights, gradients, optimizer state,
+the device part of the prompt state and its gradients, GDN checkpoints) plus the largest
+phase's working set (capture, replay, exact mode's recompute, scoring). Torch-free.
+
+Its own module because it composes every other section: `memory.py`'s plans and
+`offload.py`'s (which reads memory's), so that no two planner modules import each other.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .config import Basis
+from .memory import CapturePlan, ReplayPlan, StatePlan, WalkPlan, WeightPlan
+from .offload import OffloadPlan
+
+
+
+@dataclass(frozen=True)
+class Peak:
+    """The peak per rank: static memory plus the largest phase's working set, bytes.
+
+    Fields:
+        static: weights, gradients, optimizer state, gathered weights, state (device part),
+            state gradients and GDN checkpoints.
+        phases: what each phase holds beyond `static` ('capture', 'replay', exact mode's
+            'recompute', and 'score' with score passes).
+        phase / peak / fits: the largest phase, static + its bytes, and peak + reserve <= gpu_memory.
+    """
+
+    static: float
+    phases: dict
+    phase: str
+    peak: float
+    fits: bool
+
+
+def plan_peak(s: Basis, state: StatePlan, weights: WeightPlan, replay: ReplayPlan, capture: CapturePlan,
+              walk: WalkPlan, offload: OffloadPlan, score: float) -> Peak:
+    """The static memory, each phase's working set, and the largest."""
+    c, w = s.config, weights
+    static = (w.param_bytes + w.grad_bytes + w.optimizer_bytes + w.gathered + offload.state_gpu
+              + offload.state_grad_gpu + state.checkpoints)
+    kept = walk.kept_bytes
+    # what each phase holds beyond the static memory (capture may run before any gradient exists)
+    # exact mode allocates the state gradients after capture (before it only to keep chunk graphs)
+    later = offload.state_grad_gpu if s.exact and not c.keep_graph_bytes else 0
+    phases = {"capture": capture.working + kept - (0 if c.grads_during_capture else w.grad_bytes) - later,
+              "replay": replay.working + kept}
+    if s.exact:  # the walk frees the kept graphs first; a chunk is recomputed only after all of them
+        phases["recompute"] = max(kept + (walk.transient if walk.kept_chunks else 0),
+                                  walk.working if walk.kept_chunks < walk.chunks else 0)
+    if c.score_passes:
+        phases["score"] = score
+    phase = max(phases, key=phases.get)
+    peak = static + phases[phase]
+    return Peak(static=static, phases=phases, phase=phase, peak=peak, fits=peak + c.reserve <= c.gpu_memory)
