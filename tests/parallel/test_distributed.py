@@ -3,7 +3,8 @@
 With W = 2 and 3 ranks, for a dense, a hybrid (GDN) and MLA models (DeepSeek-V3; GLM-5
 with dense and with sparse DSA selection; DeepSeek-V3.2 sparse), in detached and exact
 mode, every rank's loss and every parameter gradient equal the single-process result (to
-1e-9, float64 throughout: `reference.float64_throughout`), and each rank holds ~1/W of the per-token state; the planner's per-rank state and
+FLOAT64; the MoE models with HF's float32 routers to FLOAT32_INTERNALS, their dense-MLP
+twins to FLOAT64: see `distributed_worker.FLOAT32_ROUTERS`), and each rank holds ~1/W of the per-token state; the planner's per-rank state and
 exact-mode snapshot bytes equal the engine's ("planner"). A rank that fails makes the
 others fail fast with a LongStrawError instead of hanging.
 """
@@ -14,8 +15,8 @@ import torch.multiprocessing as mp
 from tests import distributed_worker as worker
 
 
-@pytest.mark.parametrize("world,cases", [(2, ["planner", "dense", "hybrid", "mla", "glm", "glm_sparse"]),
-                                         (3, ["planner", "dense", "hybrid", "dsv32_sparse"])])
+@pytest.mark.parametrize("world,cases", [(2, ["planner", "dense", "hybrid", "mla", "glm", "glm_sparse", "mla_mlp"]),
+                                         (3, ["planner", "dense", "hybrid", "dsv32_sparse", "dsv32_sparse_mlp"])])
 def test_context_parallel_equals_single_process(tmp_path, world, cases):
     mp.spawn(worker.run_cases, args=(world, str(tmp_path / "init"), cases, ["detached", "exact"]), nprocs=world,
              join=True)
