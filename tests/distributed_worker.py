@@ -576,7 +576,7 @@ def _assert_same_state(a, b) -> None:
             if x.index is not None:
                 assert (x.index.length, x.index.consumed) == (y.index.length, y.index.consumed)
                 torch.testing.assert_close(x.index.until(x.index.end), y.index.until(y.index.end),
-                                           rtol=1e-10, atol=1e-12)
+                                           rtol=FLOAT32_INTERNALS, atol=FLOAT64)
         elif isinstance(x, AttentionKV):
             _assert_same_rows(x, y)
         else:
@@ -680,15 +680,18 @@ def run_divided_walk(rank: int, world: int, init_file: str) -> None:
                 got = ls.Engine(model, ls.ExecConfig(context_parallel=True, divide_walk=switch, **kw)).step(group)
             assert got.metrics["divided_walk"] == 0.0, name
             assert abs(got.loss - want.loss) <= 1e-9 * abs(want.loss) + 1e-13, name
-            assert_grads_close(grads_of(model), grads, 1e-9)
+            assert_grads_close(grads_of(model), grads, _bound(name))
     finally:
         dist.destroy_process_group()
 
 
 def _assert_same_rows(x, y) -> None:
+    """Divided against replicated capture rows: HF's float32 norms stay in (MLA's
+    kv_a_layernorm: a rank's own rows and the whole chunk's round apart, 3.6e-7 relative
+    measured under AVX2), so FLOAT32_INTERNALS."""
     assert (x.length, x.consumed) == (y.length, y.consumed)
     for s, t in zip(x.keys(), y.keys()):
-        torch.testing.assert_close(s, t, rtol=1e-10, atol=1e-12)
+        torch.testing.assert_close(s, t, rtol=FLOAT32_INTERNALS, atol=FLOAT64)
 
 
 def run_shard_attention(rank: int, world: int, init_file: str) -> None:
