@@ -209,8 +209,8 @@ def _add_plan_parser(sub) -> None:
     p.add_argument("--host-bandwidth", dest="host_bandwidth_gbs", type=float, default=50.0,
                    help="host<->device GB/s for the offload traffic's time (default 50, PCIe Gen5 x16 in practice)")
     p.add_argument("--recompute-layers", default=None, type=_auto_on_off, metavar="{auto,on,off}", help="replay and the exact walk recompute each "
-                   "decoder layer in backward (ExecConfig.recompute_layers; default auto: pieces / walk chunks of "
-                   "1,024+ tokens)")
+                   "decoder layer in backward (ExecConfig.recompute_layers; default auto: where a piece's / walk chunk's graph would "
+                   "exceed twice the weights + gradients + state the step holds anyway)")
     p.add_argument("--offload-snapshots", default=None, type=_auto_on_off, metavar="{auto,on,off}",
                    help="exact mode: GDN snapshots (all but the latest) in host memory, one staged back per walk "
                         "chunk (ExecConfig.offload_snapshots; default auto: with --offload-state)")

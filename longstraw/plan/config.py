@@ -85,7 +85,8 @@ class PlanConfig:
     """Replay recomputes each decoder layer in backward (ExecConfig.recompute_layers): a
     piece's graph is every layer's input plus one layer's activations, for one more
     forward of the piece's layers. None: the engine's rule (`defaults.recompute_pays`:
-    pieces of 1,024+ tokens)."""
+    where a piece's graph would exceed twice the weights + gradients + state the step
+    holds anyway; `--fit` turns it on where the budget needs it)."""
 
     logits_chunk_size: int = defaults.LOGITS_CHUNK_SIZE
     """Response tokens per lm_head + log-softmax chunk (ExecConfig)."""
