@@ -145,7 +145,8 @@ _PLAN_FIELDS = ("prompt_tokens", "group", "response_tokens", "mode", "gpus", "gp
                 "weight_dtype", "lora_rank", "lora_targets", "chunk_size", "branch_chunk_size", "attention_block_size",
                 "logits_chunk_size", "self_attention", "gdn_kernel", "grads_during_capture", "shard_params",
                 "expert_parallel", "offload_state", "host_bandwidth_gbs", "score_passes", "keep_graph_bytes",
-                "throughput_tflops", "recompute_layers", "divide_capture", "divide_walk", "tree", "offload_snapshots")
+                "throughput_tflops", "recompute_layers", "divide_capture", "divide_walk", "tree", "offload_snapshots",
+                "gpu", "gpus_per_node", "intra_node_gbs", "inter_node_gbs", "data_parallel")
 
 
 def plan(args) -> int:
@@ -222,6 +223,17 @@ def _add_plan_parser(sub) -> None:
                                                                "no second capture (the paper: 2; default 0)")
     p.add_argument("--throughput-tflops", type=float, default=400.0,
                    help="effective TFLOP/s per rank (default 400, an H100/H200-class GPU in bf16)")
+    p.add_argument("--gpu", default=None, help="GPU preset: h20, h100, h200, b200, a100-80gb, mi300x (plan/gpus.json, "
+                   "each figure with its source): sets --gpu-memory, --throughput-tflops (bf16 dense peak x the stated "
+                   "efficiency) and the link bandwidths where they are not given")
+    p.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per node (default 8): larger groups talk over "
+                                                                 "the inter-node link")
+    p.add_argument("--intra-node-bandwidth", dest="intra_node_gbs", type=float, default=360.0,
+                   help="effective one-direction intra-node GB/s per GPU (default 360: NVLink 900 / 2 x 0.8)")
+    p.add_argument("--inter-node-bandwidth", dest="inter_node_gbs", type=float, default=40.0,
+                   help="effective per-GPU inter-node GB/s (default 40: 400 Gb/s x 0.8)")
+    p.add_argument("--data-parallel", type=int, default=1, help="data-parallel replicas of the W ranks: one "
+                                                                "all-reduce of the trainable gradients per step")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
 
 
