@@ -149,12 +149,35 @@ _PLAN_FIELDS = ("prompt_tokens", "group", "response_tokens", "mode", "gpus", "gp
                 "gpu", "gpus_per_node", "intra_node_gbs", "inter_node_gbs", "data_parallel")
 
 
-def plan(args) -> int:
+_SEARCHED_FLAGS = {"mode": "--mode", "branch_chunk_size": "--branch-chunk-size", "chunk_size": "--chunk-size",
+                   "recompute_layers": "--recompute-layers", "offload_state": "--offload-state",
+                   "offload_snapshots": "--offload-snapshots", "expert_parallel": "--expert-parallel",
+                   "shard_params": "--shard-params", "keep_graph_bytes": "--keep-graph-bytes"}
+"""The flags of the fields `--fit` searches: one given on the command line pins its field."""
+
+
+def _pinned(argv) -> set:
+    """The searched fields whose flag is on the command line (`--flag value` or `--flag=value`)."""
+    given = {a.split("=", 1)[0] for a in argv if a.startswith("--")}
+    return {name for name, flag in _SEARCHED_FLAGS.items() if flag in given}
+
+
+def plan(args, argv=()) -> int:
     if args.tree is None and (args.group is None or args.response_tokens is None):
         raise SystemExit("longstraw plan: give --group and --response-tokens, or --tree (e.g. --tree 2048x1,256x8)")
-    report = estimate(args.model, PlanConfig(**{name: getattr(args, name) for name in _PLAN_FIELDS}))
-    print(json.dumps(report) if args.json else format_report(report))
-    return 0
+    config = PlanConfig(**{name: getattr(args, name) for name in _PLAN_FIELDS})
+    if not args.fit:
+        report = estimate(args.model, config)
+        print(json.dumps(report) if args.json else format_report(report))
+        return 0
+    from longstraw.plan.fit import fit_report, format_fit, search
+
+    result = search(args.model, config, _pinned(argv))
+    entry = fit_report(result)
+    report = estimate(args.model, result.config) if entry["fit"] else result.leanest
+    report.update(entry)
+    print(json.dumps(report) if args.json else format_report(report) + "\n\n" + format_fit(result))
+    return 0 if entry["fit"] else 3
 
 
 def _add_plan_parser(sub) -> None:
@@ -234,6 +257,11 @@ def _add_plan_parser(sub) -> None:
                    help="effective per-GPU inter-node GB/s (default 40: 400 Gb/s x 0.8)")
     p.add_argument("--data-parallel", type=int, default=1, help="data-parallel replicas of the W ranks: one "
                                                                 "all-reduce of the trainable gradients per step")
+    p.add_argument("--fit", action="store_true",
+                   help="search pieces, chunk size, recompute, state offload, snapshots on host, expert parallelism, "
+                        "parameter sharding, keep_graph_bytes (and --mode if not given) for the fastest setting whose "
+                        "peak fits --gpu-memory (or the --gpu preset's) minus --reserve; a flag given pins its option. "
+                        "Prints the flags and the ExecConfig; exit 3 when nothing fits (plan/fit.py)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
 
 
@@ -317,7 +345,7 @@ def main(argv=None) -> int:
     try:
         if args.command == "train":
             return train(args)
-        return plan(args) if args.command == "plan" else demo(args)
+        return plan(args, argv) if args.command == "plan" else demo(args)
     except LongStrawError as exc:
         print(f"longstraw: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 2
