@@ -20,3 +20,10 @@ $PLAN --model glm-5.2 --prompt-tokens 2088960 --group 8 --response-tokens 8192 -
 # the same with expert parallelism: each rank holds 8 of the 256 experts per layer, never gathered whole
 $PLAN --model glm-5.2 --prompt-tokens 2088960 --group 8 --response-tokens 8192 --gpus 32 --branch-chunk-size 1024 \
   --lora-rank 8 --offload-state --shard-params --expert-parallel --json > $D/glm52_32xh20_p1024_offload_ep.json
+# issue 36: the same three paper runs given only the paper's settings, --fit on an H20 preset with 15% of
+# 96 GiB held back (--reserve 14.4GiB: the fit is <= 85% of 96 GiB); the flags it prints plan the same peak
+F="--gpu h20 --reserve 14.4GiB --fit --json"
+$PLAN $Q --mode detached $F > $D/fit_qwen36_27b_8xh20_detached.json
+$PLAN $Q --mode exact $F > $D/fit_qwen36_27b_8xh20_exact.json
+$PLAN --model glm-5.2 --prompt-tokens 2088960 --group 8 --response-tokens 8192 --gpus 32 --lora-rank 8 $F \
+  > $D/fit_glm52_32xh20.json
