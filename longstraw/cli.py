@@ -246,6 +246,11 @@ def _add_plan_parser(sub) -> None:
                                                                "no second capture (the paper: 2; default 0)")
     p.add_argument("--throughput-tflops", type=float, default=400.0,
                    help="effective TFLOP/s per rank (default 400, an H100/H200-class GPU in bf16)")
+    _add_fit_flags(p)
+
+
+def _add_fit_flags(p) -> None:
+    """`longstraw plan`'s GPU preset, link, data-parallel, --fit and --json flags."""
     p.add_argument("--gpu", default=None, help="GPU preset: h20, h100, h200, b200, a100-80gb, mi300x (plan/gpus.json, "
                    "each figure with its source): sets --gpu-memory, --throughput-tflops (bf16 dense peak x the stated "
                    "efficiency) and the link bandwidths where they are not given")

@@ -12,8 +12,9 @@ from longstraw.cli import main
 from longstraw.errors import ConfigError
 from longstraw.plan import PlanConfig, estimate, parse_bytes
 from longstraw.plan.config import _DEFAULTS
-from longstraw.plan.gpus import (DEFAULT_EFFICIENCY, GPUS_PATH, LINK_EFFICIENCY, PAPER_CAPTURE_S, PAPER_RUN,
-                                 calibrate_h20, gpu_spec, load_gpus)
+from longstraw.plan.calibrate import calibrate_h20
+from longstraw.plan.gpus import (DEFAULT_EFFICIENCY, GPUS_PATH, LINK_EFFICIENCY, PAPER_CAPTURE_S, PAPER_RUN, gpu_spec,
+                                 load_gpus)
 
 FIGURES = ("memory", "bf16_tflops", "hbm_gbs", "intra_node_gbs", "inter_node_gbs", "host_gbs")
 

@@ -25,6 +25,7 @@ from .arch import (
     load_model_config,
     parse_bytes,
 )
+from .gpus import gpu_spec
 from .tree import parse_tree
 
 @dataclass(kw_only=True, slots=True)
@@ -194,8 +195,6 @@ class PlanConfig:
 
     def __post_init__(self):
         if self.gpu is not None:
-            from .gpus import gpu_spec
-
             for name, value in gpu_spec(self.gpu).plan_fields().items():  # where the field is at its default
                 if getattr(self, name) == _DEFAULTS[name]:
                     setattr(self, name, value)

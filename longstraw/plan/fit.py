@@ -30,7 +30,8 @@ import itertools
 from dataclasses import dataclass, field, replace
 
 from .arch import human_bytes, parse_bytes
-from .config import PlanConfig
+from .. import defaults as d
+from .config import PlanConfig, resolve
 from .estimate import estimate
 from .gpus import load_gpus
 
@@ -75,7 +76,6 @@ def _budget(c: PlanConfig) -> int:
 
 
 def _is_moe(model, c: PlanConfig) -> bool:
-    from .config import resolve
     return bool(resolve(model, replace(c, expert_parallel=False)).arch.experts)
 
 
@@ -270,8 +270,6 @@ def exec_config(c: PlanConfig) -> dict:
 
 def exec_config_text(c: PlanConfig) -> str:
     """`ExecConfig(...)` as Python source, fields away from ExecConfig's defaults only."""
-    from .. import defaults as d
-
     default = {"mode": d.MODE, "chunk_size": d.CHUNK_SIZE, "branch_chunk_size": d.BRANCH_CHUNK_SIZE,
                "attention_block_size": d.ATTENTION_BLOCK_SIZE, "logits_chunk_size": d.LOGITS_CHUNK_SIZE,
                "recompute_layers": d.RECOMPUTE_LAYERS, "offload_snapshots": d.OFFLOAD_SNAPSHOTS,

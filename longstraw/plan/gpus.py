@@ -18,7 +18,7 @@ The compute efficiency is calibrated once, on the paper's one figure that is com
 alone: Qwen3.6-27B capture of 2,088,960 prompt tokens on 8 x H20 in about 4,656 s
 (REFERENCE.md). The planner's capture FLOPs on the fullest rank for that run divided by
 4,656 s is the effective rate; over the H20's 148 TFLOP/s it is `DEFAULT_EFFICIENCY`
-(`calibrate_h20` recomputes it; a test checks the constant). Applying the same share to
+(`calibrate.calibrate_h20` recomputes it; a test checks the constant). Applying the same share to
 every GPU is an assumption: a GPU with more FLOP/s per byte of HBM (H100, B200) likely
 reaches a smaller share on these bandwidth-heavy kernels, so its times are optimistic.
 """
@@ -35,7 +35,7 @@ GPUS_PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "gpus.json"
 
 DEFAULT_EFFICIENCY = 0.1742
 """Effective share of the bf16 dense peak: calibrated on the paper's H20 capture (module
-docstring; `calibrate_h20`). 0.1742 x 148 = 25.8 TFLOP/s."""
+docstring; `calibrate.calibrate_h20`). 0.1742 x 148 = 25.8 TFLOP/s."""
 
 LINK_EFFICIENCY = 0.8
 """Share of a link's nominal one-direction bandwidth that collectives and copies reach
@@ -109,16 +109,3 @@ def gpu_spec(name: str) -> GpuSpec:
     if key not in gpus:
         raise ConfigError(f"unknown GPU preset {name!r}; presets: {', '.join(gpus)} (plan/gpus.json)")
     return gpus[key]
-
-
-def calibrate_h20() -> float:
-    """The compute efficiency that makes the planner's capture of the paper's run on 8 x
-    H20 take `PAPER_CAPTURE_S` (its blocking communication counted too): effective
-    TFLOP/s / 148."""
-    from .config import PlanConfig
-    from .estimate import estimate
-
-    spec = gpu_spec("h20")
-    r = estimate("qwen3.6-27b", PlanConfig(gpu="h20", **PAPER_RUN))
-    comm = r["comm"]["phases"]["capture"]["blocking_s"]
-    return r["flops_capture"] / (PAPER_CAPTURE_S - comm) / (spec.bf16_tflops * 1e12)
