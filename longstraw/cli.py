@@ -162,10 +162,26 @@ def _pinned(argv) -> set:
     return {name for name, flag in _SEARCHED_FLAGS.items() if flag in given}
 
 
+def _sweep(args, config, argv) -> int:
+    """`longstraw plan --sweep FIELD=V1,V2,...` (with --fit, --plot, --json)."""
+    from longstraw.plan.sweep import format_sweep, parse_sweep, plot_sweep, sweep
+
+    name, values = parse_sweep(args.sweep)
+    rows = sweep(args.model, config, name, values, fit=args.fit, pinned=_pinned(argv))
+    if args.plot:
+        plot_sweep(name, rows, args.plot, title=f"{args.model}, P={config.prompt_tokens:,}, G={config.group}, "
+                                                f"R={config.response_tokens:,}, {config.mode}"
+                                                + (f", {config.gpu}" if config.gpu else ""))
+    print(json.dumps({"sweep": name, "rows": rows}) if args.json else format_sweep(name, rows))
+    return 0
+
+
 def plan(args, argv=()) -> int:
     if args.tree is None and (args.group is None or args.response_tokens is None):
         raise SystemExit("longstraw plan: give --group and --response-tokens, or --tree (e.g. --tree 2048x1,256x8)")
     config = PlanConfig(**{name: getattr(args, name) for name in _PLAN_FIELDS})
+    if args.sweep:
+        return _sweep(args, config, argv)
     if not args.fit:
         report = estimate(args.model, config)
         print(json.dumps(report) if args.json else format_report(report))
@@ -267,6 +283,10 @@ def _add_fit_flags(p) -> None:
                         "parameter sharding, keep_graph_bytes (and --mode if not given) for the fastest setting whose "
                         "peak fits --gpu-memory (or the --gpu preset's) minus --reserve; a flag given pins its option. "
                         "Prints the flags and the ExecConfig; exit 3 when nothing fits (plan/fit.py)")
+    p.add_argument("--sweep", default=None, help="FIELD=V1,V2,...: one plan (with --fit: one fit) per value, e.g. "
+                   "gpus=8,16,32,64 or prompt_tokens=1048576,2097152 (plan/sweep.py)")
+    p.add_argument("--plot", default=None, help="with --sweep: draw time, memory per rank and communication share "
+                                                "against the swept field to this PNG (needs matplotlib)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
 
 

@@ -74,3 +74,19 @@ def test_the_fitted_config_runs_a_step(model):
     model.zero_grad(set_to_none=True)
     result = ls.Engine(model, cfg).step(group)
     assert result.loss == result.loss and any(p.grad is not None for p in model.parameters())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode,budget", [("detached", "1GiB"), ("detached", "40MiB"), ("exact", "1GiB"),
+                                         ("exact", "96MiB")])
+def test_the_fitted_step_stays_inside_its_budget_on_cpu(mode, budget):
+    """A fresh process per budget (`bench/bench_fit_config.py`): RSS above the model and its
+    gradients, at the step's peak, <= 1.1 x the budget; a tight budget really binds (the
+    planner's figure for the chosen config is within it, and above half of it)."""
+    from bench.bench_fit_config import measure
+
+    row = measure("qwen3", mode, 8192, 4, 512, budget)
+    assert row["peak_above"] <= 1.1 * row["budget_bytes"], row
+    assert row["planned_above"] <= row["budget_bytes"]
+    if budget != "1GiB":
+        assert row["planned_above"] > 0.5 * row["budget_bytes"], row

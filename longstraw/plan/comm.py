@@ -89,15 +89,19 @@ def _expert_phases(s: Basis, *, divided_capture: bool, divided_walk: bool, recom
 @dataclass(frozen=True)
 class CommPlan:
     """Per phase: bytes by link class and kind, blocking / prefetched seconds, compute
-    seconds and the phase's time by the overlap rule; the step's total."""
+    seconds and the phase's time by the overlap rule; the step's total, all transfer
+    seconds (`comm_s`, overlapped or not) and the exposed ones (`exposed_s`: the total
+    less the compute, the time communication adds)."""
 
     phases: dict
     total_s: float
     comm_s: float
+    exposed_s: float
     rule: str
 
     def as_dict(self) -> dict:
-        return {"phases": self.phases, "total_s": self.total_s, "comm_s": self.comm_s, "rule": self.rule}
+        return {"phases": self.phases, "total_s": self.total_s, "comm_s": self.comm_s, "exposed_s": self.exposed_s,
+                "rule": self.rule}
 
 
 RULE = ("per phase: max(compute + blocking collectives (context-parallel merges / gathers, expert combines, "
@@ -155,4 +159,6 @@ def plan_comm(s: Basis, *, capture_comm: float, walk_comm: float, divided_captur
         total += time
         comm_total += blocking + prefetched
     phases["offload"] = {"bytes_by_link": {"host": offload_bytes}, "time_s": offload_s}
-    return CommPlan(phases=phases, total_s=max(total, offload_s), comm_s=comm_total + offload_s, rule=RULE)
+    step = max(total, offload_s)
+    busy = sum(compute.values())
+    return CommPlan(phases=phases, total_s=step, comm_s=comm_total + offload_s, exposed_s=step - busy, rule=RULE)
