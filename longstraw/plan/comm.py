@@ -49,20 +49,31 @@ def link(c, ranks: int) -> tuple[str, float]:
     return "inter_node", c.inter_node_gbs
 
 
-def replay_merge_bytes_per_token(s: Basis) -> float:
-    """Bytes a rank receives per replayed token and forward for the log-sum-exp merges of
-    every attention / MLA layer over the sharded prompt (0 on one rank)."""
+def replay_merge_bytes_per_token(s: Basis, recompute: bool, score_passes: int) -> float:
+    """Bytes a rank receives per replayed token for the log-sum-exp merges of every
+    attention / MLA layer over the sharded prompt (0 on one rank), ring all-reduces of
+    2 (W-1)/W of, in the accumulation dtype, per layer:
+
+        attention   autograd pass (forward + backward): 2 H (Dv + 1); a layer recompute
+                    adds H (Dv + 2); a score pass H (Dv + 1)
+        MLA         autograd pass: 2 (H (kv_lora + 1) + kv_lora); recompute adds
+                    H (kv_lora + 2); a score pass H (kv_lora + 1)
+
+    (H heads, Dv the value head dim; MLA merges in the latent space.) Fitted to the
+    engine's `comm_bytes_replay` on gloo at W = 2 and 3 (tests/test_plan_comm.py)."""
     W, arch = s.W, s.arch
     if W == 1:
         return 0.0
-    ring = 2 * (W - 1) / W
     per = 0.0
     for layer in arch.layers:
         if layer.mixer == "attention" and layer.window is None:
-            per += arch.heads * (arch.head_dim + 1) * s.acc
+            h, d, extra = arch.heads, arch.head_dim, 0
         elif layer.mixer == "mla":
-            per += arch.heads * (arch.kv_lora_rank + 1) * s.acc
-    return ring * per
+            h, d, extra = arch.heads, arch.kv_lora_rank, arch.kv_lora_rank
+        else:
+            continue
+        per += 2 * (h * (d + 1) + extra) + (h * (d + 2) if recompute else 0) + score_passes * h * (d + 1)
+    return 2 * (W - 1) / W * per * s.acc
 
 
 def _expert_phases(s: Basis, *, divided_capture: bool, divided_walk: bool, recompute: bool) -> dict:
@@ -126,7 +137,7 @@ def plan_comm(s: Basis, *, capture_comm: float, walk_comm: float, divided_captur
     cp_class, cp_gbs = link(c, W)
     experts = _expert_phases(s, divided_capture=divided_capture, divided_walk=divided_walk, recompute=recompute)
     pieces = -(-R // min(R, c.branch_chunk_size or R))
-    merges = replay_merge_bytes_per_token(s) * G * R * ((2 if recompute else 1) + c.score_passes)
+    merges = replay_merge_bytes_per_token(s, recompute, c.score_passes) * G * R
     # FSDP: a pass over the layers gathers (W-1)/W of the non-expert weights (`gathered` is two layers')
     per_pass = (gathered / 2 * len(s.arch.layers) * (W - 1) / W) if c.shard_params and W > 1 else 0.0
     passes = {"capture": n_chunks,
