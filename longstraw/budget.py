@@ -29,11 +29,18 @@ from longstraw.plan.estimate import estimate
 from longstraw.plan.fit import exec_config, search
 from longstraw.shapes import planner_config
 
-__all__ = ["fit_config", "parse_budget", "AUTO_RESERVE"]
+__all__ = ["fit_config", "parse_budget", "AUTO_RESERVE", "RUNTIME_RESERVE_BYTES", "RUNTIME_RESERVE_SHARE"]
 
 AUTO_RESERVE = 2 * 2**30
 """memory_budget="auto" on CUDA: free memory minus this (allocator fragmentation, the
 CUDA context's growth, cuBLAS workspaces)."""
+
+RUNTIME_RESERVE_BYTES = 16 * 2**20
+RUNTIME_RESERVE_SHARE = 0.05
+"""Of every budget, max(16 MiB, 5%) is held back from the planner's peak: what a step holds
+beyond its live tensors (allocator slack, the autograd engine's and BLAS's workspaces).
+Measured on CPU (bench/bench_fit_config.py, tiny qwen3, a fresh process): RSS above the
+model and its gradients was 10-16 MiB above the planner's figure at P = 8,192."""
 
 # ExecConfig fields the search sets, and the PlanConfig field each is
 _SEARCHABLE = {"mode": "mode", "chunk_size": "chunk_size", "branch_chunk_size": "branch_chunk_size",
@@ -86,7 +93,8 @@ def fit_config(model, *, memory_budget, prompt_tokens: int, group: int, response
     Args:
         model: the HF `...ForCausalLM` (PEFT-wrapped too) the engine will run.
         memory_budget: bytes the step may add above the model and its gradients: an int,
-            "80GiB" / "20GB", or on CUDA "auto" (free memory minus `AUTO_RESERVE`).
+            "80GiB" / "20GB", or on CUDA "auto" (free memory minus `AUTO_RESERVE`). The
+            planner's peak must fit it less max(16 MiB, 5%) (`RUNTIME_RESERVE_*`).
         prompt_tokens / group / response_tokens: the step to fit (P, G, R).
         mode: "detached" or "exact" (kept as given).
         **fixed: ExecConfig fields to pin (e.g. `branch_chunk_size=2048`,
@@ -122,7 +130,8 @@ def fit_config(model, *, memory_budget, prompt_tokens: int, group: int, response
     cfg = planner_config(model)
     held = estimate(cfg, base)  # the model, its gradients and the optimizer: outside the budget
     outside = held["param_bytes"] + held["grad_bytes"] + held["optimizer_bytes"]
-    result = search(cfg, replace(base, gpu_memory=int(budget + outside)), pinned)
+    reserve = max(RUNTIME_RESERVE_BYTES, int(RUNTIME_RESERVE_SHARE * budget))
+    result = search(cfg, replace(base, gpu_memory=int(budget + outside), reserve=reserve), pinned)
     if not hasattr(result, "config"):
         raise DoesNotFitError(_does_not_fit(result, memory_budget, budget, outside,
                                             f"P={prompt_tokens:,}, G={group}, R={response_tokens:,}, mode={mode!r}"))
