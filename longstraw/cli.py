@@ -152,7 +152,8 @@ _PLAN_FIELDS = ("prompt_tokens", "group", "response_tokens", "mode", "gpus", "gp
 _SEARCHED_FLAGS = {"mode": "--mode", "branch_chunk_size": "--branch-chunk-size", "chunk_size": "--chunk-size",
                    "recompute_layers": "--recompute-layers", "offload_state": "--offload-state",
                    "offload_snapshots": "--offload-snapshots", "expert_parallel": "--expert-parallel",
-                   "shard_params": "--shard-params", "keep_graph_bytes": "--keep-graph-bytes"}
+                   "shard_params": "--shard-params", "keep_graph_bytes": "--keep-graph-bytes",
+                   "divide_capture": "--replicate-capture"}
 """The flags of the fields `--fit` searches: one given on the command line pins its field."""
 
 

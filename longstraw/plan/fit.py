@@ -5,7 +5,8 @@ the GPU's memory minus the reserve. Torch-free.
 The space (each option the caller did not pin):
   * memory savers that cost time: layer-wise recompute (replay and the exact walk), state
     offload (`state_device="cpu"`), exact mode's snapshots on host, expert parallelism,
-    parameter sharding (FSDP2);
+    parameter sharding (FSDP2), a replicated capture (`divide_capture=False`: chunked,
+    where a divided capture holds a rank's share of each layer at once);
   * sizes: replay pieces (`branch_chunk_size`) and the capture chunk (`chunk_size`);
   * exact mode's `keep_graph_bytes`, which spends spare memory to save recompute time;
   * `mode`, only when it is free (detached is always the faster).
@@ -36,7 +37,7 @@ from .estimate import estimate
 from .gpus import load_gpus
 
 SEARCHED = ("mode", "branch_chunk_size", "chunk_size", "recompute_layers", "offload_state", "offload_snapshots",
-            "expert_parallel", "shard_params", "keep_graph_bytes")
+            "expert_parallel", "shard_params", "keep_graph_bytes", "divide_capture")
 """The PlanConfig fields the search may set."""
 
 PIECES = (8192, 4096, 2048, 1024, 512, 256)
@@ -95,6 +96,8 @@ def _savers(model, base: PlanConfig, pinned: set) -> list[dict]:
         choices["expert_parallel"] = [False, True]
     if "shard_params" not in pinned and base.gpus >= 2:
         choices["shard_params"] = [False, True]
+    if "divide_capture" not in pinned and base.gpus >= 2:  # a divided capture holds a rank's share of a
+        choices["divide_capture"] = [True, False]           # layer at once: at 10M tokens more than a chunk
     names = list(choices)
     combos = [dict(zip(names, values)) for values in itertools.product(*(choices[n] for n in names))]
     return [c for c in combos if not (c.get("mode", base.mode) == "detached" and c.get("offload_snapshots"))]
@@ -252,6 +255,8 @@ def flags(c: PlanConfig) -> list[str]:
         out += ["--offload-snapshots", onoff[c.offload_snapshots]]
     out += [flag for name, flag in (("offload_state", "--offload-state"), ("expert_parallel", "--expert-parallel"),
                                     ("shard_params", "--shard-params")) if getattr(c, name)]
+    if not c.divide_capture:
+        out.append("--replicate-capture")
     if c.keep_graph_bytes:
         out += ["--keep-graph-bytes", str(c.keep_graph_bytes)]
     return out
