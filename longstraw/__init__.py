@@ -24,6 +24,7 @@ _HOMES = {
     "LongStrawError": "errors", "ConfigError": "errors", "InvalidGroupError": "errors",
     "PositionLimitError": "errors", "UnsupportedModelError": "errors", "ModelStateError": "errors",
     "StaleStateError": "errors", "StateMismatchError": "errors", "EpisodeError": "errors",
+    "DoesNotFitError": "errors", "fit_config": "budget",
 }
 """Each public name -> the module (under longstraw/) that defines it."""
 
@@ -31,7 +32,7 @@ __all__ = [
     "Engine", "ExecConfig", "GRPOConfig", "Group", "StepResult", "BatchTotals", "supported_model_types",
     "LongStrawError", "ConfigError", "InvalidGroupError", "PositionLimitError", "UnsupportedModelError",
     "ModelStateError", "StaleStateError", "StateMismatchError", "Rollout", "SamplingConfig",
-    "EpisodeError",
+    "EpisodeError", "DoesNotFitError", "fit_config",
 ]
 
 

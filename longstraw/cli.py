@@ -136,15 +136,56 @@ _PLAN_FIELDS = ("prompt_tokens", "group", "response_tokens", "mode", "gpus", "gp
                 "weight_dtype", "lora_rank", "lora_targets", "chunk_size", "branch_chunk_size", "attention_block_size",
                 "logits_chunk_size", "self_attention", "gdn_kernel", "grads_during_capture", "shard_params",
                 "expert_parallel", "offload_state", "host_bandwidth_gbs", "score_passes", "keep_graph_bytes",
-                "throughput_tflops", "recompute_layers", "divide_capture", "divide_walk", "tree", "offload_snapshots")
+                "throughput_tflops", "recompute_layers", "divide_capture", "divide_walk", "tree", "offload_snapshots",
+                "gpu", "gpus_per_node", "intra_node_gbs", "inter_node_gbs", "data_parallel")
 
 
-def plan(args) -> int:
+_SEARCHED_FLAGS = {"mode": "--mode", "branch_chunk_size": "--branch-chunk-size", "chunk_size": "--chunk-size",
+                   "recompute_layers": "--recompute-layers", "offload_state": "--offload-state",
+                   "offload_snapshots": "--offload-snapshots", "expert_parallel": "--expert-parallel",
+                   "shard_params": "--shard-params", "keep_graph_bytes": "--keep-graph-bytes",
+                   "divide_capture": "--replicate-capture"}
+"""The flags of the fields `--fit` searches: one given on the command line pins its field."""
+
+
+def _pinned(argv) -> set:
+    """The searched fields whose flag is on the command line (`--flag value` or `--flag=value`)."""
+    given = {a.split("=", 1)[0] for a in argv if a.startswith("--")}
+    return {name for name, flag in _SEARCHED_FLAGS.items() if flag in given}
+
+
+def _sweep(args, config, argv) -> int:
+    """`longstraw plan --sweep FIELD=V1,V2,...` (with --fit, --plot, --json)."""
+    from longstraw.plan.sweep import format_sweep, parse_sweep, plot_sweep, sweep
+
+    name, values = parse_sweep(args.sweep)
+    rows = sweep(args.model, config, name, values, fit=args.fit, pinned=_pinned(argv))
+    if args.plot:
+        plot_sweep(name, rows, args.plot, title=f"{args.model}, P={config.prompt_tokens:,}, G={config.group}, "
+                                                f"R={config.response_tokens:,}, {config.mode}"
+                                                + (f", {config.gpu}" if config.gpu else ""))
+    print(json.dumps({"sweep": name, "rows": rows}) if args.json else format_sweep(name, rows))
+    return 0
+
+
+def plan(args, argv=()) -> int:
     if args.tree is None and (args.group is None or args.response_tokens is None):
         raise SystemExit("longstraw plan: give --group and --response-tokens, or --tree (e.g. --tree 2048x1,256x8)")
-    report = estimate(args.model, PlanConfig(**{name: getattr(args, name) for name in _PLAN_FIELDS}))
-    print(json.dumps(report) if args.json else format_report(report))
-    return 0
+    config = PlanConfig(**{name: getattr(args, name) for name in _PLAN_FIELDS})
+    if args.sweep:
+        return _sweep(args, config, argv)
+    if not args.fit:
+        report = estimate(args.model, config)
+        print(json.dumps(report) if args.json else format_report(report))
+        return 0
+    from longstraw.plan.fit import fit_report, format_fit, search
+
+    result = search(args.model, config, _pinned(argv))
+    entry = fit_report(result)
+    report = estimate(args.model, result.config) if entry["fit"] else result.leanest
+    report.update(entry)
+    print(json.dumps(report) if args.json else format_report(report) + "\n\n" + format_fit(result))
+    return 0 if entry["fit"] else 3
 
 
 def _add_plan_parser(sub) -> None:
@@ -200,8 +241,8 @@ def _add_plan_parser(sub) -> None:
     p.add_argument("--host-bandwidth", dest="host_bandwidth_gbs", type=float, default=50.0,
                    help="host<->device GB/s for the offload traffic's time (default 50, PCIe Gen5 x16 in practice)")
     p.add_argument("--recompute-layers", default=None, type=_auto_on_off, metavar="{auto,on,off}", help="replay and the exact walk recompute each "
-                   "decoder layer in backward (ExecConfig.recompute_layers; default auto: pieces / walk chunks of "
-                   "1,024+ tokens)")
+                   "decoder layer in backward (ExecConfig.recompute_layers; default auto: where a piece's / walk chunk's graph would "
+                   "exceed twice the weights + gradients + state the step holds anyway)")
     p.add_argument("--offload-snapshots", default=None, type=_auto_on_off, metavar="{auto,on,off}",
                    help="exact mode: GDN snapshots (all but the latest) in host memory, one staged back per walk "
                         "chunk (ExecConfig.offload_snapshots; default auto: with --offload-state)")
@@ -213,6 +254,31 @@ def _add_plan_parser(sub) -> None:
                                                                "no second capture (the paper: 2; default 0)")
     p.add_argument("--throughput-tflops", type=float, default=400.0,
                    help="effective TFLOP/s per rank (default 400, an H100/H200-class GPU in bf16)")
+    _add_fit_flags(p)
+
+
+def _add_fit_flags(p) -> None:
+    """`longstraw plan`'s GPU preset, link, data-parallel, --fit and --json flags."""
+    p.add_argument("--gpu", default=None, help="GPU preset: h20, h100, h200, b200, a100-80gb, mi300x (plan/gpus.json, "
+                   "each figure with its source): sets --gpu-memory, --throughput-tflops (bf16 dense peak x the stated "
+                   "efficiency) and the link bandwidths where they are not given")
+    p.add_argument("--gpus-per-node", type=int, default=8, help="GPUs per node (default 8): larger groups talk over "
+                                                                 "the inter-node link")
+    p.add_argument("--intra-node-bandwidth", dest="intra_node_gbs", type=float, default=360.0,
+                   help="effective one-direction intra-node GB/s per GPU (default 360: NVLink 900 / 2 x 0.8)")
+    p.add_argument("--inter-node-bandwidth", dest="inter_node_gbs", type=float, default=40.0,
+                   help="effective per-GPU inter-node GB/s (default 40: 400 Gb/s x 0.8)")
+    p.add_argument("--data-parallel", type=int, default=1, help="data-parallel replicas of the W ranks: one "
+                                                                "all-reduce of the trainable gradients per step")
+    p.add_argument("--fit", action="store_true",
+                   help="search pieces, chunk size, recompute, state offload, snapshots on host, expert parallelism, "
+                        "parameter sharding, keep_graph_bytes (and --mode if not given) for the fastest setting whose "
+                        "peak fits --gpu-memory (or the --gpu preset's) minus --reserve; a flag given pins its option. "
+                        "Prints the flags and the ExecConfig; exit 3 when nothing fits (plan/fit.py)")
+    p.add_argument("--sweep", default=None, help="FIELD=V1,V2,...: one plan (with --fit: one fit) per value, e.g. "
+                   "gpus=8,16,32,64 or prompt_tokens=1048576,2097152 (plan/sweep.py)")
+    p.add_argument("--plot", default=None, help="with --sweep: draw time, memory per rank and communication share "
+                                                "against the swept field to this PNG (needs matplotlib)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
 
 
@@ -299,7 +365,7 @@ def main(argv=None) -> int:
     try:
         if args.command == "train":
             return train(args)
-        return plan(args) if args.command == "plan" else demo(args)
+        return plan(args, argv) if args.command == "plan" else demo(args)
     except LongStrawError as exc:
         print(f"longstraw: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 2

@@ -131,10 +131,16 @@ class ExecConfig:
     """Replay: keep only each decoder layer's input per piece and recompute the layer's
     forward in backward (`models/recompute.py`), so a piece's live graph holds one
     layer's activations instead of all of them, for about one more forward per piece.
-    None: on where it pays, i.e. for pieces (`branch_chunk_size`, else the response) of
-    at least 1,024 tokens on a model of 2+ layers (`defaults.recompute_pays`; the
-    planner applies the same rule). Changes nothing in the result; `step` reports the
-    choice as the metric `recompute_layers`. See docs/planner.md."""
+    None (the default): on only where the memory is plainly worth the time, i.e. where
+    one piece's (`branch_chunk_size`, else the response) autograd graph, as the planner
+    estimates it for this model's shapes, would exceed `defaults.RECOMPUTE_GRAPH_SHARE`
+    (2) times what the step holds anyway on this rank: the weights, the gradients of
+    what is trained, the prompt state and (exact mode) its gradients and snapshots
+    (`defaults.recompute_pays`; the planner applies the same rule, and exact mode's
+    reverse walk decides for its chunks the same way). So no time is traded for memory
+    unasked: a budget (`ls.fit_config`, `longstraw plan --fit`) turns it on where the fit
+    needs it. Changes nothing in the result; `step` reports the choice as the metrics
+    `recompute_layers` and `walk_recompute_layers`. See docs/planner.md."""
 
     progress: bool = False
     """Show a progress bar over capture chunks and branches (stderr)."""

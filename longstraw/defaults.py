@@ -43,20 +43,27 @@ def offloads_snapshots(setting: bool | None, exact: bool, offload_state: bool) -
     return exact and (offload_state if setting is None else bool(setting))
 
 
-RECOMPUTE_MIN_TOKENS = 1024
-"""`recompute_layers=None` recomputes the layers of replay pieces of at least this many tokens."""
+RECOMPUTE_GRAPH_SHARE = 2.0
+"""`recompute_layers=None` recomputes the layers of a replay piece (or an exact-mode walk
+chunk) exactly when its autograd graph would exceed this many times what the step holds
+anyway: the weights, their gradients, the prompt state and (exact mode) its gradients
+and snapshots. Below that the graph at most triples the step's memory, and recompute
+would spend about a third more replay compute on memory that nobody asked to save; above
+it recompute cuts the peak by two thirds or more. A memory budget (`fit_config`,
+`longstraw plan --fit`) turns recompute on wherever the fit needs it instead."""
 
 
-def recompute_pays(setting: bool | None, piece_tokens: int, layers: int) -> bool:
-    """Whether replay pieces of `piece_tokens` tokens recompute each decoder layer in
-    backward (the engine's and the planner's one rule; kept here, torch-free, beside
-    its constants).
+def recompute_pays(setting: bool | None, graph_bytes: float, held_bytes: float, layers: int) -> bool:
+    """Whether a replay piece (or walk chunk) whose autograd graph would hold `graph_bytes`
+    recomputes each decoder layer in backward: the engine's and the planner's one rule
+    (kept here, torch-free, beside its constant).
 
-    `setting` is `recompute_layers`: True / False as given; None: on when the model has
-    2+ decoder layers and a piece holds at least `RECOMPUTE_MIN_TOKENS` tokens. The price
-    is one more forward of the piece's layers (about a third more replay compute); the
-    gain is the graph of all but one layer (of the order of tokens x layers x 10 x hidden
-    bytes), which at a thousand tokens and more is what sets a replay's peak."""
+    `setting` is `recompute_layers`: True / False as given. None: on when the model has
+    2+ decoder layers and `graph_bytes > RECOMPUTE_GRAPH_SHARE * held_bytes`, where
+    `held_bytes` is what the step holds anyway on this rank (weights, gradients, prompt
+    state, exact mode's state gradients and snapshots). The price of recompute is one
+    more forward of the piece's layers (about a third more replay compute); the gain is
+    the graph of all but one layer."""
     if setting is not None:
         return bool(setting)
-    return layers >= 2 and piece_tokens >= RECOMPUTE_MIN_TOKENS
+    return layers >= 2 and graph_bytes > RECOMPUTE_GRAPH_SHARE * held_bytes

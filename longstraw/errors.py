@@ -59,3 +59,8 @@ class NonFiniteError(LongStrawError, RuntimeError):
     """Training produced non-finite numbers: the gradient norm stayed NaN/inf for too many
     steps in a row (each such update is skipped), or the weights are not finite (the
     checkpoint is then not overwritten)."""
+
+
+class DoesNotFitError(LongStrawError, ValueError):
+    """No configuration of the engine's options fits the memory budget (`fit_config`):
+    the message names the binding term and the changes that would fit."""

@@ -312,8 +312,9 @@ def test_lora_and_quantization_shrink_static_memory():
 
 
 def test_branch_pieces_shrink_replay():
-    one = plan("qwen3.6-27b", response_tokens=8192)
-    pieces = plan("qwen3.6-27b", response_tokens=8192, branch_chunk_size=2048)
+    # recompute pinned off: the default turns it on for the one 8,192-token piece (its graph > 2x what is held)
+    one = plan("qwen3.6-27b", response_tokens=8192, recompute_layers=False)
+    pieces = plan("qwen3.6-27b", response_tokens=8192, branch_chunk_size=2048, recompute_layers=False)
     assert pieces["replay_working_bytes"] < one["replay_working_bytes"] / 2
     assert pieces["breakdown"]["replay"]["held_branch_tokens"] == 6144
 
@@ -665,8 +666,10 @@ def test_the_walk_recomputes_layers_and_keeps_snapshots_on_host():
     every rank) move to host memory with offload_snapshots; only one staged pair and two
     gradients per layer stay."""
     off = plan("qwen3.6-27b", branch_chunk_size=2048, recompute_layers=False, **PAPER_QWEN)
-    on = plan("qwen3.6-27b", branch_chunk_size=2048, **PAPER_QWEN)
-    host = plan("qwen3.6-27b", branch_chunk_size=2048, offload_snapshots=True, **PAPER_QWEN)
+    # recompute asked for: by default the walk's chunk graph (148 GiB) is under 2x what the step holds
+    on = plan("qwen3.6-27b", branch_chunk_size=2048, recompute_layers=True, **PAPER_QWEN)
+    host = plan("qwen3.6-27b", branch_chunk_size=2048, offload_snapshots=True, recompute_layers=True, **PAPER_QWEN)
+    assert not plan("qwen3.6-27b", branch_chunk_size=2048, **PAPER_QWEN)["walk_recompute_layers"]
     assert on["walk_recompute_layers"] and not off["walk_recompute_layers"]
     assert on["recompute_working_bytes"] < off["recompute_working_bytes"] / 20
     assert on["flops_exact_extra"] > off["flops_exact_extra"]  # one more forward per walk chunk
@@ -679,14 +682,14 @@ def test_the_walk_recomputes_layers_and_keeps_snapshots_on_host():
 
 @pytest.mark.parametrize("pieces", [2048, 8192])
 def test_the_papers_qwen_exact_run_fits(pieces):
-    r = plan("qwen3.6-27b", branch_chunk_size=pieces, offload_snapshots=True, **PAPER_QWEN)
+    r = plan("qwen3.6-27b", branch_chunk_size=pieces, offload_snapshots=True, recompute_layers=True, **PAPER_QWEN)
     assert r["fits"] and r["peak_bytes_per_rank"] <= 0.85 * r["gpu_memory_bytes"], r["peak_bytes_per_rank"] / GiB
     one = plan("qwen3.6-27b", **dict(PAPER_QWEN, prompt_tokens=2097152, gpus=1, weight_dtype=None),
-               gpu_memory="141GB", offload_state=True, branch_chunk_size=2048)
+               gpu_memory="141GB", offload_state=True, branch_chunk_size=2048, recompute_layers=True)
     assert one["exact_snapshots"]["offload"] and one["peak_bytes_per_rank"] <= 0.85 * one["gpu_memory_bytes"]
 
 
 def test_the_walk_does_not_recompute_layers_under_fsdp2():
-    kw = dict(PAPER_QWEN, branch_chunk_size=2048)
+    kw = dict(PAPER_QWEN, branch_chunk_size=2048, recompute_layers=True)
     assert plan("qwen3.6-27b", **kw)["walk_recompute_layers"]
     assert not plan("qwen3.6-27b", shard_params=True, **kw)["walk_recompute_layers"]  # the engine's rule

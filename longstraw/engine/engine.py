@@ -59,6 +59,7 @@ from longstraw.group import BatchTotals, Group, StepResult
 from longstraw.models import adapter_for
 from longstraw.models.placement import check_placement
 from longstraw.models.recompute import recompute_pays
+from longstraw.shapes import graph_bytes_per_token, model_held_bytes
 from longstraw.parallel.collectives import Traffic
 from longstraw.models.experts import shard_experts
 from longstraw.parallel.context import ContextParallel
@@ -83,6 +84,7 @@ class Engine:
         self.model = model
         self.config = config
         self.adapter = adapter_for(model)
+        self._graph_per_token: float | None = None  # recomputes_layers' estimate, made once
         check_placement(model)  # one device, no accelerate hooks (models/placement.py)
         want, have = (torch.device(config.state_device) if config.state_device else None), self.adapter.device
         if want is not None and not config.offloads_state() \
@@ -182,12 +184,25 @@ class Engine:
         walk_back(self, ids, start, states, size, piece_loss=piece_loss, desc=desc, shard=shard,
                   recompute_layers=recompute_layers)
 
-    def recomputes_layers(self, piece_tokens: int) -> bool:
+    def recomputes_layers(self, piece_tokens: int, state: PromptState | None = None) -> bool:
         """Whether replay pieces of `piece_tokens` tokens recompute each decoder layer in
-        backward (`ExecConfig.recompute_layers`; None: `recompute.recompute_pays`)."""
-        return recompute_pays(self.config.recompute_layers, piece_tokens, len(self.adapter.backbone.layers))
+        backward (`ExecConfig.recompute_layers`; None: `defaults.recompute_pays`, when the
+        piece's estimated graph exceeds `RECOMPUTE_GRAPH_SHARE` x `held_bytes(state)`)."""
+        layers = len(self.adapter.backbone.layers)
+        setting = self.config.recompute_layers
+        if setting is not None or layers < 2:
+            return recompute_pays(setting, 0.0, 0.0, layers)
+        if self._graph_per_token is None:  # the planner's per-token graph for this model's shapes (shapes.py)
+            self._graph_per_token = graph_bytes_per_token(self.model, layers)
+        return recompute_pays(None, piece_tokens * self._graph_per_token, self.held_bytes(state), layers)
 
-    def walk_recomputes_layers(self, positions: int) -> bool:
+    def held_bytes(self, state: PromptState | None = None) -> int:
+        """What a step holds on this rank anyway, the default recompute rule's yardstick:
+        the weights, the gradients of what is trained, and `state` (its rows, snapshots
+        and exact mode's gradient buffers)."""
+        return model_held_bytes(self.model) + (0 if state is None else state.nbytes() + state.grad_nbytes())
+
+    def walk_recomputes_layers(self, positions: int, state: PromptState | None = None) -> bool:
         """Whether exact mode's reverse walk over a prompt state of `positions` captured
         tokens recomputes each decoder layer in backward: the replay rule
         (`recomputes_layers`) for its chunks of min(chunk_size, positions) tokens. A chunk
@@ -197,7 +212,7 @@ class Engine:
         gathered its weights (untested; the walk keeps the chunk's whole graph there)."""
         if self.adapter.sharded_modules():
             return False
-        return self.recomputes_layers(min(self.config.chunk_size, positions))
+        return self.recomputes_layers(min(self.config.chunk_size, positions), state)
 
     def replay_branch(self, state: PromptState, prompt: torch.Tensor, response: torch.Tensor, piece_loss) -> None:
         """Backpropagate one branch's loss against the read-only prompt state.
@@ -324,7 +339,6 @@ class Engine:
 
         t0, c0 = clock(self.adapter.device), Traffic.received
         adv, skip = G.step_advantages(group, rewards, grpo)
-        longest = max(int(r.numel()) for r in group.responses)  # replay's longest piece decides the metric
         metrics = StepMetrics(
             context_parallel_world=float(self.cp.world if self.cp is not None else 1),
             divided_capture=float(state is None and self.divides_capture(
@@ -338,7 +352,6 @@ class Engine:
             advantage_std=float(adv.std()) if group.size > 1 else 0.0,
             advantage_min=float(adv.min()),
             advantage_max=float(adv.max()),
-            recompute_layers=float(self.recomputes_layers(min(self.config.branch_chunk_size or longest, longest))),
         )
         if skip or group.loss_tokens == 0:  # zero advantage and no KL term, or no loss token: loss, gradient 0
             metrics.skipped_zero_advantage, metrics.skipped_no_loss_tokens = float(skip), float(not skip)
@@ -357,13 +370,16 @@ class Engine:
             marks.append((clock(self.adapter.device), Traffic.received))
 
         state = self._reuse_or_capture(group, state, exact)
+        longest = max(int(r.numel()) for r in group.responses)  # replay's longest piece decides the metric
+        metrics.recompute_layers = float(self.recomputes_layers(min(self.config.branch_chunk_size or longest, longest),
+                                                                state))
         try:
             mark()
             replay = replay_tree if self.config.share_response_prefixes else replay_group  # trie / flat
             stats = replay(self, state, group, grpo, totals, adv)
             mark()
             divided = exact and self.divides_walk(state)
-            walk_rc = exact and self.walk_recomputes_layers(group.prompt.numel() - 1)
+            walk_rc = exact and self.walk_recomputes_layers(group.prompt.numel() - 1, state)
             if divided:  # each prompt token on one rank; the ranks' partial gradients summed once
                 with summed_walk_gradients(self.model, self.cp, self.adapter.sharded_modules()):
                     self.walk_back(group.prompt[:-1].to(self.adapter.device), 0, [state], self.config.chunk_size,

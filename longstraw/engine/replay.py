@@ -58,7 +58,7 @@ def replay_branch(engine, state: PromptState, prompt: torch.Tensor, response: to
     capture_chunks(engine, inputs[:held], start, [state, branch], size, None)  # no bar inside replay's
     branch.enable_grad_buffers()
     engine.walk_back(inputs, start, [state, branch], size, piece_loss=piece_loss, desc=None,
-                     recompute_layers=engine.recomputes_layers(min(size, inputs.shape[0])))
+                     recompute_layers=engine.recomputes_layers(min(size, inputs.shape[0]), state))
 
 
 def branch_logprobs(engine, state: PromptState, prompt: torch.Tensor, response: torch.Tensor,

@@ -99,7 +99,7 @@ def replay_tree(engine, state: PromptState, group: Group, grpo: GRPOConfig, tota
         for child in seg.children:  # each adds its dLoss/dState into `own` (and above)
             visit(child, stack + [own])
         engine.walk_back(inputs, start, stack + [own], size, piece_loss=piece_loss, desc=None,
-                         recompute_layers=engine.recomputes_layers(min(size, seg.tokens)))  # as a flat branch's pieces
+                         recompute_layers=engine.recomputes_layers(min(size, seg.tokens), stack[0]))  # as a flat branch's pieces
         bar.advance(sum(group.responses[i].shape[0] == seg.end for i in seg.members))  # responses ending here
 
     with ProgressCounter(enabled=engine.config.progress, desc="replay", total=group.size) as bar:  # per response

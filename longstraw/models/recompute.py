@@ -36,11 +36,11 @@ import dataclasses
 
 from torch.utils.checkpoint import checkpoint
 
-from longstraw.defaults import RECOMPUTE_MIN_TOKENS, recompute_pays  # the rule, shared with the planner
+from longstraw.defaults import RECOMPUTE_GRAPH_SHARE, recompute_pays  # the rule, shared with the planner
 
 from .routing import AttentionCall, forwards_replaced, routed
 
-__all__ = ["RECOMPUTE_MIN_TOKENS", "recompute_pays", "recomputed_layers"]
+__all__ = ["RECOMPUTE_GRAPH_SHARE", "recompute_pays", "recomputed_layers"]
 
 
 @contextlib.contextmanager

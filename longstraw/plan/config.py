@@ -25,6 +25,7 @@ from .arch import (
     load_model_config,
     parse_bytes,
 )
+from .gpus import gpu_spec
 from .tree import parse_tree
 
 @dataclass(kw_only=True, slots=True)
@@ -85,7 +86,8 @@ class PlanConfig:
     """Replay recomputes each decoder layer in backward (ExecConfig.recompute_layers): a
     piece's graph is every layer's input plus one layer's activations, for one more
     forward of the piece's layers. None: the engine's rule (`defaults.recompute_pays`:
-    pieces of 1,024+ tokens)."""
+    where a piece's graph would exceed twice the weights + gradients + state the step
+    holds anyway; `--fit` turns it on where the budget needs it)."""
 
     logits_chunk_size: int = defaults.LOGITS_CHUNK_SIZE
     """Response tokens per lm_head + log-softmax chunk (ExecConfig)."""
@@ -164,6 +166,27 @@ class PlanConfig:
     """Effective dense throughput per rank, TFLOP/s (default 400: an H100/H200-class GPU
     at ~40-50% of its bf16 peak; an H20 is ~148 peak)."""
 
+    gpu: str | None = None
+    """A GPU preset (`plan/gpus.json`: h20, h100, h200, b200, a100-80gb, mi300x): sets
+    `gpu_memory`, `throughput_tflops` (bf16 dense peak x the stated efficiency) and the
+    link bandwidths, each where the field is left at its default (`plan/gpus.py`)."""
+
+    gpus_per_node: int = 8
+    """GPUs per node: a group of at most this many ranks talks over the intra-node link,
+    a larger one over the per-GPU inter-node bandwidth (the slowest hop bounds a ring)."""
+
+    intra_node_gbs: float = 360.0
+    """Effective one-direction intra-node bandwidth per GPU, GB/s (default: NVLink 4's
+    900 GB/s aggregate, halved, x 0.8; a `gpu` preset sets its own)."""
+
+    inter_node_gbs: float = 40.0
+    """Effective per-GPU inter-node bandwidth, GB/s (default: one 400 Gb/s NIC per GPU,
+    50 GB/s, x 0.8)."""
+
+    data_parallel: int = 1
+    """Data-parallel replicas of the W context-parallel ranks (W x data_parallel GPUs in
+    all): the trainable gradients are all-reduced over them once per step."""
+
     tree: object = None
     """A prefix tree of the responses (`plan/tree.py`): levels [(segment_tokens, fan_out), ...]
     below the prompt, e.g. [(2048, 1), (256, 8)] (8 responses share 2,048 tokens, then 256
@@ -171,6 +194,19 @@ class PlanConfig:
     segments' sum); each shared segment is replayed once. None: G flat responses."""
 
     def __post_init__(self):
+        if self.gpu is not None:
+            for name, value in gpu_spec(self.gpu).plan_fields().items():  # where the field is at its default
+                if getattr(self, name) == _DEFAULTS[name]:
+                    setattr(self, name, value)
+            self.gpu = self.gpu.lower()
+        for name in ("gpus_per_node", "data_parallel"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ConfigError(f"PlanConfig.{name} must be a positive int, got {value!r}")
+        for name in ("intra_node_gbs", "inter_node_gbs"):
+            value = getattr(self, name)
+            if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
+                raise ConfigError(f"PlanConfig.{name} must be a number > 0, got {value!r}")
         if self.tree is not None:
             self.tree = parse_tree(self.tree)
             self.group, self.response_tokens = math.prod(f for _, f in self.tree), sum(n for n, _ in self.tree)
@@ -220,6 +256,11 @@ class PlanConfig:
             if self.weight_dtype in QUANT_BYTES and not self.lora_rank:
                 raise ConfigError(f"weight_dtype {self.weight_dtype!r} stores frozen base weights: "
                                   "full training needs a float dtype; pass lora_rank for (Q)LoRA")
+
+_DEFAULTS = {"gpu_memory": "96GiB", "throughput_tflops": 400.0, "host_bandwidth_gbs": 50.0,
+             "intra_node_gbs": 360.0, "inter_node_gbs": 40.0}
+"""PlanConfig's defaults of the fields a GPU preset sets (kept equal to the field defaults: a test)."""
+
 
 @dataclass(frozen=True)
 class Basis:

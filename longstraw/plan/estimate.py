@@ -18,6 +18,7 @@ from .memory import plan_capture, plan_replay, plan_state, plan_walk, plan_weigh
 from .offload import plan_offload
 from .peak import plan_peak
 from .report import build_report
+from .comm import plan_comm
 from .timing import plan_time
 from .tree_cost import plan_tree_replay, tree_report, tree_timing
 
@@ -43,5 +44,18 @@ def estimate(model, config: PlanConfig) -> dict:
                        recompute=replay.recompute, walk_recompute=walk.recompute)
     if config.tree:  # each shared segment once, plus a forward per segment with children
         timing = tree_timing(s, timing)
+    thr = timing.throughput
+    comm = plan_comm(s, capture_comm=capture.comm, walk_comm=walk.comm, divided_capture=capture.divided,
+                     divided_walk=walk.divided, recompute=replay.recompute, walk_recompute=walk.recompute,
+                     n_chunks=walk.chunks, walk_chunks=-(-max(s.P - 1, 1) // walk.chunk) if s.exact else 0,
+                     gathered=weights.gathered, grad_bytes=weights.grad_bytes,
+                     compute={"capture": timing.flops_capture / thr, "replay": s.G * timing.flops_branch / thr,
+                              "walk": timing.flops_exact_extra / thr if s.exact else 0.0},
+                     offload_s=timing.t_transfer,
+                     offload_bytes=offload.figures["traffic_bytes"] if offload.figures else 0.0)
     report = build_report(s, state, weights, replay, capture, walk, offload, score, peak, timing)
+    report["comm"] = comm.as_dict()
+    report["estimated_time_s_compute"] = report["estimated_time_s"]
+    report["estimated_time_s"] = comm.total_s
+    report["gpu"] = config.gpu
     return {**report, "tree": tree_report(s)} if config.tree else report

@@ -242,13 +242,22 @@ def plan_replay(s: Basis, state: StatePlan) -> ReplayPlan:
     # the earlier pieces' state (and the recurrent state at each piece start), with grad buffers
     branch_state = 2 * (st["per_token"] * held + held // T * (st["recurrent_fixed"] + st["conv_tail_fixed"]))
     working = graph + max(attn, logits)
-    recompute = recompute_pays(c.recompute_layers, T, len(arch.layers))
+    recompute = recompute_pays(c.recompute_layers, graph, held_bytes(s, state), len(arch.layers))
     if recompute:  # the layers' inputs, then one layer's graph at a time (its backward), or the logits
         kept, moment, layer_graph = recompute_pass(arch, T, s.p_rank + held, c.attention_block_size, b, s.acc,
                                                    c.self_attention != "flash", c.gdn_kernel)
         graph, working = kept + layer_graph, kept + max(moment, logits)
     return ReplayPlan(T=T, held=held, graph_tok=_graph_tok(s), recompute=recompute, graph=graph, attention=attn,
                       logits=logits, branch_state=branch_state, working=working + branch_state)
+
+
+def held_bytes(s: Basis, state: StatePlan) -> float:
+    """What the step holds anyway on the fullest rank, the yardstick of `recompute_pays`
+    (as `Engine.held_bytes`): weights, their gradients, the prompt state and (exact mode)
+    its gradients and device snapshots. The optimizer state is not counted (the engine
+    does not see it)."""
+    w = plan_weights(s)
+    return w.param_bytes + w.grad_bytes + state.rank + state.grad + state.checkpoints
 
 
 def _gathered_walk_row_bytes(arch: Arch, layer: LayerSpec, b: int, gk: bool) -> float:
@@ -376,7 +385,9 @@ def plan_walk(s: Basis, capture: CapturePlan, graph_tok: float) -> WalkPlan:
     c, W, P, C, exact, params = s.config, s.W, s.P, capture.C, s.exact, s.params
     graph, transient = _autograd(s, C, s.p_rank)
     # the engine's rule (Engine.walk_recomputes_layers): replay's, for chunks of min(C, P - 1); not under FSDP2
-    recompute = exact and not c.shard_params and recompute_pays(c.recompute_layers, min(C, P - 1), len(s.arch.layers))
+    walk_graph = _autograd(s, min(C, P - 1), s.p_rank)[0]  # one undivided walk chunk's graph (the engine's yardstick)
+    recompute = exact and not c.shard_params and recompute_pays(c.recompute_layers, walk_graph,
+                                                                 held_bytes(s, plan_state(s)), len(s.arch.layers))
     working = (walk_recompute_working(s, C, s.p_rank) if recompute else graph + transient) if exact else 0.0
     # exact mode's kept capture graphs (the last chunks that fit), alive from capture to their walk
     chunks = -(-max(P - 1, 1) // C)

@@ -50,7 +50,7 @@ def step_assumptions(s: Basis, capture: CapturePlan, walk: WalkPlan, replay: Rep
         "capture x1, replay x(1 + backward) per branch (+ x1 per score pass; pieces add a no-grad forward of the "
         "held tokens), exact adds a backward of the prompt forward plus a recomputed forward of every chunk whose "
         "graph is not kept",
-        f"time = one rank's FLOPs / {c.throughput_tflops:g} TFLOP/s effective (communication not counted): "
+        f"compute time = one rank's FLOPs / {c.throughput_tflops:g} TFLOP/s effective (communication: `comm`): "
         + ("capture divided (each prompt token on one rank; GDN transitions (Dk+Dv)/Dv of a plain pass), "
            if divided else "capture replicated except attention over the prompt state (divided by W), ")
         + (f"the exact reverse walk divided (each prompt token on one rank; each walk chunk's own causal attention, "
@@ -198,6 +198,24 @@ def _offload_rows(r: dict) -> list[tuple[str, str]]:
     ]
 
 
+def _comm_rows(r: dict) -> list:
+    """The time with communication, per phase (`comm.plan_comm`)."""
+    i, rows = r["inputs"], []
+    if r.get("gpu"):
+        rows.append(("gpu preset", f"{r['gpu']}: {human_bytes(i['gpu_memory'])}, {i['throughput_tflops']:.1f} "
+                                   f"TFLOP/s effective, links {i['intra_node_gbs']:g} / {i['inter_node_gbs']:g} "
+                                   f"GB/s intra / inter-node, host {i['host_bandwidth_gbs']:g} GB/s (effective)"))
+    for name, ph in r["comm"]["phases"].items():
+        if name == "offload" or not (ph.get("compute_s") or ph.get("blocking_s") or ph.get("prefetched_s")):
+            continue
+        links = ", ".join(f"{human_bytes(v).split(' (')[0]} {k}" for k, v in ph["bytes_by_link"].items() if v)
+        rows.append((f"  {name}", f"{ph['time_s']:,.1f} s = compute {ph['compute_s']:,.1f} + blocking comm "
+                                  f"{ph['blocking_s']:,.1f} (prefetched {ph['prefetched_s']:,.1f})"
+                                  + (f"; {links}" if links else "")))
+    rows.append(("TIME with communication", f"{r['estimated_time_s']:,.1f} s  ({r['comm']['rule']})"))
+    return rows
+
+
 def format_report(r: dict) -> str:
     """The human-readable table of an `estimate` result."""
     i = r["inputs"]
@@ -260,8 +278,10 @@ def format_report(r: dict) -> str:
         ("  at", f"{i['throughput_tflops']:g} TFLOP/s effective per rank x {i['gpus']} rank(s)"),
     ]
     if i["offload_state"]:
-        rows.append(("time, with offload", f"{r['estimated_time_s']:,.1f} s  (the larger of compute and "
-                                           f"{r['offload_transfer_time_s']:,.1f} s of transfer, overlapped)"))
+        rows.append(("  offload transfer", f"{r['offload_transfer_time_s']:,.1f} s at {i['host_bandwidth_gbs']:g} "
+                                           "GB/s (overlaps the step)"))
+    if "comm" in r:
+        rows += _comm_rows(r)
     width = max(len(row[0]) for row in rows if row)
     lines = [f"  {row[0]:<{width}}  {row[1]}" if row else "" for row in rows]
     lines += ["", "  assumptions:"] + [f"    - {a}" for a in r["assumptions"]]

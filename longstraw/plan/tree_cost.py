@@ -8,7 +8,7 @@ from dataclasses import replace
 from ..defaults import recompute_pays
 from .arch import BACKWARD_FACTOR
 from .config import Basis
-from .memory import ReplayPlan, StatePlan, plan_replay
+from .memory import ReplayPlan, StatePlan, held_bytes, plan_replay, plan_state
 from .timing import Timing, forward_flops
 from .tree import Level, leaf_pieces, levels, segment_chunk
 from .working import autograd_pass, recompute_pass
@@ -46,7 +46,7 @@ def plan_tree_replay(s: Basis, state: StatePlan) -> ReplayPlan:
         snaps = own_snaps + sum(chunks(x) for x in above)
         branch_state = 2 * (st["per_token"] * (lv.above + own_tokens) + snaps * fixed)  # with gradient buffers
         working = graph + max(attn, logits)
-        recompute = recompute_pays(c.recompute_layers, T, len(arch.layers))  # the engine's rule, as memory.plan_replay
+        recompute = recompute_pays(c.recompute_layers, graph, held_bytes(s, state), len(arch.layers))  # as plan_replay
         if recompute:
             kept, moment, layer_graph = recompute_pass(arch, T, s.p_rank + held, c.attention_block_size, b, s.acc,
                                                        dense, c.gdn_kernel)
@@ -64,6 +64,8 @@ def plan_tree_replay(s: Basis, state: StatePlan) -> ReplayPlan:
 def tree_replay_flops(s: Basis) -> float:
     """Replay FLOPs of the whole tree on one rank (all leaves and shared segments)."""
     c, arch, params, P, W = s.config, s.arch, s.params, s.P, s.W
+    held_anyway = held_bytes(s, plan_state(s))  # the recompute rule's yardstick (as plan_tree_replay)
+    dense = c.self_attention != "flash"
     total = 0.0
     for lv in levels(c.tree):
         L, prefix = lv.tokens, P + lv.above
@@ -74,7 +76,9 @@ def tree_replay_flops(s: Basis) -> float:
         else:  # its capture before the children, then the walk's recompute
             extra = forward_flops(arch, params, L, prefix, lm_head=False, world=W)
         T = leaf_pieces(c, L)[0] if lv.leaf else segment_chunk(c, L)
-        if recompute_pays(c.recompute_layers, T, len(arch.layers)):  # one more forward of the layers
+        graph = autograd_pass(arch, T, s.p_rank + lv.above, c.attention_block_size, s.b, s.acc, dense,
+                              c.gdn_kernel)[0]
+        if recompute_pays(c.recompute_layers, graph, held_anyway, len(arch.layers)):  # one more forward of the layers
             extra += forward_flops(arch, params, L, prefix, lm_head=False, world=W)
         total += lv.nodes * ((1 + BACKWARD_FACTOR + c.score_passes) * fwd + extra)
     return total

@@ -65,12 +65,19 @@ def test_each_layer_runs_again_in_the_walk(monkeypatch):
 
 
 def test_the_walk_follows_the_rule_for_its_chunks():
-    """recompute_layers=None: the walk recomputes when its chunks (min(chunk_size, P - 1)
-    tokens) are long enough, whatever replay's pieces do."""
+    """recompute_layers=None: the walk recomputes when one of its chunks' (min(chunk_size,
+    P - 1) tokens) graph would exceed RECOMPUTE_GRAPH_SHARE x what the step holds
+    anyway, whatever replay's pieces do."""
+    from longstraw.defaults import RECOMPUTE_GRAPH_SHARE
+    from longstraw.shapes import graph_bytes_per_token
+
     model = MODELS["qwen3"]()
     engine = ls.Engine(model, ls.ExecConfig(mode="exact", chunk_size=4096))
-    assert engine.walk_recomputes_layers(1 << 20) and not engine.walk_recomputes_layers(100)
-    assert not ls.Engine(model, ls.ExecConfig(mode="exact", chunk_size=512)).walk_recomputes_layers(1 << 20)
+    tokens = int(RECOMPUTE_GRAPH_SHARE * engine.held_bytes() // graph_bytes_per_token(model, len(model.model.layers)))
+    assert 8 < tokens < 4096, tokens
+    assert engine.walk_recomputes_layers(tokens + 1) and not engine.walk_recomputes_layers(tokens)
+    assert engine.walk_recomputes_layers(1 << 20) and not engine.walk_recomputes_layers(tokens // 2)
+    assert not ls.Engine(model, ls.ExecConfig(mode="exact", chunk_size=tokens)).walk_recomputes_layers(1 << 20)
     assert not ls.Engine(model, ls.ExecConfig(mode="exact", recompute_layers=False)).walk_recomputes_layers(1 << 20)
 
 

@@ -14,7 +14,8 @@ import torch.multiprocessing as mp
 
 import longstraw as ls
 from longstraw.errors import ConfigError
-from longstraw.models.recompute import RECOMPUTE_MIN_TOKENS, recompute_pays
+from longstraw.models.recompute import RECOMPUTE_GRAPH_SHARE, recompute_pays
+from longstraw.shapes import graph_bytes_per_token, model_held_bytes
 from longstraw.models.routing import AttentionCall, Phase
 from tests.reference import (
     assert_grads_close,
@@ -133,14 +134,25 @@ def test_a_recompute_records_no_roots():
             assert not AttentionCall(states=[], start=0, phase=phase, block_size=4, recomputing=True).records_roots()
 
 
-def test_the_default_recomputes_long_pieces_only():
-    assert recompute_pays(None, RECOMPUTE_MIN_TOKENS, layers=2)
-    assert not recompute_pays(None, RECOMPUTE_MIN_TOKENS - 1, layers=64)
-    assert not recompute_pays(None, 8192, layers=1)  # one layer: nothing to gain
-    assert recompute_pays(True, 1, layers=1) and not recompute_pays(False, 8192, layers=64)
+def test_the_default_recomputes_only_where_a_piece_graph_dwarfs_what_the_step_holds():
+    """recompute_layers=None: on exactly when a piece's estimated graph (the planner's
+    per-token graph for the model's shapes, `shapes.graph_bytes_per_token`) exceeds
+    RECOMPUTE_GRAPH_SHARE x (weights + gradients + prompt state): pieces one token either
+    side of that threshold, through a real step."""
+    assert recompute_pays(None, RECOMPUTE_GRAPH_SHARE * 100 + 1, 100, layers=2)
+    assert not recompute_pays(None, RECOMPUTE_GRAPH_SHARE * 100, 100, layers=64)
+    assert not recompute_pays(None, 1e12, 1, layers=1)  # one layer: nothing to gain
+    assert recompute_pays(True, 0, 1, layers=1) and not recompute_pays(False, 1e12, 1, layers=64)
     model = MODELS["qwen3"]()
-    group = random_group(GROUP["vocab"], 5, [RECOMPUTE_MIN_TOKENS + 1, 3], seed=7)
-    for pieces, want in ((None, 1.0), (RECOMPUTE_MIN_TOKENS, 1.0), (RECOMPUTE_MIN_TOKENS - 1, 0.0)):
+    engine = ls.Engine(model, ls.ExecConfig(allow_position_overflow=True, logits_chunk_size=4096, **EXEC))
+    group = random_group(GROUP["vocab"], 300, [400, 3], seed=7)  # a prompt whose state counts
+    state = engine.capture(group.prompt)
+    held = model_held_bytes(model) + state.nbytes()  # weights, grads, state (detached: no state grads)
+    assert state.nbytes() > 0.1 * held
+    per_token = graph_bytes_per_token(model, len(model.model.layers))
+    threshold = int(RECOMPUTE_GRAPH_SHARE * held // per_token)  # the longest piece that does not recompute
+    assert 8 < threshold < 390, threshold
+    for pieces, want in ((None, 1.0), (threshold + 1, 1.0), (threshold, 0.0)):
         engine = ls.Engine(model, ls.ExecConfig(branch_chunk_size=pieces, allow_position_overflow=True,
                                                 logits_chunk_size=4096, **EXEC))
         model.zero_grad(set_to_none=True)

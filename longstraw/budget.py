@@ -1,0 +1,158 @@
+"""The engine keeps a memory budget: `ls.fit_config(model, memory_budget=..., ...)` runs the
+planner's search (`plan/fit.py`) for this model's real shapes and dtype and returns the
+fastest `ExecConfig` whose step fits, or raises `DoesNotFitError` before any work.
+
+    cfg = ls.fit_config(model, memory_budget="20GiB", prompt_tokens=1_048_576, group=8,
+                        response_tokens=4096, mode="detached")
+    engine = ls.Engine(model, cfg)
+
+What the budget counts: what the step adds above the loaded model and its gradients (the
+prompt state, its gradients in exact mode, the largest phase's working set, kept graphs).
+The planner's peak also holds the weights, gradients and optimizer state; `fit_config`
+plans against `memory_budget + those` so that they cancel. The optimizer is the caller's.
+
+The model's shapes reach the planner through one seam, `longstraw/shapes.py` (its HF config
+as the planner's dict); plan/ stays torch-free.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+
+from longstraw.config import ExecConfig
+from longstraw.errors import ConfigError, DoesNotFitError
+from longstraw.plan.arch import parse_bytes
+from longstraw.plan.config import PlanConfig
+from longstraw.plan.estimate import estimate
+from longstraw.plan.fit import exec_config, search
+from longstraw.shapes import planner_config
+
+__all__ = ["fit_config", "parse_budget", "AUTO_RESERVE", "RUNTIME_RESERVE_BYTES", "RUNTIME_RESERVE_SHARE"]
+
+AUTO_RESERVE = 2 * 2**30
+"""memory_budget="auto" on CUDA: free memory minus this (allocator fragmentation, the
+CUDA context's growth, cuBLAS workspaces)."""
+
+RUNTIME_RESERVE_BYTES = 16 * 2**20
+RUNTIME_RESERVE_SHARE = 0.05
+"""Of every budget, max(16 MiB, 5%) is held back from the planner's peak: what a step holds
+beyond its live tensors (allocator slack, the autograd engine's and BLAS's workspaces).
+Measured on CPU (bench/bench_fit_config.py, tiny qwen3, a fresh process): RSS above the
+model and its gradients was 10-16 MiB above the planner's figure at P = 8,192."""
+
+# ExecConfig fields the search sets, and the PlanConfig field each is
+_SEARCHABLE = {"mode": "mode", "chunk_size": "chunk_size", "branch_chunk_size": "branch_chunk_size",
+               "recompute_layers": "recompute_layers", "offload_snapshots": "offload_snapshots",
+               "expert_parallel": "expert_parallel", "keep_graph_bytes": "keep_graph_bytes"}
+_PLAN_ONLY = {"attention_block_size", "logits_chunk_size", "divide_capture", "divide_walk"}
+
+
+def parse_budget(memory_budget, device: torch.device) -> int:
+    """Bytes of `memory_budget`: an int, a size string ("80GiB", "20GB"), or "auto" on
+    CUDA (free memory minus `AUTO_RESERVE`)."""
+    if isinstance(memory_budget, str) and memory_budget.strip().lower() == "auto":
+        if device.type != "cuda":
+            raise ConfigError(f"memory_budget='auto' reads the free CUDA memory, but the model is on {device}; "
+                              "give bytes or a size such as '20GiB'")
+        free, _ = torch.cuda.mem_get_info(device)
+        return max(0, free - AUTO_RESERVE)
+    if isinstance(memory_budget, bool):
+        raise ConfigError(f"memory_budget must be bytes or a size such as '80GiB', got {memory_budget!r}")
+    try:
+        value = parse_bytes(memory_budget)
+    except (ValueError, TypeError) as exc:
+        raise ConfigError(f"memory_budget must be bytes or a size such as '80GiB', got {memory_budget!r}") from exc
+    if value <= 0:
+        raise ConfigError(f"memory_budget must be > 0, got {memory_budget!r}")
+    return value
+
+
+def _device_and_dtype(model) -> tuple[torch.device, str]:
+    for p in model.parameters():
+        if p.is_floating_point():
+            return p.device, str(p.dtype).removeprefix("torch.")
+    return torch.device("cpu"), "float32"
+
+
+def _lora(model) -> tuple[int | None, str]:
+    """(rank, targets) of a PEFT LoRA model, else (None, "attention")."""
+    cfg = getattr(model, "peft_config", None)
+    if not cfg:
+        return None, "attention"
+    first = next(iter(cfg.values()))
+    targets = {str(t) for t in (getattr(first, "target_modules", None) or [])}
+    return getattr(first, "r", None), ("all-linear" if targets & {"gate_proj", "up_proj", "down_proj"} else "attention")
+
+
+def fit_config(model, *, memory_budget, prompt_tokens: int, group: int, response_tokens: int,
+               mode: str = "detached", **fixed) -> ExecConfig:
+    """The fastest `ExecConfig` whose step fits `memory_budget` above the loaded model.
+
+    Args:
+        model: the HF `...ForCausalLM` (PEFT-wrapped too) the engine will run.
+        memory_budget: bytes the step may add above the model and its gradients: an int,
+            "80GiB" / "20GB", or on CUDA "auto" (free memory minus `AUTO_RESERVE`). The
+            planner's peak must fit it less max(16 MiB, 5%) (`RUNTIME_RESERVE_*`).
+        prompt_tokens / group / response_tokens: the step to fit (P, G, R).
+        mode: "detached" or "exact" (kept as given).
+        **fixed: ExecConfig fields to pin (e.g. `branch_chunk_size=2048`,
+            `recompute_layers=False`, `context_parallel=True`); the others are searched.
+
+    Returns:
+        ExecConfig.
+
+    Raises:
+        DoesNotFitError: nothing fits; the message names the binding term and the
+            changes that would fit. Raised before any work: the model is not run.
+        ConfigError: a bad budget or an unknown field in `fixed`.
+    """
+    unknown = set(fixed) - set(ExecConfig.__dataclass_fields__)
+    if unknown:
+        raise ConfigError(f"fit_config: unknown ExecConfig field(s) {sorted(unknown)}")
+    device, dtype = _device_and_dtype(model)
+    budget = parse_budget(memory_budget, device)
+    cp = bool(fixed.get("context_parallel", False))
+    world = torch.distributed.get_world_size() if cp and torch.distributed.is_initialized() else 1
+    rank, targets = _lora(model)
+    plan_fixed = {_SEARCHABLE[k]: v for k, v in fixed.items() if k in _SEARCHABLE}
+    plan_fixed.update({k: v for k, v in fixed.items() if k in _PLAN_ONLY})
+    offload = fixed.get("state_device") is not None and torch.device(fixed["state_device"]).type == "cpu"
+    pinned = set(plan_fixed) | {"mode", "shard_params"}  # FSDP2 is the caller's wrapping, not an ExecConfig field
+    if device.type == "cpu" or "state_device" in fixed:  # on CPU, host offload saves nothing
+        pinned |= {"offload_state"}
+    if world < 2:
+        pinned |= {"expert_parallel"}
+    base = PlanConfig(prompt_tokens=prompt_tokens, group=group, response_tokens=response_tokens, mode=mode,
+                      gpus=world, dtype=dtype, lora_rank=rank, lora_targets=targets, offload_state=offload,
+                      gdn_kernel="fla" if device.type == "cuda" else "torch", reserve=0, **plan_fixed)
+    cfg = planner_config(model)
+    held = estimate(cfg, base)  # the model, its gradients and the optimizer: outside the budget
+    outside = held["param_bytes"] + held["grad_bytes"] + held["optimizer_bytes"]
+    reserve = max(RUNTIME_RESERVE_BYTES, int(RUNTIME_RESERVE_SHARE * budget))
+    result = search(cfg, replace(base, gpu_memory=int(budget + outside), reserve=reserve), pinned)
+    if not hasattr(result, "config"):
+        raise DoesNotFitError(_does_not_fit(result, memory_budget, budget, outside,
+                                            f"P={prompt_tokens:,}, G={group}, R={response_tokens:,}, mode={mode!r}"))
+    chosen = exec_config(result.config)
+    chosen.pop("context_parallel")
+    if not offload:
+        chosen["state_device"] = fixed.get("state_device")
+    return ExecConfig(**{**chosen, **fixed})
+
+
+def _does_not_fit(result, memory_budget, budget: int, outside: float, step: str) -> str:
+    """The message: what the leanest plan adds above the model, its largest term, and the
+    planner's changes that would fit (more GPUs, a smaller P)."""
+    r = result.leanest
+    phase = r["peak_phase"]
+    terms = {"prompt state": r["state_bytes_on_gpu_per_rank"], "state gradients": r["state_grad_bytes_per_rank"],
+             "recurrent snapshots": r["exact_checkpoint_bytes_per_rank"], "gathered weights": r["gathered_param_bytes"],
+             f"{phase} working set": r["peak_bytes_per_rank"] - r["static_bytes_per_rank"]}
+    largest = max(terms, key=terms.get)
+    adds = r["peak_bytes_per_rank"] - outside
+    hint = [s for s in result.suggestions if not s.startswith("--gpu ")]
+    return (f"no ExecConfig fits memory_budget={memory_budget!r} ({budget:,} B above the model) for {step}: even "
+            f"the leanest setting adds {int(adds):,} B (peak during {phase}); binding term: {largest} "
+            f"{int(terms[largest]):,} B" + (f"; the planner finds a fit with {', '.join(hint)}" if hint else ""))

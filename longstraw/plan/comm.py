@@ -1,0 +1,175 @@
+"""The planner's communication in the time: per phase of a step (capture, replay, exact
+mode's reverse walk, the gradient sums at the end), the bytes the busiest rank receives
+on each link class, the seconds they take, and the rule by which they join the compute
+time. Torch-free.
+
+Link classes (`PlanConfig`, or a `gpu` preset: `plan/gpus.py`):
+  * intra-node (NVLink / Infinity Fabric, `intra_node_gbs`) for a group of at most
+    `gpus_per_node` ranks; inter-node (`inter_node_gbs` per GPU) for a larger one: a ring
+    or all-to-all over more than one node is bounded by its slowest hop;
+  * host (`host_bandwidth_gbs`): offload staging.
+
+What is counted, bytes received per rank:
+  * context parallelism (W ranks): capture's K/V / latent broadcasts and GDN relays
+    (`traffic.divided_capture_traffic`), the divided walk's gathers and its gradient sum
+    (`traffic.divided_walk_traffic`), and replay's log-sum-exp merges: per attention (MLA)
+    layer and replayed token, the partial output and LSE of every other rank's shard,
+    all-reduced (2 (W-1)/W x heads x (v_dim + 1) x fp32), per forward (x2 with layer
+    recompute, +1 per score pass);
+  * expert parallelism: the MoE combines (`experts.expert_parallel_traffic`), split by phase;
+  * FSDP (`shard_params`): all-gathers of the non-expert weights, (W-1)/W of a pass's
+    weights per pass over the layers (a capture chunk; per branch piece a forward, a
+    backward, a recompute, a no-grad forward of held pieces, each score pass; per walk
+    chunk a forward, a backward and its recompute), and one reduce-scatter of the
+    trainable gradients per step;
+  * data parallelism (`data_parallel` > 1): one ring all-reduce of the trainable
+    gradients per step, 2 (D-1)/D x their bytes;
+  * offload staging: `offload.plan_offload`'s traffic over the host link.
+
+Overlap rule (stated, not measured): collectives the engine runs *inside* a layer's
+compute and waits for (context-parallel merges / gathers, expert combines, the
+data-parallel all-reduce at the end) are **added** to the phase's compute time; transfers
+that are prefetched while the previous layer computes (FSDP2's weight all-gathers and
+reduce-scatters, the offload stager's copies) **overlap** it: a phase takes
+max(compute + blocking, prefetched). Offload staging overlaps the whole step.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from .config import Basis
+from .experts import expert_parallel_traffic
+
+
+def link(c, ranks: int) -> tuple[str, float]:
+    """(link class, effective GB/s) of a group of `ranks` GPUs."""
+    if ranks <= c.gpus_per_node:
+        return "intra_node", c.intra_node_gbs
+    return "inter_node", c.inter_node_gbs
+
+
+def replay_merge_bytes_per_token(s: Basis, recompute: bool, score_passes: int) -> float:
+    """Bytes a rank receives per replayed token for the log-sum-exp merges of every
+    attention / MLA layer over the sharded prompt (0 on one rank), ring all-reduces of
+    2 (W-1)/W of, in the accumulation dtype, per layer:
+
+        attention   autograd pass (forward + backward): 2 H (Dv + 1); a layer recompute
+                    adds H (Dv + 2); a score pass H (Dv + 1)
+        MLA         autograd pass: 2 (H (kv_lora + 1) + kv_lora); recompute adds
+                    H (kv_lora + 2); a score pass H (kv_lora + 1)
+
+    (H heads, Dv the value head dim; MLA merges in the latent space.) Fitted to the
+    engine's `comm_bytes_replay` on gloo at W = 2 and 3 (tests/test_plan_comm.py)."""
+    W, arch = s.W, s.arch
+    if W == 1:
+        return 0.0
+    per = 0.0
+    for layer in arch.layers:
+        if layer.mixer == "attention" and layer.window is None:
+            h, d, extra = arch.heads, arch.head_dim, 0
+        elif layer.mixer == "mla":
+            h, d, extra = arch.heads, arch.kv_lora_rank, arch.kv_lora_rank
+        else:
+            continue
+        per += 2 * (h * (d + 1) + extra) + (h * (d + 2) if recompute else 0) + score_passes * h * (d + 1)
+    return 2 * (W - 1) / W * per * s.acc
+
+
+def _expert_phases(s: Basis, *, divided_capture: bool, divided_walk: bool, recompute: bool) -> dict:
+    """The expert combines' bytes per phase (`experts.expert_report`'s total, split)."""
+    c, arch = s.config, s.arch
+    if not c.expert_parallel:
+        return {"capture": 0.0, "replay": 0.0, "walk": 0.0}
+
+    def t(**kw):
+        base = dict(replicated_forward=0, replicated_backward=0, divided_forward=0, divided_backward=0)
+        return expert_parallel_traffic(arch, s.W, s.b, **{**base, **kw})
+
+    replay = s.G * s.R
+    walk = 0.0
+    if s.exact:
+        walk = (t(divided_forward=s.p_rank, divided_backward=s.p_rank) if divided_walk
+                else t(replicated_forward=s.P, replicated_backward=s.P))
+    return {"capture": t(divided_forward=s.p_rank) if divided_capture else t(replicated_forward=s.P),
+            "replay": t(replicated_forward=replay * ((2 if recompute else 1) + c.score_passes),
+                        replicated_backward=replay),
+            "walk": walk}
+
+
+@dataclass(frozen=True)
+class CommPlan:
+    """Per phase: bytes by link class and kind, blocking / prefetched seconds, compute
+    seconds and the phase's time by the overlap rule; the step's total, all transfer
+    seconds (`comm_s`, overlapped or not) and the exposed ones (`exposed_s`: the total
+    less the compute, the time communication adds)."""
+
+    phases: dict
+    total_s: float
+    comm_s: float
+    exposed_s: float
+    rule: str
+
+    def as_dict(self) -> dict:
+        return {"phases": self.phases, "total_s": self.total_s, "comm_s": self.comm_s, "exposed_s": self.exposed_s,
+                "rule": self.rule}
+
+
+RULE = ("per phase: max(compute + blocking collectives (context-parallel merges / gathers, expert combines, "
+        "data-parallel all-reduce), prefetched transfers (FSDP gathers / reduce-scatters)); offload staging "
+        "overlaps the whole step")
+
+
+def plan_comm(s: Basis, *, capture_comm: float, walk_comm: float, divided_capture: bool, divided_walk: bool,
+              recompute: bool, walk_recompute: bool, n_chunks: int, walk_chunks: int, gathered: float,
+              grad_bytes: float, compute: dict, offload_s: float, offload_bytes: float = 0.0) -> CommPlan:
+    """The step's communication by phase, and its time by the overlap rule.
+
+    Args:
+        capture_comm / walk_comm: context-parallel bytes of capture and of the divided walk.
+        n_chunks / walk_chunks: capture chunks and walk chunks (passes over the layers).
+        gathered: FSDP's two gathered layers' bytes (`WeightPlan.gathered`; 0 unsharded).
+        grad_bytes: the trainable gradients' bytes on the rank.
+        compute: seconds of compute per phase ('capture', 'replay', 'walk').
+        offload_s / offload_bytes: the offload traffic's seconds and bytes over the host link.
+    """
+    c, W, G, R = s.config, s.W, s.G, s.R
+    cp_class, cp_gbs = link(c, W)
+    experts = _expert_phases(s, divided_capture=divided_capture, divided_walk=divided_walk, recompute=recompute)
+    pieces = -(-R // min(R, c.branch_chunk_size or R))
+    merges = replay_merge_bytes_per_token(s, recompute, c.score_passes) * G * R
+    # FSDP: a pass over the layers gathers (W-1)/W of the non-expert weights (`gathered` is two layers')
+    per_pass = (gathered / 2 * len(s.arch.layers) * (W - 1) / W) if c.shard_params and W > 1 else 0.0
+    passes = {"capture": n_chunks,
+              "replay": G * (pieces * (2 + (1 if recompute else 0)) + (pieces - 1) + c.score_passes),
+              "walk": walk_chunks * (2 + (1 if walk_recompute else 0)) if s.exact else 0}
+    dp_class, dp_gbs = link(c, W * c.data_parallel)
+    dp = 2 * (c.data_parallel - 1) / c.data_parallel * grad_bytes if c.data_parallel > 1 else 0.0
+    rs = grad_bytes * (W - 1) / W if c.shard_params and W > 1 else 0.0
+    kinds = {
+        "capture": {"context_parallel": capture_comm, "expert_parallel": experts["capture"],
+                    "fsdp_gather": per_pass * passes["capture"]},
+        "replay": {"context_parallel": merges, "expert_parallel": experts["replay"],
+                   "fsdp_gather": per_pass * passes["replay"]},
+        "walk": {"context_parallel": walk_comm, "expert_parallel": experts["walk"],
+                 "fsdp_gather": per_pass * passes["walk"]},
+        "gradients": {"fsdp_reduce_scatter": rs, "data_parallel": dp},
+    }
+    phases, total, comm_total = {}, 0.0, 0.0
+    for name, by_kind in kinds.items():
+        blocking = (by_kind.get("context_parallel", 0.0) + by_kind.get("expert_parallel", 0.0)) / (cp_gbs * 1e9)
+        blocking += by_kind.get("data_parallel", 0.0) / (dp_gbs * 1e9)
+        prefetched = (by_kind.get("fsdp_gather", 0.0) + by_kind.get("fsdp_reduce_scatter", 0.0)) / (cp_gbs * 1e9)
+        seconds = compute.get(name, 0.0)
+        time = max(seconds + blocking, prefetched)
+        links = {cp_class: sum(v for k, v in by_kind.items() if k != "data_parallel")}
+        if by_kind.get("data_parallel"):
+            links[dp_class] = links.get(dp_class, 0.0) + by_kind["data_parallel"]
+        phases[name] = {"bytes": by_kind, "bytes_by_link": links, "compute_s": seconds, "blocking_s": blocking,
+                        "prefetched_s": prefetched, "time_s": time}
+        total += time
+        comm_total += blocking + prefetched
+    phases["offload"] = {"bytes_by_link": {"host": offload_bytes}, "time_s": offload_s}
+    step = max(total, offload_s)
+    busy = sum(compute.values())
+    return CommPlan(phases=phases, total_s=step, comm_s=comm_total + offload_s, exposed_s=step - busy, rule=RULE)

@@ -1,0 +1,313 @@
+"""The planner's search for a configuration that fits (`longstraw plan --fit`,
+`ls.fit_config`): the fastest setting of the execution options whose peak per rank fits
+the GPU's memory minus the reserve. Torch-free.
+
+The space (each option the caller did not pin):
+  * memory savers that cost time: layer-wise recompute (replay and the exact walk), state
+    offload (`state_device="cpu"`), exact mode's snapshots on host, expert parallelism,
+    parameter sharding (FSDP2), a replicated capture (`divide_capture=False`: chunked,
+    where a divided capture holds a rank's share of each layer at once);
+  * sizes: replay pieces (`branch_chunk_size`) and the capture chunk (`chunk_size`);
+  * exact mode's `keep_graph_bytes`, which spends spare memory to save recompute time;
+  * `mode`, only when it is free (detached is always the faster).
+
+How (a few dozen `estimate` calls, not the product of every option): every combination of
+the on/off savers is planned once at the largest pieces and chunk (its fastest setting,
+a lower bound on its time) and once at the smallest (its leanest); a combination whose
+leanest setting does not fit is dropped. The rest are taken fastest first; each is
+scanned from the largest pieces and chunk down to the first that fits, and the scan
+stops when the next combination's lower bound is no faster than the best fit found.
+Exact mode then tries to keep capture graphs in the memory left over.
+
+"Fastest" is the planner's `estimated_time_s` (compute + communication by the overlap
+rule of `comm.py`). Nothing fits: `NoFit` names the binding term (the leanest plan's peak
+phase and its largest part) and the smallest changes that fit: more GPUs, a smaller P, a
+GPU preset with more memory.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass, field, replace
+
+from .arch import human_bytes, parse_bytes
+from .. import defaults as d
+from .config import PlanConfig, resolve
+from .estimate import estimate
+from .gpus import load_gpus
+
+SEARCHED = ("mode", "branch_chunk_size", "chunk_size", "recompute_layers", "offload_state", "offload_snapshots",
+            "expert_parallel", "shard_params", "keep_graph_bytes", "divide_capture")
+"""The PlanConfig fields the search may set."""
+
+PIECES = (8192, 4096, 2048, 1024, 512, 256)
+CHUNKS = (4096, 2048, 1024, 512)
+
+
+@dataclass
+class Fit:
+    """The chosen configuration.
+
+    Fields:
+        config: the PlanConfig that fits (every searched field explicit).
+        report: its `estimate`.
+        options: per option the search turned on (or changed): bytes saved and seconds
+            it costs against the same plan without it (negative: it saves time).
+        evaluated: plans estimated by the search.
+    """
+
+    config: PlanConfig
+    report: dict
+    options: list = field(default_factory=list)
+    evaluated: int = 0
+
+
+@dataclass
+class NoFit:
+    """Nothing fits: the binding term and the smallest changes that would fit."""
+
+    binding: str
+    suggestions: list
+    leanest: dict
+    evaluated: int = 0
+
+
+def _budget(c: PlanConfig) -> int:
+    return c.gpu_memory - c.reserve
+
+
+def _is_moe(model, c: PlanConfig) -> bool:
+    return bool(resolve(model, replace(c, expert_parallel=False)).arch.experts)
+
+
+def _savers(model, base: PlanConfig, pinned: set) -> list[dict]:
+    """Every combination of the on/off options (and mode) the caller left free."""
+    exact_ok = "mode" not in pinned or base.mode == "exact"
+    choices = {}
+    if "mode" not in pinned:
+        choices["mode"] = ["detached", "exact"]
+    if "recompute_layers" not in pinned:
+        choices["recompute_layers"] = [False, True]
+    if "offload_state" not in pinned:
+        choices["offload_state"] = [False, True]
+    if "offload_snapshots" not in pinned and exact_ok:
+        choices["offload_snapshots"] = [None, True]
+    if "expert_parallel" not in pinned and base.gpus >= 2 and _is_moe(model, base):
+        choices["expert_parallel"] = [False, True]
+    if "shard_params" not in pinned and base.gpus >= 2:
+        choices["shard_params"] = [False, True]
+    if "divide_capture" not in pinned and base.gpus >= 2:  # a divided capture holds a rank's share of a
+        choices["divide_capture"] = [True, False]           # layer at once: at 10M tokens more than a chunk
+    names = list(choices)
+    combos = [dict(zip(names, values)) for values in itertools.product(*(choices[n] for n in names))]
+    return [c for c in combos if not (c.get("mode", base.mode) == "detached" and c.get("offload_snapshots"))]
+
+
+class _Planner:
+    """`estimate` with a memo, counting calls."""
+
+    def __init__(self, model):
+        self.model, self.memo = model, {}
+
+    def __call__(self, c: PlanConfig) -> dict:
+        key = repr(c)
+        if key not in self.memo:
+            self.memo[key] = estimate(self.model, c)
+        return self.memo[key]
+
+
+def _fits(r: dict, budget: int) -> bool:
+    return r["peak_bytes_per_rank"] <= budget
+
+
+def search(model, base: PlanConfig, pinned=()) -> Fit | NoFit:
+    """The fastest configuration of `base` (its `pinned` fields kept) whose peak fits
+    `base.gpu_memory - base.reserve`, or `NoFit`."""
+    pinned = set(pinned)
+    plan, budget = _Planner(model), _budget(base)
+    R = base.response_tokens
+    pieces = ([base.branch_chunk_size] if "branch_chunk_size" in pinned else
+              [None] + [p for p in PIECES if p < R])
+    chunks = [base.chunk_size] if "chunk_size" in pinned else sorted(set(CHUNKS) | {base.chunk_size}, reverse=True)
+    candidates = []  # (lower-bound time, combo)
+    for combo in _savers(model, base, pinned):
+        cfg = replace(base, **combo)
+        if cfg.offload_state and cfg.keep_graph_bytes:
+            continue
+        lean = plan(replace(cfg, branch_chunk_size=pieces[-1], chunk_size=chunks[-1]))
+        if not _fits(lean, budget):
+            continue
+        fast = plan(replace(cfg, branch_chunk_size=pieces[0], chunk_size=chunks[0]))
+        candidates.append((fast["estimated_time_s"], combo))
+    candidates.sort(key=lambda x: x[0])
+    best = None  # (time, config, report)
+    for bound, combo in candidates:
+        if best is not None and bound >= best[0]:
+            break
+        cfg = replace(base, **combo)
+        for p, ch in itertools.product(pieces, chunks):
+            c = replace(cfg, branch_chunk_size=p, chunk_size=ch)
+            r = plan(c)
+            if _fits(r, budget):
+                if best is None or r["estimated_time_s"] < best[0]:
+                    best = (r["estimated_time_s"], c, r)
+                break
+    if best is None:
+        return _no_fit(model, base, pinned, plan, pieces, chunks)
+    _, c, r = best
+    if c.mode == "exact" and not c.offload_state and "keep_graph_bytes" not in pinned:
+        spare = budget - r["peak_bytes_per_rank"]
+        for share in (1.0, 0.5, 0.25):  # kept capture graphs in the memory left over
+            kept = replace(c, keep_graph_bytes=int(spare * share) + c.keep_graph_bytes)
+            rk = plan(kept)
+            if _fits(rk, budget) and rk["estimated_time_s"] < r["estimated_time_s"]:
+                c, r = kept, rk
+                break
+    return Fit(config=c, report=r, options=_option_costs(base, c, r, plan, pinned), evaluated=len(plan.memo))
+
+
+def _option_costs(base: PlanConfig, chosen: PlanConfig, r: dict, plan, pinned: set) -> list[dict]:
+    """Per free field the search set away from PlanConfig's default (recompute: away from
+    off): the same plan with that field at its default, against the chosen one."""
+    default = replace(PlanConfig(prompt_tokens=base.prompt_tokens), recompute_layers=False)
+    out = []
+    for name in SEARCHED:
+        value, was = getattr(chosen, name), getattr(default, name)
+        if name in pinned or value == was:
+            continue
+        other = plan(replace(chosen, **{name: was}))
+        out.append({"option": name, "value": value, "bytes_saved": other["peak_bytes_per_rank"] - r["peak_bytes_per_rank"],
+                    "time_cost_s": r["estimated_time_s"] - other["estimated_time_s"],
+                    "without_fits": _fits(other, _budget(chosen))})
+    return out
+
+
+def _binding(r: dict) -> str:
+    """The leanest plan's peak, named by phase and its largest part."""
+    parts = {"weights": r["param_bytes"], "optimizer state": r["optimizer_bytes"], "gradients": r["grad_bytes"],
+             "prompt state on the device": r["state_bytes_on_gpu_per_rank"],
+             "state gradients": r["state_grad_bytes_per_rank"],
+             "recurrent snapshots": r["exact_checkpoint_bytes_per_rank"],
+             "gathered weights": r["gathered_param_bytes"]}
+    phase = r["peak_phase"]
+    working = r["peak_bytes_per_rank"] - r["static_bytes_per_rank"]
+    parts[f"{phase} working set"] = working
+    largest = max(parts, key=parts.get)
+    return (f"{phase}: peak {human_bytes(r['peak_bytes_per_rank'])} even with every option on, > "
+            f"{human_bytes(r['gpu_memory_bytes'] - r['reserve_bytes'])} (memory - reserve); largest term: {largest} "
+            f"{human_bytes(parts[largest])} (static {human_bytes(r['static_bytes_per_rank'])} + {phase} working "
+            f"{human_bytes(working)})")
+
+
+def _no_fit(model, base: PlanConfig, pinned: set, plan, pieces, chunks) -> NoFit:
+    """The binding term of the leanest plan and the smallest changes that fit."""
+    lean_combo = {}
+    for combo in _savers(model, base, pinned):  # the leanest combination: the smallest lean peak
+        c = replace(base, **combo, branch_chunk_size=pieces[-1], chunk_size=chunks[-1])
+        if c.offload_state and c.keep_graph_bytes:
+            continue
+        r = plan(c)
+        if not lean_combo or r["peak_bytes_per_rank"] < lean_combo["r"]["peak_bytes_per_rank"]:
+            lean_combo = {"c": c, "r": r}
+    lean, r = lean_combo["c"], lean_combo["r"]
+    budget, suggestions = _budget(base), []
+    w = base.gpus * 2
+    spread = {k: True for k in ("shard_params",) if k not in pinned}  # more GPUs: weights shard over them too
+    if "expert_parallel" not in pinned and _is_moe(model, base):
+        spread["expert_parallel"] = True
+    while w <= 4096:  # more GPUs (the state shards over them)
+        try:
+            if _fits(plan(replace(lean, gpus=w, **spread)), budget):
+                suggestions.append(f"--gpus {w}" + "".join(f" --{k.replace('_', '-')}" for k in spread))
+                break
+        except Exception:  # a config the planner refuses at this W
+            pass
+        w *= 2
+    p = base.prompt_tokens // 2
+    while p >= 1024:  # a smaller prompt
+        if _fits(plan(replace(lean, prompt_tokens=p)), budget):
+            suggestions.append(f"--prompt-tokens {p} (P halved until it fits)")
+            break
+        p //= 2
+    for name, spec in sorted(load_gpus().items(), key=lambda kv: parse_bytes(kv[1].memory)):  # another GPU
+        c = replace(lean, gpu_memory=spec.memory)
+        if c.gpu_memory <= base.gpu_memory:
+            continue
+        if _fits(plan(c), c.gpu_memory - c.reserve):
+            suggestions.append(f"--gpu {name} ({human_bytes(c.gpu_memory)})")
+    return NoFit(binding=_binding(r), suggestions=suggestions, leanest=r, evaluated=len(plan.memo))
+
+
+# ----------------------------------------------------------------------------
+# what the chosen configuration is, as flags and as an ExecConfig
+
+
+def flags(c: PlanConfig) -> list[str]:
+    """The `longstraw plan` flags of every searched field's chosen value (explicit, so
+    passed back they plan the same peak)."""
+    onoff = {True: "on", False: "off"}
+    out = ["--mode", c.mode, "--chunk-size", str(c.chunk_size)]
+    if c.branch_chunk_size is not None:
+        out += ["--branch-chunk-size", str(c.branch_chunk_size)]
+    if c.recompute_layers is not None:
+        out += ["--recompute-layers", onoff[c.recompute_layers]]
+    if c.offload_snapshots is not None:
+        out += ["--offload-snapshots", onoff[c.offload_snapshots]]
+    out += [flag for name, flag in (("offload_state", "--offload-state"), ("expert_parallel", "--expert-parallel"),
+                                    ("shard_params", "--shard-params")) if getattr(c, name)]
+    if not c.divide_capture:
+        out.append("--replicate-capture")
+    if c.keep_graph_bytes:
+        out += ["--keep-graph-bytes", str(c.keep_graph_bytes)]
+    return out
+
+
+def exec_config(c: PlanConfig) -> dict:
+    """The `ExecConfig(...)` fields of the chosen plan (parameter sharding is FSDP2's
+    `fully_shard`, outside ExecConfig: reported as 'fsdp2')."""
+    return {"mode": c.mode, "chunk_size": c.chunk_size, "branch_chunk_size": c.branch_chunk_size,
+            "attention_block_size": c.attention_block_size, "logits_chunk_size": c.logits_chunk_size,
+            "recompute_layers": c.recompute_layers, "offload_snapshots": c.offload_snapshots,
+            "state_device": "cpu" if c.offload_state else None, "expert_parallel": c.expert_parallel,
+            "context_parallel": c.gpus > 1, "keep_graph_bytes": c.keep_graph_bytes,
+            "divide_capture": c.divide_capture, "divide_walk": c.divide_walk}
+
+
+def exec_config_text(c: PlanConfig) -> str:
+    """`ExecConfig(...)` as Python source, fields away from ExecConfig's defaults only."""
+    default = {"mode": d.MODE, "chunk_size": d.CHUNK_SIZE, "branch_chunk_size": d.BRANCH_CHUNK_SIZE,
+               "attention_block_size": d.ATTENTION_BLOCK_SIZE, "logits_chunk_size": d.LOGITS_CHUNK_SIZE,
+               "recompute_layers": d.RECOMPUTE_LAYERS, "offload_snapshots": d.OFFLOAD_SNAPSHOTS,
+               "state_device": None, "expert_parallel": False, "context_parallel": False,
+               "keep_graph_bytes": d.KEEP_GRAPH_BYTES, "divide_capture": d.DIVIDE_CAPTURE,
+               "divide_walk": d.DIVIDE_WALK}
+    fields = ", ".join(f"{k}={v!r}" for k, v in exec_config(c).items() if v != default[k])
+    return f"ExecConfig({fields})" + ("  + FSDP2 fully_shard of the decoder layers" if c.shard_params else "")
+
+
+def fit_report(result: Fit | NoFit) -> dict:
+    """The report's "fit" entry (or "fit": None with "binding" and "suggestions")."""
+    if isinstance(result, NoFit):
+        return {"fit": None, "binding": result.binding, "suggestions": result.suggestions,
+                "evaluated": result.evaluated}
+    c, r = result.config, result.report
+    return {"fit": {"flags": flags(c), "exec_config": exec_config(c), "fsdp2": c.shard_params,
+                    "peak_bytes_per_rank": int(r["peak_bytes_per_rank"]), "time_s": float(r["estimated_time_s"]),
+                    "options": result.options, "evaluated": result.evaluated}}
+
+
+def format_fit(result: Fit | NoFit) -> str:
+    """The text report's fit section."""
+    if isinstance(result, NoFit):
+        lines = ["  FIT: nothing fits", f"    binding: {result.binding}"]
+        lines += [f"    would fit: {s}" for s in result.suggestions] or ["    no change tried fits"]
+        return "\n".join(lines)
+    c, r = result.config, result.report
+    lines = [f"  FIT: {' '.join(flags(c))}",
+             f"    {exec_config_text(c)}",
+             f"    peak {human_bytes(r['peak_bytes_per_rank'])} per rank (during {r['peak_phase']}), time "
+             f"{r['estimated_time_s']:,.1f} s ({result.evaluated} plans searched)"]
+    for o in result.options:
+        lines.append(f"    {o['option']}={o['value']!r}: saves {human_bytes(o['bytes_saved'])}, costs "
+                     f"{o['time_cost_s']:+,.1f} s" + ("" if o["without_fits"] else " (needed to fit)"))
+    return "\n".join(lines)

@@ -1,0 +1,92 @@
+"""`ls.fit_config` (`longstraw/budget.py`): the planner's search for this model's real
+shapes returns an ExecConfig that fits the budget (roomy: nothing traded; tight: smaller
+pieces / chunks), pins what the caller fixes, runs, and raises `DoesNotFitError` before
+any work when nothing fits."""
+
+import pytest
+import torch
+
+import longstraw as ls
+from longstraw.budget import parse_budget
+from longstraw.errors import ConfigError, LongStrawError
+from longstraw.plan import PlanConfig, estimate
+from longstraw.shapes import planner_config
+from longstraw.tiny import tiny_model
+from tests.reference import random_group
+
+MiB = 2**20
+STEP = dict(prompt_tokens=8192, group=8, response_tokens=1024)
+
+
+@pytest.fixture(scope="module")
+def model():
+    return tiny_model("qwen3", dtype=torch.float32)
+
+
+def planned_addition(model, cfg: ls.ExecConfig) -> float:
+    """What the planner says `cfg`'s step adds above the model, gradients and optimizer."""
+    r = estimate(planner_config(model), PlanConfig(
+        dtype="float32", mode=cfg.mode, chunk_size=cfg.chunk_size, branch_chunk_size=cfg.branch_chunk_size,
+        recompute_layers=cfg.recompute_layers, keep_graph_bytes=cfg.keep_graph_bytes, **STEP))
+    return r["peak_bytes_per_rank"] - r["param_bytes"] - r["grad_bytes"] - r["optimizer_bytes"]
+
+
+@pytest.mark.parametrize("mode", ["detached", "exact"])
+def test_a_roomy_budget_trades_nothing_and_a_tight_one_fits(model, mode):
+    roomy = ls.fit_config(model, memory_budget="1GiB", mode=mode, **STEP)
+    assert isinstance(roomy, ls.ExecConfig) and roomy.mode == mode
+    assert roomy.branch_chunk_size is None and roomy.recompute_layers is False
+    tight = ls.fit_config(model, memory_budget=100 * MiB, mode=mode, **STEP)
+    assert tight.branch_chunk_size is not None  # pieces, the cheapest saver here
+    assert planned_addition(model, tight) <= 100 * MiB < planned_addition(model, roomy)
+
+
+def test_what_the_caller_fixes_is_kept(model):
+    cfg = ls.fit_config(model, memory_budget=100 * MiB, branch_chunk_size=256, share_response_prefixes=False, **STEP)
+    assert cfg.branch_chunk_size == 256 and cfg.share_response_prefixes is False
+    with pytest.raises(ConfigError, match="unknown ExecConfig"):
+        ls.fit_config(model, memory_budget="1GiB", chunk=3, **STEP)
+
+
+def test_budget_strings(model):
+    cpu = torch.device("cpu")
+    assert parse_budget("80GiB", cpu) == 80 * 2**30 and parse_budget(123, cpu) == 123
+    for bad in ("lots", 0, -1, True):
+        with pytest.raises(ConfigError, match="memory_budget"):
+            parse_budget(bad, cpu)
+    with pytest.raises(ConfigError, match="auto"):
+        ls.fit_config(model, memory_budget="auto", **STEP)
+
+
+def test_nothing_fits_raises_before_any_work(model, monkeypatch):
+    calls = []
+    monkeypatch.setattr(model, "forward", lambda *a, **k: calls.append(1))
+    model.zero_grad(set_to_none=True)
+    with pytest.raises(ls.DoesNotFitError, match="binding term: replay working set") as err:
+        ls.fit_config(model, memory_budget=8 * MiB, **STEP)
+    assert isinstance(err.value, LongStrawError)
+    assert calls == [] and all(p.grad is None for p in model.parameters())
+
+
+def test_the_fitted_config_runs_a_step(model):
+    group = random_group(model.config.vocab_size, 64, [8, 5], seed=1)
+    cfg = ls.fit_config(model, memory_budget=20 * MiB, prompt_tokens=64, group=2, response_tokens=8, mode="exact")
+    model.zero_grad(set_to_none=True)
+    result = ls.Engine(model, cfg).step(group)
+    assert result.loss == result.loss and any(p.grad is not None for p in model.parameters())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode,budget", [("detached", "1GiB"), ("detached", "56MiB"), ("exact", "1GiB"),
+                                         ("exact", "96MiB")])
+def test_the_fitted_step_stays_inside_its_budget_on_cpu(mode, budget):
+    """A fresh process per budget (`bench/bench_fit_config.py`): RSS above the model and its
+    gradients, at the step's peak, <= 1.1 x the budget; a tight budget really binds (the
+    planner's figure for the chosen config is within it, and above half of it)."""
+    from bench.bench_fit_config import measure
+
+    row = measure("qwen3", mode, 8192, 4, 512, budget)
+    assert row["peak_above"] <= 1.1 * row["budget_bytes"], row
+    assert row["planned_above"] <= row["budget_bytes"]
+    if budget != "1GiB":
+        assert row["planned_above"] > 0.5 * row["budget_bytes"], row

@@ -1,0 +1,13 @@
+"""The planner's replay communication against the engine's measured bytes (gloo, W = 2 and
+3, spawned workers: `tests/comm_worker.py`). Capture's and the divided walk's bytes are
+checked the same way in tests/distributed_worker.py (`check_planner`)."""
+
+import pytest
+import torch.multiprocessing as mp
+
+
+@pytest.mark.slow  # 12 context-parallel steps per world: about a minute here (opt in with -m slow)
+@pytest.mark.parametrize("world", [2, 3])
+def test_planned_replay_bytes_equal_the_measured_ones(tmp_path, world):
+    from tests import comm_worker
+    mp.spawn(comm_worker.run, args=(world, str(tmp_path / "init")), nprocs=world, join=True)

@@ -1,0 +1,91 @@
+"""`longstraw plan --fit` (`plan/fit.py`): the paper's three runs, given only the paper's
+settings, fit in <= 85% of 96 GiB; the chosen flags passed back plan the same peak; a
+flag given pins its option; nothing fits: exit 3, "fit": null and the binding term;
+the search is the fastest of the settings it plans. Torch-free."""
+
+import json
+from dataclasses import replace
+
+import pytest
+
+from longstraw.cli import main
+from longstraw.plan import PlanConfig, estimate
+from longstraw.plan.fit import Fit, NoFit, exec_config, flags, search
+
+GiB = 2**30
+# 85% of 96 GiB: the reserve is the other 15%
+BUDGET = ["--gpu", "h20", "--reserve", f"{0.15 * 96:.1f}GiB"]
+QWEN = ["--model", "qwen3.6-27b", "--prompt-tokens", "2088960", "--group", "8", "--response-tokens", "8192",
+        "--gpus", "8", "--lora-rank", "16", "--weight-dtype", "nf4"]
+GLM = ["--model", "glm-5.2", "--prompt-tokens", "2088960", "--group", "8", "--response-tokens", "8192",
+       "--gpus", "32", "--lora-rank", "8"]
+PAPER_RUNS = {"qwen_detached": QWEN + ["--mode", "detached"], "qwen_exact": QWEN + ["--mode", "exact"], "glm": GLM}
+
+
+def run(capsys, args) -> tuple[int, dict]:
+    code = main(["plan", *args, "--json"])
+    return code, json.loads(capsys.readouterr().out)
+
+
+@pytest.mark.parametrize("name", list(PAPER_RUNS))
+def test_the_papers_runs_fit_in_85_percent_and_the_flags_plan_the_same_peak(capsys, name):
+    code, r = run(capsys, PAPER_RUNS[name] + BUDGET + ["--fit"])
+    fit = r["fit"]
+    assert code == 0 and fit is not None, r.get("binding")
+    assert fit["peak_bytes_per_rank"] <= 0.85 * 96 * GiB, fit["peak_bytes_per_rank"] / GiB
+    assert fit["peak_bytes_per_rank"] == r["peak_bytes_per_rank"] and fit["time_s"] == r["estimated_time_s"]
+    code, again = run(capsys, PAPER_RUNS[name] + BUDGET + fit["flags"])  # passed back explicitly, no --fit
+    assert code == 0 and again["peak_bytes_per_rank"] == fit["peak_bytes_per_rank"] and again["fits"]
+    assert again["estimated_time_s"] == pytest.approx(fit["time_s"])
+
+
+def test_a_given_flag_pins_its_option(capsys):
+    _, free = run(capsys, QWEN + BUDGET + ["--mode", "exact", "--fit"])
+    assert "--offload-snapshots" in free["fit"]["flags"]  # the GDN snapshots (73 GiB) must leave the device
+    code, pinned = run(capsys, QWEN + BUDGET + ["--mode", "exact", "--offload-snapshots", "off", "--fit"])
+    if code == 0:
+        assert pinned["fit"]["exec_config"]["offload_snapshots"] is False
+        assert pinned["fit"]["time_s"] >= free["fit"]["time_s"]
+    else:  # it may not fit at all without them: then it says so
+        assert code == 3 and pinned["fit"] is None and pinned["binding"]
+
+
+def test_nothing_fits_exits_3_naming_the_binding_term_and_a_change_that_fits(capsys):
+    args = ["--model", "qwen3.6-27b", "--prompt-tokens", "2088960", "--group", "8", "--response-tokens", "8192",
+            "--gpus", "1", "--gpu", "h20", "--fit"]  # full bf16 training on one GPU: 16 B per parameter
+    code, r = run(capsys, args)
+    assert code == 3 and r["fit"] is None
+    assert "optimizer state" in r["binding"] and r["suggestions"][0].startswith("--gpus ")
+    w = int(r["suggestions"][0].split()[1])
+    code, more = run(capsys, [a if a != "1" else str(w) for a in args])  # the suggested GPUs: now it fits
+    assert code == 0 and more["fit"] is not None
+    assert main(["plan", *args]) == 3 and "nothing fits" in capsys.readouterr().out
+
+
+def test_the_fit_is_the_fastest_of_a_brute_force_over_a_small_space():
+    """On a small dense plan the search's choice equals the fastest fitting plan of the
+    whole product of its options (pieces, chunks, recompute, offload, sharding)."""
+    base = PlanConfig(prompt_tokens=262144, group=4, response_tokens=2048, gpus=2, gpu="h100", lora_rank=16,
+                      gpu_memory="24GiB")
+    got = search("qwen3-8b", base, pinned={"mode"})
+    assert isinstance(got, Fit)
+    best = None
+    for p in (None, 1024, 512, 256):
+        for ch in (4096, 2048, 1024, 512):
+            for rc in (False, True):
+                for off in (False, True):
+                    for sh in (False, True):
+                        c = replace(base, branch_chunk_size=p, chunk_size=ch, recompute_layers=rc, offload_state=off,
+                                    shard_params=sh)
+                        r = estimate("qwen3-8b", c)
+                        if r["peak_bytes_per_rank"] <= c.gpu_memory - c.reserve and (
+                                best is None or r["estimated_time_s"] < best):
+                            best = r["estimated_time_s"]
+    assert got.report["estimated_time_s"] == pytest.approx(best)
+    assert got.evaluated < 4 * 4 * 2 * 2 * 2
+    assert exec_config(got.config)["context_parallel"] and flags(got.config)[:2] == ["--mode", "detached"]
+
+
+def test_no_fit_is_returned_not_raised():
+    r = search("qwen3-8b", PlanConfig(prompt_tokens=1 << 22, gpu_memory="8GiB", group=2, response_tokens=512))
+    assert isinstance(r, NoFit) and r.binding and r.evaluated > 0
