@@ -512,13 +512,6 @@ rounding, the per-branch reference after): ~1e-6 at worst, measured 1e-7 to 3e-7
 1e-5 is 100 eps."""
 
 
-def float32_bound(terms: int) -> float:
-    """Relative bound for one float32 reduction of `terms` products computed in two
-    orders: eps32 * sqrt(terms) is the expected rounding walk, 16x for the worst case of
-    a few chained reductions (the kernels' own tests: chunked vs recurrent scans)."""
-    return 16 * 1.1920929e-07 * max(1.0, terms) ** 0.5
-
-
 # ----------------------------------------------------------------------------
 # Mamba2 + attention hybrids: Nemotron-H, Bamba, Granite 4.0 (granitemoehybrid)
 
