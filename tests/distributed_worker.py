@@ -105,9 +105,9 @@ def spawn_each(fn, nprocs: int, args: tuple, timeout_s: float) -> list[int]:
     `timeout_s`, then killed); return their exit codes. (mp.spawn's own join terminates the
     other ranks as soon as one fails, which races the report a surviving rank is about
     to write.)"""
-    import torch.multiprocessing as mp
+    from tests.ranks import spawn
 
-    ctx = mp.spawn(fn, args=args, nprocs=nprocs, join=False)
+    ctx = spawn(fn, args=args, nprocs=nprocs, join=False)
     for proc in ctx.processes:
         proc.join(timeout=timeout_s)
     for proc in ctx.processes:
@@ -538,7 +538,7 @@ def run_divided(rank: int, world: int, init_file: str) -> None:
     try:
         cases = [("hybrid", 22, 4, 6), ("hybrid", 20, 2, 5), ("dense", 22, 4, 6), ("hybrid", 12, 4, 3),
                  ("hybrid", 9, 5, 3), ("mla", 22, 4, 6), ("glm_sparse", 21, 3, 6), ("dsv32_sparse", 22, 4, 6)]
-        if world == 2:  # Qwen3-Next's grouped projection layout and Qwen3.5's MoE, once
+        if world == 3:  # Qwen3-Next's grouped projection layout and Qwen3.5's MoE, once (the default W)
             cases += [("next", 22, 4, 6), ("hybrid_moe", 16, 3, 4)]
         for name, prompt_len, block, chunk in cases:
             model = CASES[name]()
@@ -613,7 +613,7 @@ def run_divided_walk(rank: int, world: int, init_file: str) -> None:
         # indexer layer reuses the selection) and DeepSeek-V3.2, with dense MLPs; one MoE
         # case below checks the routing of a rank's own rows.
         cases += [("mla_mlp", 22, 3, 6, None), ("glm_sparse_mlp", 23, 2, 7, 2), ("dsv32_sparse_mlp", 20, 4, 1, None)]
-        if world == 2:  # Qwen3-Next's grouped projection layout and Qwen3.5's MoE, once
+        if world == 3:  # Qwen3-Next's grouped projection layout and Qwen3.5's MoE, once (the default W)
             cases += [("next", 19, 3, 4, None), ("hybrid_moe", 16, 3, 4, None)]
         for name, prompt_len, block, chunk, pieces in cases:
             bounds = walk_chunks(prompt_len - 1, chunk, world, block, at_chunks=name in HYBRIDS)

@@ -1,15 +1,16 @@
 """examples/torchrun_grpo.py under torchrun (gloo, CPU, float64, tiny model): W = 2 (one
 context-parallel group of two, FSDP2 over it, exact mode) trains 3 steps with a DCP
-checkpoint after each; resumed at W = 2 from step 1 it ends on the same weights, and the
-W = 2 checkpoint of step 2 loaded at W = 1 continues to the same step-3 weights (one
-process takes the same prompts and samples: the example's update is one process's over
-the global batch)."""
+checkpoint after each; the W = 2 checkpoint of step 2 loaded at W = 1 continues to the
+same step-3 weights (one process takes the same prompts and samples: the example's update
+is one process's over the global batch), and (`-m slow`) resumed at W = 2 from step 1 it
+ends on the same weights."""
 
 import os
 import socket
 import subprocess
 import sys
 
+import pytest
 import torch
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -35,15 +36,20 @@ def _close(a: dict, b: dict, rel: float) -> None:
         assert (a[name] - b[name]).abs().max() <= rel * a[name].abs().max() + 1e-300, name
 
 
-def test_train_resume_and_load_at_another_world(tmp_path):
+def _train_three_steps(tmp_path) -> dict:
+    """W = 2 trains 3 steps with a checkpoint after each; its final weights."""
     ck = tmp_path / "ck"
     _torchrun(2, "--steps", "3", "--save-every", "1", "--checkpoint-dir", str(ck), "--dump", str(tmp_path / "a.pt"))
     assert (ck / "latest").read_text().strip().endswith("step-3")
-    _torchrun(2, "--steps", "3", "--resume", str(ck / "step-1"), "--dump", str(tmp_path / "b.pt"))
-    _torchrun(1, "--steps", "3", "--resume", str(ck / "step-2"), "--dump", str(tmp_path / "c.pt"))
-    a, b, c = (torch.load(tmp_path / f"{x}.pt", weights_only=True) for x in "abc")
-    _close(a, b, 1e-12)  # resumed at the same W: the same curve
-    _close(a, c, 1e-9)  # a W = 2 checkpoint at W = 1: loads and continues alike
+    return torch.load(tmp_path / "a.pt", weights_only=True)
+
+
+def test_train_and_load_at_another_world(tmp_path):
+    """The W = 2 checkpoint of step 2, loaded at W = 1, continues to the same step-3
+    weights; and the run trained."""
+    a = _train_three_steps(tmp_path)
+    _torchrun(1, "--steps", "3", "--resume", str(tmp_path / "ck" / "step-2"), "--dump", str(tmp_path / "c.pt"))
+    _close(a, torch.load(tmp_path / "c.pt", weights_only=True), 1e-9)  # loads and continues alike
     from longstraw.tiny import tiny_model  # the example's initial weights: seed 0, the task's vocabulary
     from longstraw.tasks import KVRecall, Vocab
 
@@ -51,3 +57,10 @@ def test_train_resume_and_load_at_another_world(tmp_path):
     init = dict(tiny_model("qwen3", dtype=torch.float64, vocab_size=vocab.size,
                            max_position_embeddings=48 + 64).named_parameters())
     assert any((a[n] - init[n].detach()).abs().max() > 0 for n in a)  # it trained
+
+
+@pytest.mark.slow  # a third torchrun launch; the same-world resume is also tests/test_elastic.py's
+def test_resume_at_the_same_world_continues_the_curve(tmp_path):
+    a = _train_three_steps(tmp_path)
+    _torchrun(2, "--steps", "3", "--resume", str(tmp_path / "ck" / "step-1"), "--dump", str(tmp_path / "b.pt"))
+    _close(a, torch.load(tmp_path / "b.pt", weights_only=True), 1e-12)  # resumed at the same W: the same curve

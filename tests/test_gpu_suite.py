@@ -6,6 +6,7 @@ import os
 import subprocess
 import sys
 
+import pytest
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
@@ -31,6 +32,7 @@ def test_a_check_past_its_limit_is_stopped(tmp_path, monkeypatch):
     assert row["rc"] == 124 and not row["ok"] and "timed out" in row["error"]
 
 
+@pytest.mark.slow  # 110-260 s: every bench/gpu check end to end; each check's parts have default tests
 def test_cpu_smoke_run_passes_every_check(tmp_path):
     out = tmp_path / "suite.json"
     proc = subprocess.run([sys.executable, os.path.join(REPO, "bench", "gpu_suite.py"), "--cpu", "--out", str(out)],

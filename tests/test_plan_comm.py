@@ -3,11 +3,11 @@
 checked the same way in tests/distributed_worker.py (`check_planner`)."""
 
 import pytest
-import torch.multiprocessing as mp
+from tests.ranks import spawn
 
 
 @pytest.mark.slow  # 12 context-parallel steps per world: about a minute here (opt in with -m slow)
 @pytest.mark.parametrize("world", [2, 3])
 def test_planned_replay_bytes_equal_the_measured_ones(tmp_path, world):
     from tests import comm_worker
-    mp.spawn(comm_worker.run, args=(world, str(tmp_path / "init")), nprocs=world, join=True)
+    spawn(comm_worker.run, args=(world, str(tmp_path / "init")), nprocs=world, join=True)

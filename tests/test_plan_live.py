@@ -10,9 +10,14 @@ import longstraw as ls
 from bench.live_peak import live_tensor_peak
 from longstraw.plan import PlanConfig, estimate
 from longstraw.tiny import tiny_model
+from tests.ranks import run_fresh
 from tests.reference import uniform_group
 
 P, G, R, CHUNK = 4096, 2, 64, 2048
+
+SLOW = pytest.mark.slow
+"""Per-family repeats of a planner term the default suite checks on one family (issue 35:
+20-300 s each on 2 cores); `pytest -m slow` runs them."""
 
 
 def replay_peak(family: str, p: int, r: int, logits: int, recompute: bool) -> int:
@@ -25,15 +30,11 @@ def replay_peak(family: str, p: int, r: int, logits: int, recompute: bool) -> in
 
 
 def fresh_replay_peak(*args) -> int:
-    """`replay_peak` in a fresh interpreter. In-process, the profiler's recompute peak
+    """`replay_peak` in a fresh process. In-process, the profiler's recompute peak
     depended on the process's history (35.5 vs 54.9 MB for qwen3 after a step without
-    recompute, moved by changes to unrelated modules); a fresh process reproduces."""
-    import subprocess
-    import sys
-
-    code = f"from tests.test_plan_live import replay_peak; print(replay_peak(*{args!r}))"
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    return int([line for line in out.stdout.split() if line.isdigit()][-1])
+    recompute, moved by changes to unrelated modules); a fresh process reproduces
+    (`tests.ranks.run_fresh`: forked from a server that has only imported the modules)."""
+    return run_fresh(replay_peak, *args)
 
 
 def capture_bound(family: str, p: int, chunk: int):
@@ -67,8 +68,9 @@ def test_planner_matches_live_tensors(family):
     assert abs(predicted / measured - 1) <= 0.15, (family, predicted, measured, plan["peak_phase"])
 
 
-@pytest.mark.parametrize("recompute", [False, True])
-@pytest.mark.parametrize("family", ["qwen3", "qwen3_5", "glm_moe_dsa"])
+@pytest.mark.parametrize("family,recompute", [("qwen3", False), ("qwen3", True),
+                                              *(pytest.param(f, r, marks=SLOW) for f in ("qwen3_5", "glm_moe_dsa")
+                                                for r in (False, True))])
 def test_planner_matches_a_replay_bound_step_with_and_without_recompute(family, recompute):
     """A step whose peak is replay's (a short prompt, one long piece): the planner's peak
     with `recompute_layers` (every layer's input + one layer's backward) and without (the
@@ -88,8 +90,9 @@ def test_recurrent_hybrid_capture_peak_within_10_percent(family):
     assert abs(predicted / measured - 1) <= 0.10, (family, predicted, measured)
 
 
-@pytest.mark.parametrize("recompute", [False, True])
-@pytest.mark.parametrize("family", ["nemotron_h", "kimi_linear"])
+@pytest.mark.parametrize("family,recompute", [("nemotron_h", False), pytest.param("nemotron_h", True, marks=SLOW),
+                                              pytest.param("kimi_linear", False, marks=SLOW),
+                                              pytest.param("kimi_linear", True, marks=SLOW)])
 def test_recurrent_hybrid_replay_peak_within_10_percent(family, recompute):
     """The same models, a replay-bound step (P = 256, R = 512 in one piece, logits chunk
     256) with and without layer-wise recompute: the kernels' graph and backward terms
@@ -113,17 +116,19 @@ def walk_peak(family: str, p: int, chunk: int) -> int:
     return live_tensor_peak(lambda: engine.walk_back(ids, 0, [state], chunk, recompute_layers=True))
 
 
-def fresh_walk_peak(*args) -> int:
-    """`walk_peak` in a fresh interpreter (see `fresh_replay_peak`), with torch's fused
-    attention kernels off: the walk's attention backward then runs the blockwise kernel,
-    as it does on CUDA (`ops/flash.fused_backward_kernel` is CPU-only)."""
-    import subprocess
-    import sys
+def blockwise_walk_peak(*args) -> int:
+    """`walk_peak` with torch's fused attention kernels off: the walk's attention backward
+    then runs the blockwise kernel, as it does on CUDA (`ops/flash.fused_backward_kernel`
+    is CPU-only)."""
+    import longstraw.ops.flash as flash
 
-    code = ("import longstraw.ops.flash as flash; flash.FUSED_ENABLED = False\n"  # CUDA's autograd kernel
-            f"from tests.test_plan_live import walk_peak; print(walk_peak(*{args!r}))")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
-    return int([line for line in out.stdout.split() if line.isdigit()][-1])
+    flash.FUSED_ENABLED = False  # CUDA's autograd kernel
+    return walk_peak(*args)
+
+
+def fresh_walk_peak(*args) -> int:
+    """`blockwise_walk_peak` in a fresh process (see `fresh_replay_peak`)."""
+    return run_fresh(blockwise_walk_peak, *args)
 
 
 # planned / measured walk working set at P = 4,096, chunks of 2,048 (fp32, the blockwise
@@ -132,7 +137,7 @@ def fresh_walk_peak(*args) -> int:
 WALK_FAMILIES = ["qwen3", "qwen3_5", "glm_moe_dsa"]
 
 
-@pytest.mark.parametrize("family", WALK_FAMILIES)
+@pytest.mark.parametrize("family", ["qwen3", *(pytest.param(f, marks=SLOW) for f in WALK_FAMILIES[1:])])
 def test_planner_matches_the_walk_with_layer_recompute(family):
     """Exact mode's walk with each layer recomputed in backward: the planner's recompute
     working set (every layer's input, one layer's backward moment, the last layer's

@@ -15,13 +15,13 @@ snapshot gradients per layer.
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 import longstraw as ls
 from longstraw.state.prompt import RecurrentState
 from longstraw.tensors import nbytes
 from tests.models.test_recompute import EXEC, GROUP, MODELS, assert_recompute_changes_nothing
 from tests.reference import assert_grads_close, assert_loss_close, grads_of, random_group
+from tests.ranks import spawn
 
 
 @pytest.mark.parametrize("state_device", [None, "cpu"])
@@ -83,7 +83,7 @@ def test_the_walk_follows_the_rule_for_its_chunks():
 
 def test_walk_recompute_under_context_parallelism(tmp_path):
     from tests import recompute_worker
-    mp.spawn(recompute_worker.run_walk, args=(2, str(tmp_path / "init")), nprocs=2, join=True)
+    spawn(recompute_worker.run_walk, args=(2, str(tmp_path / "init")), nprocs=2, join=True)
 
 
 # ----------------------------------------------------------------------------

@@ -16,6 +16,7 @@ import longstraw as ls
 from longstraw.state.prompt import AttentionKV, RecurrentState
 from tests.models.hf_checks import check_greedy_generate, check_lora, check_offload, check_score, check_step
 from tests.reference import tiny_falcon_h1
+from tests.ranks import WORLDS, spawn
 
 LORA_TARGETS = ["in_proj", "q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 
@@ -70,14 +71,13 @@ def test_lm_head_multiplier_is_applied():
     assert engine.adapter.lm_head.scale == pytest.approx(0.6)
 
 
-@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("world", WORLDS)
 def test_context_parallel_equals_one_process(tmp_path, world):
     """Both divided paths in one layer (the attention's sharded K/V, the mixer's segment
     transitions and relay), capture and reverse walk, gloo on CPU: loss and every .grad
     equal one process. Blocks of 3 positions cut every capture chunk (6)."""
-    import torch.multiprocessing as mp
 
     from tests import distributed_worker as worker
 
-    mp.spawn(worker.run_cases, args=(world, str(tmp_path / "init"), ["falcon_h1"], ["detached", "exact"]),
-             nprocs=world, join=True)
+    spawn(worker.run_cases, args=(world, str(tmp_path / "init"), ["falcon_h1"], ["detached", "exact"]),
+          nprocs=world, join=True)

@@ -27,6 +27,7 @@ from tests.reference import (
     random_group,
     tiny_family,
 )
+from tests.ranks import spawn
 
 EXEC = dict(chunk_size=4, attention_block_size=3)  # chunks and blocks that divide neither P nor the window (5)
 WINDOW = 5
@@ -164,12 +165,11 @@ def test_context_parallel_w2_equals_one_process(tmp_path):
     """Divided capture and divided reverse walk at W = 2 (gloo, CPU): loss and every
     .grad equal one process for the MoE families, Phi-3 (longrope), gpt-oss (sinks) and
     Gemma 3 (`distributed_worker.FAMILY_CASES`; OLMo 3: the windowed test below)."""
-    import torch.multiprocessing as mp
 
     from tests import distributed_worker as worker
 
-    mp.spawn(worker.run_cases, args=(2, str(tmp_path / "init"), list(worker.FAMILY_CASES), ["detached", "exact"]),
-             nprocs=2, join=True)
+    spawn(worker.run_cases, args=(2, str(tmp_path / "init"), list(worker.FAMILY_CASES), ["detached", "exact"]),
+          nprocs=2, join=True)
 
 
 def test_context_parallel_w2_windows_shorter_than_the_prompt(tmp_path):
@@ -177,11 +177,10 @@ def test_context_parallel_w2_windows_shorter_than_the_prompt(tmp_path):
     of 3 (so each window spans both ranks): divided capture, the divided walk, replay,
     score and greedy decode over the sharded windowed state equal one process
     (`distributed_worker.run_windowed`)."""
-    import torch.multiprocessing as mp
 
     from tests import distributed_worker as worker
 
-    mp.spawn(worker.run_windowed, args=(2, str(tmp_path / "init"), list(worker.WINDOWED_CASES)), nprocs=2, join=True)
+    spawn(worker.run_windowed, args=(2, str(tmp_path / "init"), list(worker.WINDOWED_CASES)), nprocs=2, join=True)
 
 
 def test_context_parallel_takes_a_window_shorter_than_the_sequence():

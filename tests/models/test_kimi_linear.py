@@ -18,6 +18,7 @@ import longstraw as ls
 from longstraw.state.prompt import MLAState, RecurrentState
 from tests.models.hf_checks import check_greedy_generate, check_lora, check_offload, check_score, check_step
 from tests.reference import tiny_kimi
+from tests.ranks import WORLDS, spawn
 
 LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "b_proj", "f_a_proj", "f_b_proj", "g_a_proj", "g_b_proj",
                 "kv_a_proj_with_mqa", "gate_proj", "up_proj", "down_proj"]
@@ -67,15 +68,14 @@ def test_state_is_constant_in_p_for_the_kda_layers():
     assert sizes[0] == sizes[1] == 3 * 8 * (4 * 8 * 8 + 96 * 3)
 
 
-@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("world", WORLDS)
 def test_context_parallel_equals_one_process(tmp_path, world):
     """Divided capture (conv tails from the previous block's owner, each segment's
     affine KDA transition, the relay across ranks; MLA's divided latent attention) and
     divided reverse walk, gloo on CPU: loss and every .grad equal one process. Blocks of
     3 positions put segment boundaries inside every capture chunk (6)."""
-    import torch.multiprocessing as mp
 
     from tests import distributed_worker as worker
 
-    mp.spawn(worker.run_cases, args=(world, str(tmp_path / "init"), ["kimi_linear"], ["detached", "exact"]),
-             nprocs=world, join=True)
+    spawn(worker.run_cases, args=(world, str(tmp_path / "init"), ["kimi_linear"], ["detached", "exact"]),
+          nprocs=world, join=True)

@@ -17,6 +17,7 @@ import longstraw as ls
 from longstraw.state.prompt import AttentionKV, RecurrentState
 from tests.models.hf_checks import check_greedy_generate, check_lora, check_offload, check_score, check_step
 from tests.reference import MAMBA_FAMILIES, float64_internals, hf_full_logprobs, random_group, tiny_mamba
+from tests.ranks import WORLDS, spawn
 
 LORA_TARGETS = ["in_proj", "q_proj", "k_proj", "v_proj", "o_proj", "up_proj", "down_proj", "input_linear",
                 "output_linear"]
@@ -94,18 +95,17 @@ def test_falcon_h1_parallel_layers_are_refused_clearly():
         MambaHybridAdapter(model)
 
 
-@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("world", WORLDS)
 def test_context_parallel_equals_one_process(tmp_path, world):
     """Divided capture (conv tails from the previous block's owner, each segment's
     diagonal-decay transition, the relay across ranks) and divided reverse walk, gloo on
     CPU: loss and every .grad equal one process. Blocks of 3 positions put segment
     boundaries inside every capture chunk (6) and SSD chunk (64)."""
-    import torch.multiprocessing as mp
 
     from tests import distributed_worker as worker
 
-    mp.spawn(worker.run_cases, args=(world, str(tmp_path / "init"), list(worker.MAMBA_CASES), ["detached", "exact"]),
-             nprocs=world, join=True)
+    spawn(worker.run_cases, args=(world, str(tmp_path / "init"), list(worker.MAMBA_CASES), ["detached", "exact"]),
+          nprocs=world, join=True)
 
 
 def test_time_step_limits_are_applied_as_hf_does():

@@ -10,7 +10,6 @@ with autograd), records no root twice, and the choice is reported in the step's 
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 import longstraw as ls
 from longstraw.errors import ConfigError
@@ -32,6 +31,7 @@ from tests.reference import (
     tiny_mla,
     tiny_model,
 )
+from tests.ranks import spawn
 
 MODELS = {
     "qwen3": lambda: float64_norms(tiny_model("qwen3", num_hidden_layers=3)),
@@ -168,4 +168,4 @@ def test_a_bad_recompute_setting_is_refused(value):
 @pytest.mark.parametrize("world", [2])
 def test_recompute_under_context_parallelism(tmp_path, world):
     from tests import recompute_worker
-    mp.spawn(recompute_worker.run, args=(world, str(tmp_path / "init")), nprocs=world, join=True)
+    spawn(recompute_worker.run, args=(world, str(tmp_path / "init")), nprocs=world, join=True)

@@ -10,16 +10,16 @@ others fail fast with a LongStrawError instead of hanging.
 """
 
 import pytest
-import torch.multiprocessing as mp
 
 from tests import distributed_worker as worker
+from tests.ranks import WORLDS, spawn
 
 
 @pytest.mark.parametrize("world,cases", [(2, ["planner", "dense", "hybrid", "mla", "glm", "glm_sparse", "mla_mlp"]),
                                          (3, ["planner", "dense", "hybrid", "dsv32_sparse", "dsv32_sparse_mlp"])])
 def test_context_parallel_equals_single_process(tmp_path, world, cases):
-    mp.spawn(worker.run_cases, args=(world, str(tmp_path / "init"), cases, ["detached", "exact"]), nprocs=world,
-             join=True)
+    spawn(worker.run_cases, args=(world, str(tmp_path / "init"), cases, ["detached", "exact"]), nprocs=world,
+          join=True)
 
 
 def _run_each(fn, nprocs: int, *args) -> list[int]:
@@ -36,7 +36,7 @@ def _not_a_timeout(text: str) -> bool:
 
 def test_prefix_trees_under_context_parallelism_equal_single_process(tmp_path):
     """W = 2: dense, GDN hybrid and sparse GLM trees, both modes (`distributed_worker.run_trees`)."""
-    mp.spawn(worker.run_trees, args=(2, str(tmp_path / "init")), nprocs=2, join=True)
+    spawn(worker.run_trees, args=(2, str(tmp_path / "init")), nprocs=2, join=True)
 
 
 def test_a_failing_rank_fails_the_job_quickly(tmp_path):
@@ -49,20 +49,20 @@ def test_a_failing_rank_fails_the_job_quickly(tmp_path):
 
 
 def test_fsdp2_sharded_layers_get_matching_gradient_slices(tmp_path):
-    mp.spawn(worker.run_fsdp, args=(2, str(tmp_path / "init")), nprocs=2, join=True)
+    spawn(worker.run_fsdp, args=(2, str(tmp_path / "init")), nprocs=2, join=True)
 
 
 def test_fsdp2_on_a_2d_mesh_with_held_replica_reductions_divides_the_walk(tmp_path):
     """A (1, 2) HSDP mesh, FSDP2's all-reduce across replicas held for one sum per step."""
-    mp.spawn(worker.run_fsdp_2d, args=(2, str(tmp_path / "init")), nprocs=2, join=True)
+    spawn(worker.run_fsdp_2d, args=(2, str(tmp_path / "init")), nprocs=2, join=True)
 
 
 def test_generate_under_context_parallelism_equals_single_process(tmp_path):
-    mp.spawn(worker.run_generate, args=(3, str(tmp_path / "init"), ["dense", "hybrid", "glm_sparse", "dsv32_sparse"]),
-             nprocs=3, join=True)
+    spawn(worker.run_generate, args=(3, str(tmp_path / "init"), ["dense", "hybrid", "glm_sparse", "dsv32_sparse"]),
+          nprocs=3, join=True)
 def test_agent_episodes_under_context_parallelism_equal_single_process(tmp_path):
-    mp.spawn(worker.run_episode, args=(2, str(tmp_path / "init"), ["dense", "hybrid", "glm_sparse"]), nprocs=2,
-             join=True)
+    spawn(worker.run_episode, args=(2, str(tmp_path / "init"), ["dense", "hybrid", "glm_sparse"]), nprocs=2,
+          join=True)
 
 
 def test_validation_that_fails_on_one_rank_fails_every_rank_fast(tmp_path):
@@ -85,7 +85,7 @@ def test_loss_masks_under_context_parallelism_match_hf(tmp_path):
 
 
 def test_one_rank_context_parallel_runs_on_the_backends_device(tmp_path):
-    mp.spawn(worker.world_one, args=(1, str(tmp_path / "init"), str(tmp_path)), nprocs=1, join=True)
+    spawn(worker.world_one, args=(1, str(tmp_path / "init"), str(tmp_path)), nprocs=1, join=True)
     assert (tmp_path / "ok").exists()
 
 
@@ -119,30 +119,29 @@ def test_a_collective_error_is_not_reported_as_a_dead_peer(monkeypatch):
     assert "nccl" in message and "device type cpu" in message and "peer rank may have died" not in message
 
 
-
-@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("world", WORLDS)
 def test_divided_capture_at_awkward_block_and_chunk_boundaries(tmp_path, world):
-    mp.spawn(worker.run_divided, args=(world, str(tmp_path / "init")), nprocs=world, join=True)
+    spawn(worker.run_divided, args=(world, str(tmp_path / "init")), nprocs=world, join=True)
 
 
-@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("world", WORLDS)
 def test_divided_reverse_walk_equals_single_process(tmp_path, world):
-    mp.spawn(worker.run_divided_walk, args=(world, str(tmp_path / "init")), nprocs=world, join=True)
+    spawn(worker.run_divided_walk, args=(world, str(tmp_path / "init")), nprocs=world, join=True)
 
 
-@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("world", WORLDS)
 def test_attention_over_a_shard_equals_the_whole_prefix(tmp_path, world):
-    mp.spawn(worker.run_shard_attention, args=(world, str(tmp_path / "init")), nprocs=world, join=True)
+    spawn(worker.run_shard_attention, args=(world, str(tmp_path / "init")), nprocs=world, join=True)
 
 
 def test_a_walk_that_raises_on_one_rank_restores_every_ranks_grad(tmp_path):
-    mp.spawn(worker.walk_raises_on_one_rank, args=(2, str(tmp_path / "init")), nprocs=2, join=True)
+    spawn(worker.walk_raises_on_one_rank, args=(2, str(tmp_path / "init")), nprocs=2, join=True)
 
 
 def test_replicated_gradients_agree_and_diverged_weights_are_caught(tmp_path):
-    mp.spawn(worker.replicas_agree, args=(2, str(tmp_path / "init")), nprocs=2, join=True)
+    spawn(worker.replicas_agree, args=(2, str(tmp_path / "init")), nprocs=2, join=True)
 
 
-@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("world", [2, 3])  # W = 2: bitwise equal to the two all-reduces
 def test_decode_merges_each_layer_in_one_collective(tmp_path, world):
-    mp.spawn(worker.decode_merge_in_one_collective, args=(world, str(tmp_path / "init")), nprocs=world, join=True)
+    spawn(worker.decode_merge_in_one_collective, args=(world, str(tmp_path / "init")), nprocs=world, join=True)

@@ -10,10 +10,10 @@ the engine is built, before any work (`tests/experts_worker.py`).
 """
 
 import pytest
-import torch.multiprocessing as mp
 
 import longstraw as ls
 from tests import experts_worker as worker
+from tests.ranks import spawn
 
 
 def test_expert_parallel_equals_the_replicated_moe_at_three_ranks_and_refuses_bad_input(tmp_path):
@@ -21,7 +21,7 @@ def test_expert_parallel_equals_the_replicated_moe_at_three_ranks_and_refuses_ba
     (whose sentinel rows need HF's `_is_expert_parallel`) at W = 3, both modes; first, in
     the same processes, fewer experts than ranks and a model without experts are refused
     when the engine is built."""
-    mp.spawn(worker.run_expert_parallel, args=(3, str(tmp_path / "init"), ["glm_sparse", "qwen3_moe_batched"],
+    spawn(worker.run_expert_parallel, args=(3, str(tmp_path / "init"), ["glm_sparse", "qwen3_moe_batched"],
                                                ["detached", "exact"], True,
                                                str(tmp_path)), nprocs=3, join=True)
     for rank in range(3):
@@ -34,8 +34,8 @@ def test_expert_parallel_equals_the_replicated_moe_at_three_ranks_and_refuses_ba
                                                 (2, ["glm_sparse", "qwen3_moe"], True),
                                                 (2, ["glm_sparse", "mixtral"], False)])
 def test_expert_parallel_equals_the_replicated_moe_more_cases(tmp_path, world, cases, divide):
-    mp.spawn(worker.run_expert_parallel, args=(world, str(tmp_path / "init"), cases, ["detached", "exact"], divide),
-             nprocs=world, join=True)
+    spawn(worker.run_expert_parallel, args=(world, str(tmp_path / "init"), cases, ["detached", "exact"], divide),
+          nprocs=world, join=True)
 
 
 def test_expert_parallel_needs_context_parallelism():

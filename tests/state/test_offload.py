@@ -13,7 +13,6 @@ prefetched one) are resident at a time. Bad settings raise `ConfigError` before 
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 import longstraw as ls
 from longstraw.state.offload import Stager, has_rows
@@ -28,6 +27,7 @@ from tests.reference import (
     tiny_mla,
     tiny_model,
 )
+from tests.ranks import spawn
 
 _HYBRID_TYPES = ["linear_attention", "full_attention", "full_attention", "linear_attention", "full_attention"]
 
@@ -202,7 +202,7 @@ def test_trimmed_window_and_gdn_state_stay_on_the_device():
 def test_context_parallel_ranks_offload_their_shards(tmp_path, world, cases):
     from tests import offload_worker
 
-    mp.spawn(offload_worker.run, args=(world, str(tmp_path / "init"), cases), nprocs=world, join=True)
+    spawn(offload_worker.run, args=(world, str(tmp_path / "init"), cases), nprocs=world, join=True)
 
 
 # ----------------------------------------------------------------------------
