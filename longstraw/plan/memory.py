@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from ..parallel.deal import walk_chunk_tokens
 from .arch import DTYPE_BYTES, QUANT_BYTES, Arch, LayerSpec, indexer_parameters
 from .config import Basis
-from .experts import divided_moe_working, expert_parallel_weights
+from .experts import divided_moe_working, expert_elements, expert_parallel_weights
 from .traffic import divided_capture_traffic, divided_walk_traffic
 from ..defaults import offloads_snapshots, recompute_pays
 from .snapshots import (divided_walk_recompute_working, snapshot_grad_bytes, snapshot_plan, walk_recompute_working,
@@ -403,9 +403,10 @@ def plan_walk(s: Basis, capture: CapturePlan, graph_tok: float) -> WalkPlan:
             lambda layer: _gathered_walk_row_bytes(s.arch, layer, s.b, c.gdn_kernel)) if recompute
             else _divided_walk_working(s, walk_chunk, graph_tok))
         # the replicated parameters' gradients summed after the walk: LoRA's, or (FSDP2 reduce-scatters
-        # the sharded layers itself) the embeddings and lm_head, or every parameter
+        # the sharded layers itself) the embeddings and lm_head, or every parameter but the expert slices
         grad_elems = (params.lora if c.lora_rank else params.embedding + params.lm_head if c.shard_params
-                      else params.total - indexer_parameters(s.arch))
+                      else params.total - indexer_parameters(s.arch)
+                      - (expert_elements(s.arch) if c.expert_parallel else 0))  # expert slices: never summed
         comm = divided_walk_traffic(s.cfg, positions=P - 1, world=W, block=c.attention_block_size,
                                     chunk_size=c.chunk_size, dtype=s.dtype, grad_bytes=grad_elems * s.b)
     return WalkPlan(working=working, chunks=chunks, chunk_graph=chunk_graph, kept_chunks=kept,
