@@ -36,11 +36,13 @@ def run(rank: int, world: int, init_file: str, out: dict | None = None) -> None:
 
 
 def run_parallelisms(rank: int, world: int, init_file: str) -> None:
-    """The expert-parallel, replicated-gradient and data-parallel checks below, in one process group."""
+    """The expert-parallel, replicated-gradient, data-parallel and FSDP2 checks below, in one process group."""
     _init(rank, world, init_file)
     try:
         check_expert_and_gradient_bytes(world)
         check_data_parallel_bytes(world)
+        check_fsdp_bytes(world)
+        dist.barrier()  # FSDP2's gloo reduce-scatters are finished on every rank before teardown
     finally:
         dist.destroy_process_group()
 
@@ -140,3 +142,65 @@ def check_data_parallel_bytes(world: int) -> None:
         planned = plan["comm"]["phases"]["gradients"]["bytes"]["data_parallel"]
         flags = (8 * len(params) + 16) * (world - 1)
         assert planned > 0 and abs(got - flags - planned) <= 1, (name, got, flags, planned)
+
+
+class FSDPTraffic:
+    """While installed, FSDP2's own collectives (`dist.all_gather_single`, which it calls
+    with a rank's padded shard, and `dist.reduce_scatter_single`) add to `Traffic` by its
+    model: (W-1) x the shard gathered, (W-1)/W of the input reduce-scattered. (LongStraw's
+    own `reduce_scatter_sum` counts itself: only the expert combines call it, not used here.)"""
+
+    def __enter__(self):
+        from longstraw.parallel.collectives import Traffic
+
+        self.saved = dist.all_gather_single, dist.reduce_scatter_single
+        gather, scatter = self.saved
+
+        def all_gather_single(output, input, *args, **kwargs):
+            Traffic.add((dist.get_world_size(kwargs.get("group")) - 1) * input.numel() * input.element_size())
+            return gather(output, input, *args, **kwargs)
+
+        def reduce_scatter_single(output, input, *args, **kwargs):
+            world = dist.get_world_size(kwargs.get("group"))
+            Traffic.add((world - 1) / world * input.numel() * input.element_size())
+            return scatter(output, input, *args, **kwargs)
+
+        dist.all_gather_single, dist.reduce_scatter_single = all_gather_single, reduce_scatter_single
+        return self
+
+    def __exit__(self, *exc):
+        dist.all_gather_single, dist.reduce_scatter_single = self.saved
+
+
+def check_fsdp_bytes(world: int) -> None:
+    """Decoder layers FSDP2-sharded over the W ranks (the context-parallel group): per
+    phase, the bytes the busiest rank receives (context-parallel traffic plus FSDP2's
+    gathers and reduce-scatters, `FSDPTraffic`) equal the planner's with `shard_params`,
+    detached and exact (the divided walk), one piece per branch. FSDP2 pads each
+    parameter's shard to ceil(rows / W) rows: at W = 3 the gathers carry that padding."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    model = CASES["dense"]()
+    mesh = init_device_mesh("cpu", (world,))
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh)
+    layer_bytes = sum(p.numel() * p.element_size() for p in model.model.layers.parameters())
+    padded = sum(-(-p.shape[0] // world) * world * p[0].numel() * p.element_size() if p.dim() else 0
+                 for p in model.model.layers.parameters())
+    group = random_group(97, 41, [4, 4], seed=2)
+    for mode in ("detached", "exact"):
+        kw = dict(chunk_size=7, attention_block_size=3, mode=mode)
+        model.zero_grad(set_to_none=True)
+        with FSDPTraffic():
+            metrics = ls.Engine(model, ls.ExecConfig(context_parallel=True, **kw)).step(group).metrics
+        plan = estimate(model.config.to_dict(), PlanConfig(prompt_tokens=41, group=2, response_tokens=4, gpus=world,
+                                                           dtype="float64", shard_params=True, **kw))
+        phases = {p: phase["bytes"] for p, phase in plan["comm"]["phases"].items() if "bytes" in phase}
+        measured = {p: max(all_gather_ints(metrics["comm_bytes_" + k])) for k, p in PHASES}
+        for p, got in measured.items():
+            want = sum(phases[p].values())
+            passes = (phases[p].get("fsdp_gather", 0.0) + phases[p].get("fsdp_reduce_scatter", 0.0)) * world / (
+                (world - 1) * layer_bytes)  # passes over the layers
+            slack = passes * (padded - layer_bytes) * (world - 1) / world + 1e-3 * want  # FSDP2's padding
+            assert abs(got - want) <= slack, (mode, p, got, want, measured, phases)

@@ -13,7 +13,7 @@ def test_planned_replay_bytes_equal_the_measured_ones(tmp_path, world):
     mp.spawn(comm_worker.run, args=(world, str(tmp_path / "init")), nprocs=world, join=True)
 
 
-@pytest.mark.slow  # about 30 s per world here (opt in with -m slow)
+@pytest.mark.slow  # about 25-35 s per world here (opt in with -m slow)
 @pytest.mark.parametrize("world", [2, 3])
 def test_planned_expert_gradient_and_data_parallel_bytes_equal_the_measured_ones(tmp_path, world):
     """The MoE combines under expert parallelism (capture, replay, the divided walk), the

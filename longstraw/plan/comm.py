@@ -17,11 +17,16 @@ What is counted, bytes received per rank:
     all-reduced (2 (W-1)/W x heads x (v_dim + 1) x fp32), per forward (x2 with layer
     recompute, +1 per score pass);
   * expert parallelism: the MoE combines, split by phase (`experts.expert_phase_traffic`);
-  * FSDP (`shard_params`): all-gathers of the non-expert weights, (W-1)/W of a pass's
-    weights per pass over the layers (a capture chunk; per branch piece a forward, a
-    backward, a recompute, a no-grad forward of held pieces, each score pass; per walk
-    chunk a forward, a backward and its recompute), and one reduce-scatter of the
-    trainable gradients per step;
+  * FSDP2 (`shard_params`, every decoder layer `fully_shard`-ed): per pass over the
+    layers, (W-1)/W of their non-expert weights all-gathered or of their gradients
+    reduce-scattered. As measured on gloo (tests/comm_worker.py): capture gathers each
+    layer once (its no-grad forwards leave the layers unsharded, so the first branch
+    forward gathers nothing more); every backward pass (a branch piece, a walk chunk)
+    reduce-scatters its gradients and reshards, so each later forward gathers again:
+    replay G x pieces - 1 gathers (+1 per score pass) and G x pieces reduce-scatters,
+    the walk one of each per walk chunk. (Before that check the planner counted a gather
+    per capture chunk and 2-3 per piece, one reduce-scatter per step, and a layer as the
+    whole model's weights over the layer count, embeddings and lm_head included);
   * the replicated gradients made the first rank's (`parallel.gradients.replicate_gradients`,
     after a step whose walk is not divided: detached mode, a replicated walk): one broadcast
     of the gradients every rank holds alike (`replicated_grad_bytes`) and a 16-byte layout
@@ -100,9 +105,21 @@ def replicated_grad_bytes(s: Basis, grad_bytes: float) -> float:
     if c.lora_rank:
         return params.lora * s.b
     if c.shard_params:
-        return (params.embedding + params.lm_head) * s.b
+        return (params.embedding + params.lm_head + s.arch.hidden) * s.b  # and the final norm
     experts = expert_elements(s.arch) * expert_slice(s.arch, s.W) if c.expert_parallel else 0.0
     return grad_bytes - (experts + indexer_parameters(s.arch)) * s.b
+
+
+def sharded_layer_grad_bytes(s: Basis) -> float:
+    """The whole (unsharded) gradients of the FSDP2-sharded decoder layers, what one backward
+    pass reduce-scatters: LoRA's adapters, or every layer parameter but the routed experts
+    (expert parallelism keeps them apart) and the DSA indexers (no gradient)."""
+    c, params = s.config, s.params
+    if c.lora_rank:
+        return params.lora * s.b
+    experts = expert_elements(s.arch) if c.expert_parallel else 0
+    return (params.total - params.embedding - params.lm_head - s.arch.hidden - experts
+            - indexer_parameters(s.arch)) * s.b
 
 
 @dataclass(frozen=True)
@@ -135,7 +152,7 @@ def plan_comm(s: Basis, *, capture_comm: float, walk_comm: float, divided_captur
 
     Args:
         capture_comm / walk_comm: context-parallel bytes of capture and of the divided walk.
-        n_chunks / walk_chunks: capture chunks and walk chunks (passes over the layers).
+        n_chunks / walk_chunks: capture chunks (unused: FSDP2 gathers once) and walk chunks.
         gathered: FSDP's two gathered layers' bytes (`WeightPlan.gathered`; 0 unsharded).
         grad_bytes: the trainable gradients' bytes on the rank.
         compute: seconds of compute per phase ('capture', 'replay', 'walk').
@@ -146,24 +163,25 @@ def plan_comm(s: Basis, *, capture_comm: float, walk_comm: float, divided_captur
     experts = expert_phase_traffic(s, divided_capture=divided_capture, divided_walk=divided_walk, recompute=recompute)
     pieces = -(-R // min(R, c.branch_chunk_size or R))
     merges = replay_merge_bytes_per_token(s, recompute, c.score_passes) * G * R
-    # FSDP: a pass over the layers gathers (W-1)/W of the non-expert weights (`gathered` is two layers')
-    per_pass = (gathered / 2 * len(s.arch.layers) * (W - 1) / W) if c.shard_params and W > 1 else 0.0
-    passes = {"capture": n_chunks,
-              "replay": G * (pieces * (2 + (1 if recompute else 0)) + (pieces - 1) + c.score_passes),
-              "walk": walk_chunks * (2 + (1 if walk_recompute else 0)) if s.exact else 0}
+    # FSDP2: a pass over the layers gathers (W-1)/W of their non-expert weights (`gathered` is two
+    # layers'); a backward pass reduce-scatters (W-1)/W of their gradients (module docstring)
+    sharded = c.shard_params and W > 1
+    per_pass = (gathered / 2 * len(s.arch.layers) * (W - 1) / W) if sharded else 0.0
+    rs_pass = sharded_layer_grad_bytes(s) * (W - 1) / W if sharded else 0.0
+    backward = {"replay": G * pieces, "walk": walk_chunks if s.exact else 0}
+    passes = {"capture": 1, "replay": backward["replay"] - 1 + c.score_passes, "walk": backward["walk"]}
     dp_class, dp_gbs = link(c, W * c.data_parallel)
     gradients = grad_bytes - (0.0 if c.lora_rank else indexer_parameters(s.arch) * s.b / (W if c.shard_params else 1))
     dp = 2 * (c.data_parallel - 1) / c.data_parallel * gradients if c.data_parallel > 1 else 0.0  # DSA indexers: none
-    rs = grad_bytes * (W - 1) / W if c.shard_params and W > 1 else 0.0
     replicas = replicated_grad_bytes(s, grad_bytes) + 16 * (W - 1) if W > 1 and not divided_walk else 0.0
     kinds = {
         "capture": {"context_parallel": capture_comm, "expert_parallel": experts["capture"],
                     "fsdp_gather": per_pass * passes["capture"]},
         "replay": {"context_parallel": merges, "expert_parallel": experts["replay"],
-                   "fsdp_gather": per_pass * passes["replay"]},
+                   "fsdp_gather": per_pass * passes["replay"], "fsdp_reduce_scatter": rs_pass * backward["replay"]},
         "walk": {"context_parallel": walk_comm, "expert_parallel": experts["walk"],
-                 "fsdp_gather": per_pass * passes["walk"]},
-        "gradients": {"context_parallel": replicas, "fsdp_reduce_scatter": rs, "data_parallel": dp},
+                 "fsdp_gather": per_pass * passes["walk"], "fsdp_reduce_scatter": rs_pass * backward["walk"]},
+        "gradients": {"context_parallel": replicas, "data_parallel": dp},
     }
     phases, total, comm_total = {}, 0.0, 0.0
     for name, by_kind in kinds.items():
