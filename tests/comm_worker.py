@@ -176,7 +176,8 @@ def check_fsdp_bytes(world: int) -> None:
     """Decoder layers FSDP2-sharded over the W ranks (the context-parallel group): per
     phase, the bytes the busiest rank receives (context-parallel traffic plus FSDP2's
     gathers and reduce-scatters, `FSDPTraffic`) equal the planner's with `shard_params`,
-    detached and exact (the divided walk), one piece per branch. FSDP2 pads each
+    detached and exact (the divided walk), one piece per branch and pieces of 2 (their
+    held pieces' no-grad forward merges too). FSDP2 pads each
     parameter's shard to ceil(rows / W) rows: at W = 3 the gathers carry that padding."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
@@ -189,8 +190,8 @@ def check_fsdp_bytes(world: int) -> None:
     padded = sum(-(-p.shape[0] // world) * world * p[0].numel() * p.element_size() if p.dim() else 0
                  for p in model.model.layers.parameters())
     group = random_group(97, 41, [4, 4], seed=2)
-    for mode in ("detached", "exact"):
-        kw = dict(chunk_size=7, attention_block_size=3, mode=mode)
+    for mode, pieces in (("detached", None), ("exact", None), ("detached", 2)):  # pieces: held ones rerun
+        kw = dict(chunk_size=7, attention_block_size=3, mode=mode, branch_chunk_size=pieces)
         model.zero_grad(set_to_none=True)
         with FSDPTraffic():
             metrics = ls.Engine(model, ls.ExecConfig(context_parallel=True, **kw)).step(group).metrics

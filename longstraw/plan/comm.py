@@ -96,6 +96,14 @@ def replay_merge_bytes_per_token(s: Basis, recompute: bool, score_passes: int) -
     return 2 * (W - 1) / W * per * s.acc + candidates
 
 
+def held_merge_bytes_per_token(s: Basis) -> float:
+    """Bytes a rank receives per token of a held piece: replay in pieces runs every piece
+    but the last once more without autograd into the branch's state (`engine/replay.py`),
+    one forward's merges (H (Dv + 2) per attention layer, H (kv_lora + 2) per MLA layer, as
+    a recompute; measured for attention, MLA taken alike) and DSA candidates."""
+    return replay_merge_bytes_per_token(s, True, 0) - replay_merge_bytes_per_token(s, False, 0)
+
+
 def replicated_grad_bytes(s: Basis, grad_bytes: float) -> float:
     """The trainable gradients every rank of a context-parallel group holds alike: LoRA's
     adapters; under FSDP2 (which reduce-scatters the sharded layers itself) the embeddings
@@ -162,7 +170,9 @@ def plan_comm(s: Basis, *, capture_comm: float, walk_comm: float, divided_captur
     cp_class, cp_gbs = link(c, W)
     experts = expert_phase_traffic(s, divided_capture=divided_capture, divided_walk=divided_walk, recompute=recompute)
     pieces = -(-R // min(R, c.branch_chunk_size or R))
-    merges = replay_merge_bytes_per_token(s, recompute, c.score_passes) * G * R
+    piece = min(R, c.branch_chunk_size or R)
+    held = (R - 1) // piece * piece  # tokens of every piece but the last, forwarded once more without autograd
+    merges = replay_merge_bytes_per_token(s, recompute, c.score_passes) * G * R + held_merge_bytes_per_token(s) * G * held
     # FSDP2: a pass over the layers gathers (W-1)/W of their non-expert weights (`gathered` is two
     # layers'); a backward pass reduce-scatters (W-1)/W of their gradients (module docstring)
     sharded = c.shard_params and W > 1
