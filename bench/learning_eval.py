@@ -25,12 +25,13 @@ import torch  # noqa: E402
 import longstraw as ls  # noqa: E402
 from bench.learning.arms import LearningConfig as TrainConfig  # noqa: E402  (the hybrid preset too)
 from longstraw.train import episode_kwargs, warm_model  # noqa: E402
+from longstraw.train_budget import TRAIN_CHUNK_SIZE  # noqa: E402
 
 
 def sampled_eval(model, cfg: TrainConfig, n: int, first: int = 0, sampled: bool = True) -> dict:
     """Held-out items first .. first+n-1: greedy accuracy, and (when `sampled`) the mean
     reward of G samples at the training temperature."""
-    engine = ls.Engine(model, ls.ExecConfig(chunk_size=cfg.chunk_size))
+    engine = ls.Engine(model, ls.ExecConfig(chunk_size=cfg.chunk_size or TRAIN_CHUNK_SIZE))
     task = cfg.task()
     rewards, greedy = [], []
     for i in range(first, first + n):

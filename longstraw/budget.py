@@ -87,7 +87,7 @@ def _lora(model) -> tuple[int | None, str]:
 
 
 def fit_config(model, *, memory_budget, prompt_tokens: int, group: int, response_tokens: int,
-               mode: str = "detached", **fixed) -> ExecConfig:
+               mode: str = "detached", held_states: int = 0, process_group=None, **fixed) -> ExecConfig:
     """The fastest `ExecConfig` whose step fits `memory_budget` above the loaded model.
 
     Args:
@@ -97,6 +97,11 @@ def fit_config(model, *, memory_budget, prompt_tokens: int, group: int, response
             planner's peak must fit it less max(16 MiB, 5%) (`RUNTIME_RESERVE_*`).
         prompt_tokens / group / response_tokens: the step to fit (P, G, R).
         mode: "detached" or "exact" (kept as given).
+        held_states: other prompt states of this P alive during the step (a trainer that
+            keeps a generation batch's states until their updates): each adds the
+            planner's state bytes per rank to what the budget holds. Default 0.
+        process_group: with `context_parallel=True`, the ranks that share the prompt (as
+            `Engine(process_group=)`); None: the default group.
         **fixed: ExecConfig fields to pin (e.g. `branch_chunk_size=2048`,
             `recompute_layers=False`, `context_parallel=True`); the others are searched.
 
@@ -106,15 +111,17 @@ def fit_config(model, *, memory_budget, prompt_tokens: int, group: int, response
     Raises:
         DoesNotFitError: nothing fits; the message names the binding term and the
             changes that would fit. Raised before any work: the model is not run.
-        ConfigError: a bad budget or an unknown field in `fixed`.
+        ConfigError: a bad budget, `held_states` < 0 or an unknown field in `fixed`.
     """
+    if not isinstance(held_states, int) or held_states < 0:
+        raise ConfigError(f"fit_config: held_states must be an int >= 0, got {held_states!r}")
     unknown = set(fixed) - set(ExecConfig.__dataclass_fields__)
     if unknown:
         raise ConfigError(f"fit_config: unknown ExecConfig field(s) {sorted(unknown)}")
     device, dtype = _device_and_dtype(model)
     budget = parse_budget(memory_budget, device)
     cp = bool(fixed.get("context_parallel", False))
-    world = torch.distributed.get_world_size() if cp and torch.distributed.is_initialized() else 1
+    world = torch.distributed.get_world_size(process_group) if cp and torch.distributed.is_initialized() else 1
     rank, targets = _lora(model)
     plan_fixed = {_SEARCHABLE[k]: v for k, v in fixed.items() if k in _SEARCHABLE}
     plan_fixed.update({k: v for k, v in fixed.items() if k in _PLAN_ONLY})
@@ -130,11 +137,14 @@ def fit_config(model, *, memory_budget, prompt_tokens: int, group: int, response
     cfg = planner_config(model)
     held = estimate(cfg, base)  # the model, its gradients and the optimizer: outside the budget
     outside = held["param_bytes"] + held["grad_bytes"] + held["optimizer_bytes"]
+    others = held_states * held["state_bytes_on_gpu_per_rank"]  # inside the budget, outside the step's plan
     reserve = max(RUNTIME_RESERVE_BYTES, int(RUNTIME_RESERVE_SHARE * budget))
-    result = search(cfg, replace(base, gpu_memory=int(budget + outside), reserve=reserve), pinned)
+    result = search(cfg, replace(base, gpu_memory=int(budget + outside - others), reserve=reserve), pinned)
     if not hasattr(result, "config"):
-        raise DoesNotFitError(_does_not_fit(result, memory_budget, budget, outside,
-                                            f"P={prompt_tokens:,}, G={group}, R={response_tokens:,}, mode={mode!r}"))
+        step = f"P={prompt_tokens:,}, G={group}, R={response_tokens:,}, mode={mode!r}"
+        if held_states:
+            step += f", {held_states} other prompt state(s) held ({int(others):,} B)"
+        raise DoesNotFitError(_does_not_fit(result, memory_budget, budget, outside - others, step, reserve))
     chosen = exec_config(result.config)
     chosen.pop("context_parallel")
     if not offload:
@@ -142,7 +152,7 @@ def fit_config(model, *, memory_budget, prompt_tokens: int, group: int, response
     return ExecConfig(**{**chosen, **fixed})
 
 
-def _does_not_fit(result, memory_budget, budget: int, outside: float, step: str) -> str:
+def _does_not_fit(result, memory_budget, budget: int, outside: float, step: str, reserve: int) -> str:
     """The message: what the leanest plan adds above the model, its largest term, and the
     planner's changes that would fit (more GPUs, a smaller P)."""
     r = result.leanest
@@ -153,6 +163,7 @@ def _does_not_fit(result, memory_budget, budget: int, outside: float, step: str)
     largest = max(terms, key=terms.get)
     adds = r["peak_bytes_per_rank"] - outside
     hint = [s for s in result.suggestions if not s.startswith("--gpu ")]
-    return (f"no ExecConfig fits memory_budget={memory_budget!r} ({budget:,} B above the model) for {step}: even "
+    return (f"no ExecConfig fits memory_budget={memory_budget!r} ({budget:,} B above the model, less a runtime "
+            f"reserve of {reserve:,} B) for {step}: even "
             f"the leanest setting adds {int(adds):,} B (peak during {phase}); binding term: {largest} "
             f"{int(terms[largest]):,} B" + (f"; the planner finds a fit with {', '.join(hint)}" if hint else ""))

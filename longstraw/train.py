@@ -16,6 +16,8 @@ Two arms share everything but the gradient of that update:
 Both sample their rollouts alike, from the same per-step torch.Generator: with one seed
 they see the same prompts in the same order. bench/learning/ adds the naive "full" arm
 (`train(cfg, update=...)`) and its hybrid preset (a TrainConfig subclass).
+`--memory-budget 80GiB` fits the engine's ExecConfig to a memory budget before any work
+(`ls.fit_config`, train_budget.py).
 
 Warm start. A tiny random model cannot answer at all, so RL starts from a short
 supervised phase at *short* context: cross-entropy on the ideal response (answer + EOS)
@@ -44,7 +46,7 @@ import torch
 from tqdm.auto import tqdm
 
 from longstraw.checkpoint import append_log, load_checkpoint, truncate_log, write_atomic
-from longstraw.config import ExecConfig, GRPOConfig
+from longstraw.config import GRPOConfig
 from longstraw.engine.engine import Engine
 from longstraw.errors import NonFiniteError
 from longstraw.group import BatchTotals, Group
@@ -54,6 +56,7 @@ from longstraw.parallel.launch import inject_signal, phase
 from longstraw.parallel.nonfinite import all_finite, inject
 from longstraw.tasks import KVRecall, ToolLookup, Vocab
 from longstraw.tasks.episodes import TASKS, episode_kwargs, evaluate
+from longstraw.train_budget import check_memory_budget, describe, engine_config
 from longstraw.warm import build_model, warm_model, warm_start
 
 ARMS = ("detached", "exact")
@@ -145,8 +148,13 @@ class TrainConfig:
     kl_prompts: int = 0
     """Prompts per step whose samples the logged KL is estimated on (0: all of them). Each costs
     one capture by the warm-start model; with beta > 0 every prompt is scored regardless."""
-    chunk_size: int = 1024
-    """Capture chunk (and exact mode's reverse-walk chunk)."""
+    chunk_size: int | None = None
+    """Capture chunk (and exact mode's reverse-walk chunk); None: 1024, or with memory_budget the fit's."""
+    memory_budget: str | None = None
+    """Bytes one update step may add above the model and its gradients ("80GiB", "512MiB" or a
+    number): ls.fit_config picks the engine's ExecConfig for P, G and the task's response
+    length (a given chunk_size is kept), and the run stops before any work when nothing fits
+    (train_budget.py). None: no fit."""
     seed: int = 0
     """Seeds the sampling and the order of everything random in the loop."""
 
@@ -182,8 +190,9 @@ class TrainConfig:
             raise ValueError(f"kl_prompts must be >= 0, got {self.kl_prompts}")
         for name in ("prompt_tokens", "steps", "group_size", "prompts_per_step", "eval_prompts", "eval_every",
                      "checkpoint_every", "chunk_size", "max_nonfinite_steps"):
-            if getattr(self, name) < 1:
+            if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        check_memory_budget(self.memory_budget)
 
     def task(self, prompt_tokens: int | None = None) -> KVRecall | ToolLookup:
         vocab = Vocab(num_values=self.num_values, num_keys=self.num_keys, num_filler=self.num_filler,
@@ -265,6 +274,12 @@ def train(cfg: TrainConfig, *, update=None, rollouts=None) -> dict:
 def _start(cfg: TrainConfig) -> tuple[Run, dict]:
     """Write config.json, build the warm-started model, its frozen reference copy and the
     optimizer, and resume from the checkpoint when there is one. Returns (run, warm_info)."""
+    mode = "exact" if cfg.arm == "exact" else "detached"
+    cp = torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1  # under torchrun: one prompt
+    exec_cfg = engine_config(cfg, build_model(cfg) if cfg.memory_budget is not None else None, mode=mode,
+                             context_parallel=cp)  # over all ranks; DoesNotFitError before any work
+    if cfg.memory_budget is not None and _rank() == 0:
+        print(f"longstraw train: memory_budget={cfg.memory_budget!r} fits {describe(exec_cfg)}", flush=True)
     os.makedirs(cfg.out_dir, exist_ok=True)
     log_path, ckpt_path = os.path.join(cfg.out_dir, "log.jsonl"), os.path.join(cfg.out_dir, "checkpoint.pt")
     config_json = json.dumps(dataclasses.asdict(cfg), indent=1).encode()
@@ -284,11 +299,8 @@ def _start(cfg: TrainConfig) -> tuple[Run, dict]:
         del ckpt
     if _rank() == 0:
         truncate_log(log_path, start if start > 0 else -1)  # from scratch: the warm-start line is written again
-    mode = "exact" if cfg.arm == "exact" else "detached"
-    cp = torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1  # under torchrun: one prompt
-    engine = Engine(model, ExecConfig(chunk_size=cfg.chunk_size, mode=mode, context_parallel=cp))  # over all ranks
-    ref_engine = (Engine(reference, ExecConfig(chunk_size=cfg.chunk_size, context_parallel=cp))
-                  if reference is not None else None)
+    engine = Engine(model, exec_cfg)
+    ref_engine = Engine(reference, dataclasses.replace(exec_cfg, mode="detached")) if reference is not None else None
     grpo = GRPOConfig(loss_type=cfg.loss_type, epsilon_low=cfg.epsilon, epsilon_high=cfg.epsilon, beta=cfg.beta,
                       temperature=cfg.temperature)
     run = Run(cfg=cfg, task=cfg.task(), model=model, engine=engine, ref_engine=ref_engine, optimizer=optimizer,

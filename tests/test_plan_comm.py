@@ -3,7 +3,7 @@
 checked the same way in tests/distributed_worker.py (`check_planner`)."""
 
 import pytest
-from tests.ranks import spawn
+from tests.ranks import WORLDS, spawn
 
 
 @pytest.mark.slow  # 12 context-parallel steps per world: about a minute here (opt in with -m slow)
@@ -11,3 +11,12 @@ from tests.ranks import spawn
 def test_planned_replay_bytes_equal_the_measured_ones(tmp_path, world):
     from tests import comm_worker
     spawn(comm_worker.run, args=(world, str(tmp_path / "init")), nprocs=world, join=True)
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_planned_expert_gradient_and_data_parallel_bytes_equal_the_measured_ones(tmp_path, world):
+    """The MoE combines under expert parallelism (capture, replay, the divided walk), the
+    replicated gradients' broadcast after a detached step, sparse DSA's candidates in
+    replay, and the data-parallel gradient all-reduce (`comm_worker.run_parallelisms`)."""
+    from tests import comm_worker
+    spawn(comm_worker.run_parallelisms, args=(world, str(tmp_path / "init")), nprocs=world, join=True)

@@ -14,6 +14,8 @@ builds one from a word-level vocabulary:
 
 `<eos>` ends every turn (the model's eos); the generation prompt is `<a>`. A tool call is
 three tokens, `<tool_call> CALL </tool_call>`, so a tiny model can emit one.
+
+`token_id_tokenizer` is the plain one (no chat template): the decimal ids themselves.
 """
 
 from __future__ import annotations
@@ -78,3 +80,14 @@ def tool_chat_tokenizer(vocab_size: int, *, tool: str = "lookup", argument: str 
     tokenizer.chat_template = CHAT_TEMPLATE
     tokenizer.response_template = RESPONSE_TEMPLATE
     return tokenizer
+
+
+def token_id_tokenizer(vocab_size: int, *, eos_token_id: int = 0, pad_token_id: int | None = None):
+    """A tokenizer whose tokens are the decimal ids themselves ("12 7 3" <-> [12, 7, 3]),
+    for models built in code (nothing to download): pass it as `processing_class`."""
+    vocab = {str(i): i for i in range(vocab_size)}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token=str(eos_token_id)))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    pad = eos_token_id if pad_token_id is None else pad_token_id
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=str(eos_token_id), pad_token=str(pad),
+                                   padding_side="left")

@@ -66,7 +66,6 @@ from collections import defaultdict
 from dataclasses import dataclass
 
 import torch
-from tokenizers import Tokenizer, models, pre_tokenizers
 
 from ..config import ExecConfig, GRPOConfig
 from longstraw.parallel.context import check_replicas
@@ -84,10 +83,12 @@ from longstraw.integrations.trl_parallel import (DataParallelView, check_mesh_se
                                                  seen_per_data_parallel_group)
 from longstraw.integrations.trl_fsdp import check_fsdp_settings, shard_decoder_layers, without_ddp
 from longstraw.integrations import trl_checkpoint
+from longstraw.integrations.chat import token_id_tokenizer  # noqa: F401 (public here too)
+from longstraw.integrations.trl_budget import check_prompt_tokens, fitted_config, held_prompt_states
 
 try:
     import trl
-    from transformers import PreTrainedTokenizerFast, TrainerCallback
+    from transformers import TrainerCallback
 except ImportError as exc:  # pragma: no cover - depends on the environment
     raise ImportError("longstraw.integrations.trl needs TRL: pip install 'longstraw[trl]'") from exc
 
@@ -96,19 +97,6 @@ logger = logging.getLogger(__name__)
 WINDOW_KEYS = ("captures", "tool_continuations", "time_capture_s", "time_generate_s", "time_replay_s",
                "time_reverse_s", "state_bytes", "state_grad_bytes", "peak_memory_bytes", "skipped_nonfinite_steps")
 """The `longstraw/...` metrics logged per optimizer step (every rank reduces the same keys)."""
-
-
-
-def token_id_tokenizer(vocab_size: int, *, eos_token_id: int = 0, pad_token_id: int | None = None):
-    """A tokenizer whose tokens are the decimal ids themselves ("12 7 3" <-> [12, 7, 3]),
-    for models built in code (nothing to download): pass it as `processing_class`."""
-    vocab = {str(i): i for i in range(vocab_size)}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token=str(eos_token_id)))
-    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    pad = eos_token_id if pad_token_id is None else pad_token_id
-    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=str(eos_token_id), pad_token=str(pad),
-                                   padding_side="left")
-
 
 # ----------------------------------------------------------------------------
 # the trainer
@@ -172,6 +160,9 @@ class LongStrawGRPOTrainer(trl_checkpoint.TrainerCheckpoints, trl.GRPOTrainer):
             data-parallel groups stays one all-reduce per step.
         longstraw_max_nonfinite_steps: NaN/inf gradients on any rank skip the step on all ranks
             (`longstraw/skipped_nonfinite_steps`); this many in a row raise `NonFiniteError`.
+        longstraw_memory_budget, longstraw_prompt_tokens: `ls.fit_config` picks the engine's
+            config for this bytes / "80GiB" budget and P at construction (`trl_budget.py`;
+            `longstraw_config`'s non-default fields pinned; `DoesNotFitError` if nothing fits).
     """
 
     def __init__(self, model, reward_funcs=None, args=None, train_dataset=None, eval_dataset=None,
@@ -179,7 +170,7 @@ class LongStrawGRPOTrainer(trl_checkpoint.TrainerCheckpoints, trl.GRPOTrainer):
                  peft_config=None, *, longstraw_config: ExecConfig | None = None, longstraw_keep_states: bool = True,
                  longstraw_replica_check_every: int = 0, longstraw_context_parallel_size: int = 1,
                  longstraw_fsdp: bool = False, longstraw_max_nonfinite_steps: int = DEFAULT_MAX_NONFINITE_STEPS,
-                 **kwargs):
+                 longstraw_memory_budget=None, longstraw_prompt_tokens: int | None = None, **kwargs):
         init_distributed()  # a no-op when the script (or accelerate, from `args`) initialized the group
         longstraw_config = ExecConfig() if longstraw_config is None else longstraw_config
         if not isinstance(longstraw_replica_check_every, int) or longstraw_replica_check_every < 0:
@@ -220,6 +211,11 @@ class LongStrawGRPOTrainer(trl_checkpoint.TrainerCheckpoints, trl.GRPOTrainer):
             shard_decoder_layers(self.model, mesh, self.accelerator.device)
             without_ddp(self.accelerator)
         self.longstraw_mesh = groups
+        self.longstraw_memory_budget = longstraw_memory_budget  # with one, DoesNotFitError before any rollout
+        longstraw_config, self.longstraw_prompt_tokens = fitted_config(
+            policy, longstraw_config, memory_budget=longstraw_memory_budget, prompt_tokens=longstraw_prompt_tokens,
+            args=args, context_parallel=mesh.context > 1, process_group=groups.context_group,
+            held_states=held_prompt_states(args, longstraw_keep_states, bool(self.tools)))
         if mesh.context > 1:
             longstraw_config = dataclasses.replace(longstraw_config, context_parallel=True)
         engine_kw = dict(process_group=groups.context_group)
@@ -302,6 +298,7 @@ class LongStrawGRPOTrainer(trl_checkpoint.TrainerCheckpoints, trl.GRPOTrainer):
             if len(rows) != num_generations or any(r != rows[0] for r in rows):
                 raise RuntimeError("expected each prompt num_generations times in a row (TRL's RepeatSampler)")
             prompt = torch.tensor(rows[0], dtype=torch.long)
+            check_prompt_tokens(len(prompt), self.longstraw_prompt_tokens, self.longstraw_memory_budget)
             rollout = self.longstraw_engine.generate(
                 prompt, num_samples=num_generations, max_new_tokens=self.max_completion_length,
                 temperature=self.temperature, top_p=self.top_p, top_k=self.top_k or 0, eos_token_id=self.eos_token_ids,

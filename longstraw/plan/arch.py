@@ -24,7 +24,7 @@ SUPPORTED_MODEL_TYPES = _DENSE_ATTENTION[:4] + ("qwen3_5", "qwen3_5_moe", "qwen3
 _TEXT_TYPES = {"qwen3_5_text": "qwen3_5", "qwen3_5_moe_text": "qwen3_5_moe", "gemma3": "gemma3_text"}
 # MoE of the dense-attention families: (experts field, expert width field or None for
 # intermediate_size, shared-expert count field)
-_MOE_FIELDS = {"qwen3_moe": ("num_experts", "moe_intermediate_size", None),
+_MOE_FIELDS = {"qwen3_moe": (("num_experts", "num_local_experts"), "moe_intermediate_size", None),
                "mixtral": ("num_local_experts", None, None), "minimax_m2": ("num_local_experts", None, None),
                "gpt_oss": ("num_local_experts", None, None),
                "glm4_moe": ("n_routed_experts", "moe_intermediate_size", "n_shared_experts")}
@@ -250,6 +250,8 @@ def _moe_mlps(arch: Arch, cfg: dict, n: int) -> list[str]:
     if fields is None:
         return ["dense"] * n
     experts, width, shared = fields
+    if isinstance(experts, tuple):  # aliases: a hub config.json's name, then transformers 5's `to_dict()` one
+        experts = next((name for name in experts if cfg.get(name) is not None), experts[0])
     cfg_need(cfg, experts, "num_experts_per_tok", width or "intermediate_size")
     arch.experts, arch.experts_per_token = int(cfg[experts]), int(cfg["num_experts_per_tok"])
     arch.moe_intermediate = int(cfg[width or "intermediate_size"])

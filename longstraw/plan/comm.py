@@ -16,14 +16,25 @@ What is counted, bytes received per rank:
     layer and replayed token, the partial output and LSE of every other rank's shard,
     all-reduced (2 (W-1)/W x heads x (v_dim + 1) x fp32), per forward (x2 with layer
     recompute, +1 per score pass);
-  * expert parallelism: the MoE combines (`experts.expert_parallel_traffic`), split by phase;
-  * FSDP (`shard_params`): all-gathers of the non-expert weights, (W-1)/W of a pass's
-    weights per pass over the layers (a capture chunk; per branch piece a forward, a
-    backward, a recompute, a no-grad forward of held pieces, each score pass; per walk
-    chunk a forward, a backward and its recompute), and one reduce-scatter of the
-    trainable gradients per step;
+  * expert parallelism: the MoE combines, split by phase (`experts.expert_phase_traffic`);
+  * FSDP2 (`shard_params`, every decoder layer `fully_shard`-ed): per pass over the
+    layers, (W-1)/W of their non-expert weights all-gathered or of their gradients
+    reduce-scattered. As measured on gloo (tests/comm_worker.py): capture gathers each
+    layer once (its no-grad forwards leave the layers unsharded, so the first branch
+    forward gathers nothing more); every backward pass (a branch piece, a walk chunk)
+    reduce-scatters its gradients and reshards, so each later forward gathers again:
+    replay G x pieces - 1 gathers (+1 per score pass) and G x pieces reduce-scatters,
+    the walk one of each per walk chunk. (Before that check the planner counted a gather
+    per capture chunk and 2-3 per piece, one reduce-scatter per step, and a layer as the
+    whole model's weights over the layer count, embeddings and lm_head included);
+  * the replicated gradients made the first rank's (`parallel.gradients.replicate_gradients`,
+    after a step whose walk is not divided: detached mode, a replicated walk): one broadcast
+    of the gradients every rank holds alike (`replicated_grad_bytes`) and a 16-byte layout
+    check from every other rank (all-gather); a divided walk sums them in its own traffic;
   * data parallelism (`data_parallel` > 1): one ring all-reduce of the trainable
-    gradients per step, 2 (D-1)/D x their bytes;
+    gradients per step (all but the DSA indexers', which get none), 2 (D-1)/D x their
+    bytes (`parallel.data.reduce_gradients` also all-gathers one 8-byte presence flag per
+    trainable tensor and a 16-byte layout check, not counted);
   * offload staging: `offload.plan_offload`'s traffic over the host link.
 
 Overlap rule (stated, not measured): collectives the engine runs *inside* a layer's
@@ -38,8 +49,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from .arch import indexer_parameters
 from .config import Basis
-from .experts import expert_parallel_traffic
+from .experts import expert_elements, expert_phase_traffic, expert_slice
 
 
 def link(c, ranks: int) -> tuple[str, float]:
@@ -59,8 +71,12 @@ def replay_merge_bytes_per_token(s: Basis, recompute: bool, score_passes: int) -
         MLA         autograd pass: 2 (H (kv_lora + 1) + kv_lora); recompute adds
                     H (kv_lora + 2); a score pass H (kv_lora + 1)
 
-    (H heads, Dv the value head dim; MLA merges in the latent space.) Fitted to the
-    engine's `comm_bytes_replay` on gloo at W = 2 and 3 (tests/test_plan_comm.py)."""
+    (H heads, Dv the value head dim; MLA merges in the latent space.) A sparse DSA layer
+    with its own indexer (top-k K below the prompt's positions) also all-gathers every
+    rank's candidates per forward (`mla_decode.prompt_candidates`): (W-1) K (4 + 4) bytes
+    (int32 positions, fp32 scores). Fitted to the engine's `comm_bytes_replay` on gloo at
+    W = 2 and 3 (tests/test_plan_comm.py; the DSA candidates and the expert combines:
+    tests/comm_worker.py's `check_expert_and_gradient_bytes`)."""
     W, arch = s.W, s.arch
     if W == 1:
         return 0.0
@@ -73,28 +89,45 @@ def replay_merge_bytes_per_token(s: Basis, recompute: bool, score_passes: int) -
         else:
             continue
         per += 2 * (h * (d + 1) + extra) + (h * (d + 2) if recompute else 0) + score_passes * h * (d + 1)
-    return 2 * (W - 1) / W * per * s.acc
+    candidates = 0.0
+    if arch.index_topk and arch.index_topk < s.P - 1:  # sparse: top-k below the prompt's positions
+        forwards = 1 + (1 if recompute else 0) + score_passes
+        candidates = (W - 1) * arch.index_topk * 8 * forwards * arch.count(mixer="mla", indexer=True)
+    return 2 * (W - 1) / W * per * s.acc + candidates
 
 
-def _expert_phases(s: Basis, *, divided_capture: bool, divided_walk: bool, recompute: bool) -> dict:
-    """The expert combines' bytes per phase (`experts.expert_report`'s total, split)."""
-    c, arch = s.config, s.arch
-    if not c.expert_parallel:
-        return {"capture": 0.0, "replay": 0.0, "walk": 0.0}
+def held_merge_bytes_per_token(s: Basis) -> float:
+    """Bytes a rank receives per token of a held piece: replay in pieces runs every piece
+    but the last once more without autograd into the branch's state (`engine/replay.py`),
+    one forward's merges (H (Dv + 2) per attention layer, H (kv_lora + 2) per MLA layer, as
+    a recompute; measured for attention, MLA taken alike) and DSA candidates."""
+    return replay_merge_bytes_per_token(s, True, 0) - replay_merge_bytes_per_token(s, False, 0)
 
-    def t(**kw):
-        base = dict(replicated_forward=0, replicated_backward=0, divided_forward=0, divided_backward=0)
-        return expert_parallel_traffic(arch, s.W, s.b, **{**base, **kw})
 
-    replay = s.G * s.R
-    walk = 0.0
-    if s.exact:
-        walk = (t(divided_forward=s.p_rank, divided_backward=s.p_rank) if divided_walk
-                else t(replicated_forward=s.P, replicated_backward=s.P))
-    return {"capture": t(divided_forward=s.p_rank) if divided_capture else t(replicated_forward=s.P),
-            "replay": t(replicated_forward=replay * ((2 if recompute else 1) + c.score_passes),
-                        replicated_backward=replay),
-            "walk": walk}
+def replicated_grad_bytes(s: Basis, grad_bytes: float) -> float:
+    """The trainable gradients every rank of a context-parallel group holds alike: LoRA's
+    adapters; under FSDP2 (which reduce-scatters the sharded layers itself) the embeddings
+    and lm_head; else every gradient on the rank (`grad_bytes`) but its expert slices and
+    the DSA indexers' (trained by no loss here: no gradient)."""
+    c, params = s.config, s.params
+    if c.lora_rank:
+        return params.lora * s.b
+    if c.shard_params:
+        return (params.embedding + params.lm_head + s.arch.hidden) * s.b  # and the final norm
+    experts = expert_elements(s.arch) * expert_slice(s.arch, s.W) if c.expert_parallel else 0.0
+    return grad_bytes - (experts + indexer_parameters(s.arch)) * s.b
+
+
+def sharded_layer_grad_bytes(s: Basis) -> float:
+    """The whole (unsharded) gradients of the FSDP2-sharded decoder layers, what one backward
+    pass reduce-scatters: LoRA's adapters, or every layer parameter but the routed experts
+    (expert parallelism keeps them apart) and the DSA indexers (no gradient)."""
+    c, params = s.config, s.params
+    if c.lora_rank:
+        return params.lora * s.b
+    experts = expert_elements(s.arch) if c.expert_parallel else 0
+    return (params.total - params.embedding - params.lm_head - s.arch.hidden - experts
+            - indexer_parameters(s.arch)) * s.b
 
 
 @dataclass(frozen=True)
@@ -127,7 +160,7 @@ def plan_comm(s: Basis, *, capture_comm: float, walk_comm: float, divided_captur
 
     Args:
         capture_comm / walk_comm: context-parallel bytes of capture and of the divided walk.
-        n_chunks / walk_chunks: capture chunks and walk chunks (passes over the layers).
+        n_chunks / walk_chunks: capture chunks (unused: FSDP2 gathers once) and walk chunks.
         gathered: FSDP's two gathered layers' bytes (`WeightPlan.gathered`; 0 unsharded).
         grad_bytes: the trainable gradients' bytes on the rank.
         compute: seconds of compute per phase ('capture', 'replay', 'walk').
@@ -135,25 +168,30 @@ def plan_comm(s: Basis, *, capture_comm: float, walk_comm: float, divided_captur
     """
     c, W, G, R = s.config, s.W, s.G, s.R
     cp_class, cp_gbs = link(c, W)
-    experts = _expert_phases(s, divided_capture=divided_capture, divided_walk=divided_walk, recompute=recompute)
+    experts = expert_phase_traffic(s, divided_capture=divided_capture, divided_walk=divided_walk, recompute=recompute)
     pieces = -(-R // min(R, c.branch_chunk_size or R))
-    merges = replay_merge_bytes_per_token(s, recompute, c.score_passes) * G * R
-    # FSDP: a pass over the layers gathers (W-1)/W of the non-expert weights (`gathered` is two layers')
-    per_pass = (gathered / 2 * len(s.arch.layers) * (W - 1) / W) if c.shard_params and W > 1 else 0.0
-    passes = {"capture": n_chunks,
-              "replay": G * (pieces * (2 + (1 if recompute else 0)) + (pieces - 1) + c.score_passes),
-              "walk": walk_chunks * (2 + (1 if walk_recompute else 0)) if s.exact else 0}
+    piece = min(R, c.branch_chunk_size or R)
+    held = (R - 1) // piece * piece  # tokens of every piece but the last, forwarded once more without autograd
+    merges = replay_merge_bytes_per_token(s, recompute, c.score_passes) * G * R + held_merge_bytes_per_token(s) * G * held
+    # FSDP2: a pass over the layers gathers (W-1)/W of their non-expert weights (`gathered` is two
+    # layers'); a backward pass reduce-scatters (W-1)/W of their gradients (module docstring)
+    sharded = c.shard_params and W > 1
+    per_pass = (gathered / 2 * len(s.arch.layers) * (W - 1) / W) if sharded else 0.0
+    rs_pass = sharded_layer_grad_bytes(s) * (W - 1) / W if sharded else 0.0
+    backward = {"replay": G * pieces, "walk": walk_chunks if s.exact else 0}
+    passes = {"capture": 1, "replay": backward["replay"] - 1 + c.score_passes, "walk": backward["walk"]}
     dp_class, dp_gbs = link(c, W * c.data_parallel)
-    dp = 2 * (c.data_parallel - 1) / c.data_parallel * grad_bytes if c.data_parallel > 1 else 0.0
-    rs = grad_bytes * (W - 1) / W if c.shard_params and W > 1 else 0.0
+    gradients = grad_bytes - (0.0 if c.lora_rank else indexer_parameters(s.arch) * s.b / (W if c.shard_params else 1))
+    dp = 2 * (c.data_parallel - 1) / c.data_parallel * gradients if c.data_parallel > 1 else 0.0  # DSA indexers: none
+    replicas = replicated_grad_bytes(s, grad_bytes) + 16 * (W - 1) if W > 1 and not divided_walk else 0.0
     kinds = {
         "capture": {"context_parallel": capture_comm, "expert_parallel": experts["capture"],
                     "fsdp_gather": per_pass * passes["capture"]},
         "replay": {"context_parallel": merges, "expert_parallel": experts["replay"],
-                   "fsdp_gather": per_pass * passes["replay"]},
+                   "fsdp_gather": per_pass * passes["replay"], "fsdp_reduce_scatter": rs_pass * backward["replay"]},
         "walk": {"context_parallel": walk_comm, "expert_parallel": experts["walk"],
-                 "fsdp_gather": per_pass * passes["walk"]},
-        "gradients": {"fsdp_reduce_scatter": rs, "data_parallel": dp},
+                 "fsdp_gather": per_pass * passes["walk"], "fsdp_reduce_scatter": rs_pass * backward["walk"]},
+        "gradients": {"context_parallel": replicas, "data_parallel": dp},
     }
     phases, total, comm_total = {}, 0.0, 0.0
     for name, by_kind in kinds.items():

@@ -13,6 +13,7 @@ in `traffic.py`. Torch-free."""
 
 from __future__ import annotations
 
+from ..parallel.deal import walk_chunk_bounds
 from .config import PlanConfig, resolve
 from .memory import plan_capture, plan_replay, plan_state, plan_walk, plan_weights, score_working
 from .offload import plan_offload
@@ -21,6 +22,16 @@ from .report import build_report
 from .comm import plan_comm
 from .timing import plan_time
 from .tree_cost import plan_tree_replay, tree_report, tree_timing
+
+
+def walk_chunk_count(s, walk) -> int:
+    """Exact mode's walk chunks: a divided walk's cut (`parallel.deal.walk_chunk_bounds`: a
+    short last chunk in which some rank owns no block joins the one before), else P - 1 in
+    chunks of `walk.chunk`."""
+    if walk.divided:
+        return len(walk_chunk_bounds(s.P - 1, s.config.chunk_size, s.W, s.config.attention_block_size,
+                                     bool(s.arch.count(mixer="gdn"))))
+    return -(-max(s.P - 1, 1) // walk.chunk)
 
 
 def estimate(model, config: PlanConfig) -> dict:
@@ -47,7 +58,7 @@ def estimate(model, config: PlanConfig) -> dict:
     thr = timing.throughput
     comm = plan_comm(s, capture_comm=capture.comm, walk_comm=walk.comm, divided_capture=capture.divided,
                      divided_walk=walk.divided, recompute=replay.recompute, walk_recompute=walk.recompute,
-                     n_chunks=walk.chunks, walk_chunks=-(-max(s.P - 1, 1) // walk.chunk) if s.exact else 0,
+                     n_chunks=walk.chunks, walk_chunks=walk_chunk_count(s, walk) if s.exact else 0,
                      gathered=weights.gathered, grad_bytes=weights.grad_bytes,
                      compute={"capture": timing.flops_capture / thr, "replay": s.G * timing.flops_branch / thr,
                               "walk": timing.flops_exact_extra / thr if s.exact else 0.0},

@@ -15,17 +15,24 @@ experts, but HF's grouped_mm / batched_mm forwards still allocate every token's 
 rank's tokens of its piece, gathered: W x (hidden + routing) rows, and its partial output.
 
 Traffic (bytes one rank receives per MoE layer and per token, the ring model of
-`parallel.collectives.Traffic`):
+`parallel.collectives.Traffic`; w the routing weights' bytes, `routing_weight_bytes`):
 
     replicated tokens, forward    all-reduce of [T, H]:            2 (W-1)/W H b
-                       backward   all-reduce of [T, H + k]:        2 (W-1)/W (H b + 4 k)
-    divided tokens,    forward    all-gather of (hidden, weights,  (W-1) (H b + 12 k)
+                       backward   all-reduce of [T, H + k], one    2 (W-1)/W (H + k) max(b, w)
+                                  buffer in the promoted dtype:
+    divided tokens,    forward    all-gather of (hidden, weights,  (W-1) (H b + k (w + 8))
                                   top-k) + reduce-scatter:          + (W-1) H b
-                       backward   all-gather + reduce-scatter:     (W-1) (2 H b + 4 k)
+                       backward   all-gather + reduce-scatter:     (W-1) (2 H b + k w)
 
-(routing weights in fp32 (4 B; HF's routers), top-k ids int64 (8 B); a divided token is
-a rank's own row.) The whole-layer gather it replaces moved every expert's weights to
-every rank, per pass: E x 3 H I x b bytes per MoE layer.
+(top-k ids int64 (8 B); a divided token is a rank's own row.) A backward through the
+last layer's MoE happens in replay only: in exact mode's walk that layer's output reaches
+no root of a walk chunk (as `traffic.divided_walk_traffic`), so its combine runs forward
+only. Measured against the engine's collectives at W = 2 and 3 on gloo
+(tests/comm_worker.py); before that check the planner took w = 4 everywhere, counted the
+replicated backward as H b + 4 k (half the bytes for bf16 hidden rows with fp32 weights)
+and counted a walk backward through the last layer. The whole-layer gather expert
+parallelism replaces moved every expert's weights to every rank, per pass: E x 3 H I x b
+bytes per MoE layer.
 """
 
 from __future__ import annotations
@@ -113,32 +120,61 @@ def expert_parallel_weights(arch: Arch, *, base: float, lora_bytes: float, train
     return w["experts"] + w["rest"] + lora_bytes / rest, mine * b, mine * adam, w["gathered"]
 
 
+ROUTING_IN_COMPUTE_DTYPE = ("qwen3",)
+"""model_type prefixes whose router casts its top-k weights to the compute dtype (HF's
+Qwen3-MoE, Qwen3-Next, Qwen3.5-MoE routers: `router_top_value.to(router_logits.dtype)`);
+the others (Mixtral, GLM, DeepSeek, MiniMax) keep them in fp32."""
+
+
+def routing_weight_bytes(arch: Arch, b: int) -> int:
+    """Bytes of one routing weight as the experts' combine receives it: b where the router
+    casts to the compute dtype (`ROUTING_IN_COMPUTE_DTYPE`), else fp32's 4."""
+    return b if arch.model_type.startswith(ROUTING_IN_COMPUTE_DTYPE) else 4
+
+
 def combine_bytes_per_token(arch: Arch, world: int, b: int) -> dict:
     """Bytes one rank receives per MoE layer and per token, by kind of tokens and pass
     (the table in the module docstring)."""
-    W, h, k = world, arch.hidden, arch.experts_per_token
+    W, h, k, w = world, arch.hidden, arch.experts_per_token, routing_weight_bytes(arch, b)
     ring = 2 * (W - 1) / W
-    return {"replicated_forward": ring * h * b, "replicated_backward": ring * (h * b + 4 * k),
-            "divided_forward": (W - 1) * (2 * h * b + 12 * k), "divided_backward": (W - 1) * (2 * h * b + 4 * k)}
+    return {"replicated_forward": ring * h * b, "replicated_backward": ring * (h + k) * max(b, w),
+            "divided_forward": (W - 1) * (2 * h * b + k * (w + 8)), "divided_backward": (W - 1) * (2 * h * b + k * w)}
+
+
+def expert_phase_traffic(s, *, divided_capture: bool, divided_walk: bool, recompute: bool) -> dict:
+    """The combines' bytes per rank in each phase ('capture', 'replay', 'walk') for a
+    `config.Basis` `s` (zeros without expert parallelism). Replay counts G R replicated
+    tokens (forward twice with a layer-wise recompute, plus score passes; the no-grad
+    forward of held pieces is not counted); the walk, a rank's own tokens (divided) or
+    every prompt token (replicated), forward and backward."""
+    c, arch = s.config, s.arch
+    if not c.expert_parallel:
+        return {"capture": 0.0, "replay": 0.0, "walk": 0.0}
+
+    def t(**kw):
+        base = dict(replicated_forward=0, replicated_backward=0, divided_forward=0, divided_backward=0)
+        return expert_parallel_traffic(arch, s.W, s.b, **{**base, **kw})
+
+    replay = s.G * s.R
+    walk = 0.0
+    if s.exact:
+        walk = (t(divided_forward=s.p_rank, divided_backward=s.p_rank) if divided_walk
+                else t(replicated_forward=s.P, walk_backward=s.P))
+    return {"capture": t(divided_forward=s.p_rank) if divided_capture else t(replicated_forward=s.P),
+            "replay": t(replicated_forward=replay * ((2 if recompute else 1) + c.score_passes),
+                        replicated_backward=replay),
+            "walk": walk}
 
 
 def expert_report(s, *, divided_capture: bool, divided_walk: bool, recompute: bool) -> dict:
     """The report's expert-parallel figures for a `config.Basis` `s`: whether it is on,
-    the combines' bytes per rank over a step, and their breakdown. Replay counts G R
-    replicated tokens (forward twice with a layer-wise recompute, plus score passes;
-    the no-grad forward of held pieces is not counted)."""
+    the combines' bytes per rank over a step (`expert_phase_traffic`'s sum), and their
+    breakdown."""
     c, arch = s.config, s.arch
     if not c.expert_parallel:
         return {"expert_parallel": False, "expert_comm_bytes_per_rank": 0.0}
-    replay = s.G * s.R
-    walk_replicated = s.P if s.exact and not divided_walk else 0
-    total = expert_parallel_traffic(
-        arch, s.W, s.b,
-        replicated_forward=replay * ((2 if recompute else 1) + c.score_passes) + (0 if divided_capture else s.P)
-        + walk_replicated,
-        replicated_backward=replay + walk_replicated,
-        divided_forward=(s.p_rank if divided_capture else 0) + (s.p_rank if s.exact and divided_walk else 0),
-        divided_backward=s.p_rank if s.exact and divided_walk else 0)
+    total = sum(expert_phase_traffic(s, divided_capture=divided_capture, divided_walk=divided_walk,
+                                     recompute=recompute).values())
     return {"expert_parallel": True, "expert_comm_bytes_per_rank": total,
             "experts": {"experts_per_rank": math.ceil(arch.experts / s.W), "experts": arch.experts,
                         "moe_layers": arch.count(mlp="moe"),
@@ -146,12 +182,15 @@ def expert_report(s, *, divided_capture: bool, divided_walk: bool, recompute: bo
 
 
 def expert_parallel_traffic(arch: Arch, world: int, b: int, *, replicated_forward: float, replicated_backward: float,
-                            divided_forward: float, divided_backward: float) -> float:
+                            divided_forward: float, divided_backward: float, walk_backward: float = 0.0) -> float:
     """Bytes one rank receives over a step for the MoE combines, given how many tokens
-    pass through every MoE layer in each way: replicated tokens forward and backward,
-    a rank's own (divided) tokens forward and backward."""
+    pass through the MoE layers in each way: replicated tokens forward and backward
+    (replay's: every MoE layer), a rank's own (divided) tokens forward and backward, and
+    a replicated walk's backward tokens. A walk's backward (`divided_backward`,
+    `walk_backward`) skips a final-layer MoE (see the module docstring)."""
     per = combine_bytes_per_token(arch, world, b)
-    return arch.count(mlp="moe") * (replicated_forward * per["replicated_forward"]
-                                    + replicated_backward * per["replicated_backward"]
-                                    + divided_forward * per["divided_forward"]
-                                    + divided_backward * per["divided_backward"])
+    moe = arch.count(mlp="moe")
+    walked = moe - (1 if arch.layers and arch.layers[-1].mlp == "moe" else 0)  # MoE layers a walk's backward crosses
+    return (moe * (replicated_forward * per["replicated_forward"] + replicated_backward * per["replicated_backward"]
+                   + divided_forward * per["divided_forward"])
+            + walked * (divided_backward * per["divided_backward"] + walk_backward * per["replicated_backward"]))

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from ..parallel.deal import walk_chunk_tokens
 from .arch import DTYPE_BYTES, QUANT_BYTES, Arch, LayerSpec, indexer_parameters
 from .config import Basis
-from .experts import divided_moe_working, expert_parallel_weights
+from .experts import divided_moe_working, expert_elements, expert_parallel_weights
 from .traffic import divided_capture_traffic, divided_walk_traffic
 from ..defaults import offloads_snapshots, recompute_pays
 from .snapshots import (divided_walk_recompute_working, snapshot_grad_bytes, snapshot_plan, walk_recompute_working,
@@ -165,7 +165,8 @@ def plan_weights(s: Basis) -> WeightPlan:
                               "weights gathered at a time" if c.shard_params else "the other weights replicated"))
     elif c.shard_params:
         param_bytes, grad_bytes, optimizer_bytes = param_bytes / W, grad_bytes / W, optimizer_bytes / W
-        per_layer = base / len(s.arch.layers)
+        outside = (params.embedding + params.lm_head + s.arch.hidden) * (b if wdt in QUANT_BYTES else DTYPE_BYTES[wdt])
+        per_layer = (base - outside) / len(s.arch.layers)  # a decoder layer's (embeddings, lm_head: not sharded)
         gathered = 2 * per_layer
         assumptions.append("shard_params: weights, grads and optimizer state sharded 1/W; two layers' weights "
                            "gathered at a time (counted in the static memory)")
@@ -403,9 +404,10 @@ def plan_walk(s: Basis, capture: CapturePlan, graph_tok: float) -> WalkPlan:
             lambda layer: _gathered_walk_row_bytes(s.arch, layer, s.b, c.gdn_kernel)) if recompute
             else _divided_walk_working(s, walk_chunk, graph_tok))
         # the replicated parameters' gradients summed after the walk: LoRA's, or (FSDP2 reduce-scatters
-        # the sharded layers itself) the embeddings and lm_head, or every parameter
-        grad_elems = (params.lora if c.lora_rank else params.embedding + params.lm_head if c.shard_params
-                      else params.total - indexer_parameters(s.arch))
+        # the sharded layers itself) the embeddings, lm_head and final norm, or every parameter but the expert slices
+        grad_elems = (params.lora if c.lora_rank else params.embedding + params.lm_head + s.arch.hidden if c.shard_params
+                      else params.total - indexer_parameters(s.arch)
+                      - (expert_elements(s.arch) if c.expert_parallel else 0))  # expert slices: never summed
         comm = divided_walk_traffic(s.cfg, positions=P - 1, world=W, block=c.attention_block_size,
                                     chunk_size=c.chunk_size, dtype=s.dtype, grad_bytes=grad_elems * s.b)
     return WalkPlan(working=working, chunks=chunks, chunk_graph=chunk_graph, kept_chunks=kept,
