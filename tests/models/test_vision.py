@@ -61,10 +61,13 @@ def test_exact_step_matches_full_backward_vision_tower_included(vlm):
 
 def test_detached_step_matches_hf_cached_continuation(vlm):
     group = _group(lengths=(4, 2, 6))  # HF's one-token cached GDN step writes its state in place
+    config = ls.ExecConfig(chunk_size=3, attention_block_size=4)
     with float64_throughout(vlm):
-        compare_step(vlm, group, ls.ExecConfig(chunk_size=3, attention_block_size=4),
-                     lambda m, p, r: hf_vlm_cached_logprobs(m, p, r, group.prompt_inputs), FLOAT64)
-    assert all(g is None for n, g in grads_of(vlm).items() if ".visual." in n)  # the tower ran without grad
+        vlm.zero_grad(set_to_none=True)
+        ls.Engine(vlm, config).step(group)
+        assert all(g is None for n, g in grads_of(vlm).items() if ".visual." in n)  # the tower ran without grad
+        compare_step(vlm, group, config, lambda m, p, r: hf_vlm_cached_logprobs(m, p, r, group.prompt_inputs),
+                     FLOAT64)
 
 
 def test_greedy_generate_matches_hf_generate(vlm):
