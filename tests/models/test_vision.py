@@ -157,3 +157,55 @@ def test_images_in_responses_and_on_other_families_are_refused(vlm):
         text_only.score(group)
     with pytest.raises(ls.UnsupportedInputError, match="context parallelism|offload"):
         ls.Engine(vlm, ls.ExecConfig(state_device="cpu")).score(group)
+
+
+def test_agent_episode_over_screenshots_with_a_tool_observation(vlm):
+    """A prompt of three screenshots; the branches call a tool (its observation is text,
+    loss mask False) and go on: the rollout's log-probs and the exact step equal HF's
+    full forward over prompt + episode with the same pixels."""
+    prompt, inputs = image_prompt([2, "img", 3, "img", 1, "img", 2], grids=[(1, 4, 4), (1, 2, 6), (1, 4, 2)], seed=5)
+    observation = torch.tensor([11, 12, 13])
+    with float64_throughout(vlm):
+        engine = ls.Engine(vlm, ls.ExecConfig(chunk_size=7, mode="exact"))
+        rollout = engine.generate(prompt, num_samples=2, max_new_tokens=12, temperature=0.8,
+                                  generator=torch.Generator().manual_seed(0), eos_token_id=list(range(0, 90, 6)),
+                                  environment=lambda i, r: observation, max_turns=1, prompt_inputs=inputs)
+        assert sum(rollout.turns) > 0 and not any(bool((r == IMAGE).any()) for r in rollout.responses)
+        with torch.no_grad():
+            for r, lp, mask in zip(rollout.responses, rollout.logprobs, rollout.loss_masks):
+                want = hf_vlm_full_logprobs(vlm, prompt, r, inputs, temperature=0.8)
+                torch.testing.assert_close(lp[mask], want[mask], rtol=FLOAT64, atol=FLOAT64)
+        group = ls.Group(prompt=prompt, responses=rollout.responses, rewards=torch.tensor([1.0, 0.0]),
+                         loss_masks=rollout.loss_masks, prompt_inputs=inputs)
+        compare_step(vlm, group, engine.config, lambda m, p, r: hf_vlm_full_logprobs(m, p, r, inputs), FLOAT64)
+
+
+def test_exact_step_with_kept_capture_graphs(vlm):
+    """The chunks whose capture graph is kept: their image rows' gradient flows, in the
+    walk, from that graph rather than from a recompute."""
+    group = _group(lengths=(3, 5))
+    with float64_throughout(vlm):
+        result = compare_step(vlm, group, ls.ExecConfig(chunk_size=4, mode="exact", keep_graph_bytes=1 << 30),
+                              lambda m, p, r: hf_vlm_full_logprobs(m, p, r, group.prompt_inputs), FLOAT64)
+    assert result.metrics["state_grad_bytes"] > 0
+
+
+def test_recomputed_layers_change_nothing_with_images():
+    """Layers recomputed in backward (replay pieces, walk chunks) against the same step
+    without: equal loss and .grad, the tower's included. (Outside `float64_throughout`:
+    the recompute runs in backward, where its float32 -> float64 mode is not active; the
+    norms are made float64 for the model's lifetime instead.)"""
+    from tests.models.test_recompute import assert_recompute_changes_nothing
+    from tests.reference import float64_hybrid_norms
+
+    group = _group(lengths=(3, 5))
+    assert_recompute_changes_nothing(float64_hybrid_norms(tiny_vlm()), group,
+                                     dict(chunk_size=4, mode="exact", branch_chunk_size=2), rel=FLOAT64)
+
+
+def test_qwen3_5_moe_images():
+    moe = tiny_vlm(moe=True)
+    group = _group(lengths=(3, 4))
+    with float64_throughout(moe):
+        compare_step(moe, group, ls.ExecConfig(chunk_size=5, mode="exact"),
+                     lambda m, p, r: hf_vlm_full_logprobs(m, p, r, group.prompt_inputs), FLOAT64)
