@@ -33,6 +33,12 @@ from longstraw.state.vision import PromptImages
 IMAGE_FAMILIES = ("qwen3_5", "qwen3_5_moe")
 """`config.model_type`s of the `...ForConditionalGeneration`s whose images LongStraw runs."""
 
+NO_IMAGES_BECAUSE = {
+    "gemma3": " (Gemma 3's image tokens attend to each other bidirectionally within an image, HF's "
+              "token_type_ids mask; LongStraw's prompt attention is causal only)",
+}
+"""Why a family with a vision tower of its own runs no images here."""
+
 IMAGE_KEYS = ("pixel_values", "image_grid_thw", "mm_token_type_ids")
 VIDEO_KEYS = ("pixel_values_videos", "video_grid_thw")
 
@@ -131,8 +137,9 @@ def check_prompt_inputs(tower: VisionTower | None, model_type, prompt: torch.Ten
         raise UnsupportedInputError("videos in the prompt (pixel_values_videos / video_grid_thw) are not run yet; "
                                     "pass the frames as images, or drop them")
     if tower is None:
+        why = NO_IMAGES_BECAUSE.get(model_type, "")
         raise UnsupportedInputError(
-            f"model_type {model_type!r} runs text prompts only: images run on {', '.join(IMAGE_FAMILIES)} "
+            f"model_type {model_type!r} runs text prompts only{why}: images run on {', '.join(IMAGE_FAMILIES)} "
             "...ForConditionalGeneration models (HF's vision tower and M-RoPE); drop prompt_inputs")
     missing = [k for k in IMAGE_KEYS if inputs.get(k) is None]
     if missing:

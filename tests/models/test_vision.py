@@ -150,11 +150,19 @@ def test_images_in_responses_and_on_other_families_are_refused(vlm):
                              prompt_inputs=group.prompt_inputs))
     with pytest.raises(ls.UnsupportedInputError, match="prefix"):
         engine.generate(group.prompt, num_samples=1, max_new_tokens=3, prefix=torch.tensor([IMAGE]))
-    from tests.reference import tiny_hybrid
+    import transformers
+
+    from tests.reference import tiny_family, tiny_hybrid
 
     text_only = ls.Engine(tiny_hybrid("qwen3_5"))
     with pytest.raises(ls.UnsupportedInputError, match="text prompts only"):
         text_only.score(group)
+    gemma = transformers.Gemma3ForConditionalGeneration(transformers.Gemma3Config(
+        text_config=tiny_family("gemma3_text").config.to_dict(), mm_tokens_per_image=4,
+        vision_config=dict(hidden_size=16, intermediate_size=16, num_hidden_layers=1, num_attention_heads=2,
+                           image_size=8, patch_size=4))).double().eval()
+    with pytest.raises(ls.UnsupportedInputError, match="bidirectionally"):  # Gemma 3: refused, with the reason
+        ls.Engine(gemma).score(group)
     with pytest.raises(ls.UnsupportedInputError, match="context parallelism|offload"):
         ls.Engine(vlm, ls.ExecConfig(state_device="cpu")).score(group)
 
