@@ -79,6 +79,9 @@ def test_greedy_generate_matches_hf_generate(vlm):
         assert all(torch.equal(r, want) for r in rollout.responses), ([r.tolist() for r in rollout.responses], want)
         group = ls.Group(prompt=prompt, responses=rollout.responses, rewards=torch.tensor([1.0, 0.0]),
                          prompt_inputs=inputs)
+        fork = engine.generate(prompt, num_samples=1, max_new_tokens=6, temperature=0, prefix=want[:2],
+                               state=rollout.state, prompt_inputs=inputs)  # a fork from the same state
+        assert torch.equal(fork.responses[0], want)
         reused = engine.score(group, state=rollout.state)  # the rollout's state, no second capture
         with torch.no_grad():
             torch.testing.assert_close(reused[0], hf_vlm_full_logprobs(vlm, prompt, want, inputs),
