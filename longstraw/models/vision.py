@@ -83,7 +83,7 @@ class VisionTower:
         counts = (grid.prod(-1) // self.merge ** 2).tolist()
         spans = [(sum(counts[:k]), n) for k, n in enumerate(counts)]
         return PromptImages(positions=positions[:, 0], rope_delta=int(deltas.reshape(-1)[0]), rows=rows,
-                            embeds=embeds, spans=spans)
+                            embeds=embeds, spans=spans, trains=self.trains())
 
     def trains(self) -> bool:
         """Whether any parameter of the tower (merger included) takes a gradient."""

@@ -41,7 +41,8 @@ class VisionPlan:
             its gradients and Adam state (LoRA: the tower is frozen, no backward runs).
         rows_bytes: what the prompt state keeps for the images: rows [N * T, d], the
             M-RoPE table and the row map (int64, per prompt token).
-        rows_grad_bytes: exact mode: dLoss/d(rows) [N * T, d] in the accumulation dtype.
+        rows_grad_bytes: exact mode with a trained tower: dLoss/d(rows) [N * T, d] in the
+            accumulation dtype.
         nograd_working: capture's tower forward of the largest image.
         graph_working: exact mode with a trained tower: one image's forward graph plus
             its backward's transient (0 otherwise).
@@ -114,7 +115,7 @@ def plan_vision(s: Basis) -> VisionPlan | None:
     return VisionPlan(images=c.images, image_tokens=c.image_tokens, params=params,
                       param_bytes=params * s.b, grad_bytes=params * s.b if trained else 0.0,
                       optimizer_bytes=params * adam if trained else 0.0, rows_bytes=rows,
-                      rows_grad_bytes=c.images * c.image_tokens * d * s.acc if s.exact else 0.0,
+                      rows_grad_bytes=c.images * c.image_tokens * d * s.acc if s.exact and trained else 0.0,
                       nograd_working=nograd, graph_working=graph, assumptions=assumptions)
 
 

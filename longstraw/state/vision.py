@@ -40,6 +40,8 @@ class PromptImages:
         spans: per image, (first row, rows): its rows of `embeds`, in prompt order.
         grad: exact mode only: dLoss/d(embeds) [N, d] in the accumulation dtype, summed
             over the reverse walk's chunks; the tower's backward reads it.
+        trains: whether the tower takes a gradient (False: frozen, e.g. LoRA on the text
+            model only; exact mode then allocates no `grad`).
     """
 
     positions: torch.Tensor
@@ -48,6 +50,7 @@ class PromptImages:
     embeds: torch.Tensor
     spans: list
     grad: torch.Tensor | None = None
+    trains: bool = True
 
     def __post_init__(self):
         assert self.positions.dim() == 2 and self.positions.shape[0] == 3, self.positions.shape
@@ -89,7 +92,9 @@ class PromptImages:
         self.grad.index_add_(0, rows, g.to(self.grad.dtype))
 
     def enable_grad_buffers(self) -> None:
-        """A zeroed dLoss/d(embeds) buffer (exact mode)."""
+        """A zeroed dLoss/d(embeds) buffer (exact mode; none for a frozen tower)."""
+        if not self.trains:
+            return
         self.grad = torch.zeros(self.embeds.shape, dtype=accumulation_dtype(self.embeds.dtype),
                                 device=self.embeds.device)
 

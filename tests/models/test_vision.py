@@ -214,6 +214,22 @@ def test_recomputed_layers_change_nothing_with_images():
                                      dict(chunk_size=4, mode="exact", branch_chunk_size=2), rel=FLOAT64)
 
 
+def test_a_frozen_tower_gets_no_backward_and_no_gradient_buffer():
+    """The tower frozen (LoRA on the text model trains nothing else): the exact step still
+    equals HF's full backward, and the state holds no image-row gradient."""
+    model = tiny_vlm()
+    model.model.visual.requires_grad_(False)
+    group = _group(lengths=(3, 2))
+    with float64_throughout(model):
+        frozen = compare_step(model, group, ls.ExecConfig(chunk_size=5, mode="exact"),
+                              lambda m, p, r: hf_vlm_full_logprobs(m, p, r, group.prompt_inputs), FLOAT64)
+    with float64_throughout(model):
+        model.model.visual.requires_grad_(True)
+        trained = ls.Engine(model, ls.ExecConfig(chunk_size=5, mode="exact")).step(group)
+    rows = sum(n for _, n in ls.Engine(model).capture(group.prompt, prompt_inputs=group.prompt_inputs).inputs.spans)
+    assert trained.metrics["state_grad_bytes"] - frozen.metrics["state_grad_bytes"] == rows * 32 * 8
+
+
 def test_qwen3_5_moe_images():
     moe = tiny_vlm(moe=True)
     group = _group(lengths=(3, 4))
