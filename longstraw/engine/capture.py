@@ -56,7 +56,7 @@ def capture(engine, prompt: torch.Tensor, *, exact: bool = False, keep_graph_byt
     shard = rank_shard(engine)
     offload = engine.config.offloads_state()
     state = engine.adapter.new_state(ids.shape[0], exact=exact, shard=shard, host=offload)
-    state.inputs = engine.adapter.encode_inputs(prompt, prompt_inputs)  # the tower, once (models/vision.py)
+    state.inputs = engine.adapter.encode_inputs(prompt, prompt_inputs, engine.cp)  # the tower, once (models/vision.py)
     state.rope_length = int(prompt.numel()) if rope_length is None else rope_length
     if offload:  # per-token rows in host memory, staged one layer at a time (offload.py)
         state.offload = Stager(state, engine.adapter.device)

@@ -390,11 +390,12 @@ class Engine:
                 with summed_walk_gradients(self.model, self.cp, self.adapter.sharded_modules()):
                     self.walk_back(group.prompt[:-1].to(self.adapter.device), 0, [state], self.config.chunk_size,
                                    shard=rank_shard(self), recompute_layers=walk_rc)
+                    # the image rows' partial gradients summed, each rank's images through the tower
+                    self.adapter.backprop_inputs(state.inputs, group.prompt_inputs, self.cp)
             elif exact:
                 self.walk_back(group.prompt[:-1].to(self.adapter.device), 0, [state], self.config.chunk_size,
                                recompute_layers=walk_rc)
-            if exact:  # the images' summed gradient through the vision tower, one image at a time
-                self.adapter.backprop_inputs(state.inputs, group.prompt_inputs)
+                self.adapter.backprop_inputs(state.inputs, group.prompt_inputs)  # every image, one at a time
             settle_held_reductions(self.adapter.sharded_modules())  # a 2-D FSDP2 mesh: held shards into .grad
             mark()
             if self.cp is not None and self.cp.world > 1 and not divided:

@@ -16,9 +16,6 @@ def check_inputs(engine, prompt: torch.Tensor, prompt_inputs, responses=(), what
     engine.adapter.check_inputs(prompt, prompt_inputs, responses, what)
     if prompt_inputs is None:
         return
-    if engine.cp is not None:
-        raise UnsupportedInputError("images in the prompt under context parallelism are not run yet "
-                                    "(ExecConfig(context_parallel=True)); run the group on one process")
     if engine.config.offloads_state():
         raise UnsupportedInputError("images in the prompt with state offload (ExecConfig(state_device='cpu')) are "
                                     "not run yet; keep the state on the model's device")

@@ -147,18 +147,20 @@ class Adapter:
                                 prompt_inputs)
         check_text_responses(self.vision, responses, what)
 
-    def encode_inputs(self, prompt: torch.Tensor, prompt_inputs):
+    def encode_inputs(self, prompt: torch.Tensor, prompt_inputs, cp=None):
         """The prompt's images through the model's own tower, once, without grad, and its
-        M-RoPE positions (a `state.vision.PromptImages`); None for a text prompt."""
+        M-RoPE positions (a `state.vision.PromptImages`); None for a text prompt. `cp`:
+        context parallelism, the images dealt over its ranks (`vision.deal_images`)."""
         if prompt_inputs is None:
             return None
-        return self.vision.encode(prompt, prompt_inputs, self.dtype, self.device)
+        return self.vision.encode(prompt, prompt_inputs, self.dtype, self.device, cp)
 
-    def backprop_inputs(self, images, prompt_inputs) -> None:
+    def backprop_inputs(self, images, prompt_inputs, cp=None) -> None:
         """Exact mode, after the reverse walk: the images' accumulated gradient through the
-        tower, one image at a time (`vision.VisionTower.backprop`)."""
+        tower, one image at a time (`vision.VisionTower.backprop`; `cp`: a divided walk's,
+        whose image-row gradient is partial on each rank)."""
         if images is not None:
-            self.vision.backprop(images, prompt_inputs)
+            self.vision.backprop(images, prompt_inputs, cp)
 
     def check_context_parallel(self, total_positions: int) -> None:
         """Refuse what context parallelism cannot run exactly (override to add)."""

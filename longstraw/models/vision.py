@@ -28,6 +28,7 @@ import itertools
 import torch
 
 from longstraw.errors import PromptInputsError, UnsupportedInputError
+from longstraw.parallel.collectives import all_reduce_sum
 from longstraw.state.vision import PromptImages
 
 IMAGE_FAMILIES = ("qwen3_5", "qwen3_5_moe")
@@ -55,6 +56,7 @@ class VisionTower:
         vc = config.vision_config
         self.merge = int(vc.spatial_merge_size)
         self.patch_width = int(vc.in_channels * vc.temporal_patch_size * vc.patch_size ** 2)
+        self.hidden = int(vc.out_hidden_size)  # the merger's output: the text model's hidden size
 
     # --- the work ------------------------------------------------------------
 
@@ -68,35 +70,77 @@ class VisionTower:
         out = self.model.get_image_features(pixels, grid[k:k + 1].to(device), return_dict=True)
         return torch.cat(out.pooler_output, dim=0).to(dtype)  # HF casts to inputs_embeds' dtype
 
-    def encode(self, prompt: torch.Tensor, inputs: dict, dtype: torch.dtype, device) -> PromptImages:
+    def encode(self, prompt: torch.Tensor, inputs: dict, dtype: torch.dtype, device, cp=None) -> PromptImages:
         """The prompt's `PromptImages`: every image through the tower once (no grad) and
-        HF's M-RoPE ids of prompt [P]."""
+        HF's M-RoPE ids of prompt [P]. Under context parallelism (`cp`), each rank runs
+        the images `deal_images` gives it and one all-reduce assembles the rows."""
         ids = prompt.to(device, torch.long)
         types = inputs["mm_token_type_ids"].reshape(1, -1).to(device)
         grid = inputs["image_grid_thw"]
+        counts = (grid.prod(-1) // self.merge ** 2).tolist()
+        spans = [(sum(counts[:k]), n) for k, n in enumerate(counts)]
         with torch.no_grad():
             positions, deltas = self.model.get_rope_index(ids[None], types, image_grid_thw=grid.to(device))
-            embeds = torch.cat([self.image_embeds(inputs, k, dtype) for k in range(grid.shape[0])], dim=0)
+            embeds = self._all_embeds(inputs, spans, dtype, device, cp)
         image = ids == self.image_token_id
         rows = torch.full_like(ids, -1)
         rows[image] = torch.arange(int(image.sum()), device=device)
-        counts = (grid.prod(-1) // self.merge ** 2).tolist()
-        spans = [(sum(counts[:k]), n) for k, n in enumerate(counts)]
         return PromptImages(positions=positions[:, 0], rope_delta=int(deltas.reshape(-1)[0]), rows=rows,
                             embeds=embeds, spans=spans, trains=self.trains())
+
+    def _all_embeds(self, inputs: dict, spans: list, dtype: torch.dtype, device, cp) -> torch.Tensor:
+        """Every image's rows [N, d]. Under context parallelism each rank fills its own
+        images' rows of a zeroed table and the ranks' tables are summed: every row is one
+        rank's value plus zeros, so exactly what one process computes."""
+        if cp is None or cp.world == 1:
+            return torch.cat([self.image_embeds(inputs, k, dtype) for k in range(len(spans))], dim=0)
+        out = torch.zeros(sum(n for _, n in spans), self.hidden, dtype=dtype, device=device)  # (N, d)
+        for k in my_images(spans, cp):
+            row, n = spans[k]
+            out[row:row + n] = self.image_embeds(inputs, k, dtype)
+        return all_reduce_sum(out, cp)
 
     def trains(self) -> bool:
         """Whether any parameter of the tower (merger included) takes a gradient."""
         return any(p.requires_grad for p in self.model.visual.parameters())
 
-    def backprop(self, images: PromptImages, inputs: dict) -> None:
-        """Push the walk's dLoss/d(embeds) through each image's tower, one image at a time."""
+    def backprop(self, images: PromptImages, inputs: dict, cp=None) -> None:
+        """Push the walk's dLoss/d(embeds) through each image's tower, one image at a time.
+
+        `cp`: a divided reverse walk's context parallelism, where each rank's `grad` holds
+        the part its own positions read: one all-reduce sums it, then each rank pushes the
+        whole gradient of its own images (`deal_images`) through the tower, and the tower's
+        parameter gradients are partial, summed over ranks with the walk's own (the caller
+        runs this inside `partial_gradients`). None: `grad` is complete (one process, or a
+        replicated walk) and every image runs here."""
         if images.grad is None or not self.trains():
             return
-        for k, (row, n) in enumerate(images.spans):
+        mine = range(len(images.spans))
+        if cp is not None and cp.world > 1:
+            all_reduce_sum(images.grad, cp)  # (N, d): each rank's rows' share, summed
+            mine = my_images(images.spans, cp)
+        for k in mine:
+            row, n = images.spans[k]
             with torch.enable_grad():
                 out = self.image_embeds(inputs, k, images.embeds.dtype)  # (n, d)
             torch.autograd.backward(out, images.grad[row:row + n].to(out.dtype))
+
+
+def deal_images(spans: list, world: int) -> list[int]:
+    """Context parallelism's deal of images over ranks for the tower: the rank of each
+    image (`spans`: (first row, rows) per image), largest first onto the rank with the
+    fewest rows so far (ties: the lower rank, then the earlier image). The same on every
+    rank; the tower's work (patches ~ rows) is balanced to within one image."""
+    load, owner = [0] * world, [0] * len(spans)
+    for k in sorted(range(len(spans)), key=lambda k: (-spans[k][1], k)):
+        owner[k] = min(range(world), key=lambda r: (load[r], r))
+        load[owner[k]] += spans[k][1]
+    return owner
+
+
+def my_images(spans: list, cp) -> list[int]:
+    """The images this rank runs through the tower, in prompt order (`deal_images`)."""
+    return [k for k, r in enumerate(deal_images(spans, cp.world)) if r == cp.rank]
 
 
 def vision_tower(causal_lm) -> VisionTower | None:

@@ -13,6 +13,7 @@ import pytest
 import torch.multiprocessing as mp
 
 from tests import distributed_worker as worker
+from tests import vision_worker
 
 
 @pytest.mark.parametrize("world,cases", [(2, ["planner", "dense", "hybrid", "mla", "glm", "glm_sparse", "mla_mlp"]),
@@ -32,6 +33,13 @@ def _run_each(fn, nprocs: int, *args) -> list[int]:
 
 def _not_a_timeout(text: str) -> bool:
     return "timed out" not in text.lower() and "timeout" not in text.lower()
+
+
+def test_images_in_the_prompt_under_context_parallelism_equal_single_process(tmp_path):
+    """W = 2, a Qwen3.5 VLM prompt with two images split over the ranks' blocks: detached,
+    exact with the divided walk and with a replicated one; loss and every .grad, the vision
+    tower's included, equal one process's to FLOAT64 (`vision_worker.run_images`)."""
+    mp.spawn(vision_worker.run_images, args=(2, str(tmp_path / "init")), nprocs=2, join=True)
 
 
 def test_prefix_trees_under_context_parallelism_equal_single_process(tmp_path):

@@ -1,0 +1,57 @@
+"""Worker for tests/parallel/test_distributed.py's images case (spawned, gloo, CPU, float64):
+a prompt with two images under context parallelism at W = 2 against one process.
+
+The tiny Qwen3.5 VLM of `tests/vision_reference.py` (GDN + attention text model, one-block
+tower) on a 20-token prompt with two images of different grids, dealt in blocks of 3
+positions: both images straddle the ranks' blocks, so the divided capture and walk put
+some of an image's rows on each rank, and the deal of images over ranks for the tower
+(`models/vision.py`) gives each rank one image. Each configuration's loss and every
+parameter gradient, the vision tower's included, equal the single-process step's on
+every rank, to FLOAT64, under `float64_throughout`.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+import longstraw as ls
+from tests.distributed_worker import _init
+from tests.reference import FLOAT64, assert_grads_close, assert_loss_close, float64_throughout, grads_of
+from tests.vision_reference import image_prompt, text_responses, tiny_vlm
+
+LAYOUT = [3, "img", 2, "img", 4]
+GRIDS = [(1, 4, 4), (1, 2, 6)]
+CONFIGS = [  # (mode, extra ExecConfig, divided walk expected)
+    ("detached", {}, False),
+    ("exact", {}, True),  # divided capture and walk: the image rows' gradient partial on each rank
+    ("exact", dict(divide_capture=False, divide_walk=False), False),  # replicated walk: complete on each
+]
+
+
+def run_images(rank: int, world: int, init_file: str) -> None:
+    _init(rank, world, init_file)
+    try:
+        model = tiny_vlm()
+        prompt, inputs = image_prompt(LAYOUT, grids=GRIDS, seed=0)
+        group = ls.Group(prompt=prompt, responses=text_responses((4, 1, 6), seed=1),
+                         rewards=torch.tensor([1.0, 0.0, 0.5]), prompt_inputs=inputs)
+        for mode, extra, divided in CONFIGS:
+            kw = dict(chunk_size=6, attention_block_size=4, shard_block_size=3, mode=mode, **extra)
+            with float64_throughout(model):
+                model.zero_grad(set_to_none=True)
+                single = ls.Engine(model, ls.ExecConfig(**kw)).step(group)
+                want = grads_of(model)
+                model.zero_grad(set_to_none=True)
+                result = ls.Engine(model, ls.ExecConfig(context_parallel=True, **kw)).step(group)
+                got = grads_of(model)
+            assert result.metrics["divided_walk"] == float(divided), (mode, extra, result.metrics["divided_walk"])
+            assert_loss_close(result.loss, single.loss, FLOAT64)
+            assert_grads_close(got, want, FLOAT64)
+            tower = [g for n, g in got.items() if ".visual." in n]
+            if mode == "exact":
+                assert all(g is not None and g.abs().max() > 0 for g in tower), (mode, extra)
+            else:
+                assert all(g is None for g in tower), mode
+    finally:
+        dist.destroy_process_group()
