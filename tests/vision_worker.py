@@ -7,7 +7,8 @@ positions: both images straddle the ranks' blocks, so the divided capture and wa
 some of an image's rows on each rank, and the deal of images over ranks for the tower
 (`models/vision.py`) gives each rank one image. Each configuration's loss and every
 parameter gradient, the vision tower's included, equal the single-process step's on
-every rank, to FLOAT64, under `float64_throughout`.
+every rank, to FLOAT64, under `float64_throughout`; greedy decode over the sharded state
+gives one process's tokens.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 import longstraw as ls
-from tests.distributed_worker import _init
+from tests.distributed_worker import _init, run_cases
 from tests.reference import FLOAT64, assert_grads_close, assert_loss_close, float64_throughout, grads_of
 from tests.vision_reference import image_prompt, text_responses, tiny_vlm
 
@@ -53,5 +54,25 @@ def run_images(rank: int, world: int, init_file: str) -> None:
                 assert all(g is not None and g.abs().max() > 0 for g in tower), (mode, extra)
             else:
                 assert all(g is None for g in tower), mode
+        _greedy_decode(model, prompt, inputs)
     finally:
         dist.destroy_process_group()
+
+
+def _greedy_decode(model, prompt, inputs) -> None:
+    """Decode under context parallelism continues from the prompt's rope_deltas: greedy
+    `generate` over the sharded state equals one process's tokens."""
+    kw = dict(num_samples=2, max_new_tokens=5, temperature=0, prompt_inputs=inputs)
+    with float64_throughout(model):
+        want = ls.Engine(model, ls.ExecConfig(chunk_size=6)).generate(prompt, **kw).responses
+        got = ls.Engine(model, ls.ExecConfig(context_parallel=True, chunk_size=6, shard_block_size=3)).generate(
+            prompt, **kw).responses
+    assert all(torch.equal(a, b) for a, b in zip(got, want)), (got, want)
+
+
+def run_cases_then_images(rank: int, world: int, init_file: str, cases: list[str], modes: list[str]) -> None:
+    """`distributed_worker.run_cases`, then `run_images`, in the same two processes: one
+    spawn for both (starting W ranks costs ~15 s on a loaded 2-core machine, the images'
+    steps ~4 s)."""
+    run_cases(rank, world, init_file, cases, modes)
+    run_images(rank, world, init_file + ".images")

@@ -12,7 +12,8 @@ from longstraw.errors import UnsupportedInputError
 
 def check_inputs(engine, prompt: torch.Tensor, prompt_inputs, responses=(), what: str = "group.responses") -> None:
     """Refuse a prompt's non-text inputs the model (`Adapter.check_inputs`) or this engine
-    cannot run: images under context parallelism or state offload are not run yet."""
+    cannot run: images with state offload are not run yet (under context parallelism
+    they run: docs/vision.md)."""
     engine.adapter.check_inputs(prompt, prompt_inputs, responses, what)
     if prompt_inputs is None:
         return

@@ -19,7 +19,12 @@ from tests import vision_worker
 @pytest.mark.parametrize("world,cases", [(2, ["planner", "dense", "hybrid", "mla", "glm", "glm_sparse", "mla_mlp"]),
                                          (3, ["planner", "dense", "hybrid", "dsv32_sparse", "dsv32_sparse_mlp"])])
 def test_context_parallel_equals_single_process(tmp_path, world, cases):
-    mp.spawn(worker.run_cases, args=(world, str(tmp_path / "init"), cases, ["detached", "exact"]), nprocs=world,
+    """At W = 2 also a Qwen3.5 VLM prompt with two images split over the ranks' blocks, in
+    the same processes (`vision_worker.run_images`): detached, exact with a divided and a
+    replicated walk, loss and every .grad, the vision tower's included, and greedy decode
+    equal one process's."""
+    run = vision_worker.run_cases_then_images if world == 2 else worker.run_cases
+    mp.spawn(run, args=(world, str(tmp_path / "init"), cases, ["detached", "exact"]), nprocs=world,
              join=True)
 
 
@@ -33,13 +38,6 @@ def _run_each(fn, nprocs: int, *args) -> list[int]:
 
 def _not_a_timeout(text: str) -> bool:
     return "timed out" not in text.lower() and "timeout" not in text.lower()
-
-
-def test_images_in_the_prompt_under_context_parallelism_equal_single_process(tmp_path):
-    """W = 2, a Qwen3.5 VLM prompt with two images split over the ranks' blocks: detached,
-    exact with the divided walk and with a replicated one; loss and every .grad, the vision
-    tower's included, equal one process's to FLOAT64 (`vision_worker.run_images`)."""
-    mp.spawn(vision_worker.run_images, args=(2, str(tmp_path / "init")), nprocs=2, join=True)
 
 
 def test_prefix_trees_under_context_parallelism_equal_single_process(tmp_path):
