@@ -32,7 +32,10 @@ of theirs plans as the text model inside its ...ForConditionalGeneration)."""
 
 @dataclass(frozen=True)
 class VisionPlan:
-    """Images in the prompt, per rank (one rank: images do not run under context parallelism).
+    """Images in the prompt, per rank: under context parallelism every rank holds the
+    tower, the rows (and their gradient) whole and runs whole images, its largest included
+    (the engine deals images over ranks, `models/vision.deal_images`), so the figures do not
+    depend on W.
 
     Fields:
         images / image_tokens: N images of (at most) T merged tokens each.
@@ -111,7 +114,9 @@ def plan_vision(s: Basis) -> VisionPlan | None:
         "images: the prompt state keeps the merged rows [N * T, d] in the compute dtype plus an int64 M-RoPE table "
         "and row map (32 B per prompt token); the vision phase's working set (one image's activations, flash-style "
         "attention inside the tower) is an estimate, not measured on a GPU",
-    )
+    ) + ((f"images under context parallelism: every rank holds the rows whole and runs ~1/{c.gpus} of the images "
+          "through the tower; the all-reduce of the rows at capture (and of their gradient after an exact walk) is "
+          "not in the traffic figures",) if c.gpus > 1 else ())
     return VisionPlan(images=c.images, image_tokens=c.image_tokens, params=params,
                       param_bytes=params * s.b, grad_bytes=params * s.b if trained else 0.0,
                       optimizer_bytes=params * adam if trained else 0.0, rows_bytes=rows,
