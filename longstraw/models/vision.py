@@ -124,6 +124,10 @@ class VisionTower:
             with torch.enable_grad():
                 out = self.image_embeds(inputs, k, images.embeds.dtype)  # (n, d)
             torch.autograd.backward(out, images.grad[row:row + n].to(out.dtype))
+        if cp is not None and cp.world > 1:  # a rank dealt no image: zero partials, the layout every rank sums
+            for p in self.model.visual.parameters():
+                if p.requires_grad and p.grad is None:
+                    p.grad = torch.zeros_like(p)
 
 
 def deal_images(spans: list, world: int) -> list[int]:

@@ -19,13 +19,12 @@ from tests import vision_worker
 @pytest.mark.parametrize("world,cases", [(2, ["planner", "dense", "hybrid", "mla", "glm", "glm_sparse", "mla_mlp"]),
                                          (3, ["planner", "dense", "hybrid", "dsv32_sparse", "dsv32_sparse_mlp"])])
 def test_context_parallel_equals_single_process(tmp_path, world, cases):
-    """At W = 2 also a Qwen3.5 VLM prompt with two images split over the ranks' blocks, in
-    the same processes (`vision_worker.run_images`): detached, exact with a divided and a
-    replicated walk, loss and every .grad, the vision tower's included, and greedy decode
-    equal one process's."""
-    run = vision_worker.run_cases_then_images if world == 2 else worker.run_cases
-    mp.spawn(run, args=(world, str(tmp_path / "init"), cases, ["detached", "exact"]), nprocs=world,
-             join=True)
+    """Then, in the same processes, a Qwen3.5 VLM prompt with two images split over the
+    ranks' blocks (`vision_worker.run_images`): at W = 2 detached, exact with a divided and
+    a replicated walk, loss and every .grad, the vision tower's included, and greedy decode
+    equal one process's; at W = 3 (one rank runs no image in the tower) the divided exact step."""
+    mp.spawn(vision_worker.run_cases_then_images, args=(world, str(tmp_path / "init"), cases, ["detached", "exact"]),
+             nprocs=world, join=True)
 
 
 def _run_each(fn, nprocs: int, *args) -> list[int]:
