@@ -34,7 +34,7 @@ class PromptInputsError(InvalidGroupError):
 
 class UnsupportedInputError(LongStrawError, ValueError):
     """An input LongStraw does not run: images on a family without a supported vision tower,
-    videos, an image inside a response, or images with state offload."""
+    videos, or an image inside a response."""
 
 
 class ModelStateError(LongStrawError, RuntimeError):

@@ -65,7 +65,6 @@ def test_images_add_the_tower_the_rows_and_a_vision_phase(mode, lora):
 
 def test_images_where_the_engine_refuses_them():
     for kw, match in [(dict(images=1, image_tokens=0), "image_tokens"), (dict(images=64, image_tokens=1024), "fit"),
-                      (dict(images=2, image_tokens=64, offload_state=True), "offload"),
                       (dict(images=-1), ">= 0")]:
         with pytest.raises(ConfigError, match=match):
             estimate("qwen3.6-27b", PlanConfig(**STEP, **kw))
@@ -73,12 +72,14 @@ def test_images_where_the_engine_refuses_them():
         estimate("qwen3-8b", PlanConfig(**STEP, images=2, image_tokens=64))
 
 
-def test_images_under_context_parallelism_are_held_whole_per_rank():
-    """As the engine runs them: the tower, rows and largest image's working set on every rank."""
+def test_images_under_context_parallelism_and_offload_are_held_whole_on_the_device():
+    """As the engine runs them: the tower, rows and largest image's working set on every
+    rank under context parallelism, and on the device with an offloaded state."""
     one = estimate("qwen3.6-27b", PlanConfig(**STEP, mode="exact", images=8, image_tokens=1024))
     four = estimate("qwen3.6-27b", PlanConfig(**STEP, mode="exact", images=8, image_tokens=1024, gpus=4))
+    host = estimate("qwen3.6-27b", PlanConfig(**STEP, mode="exact", images=8, image_tokens=1024, offload_state=True))
     for key in ("vision_static_bytes", "vision_rows_bytes", "vision_working_bytes"):
-        assert four[key] == one[key] > 0, key
+        assert four[key] == one[key] == host[key] > 0, key
     assert any("context parallelism" in a for a in four["assumptions"])
 
 

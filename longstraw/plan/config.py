@@ -190,8 +190,8 @@ class PlanConfig:
     images: int = 0
     """Images in the prompt (`Group.prompt_inputs`, `plan/vision.py`): their tower's
     parameters, the rows the state keeps, and the largest image's working set are added.
-    Qwen3.5 / 3.6 families only, without state offload (as the engine); under context
-    parallelism every rank holds them whole (docs/vision.md)."""
+    Qwen3.5 / 3.6 families only; under context parallelism every rank holds them whole, and
+    with state offload the rows stay on the device (as the engine: docs/vision.md)."""
 
     image_tokens: int = 0
     """Merged tokens of the largest image (HF's t * h * w / merge^2): each image counts this many."""
@@ -278,9 +278,6 @@ class PlanConfig:
             raise ConfigError(f"PlanConfig: {self.images} images of {self.image_tokens} tokens (+ their vision start / "
                               f"end tokens) must fit in prompt_tokens={self.prompt_tokens} with text after them; "
                               "give image_tokens >= 1 and fewer or smaller images")
-        if self.offload_state:
-            raise ConfigError("PlanConfig.images: the engine runs images without state offload (offload refuses "
-                              "prompt_inputs); drop offload_state")
 
 
 _DEFAULTS = {"gpu_memory": "96GiB", "throughput_tflops": 400.0, "host_bandwidth_gbs": 50.0,

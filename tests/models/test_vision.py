@@ -166,8 +166,19 @@ def test_images_in_responses_and_on_other_families_are_refused(vlm):
                            image_size=8, patch_size=4))).double().eval()
     with pytest.raises(ls.UnsupportedInputError, match="bidirectionally"):  # Gemma 3: refused, with the reason
         ls.Engine(gemma).score(group)
-    with pytest.raises(ls.UnsupportedInputError, match="offload"):
-        ls.Engine(vlm, ls.ExecConfig(state_device="cpu")).score(group)
+
+
+def test_an_offloaded_state_with_images(vlm):
+    """State offload (`state_device="cpu"`): the per-token rows staged from host memory,
+    the image rows on the model's device; both modes equal HF's (full backward / cached
+    continuation)."""
+    group = _group(lengths=(4, 2, 6))
+    with float64_throughout(vlm):
+        for mode, reference in (("exact", hf_vlm_full_logprobs), ("detached", hf_vlm_cached_logprobs)):
+            config = ls.ExecConfig(chunk_size=5, attention_block_size=4, mode=mode, state_device="cpu")
+            result = compare_step(vlm, group, config, lambda m, p, r: reference(m, p, r, group.prompt_inputs),
+                                  FLOAT64)
+            assert result.metrics["offload_h2d_bytes"] > 0, mode
 
 
 def test_agent_episode_over_screenshots_with_a_tool_observation(vlm):
