@@ -3,14 +3,13 @@ a prompt with two images under context parallelism at W = 2 and 3 against one pr
 
 The tiny Qwen3.5 VLM of `tests/vision_reference.py` (GDN + attention text model, one-block
 tower) on a 20-token prompt with two images of different grids, dealt in blocks of 3
-positions: both images straddle the ranks' blocks, so the divided capture and walk put
-some of an image's rows on each rank, and the deal of images over ranks for the tower
-(`models/vision.py`) gives each of two ranks one image (at W = 3 the third rank none: its
-tower gradient is a zero partial; W = 3 runs the divided exact step only). Each
-configuration's loss and every
-parameter gradient, the vision tower's included, equal the single-process step's on
-every rank, to FLOAT64, under `float64_throughout`; greedy decode over the sharded state
-gives one process's tokens.
+positions. At W = 2 the first image's rows lie on both ranks and the second's all on rank
+0, while the deal of images for the tower (`models/vision.deal_images`) gives rank 0 the
+first and rank 1 the second: each rank's tower needs rows the other rank's walk read. At
+W = 3 the third rank runs no image (its tower gradient is a zero partial); W = 3 runs the
+divided exact step only. Each configuration's loss and every parameter gradient, the
+vision tower's included, equal the single-process step's on every rank, to FLOAT64, under
+`float64_throughout`; greedy decode over the sharded state gives one process's tokens.
 """
 
 from __future__ import annotations
