@@ -9,7 +9,8 @@ first and rank 1 the second: each rank's tower needs rows the other rank's walk 
 W = 3 the third rank runs no image (its tower gradient is a zero partial); W = 3 runs the
 divided exact step only. Each configuration's loss and every parameter gradient, the
 vision tower's included, equal the single-process step's on every rank, to FLOAT64, under
-`float64_throughout`; greedy decode over the sharded state gives one process's tokens.
+`float64_throughout`; a greedy agent episode over the sharded state gives one process's
+tokens and log-probs.
 """
 
 from __future__ import annotations
@@ -56,20 +57,34 @@ def run_images(rank: int, world: int, init_file: str, configs=CONFIGS, decode: b
             else:
                 assert all(g is None for g in tower), mode
         if decode:
-            _greedy_decode(model, prompt, inputs)
+            _greedy_episode(model, prompt, inputs)
     finally:
         dist.destroy_process_group()
 
 
-def _greedy_decode(model, prompt, inputs) -> None:
-    """Decode under context parallelism continues from the prompt's rope_deltas: greedy
-    `generate` over the sharded state equals one process's tokens."""
-    kw = dict(num_samples=2, max_new_tokens=5, temperature=0, prompt_inputs=inputs)
+def _observation(branch: int, response: torch.Tensor) -> torch.Tensor:
+    """A deterministic tool observation of text tokens (< 89: no image placeholder)."""
+    return torch.tensor([(int(response.sum()) + 7 * branch + 13 * j) % 89 for j in range(2 + branch)])
+
+
+def _greedy_episode(model, prompt, inputs) -> None:
+    """Decode under context parallelism continues from the prompt's rope_deltas: a greedy
+    agent episode (a tool observation absorbed mid-response) over the sharded state gives
+    one process's tokens, turns and masks, and its log-probs to FLOAT64."""
     with float64_throughout(model):
-        want = ls.Engine(model, ls.ExecConfig(chunk_size=6)).generate(prompt, **kw).responses
+        one = ls.Engine(model, ls.ExecConfig(chunk_size=6))
+        eos = int(one.generate(prompt, num_samples=1, max_new_tokens=3, temperature=0,
+                               prompt_inputs=inputs).responses[0][-1])  # a turn ends at the third token
+        kw = dict(num_samples=2, max_new_tokens=8, temperature=0, eos_token_id=eos, environment=_observation,
+                  max_turns=1, prompt_inputs=inputs)
+        want = one.generate(prompt, **kw)
         got = ls.Engine(model, ls.ExecConfig(context_parallel=True, chunk_size=6, shard_block_size=3)).generate(
-            prompt, **kw).responses
-    assert all(torch.equal(a, b) for a, b in zip(got, want)), (got, want)
+            prompt, **kw)
+    assert got.turns == want.turns and sum(got.turns) > 0, (got.turns, want.turns)
+    for a, b, la, lb, ma, mb in zip(got.responses, want.responses, got.logprobs, want.logprobs, got.loss_masks,
+                                    want.loss_masks):
+        assert torch.equal(a, b) and torch.equal(ma, mb), (a, b)
+        assert (la - lb).abs().max() <= FLOAT64, (la, lb)
 
 
 def run_cases_then_images(rank: int, world: int, init_file: str, cases: list[str], modes: list[str]) -> None:
