@@ -21,8 +21,8 @@ from tests import vision_worker
 def test_context_parallel_equals_single_process(tmp_path, world, cases):
     """Then, in the same processes, a Qwen3.5 VLM prompt with two images whose rows lie on
     both ranks' blocks (`vision_worker.run_images`): at W = 2 detached, exact with a divided and
-    a replicated walk, loss and every .grad, the vision tower's included, and greedy decode
-    equal one process's; at W = 3 (one rank runs no image in the tower) the divided exact step."""
+    a replicated walk, loss and every .grad, the vision tower's included, and a greedy agent
+    episode equal one process's; at W = 3 (one rank runs no image in the tower) the divided exact step."""
     mp.spawn(vision_worker.run_cases_then_images, args=(world, str(tmp_path / "init"), cases, ["detached", "exact"]),
              nprocs=world, join=True)
 
