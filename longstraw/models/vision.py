@@ -16,6 +16,11 @@ A group's `prompt_inputs` are the prompt's non-text inputs as HF's processor nam
   dLoss/d(image embeddings) over every chunk; each image's tower runs again with
   autograd and that gradient is pushed through it, so the tower's parameters get HF's
   full-backward gradient while only one image's graph is alive.
+* Under context parallelism (docs/vision.md) the images are dealt over the ranks for the
+  tower (`deal_images`): each rank runs its own, the rows are summed from zeroed tables,
+  and a divided walk's partial row gradient is summed before each rank pushes its own
+  images' part through the tower (the tower's partial parameter gradients join the
+  walk's one sum).
 
 Responses are text: an image (or video) placeholder token inside a response is refused
 (`check_text_responses`), since nothing could supply its pixels.
