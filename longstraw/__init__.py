@@ -24,7 +24,8 @@ _HOMES = {
     "LongStrawError": "errors", "ConfigError": "errors", "InvalidGroupError": "errors",
     "PositionLimitError": "errors", "UnsupportedModelError": "errors", "ModelStateError": "errors",
     "StaleStateError": "errors", "StateMismatchError": "errors", "EpisodeError": "errors",
-    "DoesNotFitError": "errors", "fit_config": "budget",
+    "DoesNotFitError": "errors", "fit_config": "budget", "PromptInputsError": "errors",
+    "UnsupportedInputError": "errors",
 }
 """Each public name -> the module (under longstraw/) that defines it."""
 
@@ -32,7 +33,7 @@ __all__ = [
     "Engine", "ExecConfig", "GRPOConfig", "Group", "StepResult", "BatchTotals", "supported_model_types",
     "LongStrawError", "ConfigError", "InvalidGroupError", "PositionLimitError", "UnsupportedModelError",
     "ModelStateError", "StaleStateError", "StateMismatchError", "Rollout", "SamplingConfig",
-    "EpisodeError", "DoesNotFitError", "fit_config",
+    "EpisodeError", "DoesNotFitError", "fit_config", "PromptInputsError", "UnsupportedInputError",
 ]
 
 

@@ -27,6 +27,16 @@ class UnsupportedModelError(LongStrawError, TypeError):
     """The model's architecture (or a feature of its config) is not supported."""
 
 
+class PromptInputsError(InvalidGroupError):
+    """A prompt's non-text inputs (`prompt_inputs`: pixel values, image grids, token types)
+    are malformed or disagree with the prompt's image tokens."""
+
+
+class UnsupportedInputError(LongStrawError, ValueError):
+    """An input LongStraw does not run: images on a family without a supported vision tower,
+    videos, or an image inside a response."""
+
+
 class ModelStateError(LongStrawError, RuntimeError):
     """The model is in a state we refuse to run (e.g. train mode with dropout)."""
 

@@ -34,6 +34,11 @@ class Group:
             all False contributes nothing (it still counts as a sequence, as in TRL).
         advantages: optional float tensor [G], used as given instead of the advantages
             computed from `rewards`.
+        prompt_inputs: optional dict of the prompt's non-text inputs, named as Hugging
+            Face's processor names them: `pixel_values` [patches, C * t * p * p],
+            `image_grid_thw` [images, 3] and `mm_token_type_ids` [P] (or [1, P]); images in
+            the prompt only (responses are text). Checked against the model before any
+            work (`models/vision.py`); None: a text prompt.
     """
 
     prompt: torch.Tensor
@@ -43,6 +48,7 @@ class Group:
     ref_logprobs: list | None = None
     loss_masks: list | None = None
     advantages: torch.Tensor | None = None
+    prompt_inputs: dict | None = None
 
     @property
     def size(self) -> int:

@@ -23,6 +23,12 @@ groups, conv 4; attention 4 query heads over 2 KV heads of dim 64; vocab 4096.
 (4 heads of dim 64, short conv 4) then 1 NoPE MLA layer (4 heads, kv_lora_rank 64, rope
 16, nope 32, value 32); the first MLP dense, then MoE with 8 experts, 2 per token, 1
 shared; vocab 4096.
+
+`tiny_vlm()` is `tiny_model("qwen3_5")`'s text model inside a stock
+`Qwen3_5ForConditionalGeneration`, with a 2-block vision tower (hidden 64, 4 heads,
+patches 16 x 16 over 2 frames, 2 x 2 spatial merge: a 512 x 512 screenshot is a
+(1, 32, 32) grid, 256 image tokens) and its merger; image / video / vision start / end
+ids 4090-4093 (`TINY_VLM_TOKENS`).
 """
 
 from __future__ import annotations
@@ -66,6 +72,22 @@ TINY_CONFIGS = {
                   num_attention_heads=4, num_key_value_heads=2, head_dim=32, max_position_embeddings=131072,
                   tie_word_embeddings=False, attention_dropout=0.0),
 }
+
+
+TINY_VISION = dict(depth=2, hidden_size=64, num_heads=4, intermediate_size=128, out_hidden_size=256, patch_size=16,
+                   temporal_patch_size=2, spatial_merge_size=2, num_position_embeddings=256)
+TINY_VLM_TOKENS = dict(image_token_id=4090, video_token_id=4091, vision_start_token_id=4092, vision_end_token_id=4093)
+
+
+def tiny_vlm(*, dtype: torch.dtype = torch.float32, seed: int = 0, **vision):
+    """A stock HF `Qwen3_5ForConditionalGeneration` (`tiny_model("qwen3_5")`'s text model,
+    `TINY_VISION`'s tower) with random weights, in eval mode."""
+    text = {k: v for k, v in TINY_CONFIGS["qwen3_5"].items() if k != "model_type"}
+    config = transformers.Qwen3_5Config(text_config=text, vision_config={**TINY_VISION, **vision}, **TINY_VLM_TOKENS)
+    config._attn_implementation = "sdpa"
+    config.text_config._attn_implementation = config.vision_config._attn_implementation = "sdpa"
+    torch.manual_seed(seed)
+    return transformers.Qwen3_5ForConditionalGeneration(config).to(dtype).eval()
 
 
 def tiny_model(family: str = DEFAULT_FAMILY, *, dtype: torch.dtype = torch.float32, seed: int = 0, **overrides):

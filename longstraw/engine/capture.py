@@ -14,6 +14,7 @@ import torch
 from longstraw.engine.clock import progress
 from longstraw.engine.kept_graphs import SavedBytes, chunks_to_keep
 from longstraw.engine.rollout import stamp_state
+from longstraw.engine.inputs import check_inputs
 from longstraw.parallel.divided import divided_capture
 from longstraw.parallel.fsdp import fsdp_sum_factor
 from longstraw.phase import Phase
@@ -48,12 +49,14 @@ def capture_chunks(engine, ids: torch.Tensor, start: int, states: list[PromptSta
 
 
 def capture(engine, prompt: torch.Tensor, *, exact: bool = False, keep_graph_bytes: int = 0,
-            rope_length: int | None = None) -> PromptState:
+            rope_length: int | None = None, prompt_inputs: dict | None = None) -> PromptState:
     """The prompt state of prompt [P] (see `Engine.capture`)."""
+    check_inputs(engine, prompt, prompt_inputs)
     ids = prompt[:-1].to(engine.adapter.device)  # (P-1,)
     shard = rank_shard(engine)
     offload = engine.config.offloads_state()
     state = engine.adapter.new_state(ids.shape[0], exact=exact, shard=shard, host=offload)
+    state.inputs = engine.adapter.encode_inputs(prompt, prompt_inputs, engine.cp)  # the tower, once (models/vision.py)
     state.rope_length = int(prompt.numel()) if rope_length is None else rope_length
     if offload:  # per-token rows in host memory, staged one layer at a time (offload.py)
         state.offload = Stager(state, engine.adapter.device)
@@ -70,7 +73,7 @@ def capture(engine, prompt: torch.Tensor, *, exact: bool = False, keep_graph_byt
                         block_size=engine.config.attention_block_size)
     else:
         capture_chunks(engine, ids, 0, [state], engine.config.chunk_size, "capture", keep_graph_bytes)
-    stamp_state(state, engine, prompt, exact)
+    stamp_state(state, engine, prompt, exact, prompt_inputs)
     return state
 
 

@@ -130,7 +130,7 @@ class Engine:
         return lambda iterable: progress(iterable, enabled=self.config.progress, desc=desc, total=len(iterable))
 
     def capture(self, prompt: torch.Tensor, *, exact: bool = False, keep_graph_bytes: int = 0,
-                rope_length: int | None = None) -> PromptState:
+                rope_length: int | None = None, prompt_inputs: dict | None = None) -> PromptState:
         """Run prompt[:-1] ([P-1] tokens) in chunks under no_grad; return its state,
         stamped with its origin (`rollout.StateOrigin`). With `exact`, it keeps what the
         reverse walk needs (every chunk boundary, every sliding-window position); `step`
@@ -138,8 +138,11 @@ class Engine:
         allocated first and the last chunks' graphs that fit are kept (`kept_graphs.py`).
         `rope_length` (default P): the whole sequence's length (prompt + longest
         response), whose RoPE frequencies every call against the state uses
-        (`models/rope.py`)."""
-        return capture(self, prompt, exact=exact, keep_graph_bytes=keep_graph_bytes, rope_length=rope_length)
+        (`models/rope.py`). `prompt_inputs`: the prompt's images (`Group.prompt_inputs`),
+        run through the model's vision tower once, whole, without grad; the state keeps
+        their embeddings and the prompt's M-RoPE positions and remembers the inputs."""
+        return capture(self, prompt, exact=exact, keep_graph_bytes=keep_graph_bytes, rope_length=rope_length,
+                       prompt_inputs=prompt_inputs)
 
     def divides_walk(self, state: PromptState) -> bool:
         """Whether exact mode's reverse walk over `state` runs divided under context
@@ -243,7 +246,7 @@ class Engine:
                  top_p: float = 1.0, top_k: int = 0, eos_token_id: int | list | None = None,
                  generator: torch.Generator | None = None, *, environment=None, max_turns: int = 1,
                  prefix: torch.Tensor | None = None, prefix_loss_mask: torch.Tensor | None = None,
-                 state: PromptState | None = None) -> Rollout:
+                 state: PromptState | None = None, prompt_inputs: dict | None = None) -> Rollout:
         """Sample `num_samples` responses from one capture of `prompt`.
 
         The G branches decode together, one token per step, against the one shared prompt
@@ -268,6 +271,8 @@ class Engine:
             prefix_loss_mask: bool [L], the prefix tokens' loss mask (default all True).
             state: a prompt state from an earlier `generate` of this prompt (checked like
                 `step(state=)`): no second capture.
+            prompt_inputs: the prompt's images, as `Group.prompt_inputs` (pass the same dict
+                to the group that steps this rollout). Responses and observations are text.
 
         Returns:
             `Rollout` with `.responses` (G LongTensors [R_i]), `.logprobs` (the sampled tokens'
@@ -281,13 +286,13 @@ class Engine:
                                 top_p=top_p, top_k=top_k, eos_token_id=eos_token_id)
         episode = EpisodeConfig(environment=environment, max_turns=max_turns, prefix=prefix,
                                 prefix_loss_mask=prefix_loss_mask)
-        return generate(self, prompt, config, generator, episode, state)
+        return generate(self, prompt, config, generator, episode, state, prompt_inputs)
 
     def _reuse_or_capture(self, group: Group, state: PromptState | None, exact: bool) -> PromptState:
         """The prompt state for `group`: the one given (already checked) or a new capture."""
         if state is None:
             state = self.capture(group.prompt, exact=exact, keep_graph_bytes=self.config.keep_graph_bytes,
-                                 rope_length=sequence_length(group))
+                                 rope_length=sequence_length(group), prompt_inputs=group.prompt_inputs)
             if exact and self.config.keep_graph_bytes > 0:
                 return state  # its gradient buffers were allocated before capture: kept graphs add into them
         if exact:
@@ -307,7 +312,8 @@ class Engine:
         """
         GRPOConfig(temperature=temperature)  # validates the temperature
         self._validate(group, needs_rewards=False, state=state)
-        state = self.capture(group.prompt, rope_length=sequence_length(group)) if state is None else state
+        if state is None:
+            state = self.capture(group.prompt, rope_length=sequence_length(group), prompt_inputs=group.prompt_inputs)
         if self.config.share_response_prefixes:  # each shared segment once (`tree.py`)
             return score_tree(self, state, group, temperature)
         with torch.no_grad():
@@ -384,9 +390,12 @@ class Engine:
                 with summed_walk_gradients(self.model, self.cp, self.adapter.sharded_modules()):
                     self.walk_back(group.prompt[:-1].to(self.adapter.device), 0, [state], self.config.chunk_size,
                                    shard=rank_shard(self), recompute_layers=walk_rc)
+                    # the image rows' partial gradients summed, each rank's images through the tower
+                    self.adapter.backprop_inputs(state.inputs, group.prompt_inputs, self.cp)
             elif exact:
                 self.walk_back(group.prompt[:-1].to(self.adapter.device), 0, [state], self.config.chunk_size,
                                recompute_layers=walk_rc)
+                self.adapter.backprop_inputs(state.inputs, group.prompt_inputs)  # every image, one at a time
             settle_held_reductions(self.adapter.sharded_modules())  # a 2-D FSDP2 mesh: held shards into .grad
             mark()
             if self.cp is not None and self.cp.world > 1 and not divided:

@@ -182,6 +182,7 @@ def take_turn(engine, state, branches, i: int, sampling, episode: EpisodeConfig,
     if obs is None:
         return None
     check_ids(f"environment(branch={i}) observation", obs, engine.adapter.vocab_size)
+    engine.adapter.check_inputs(None, None, [obs], what="environment observation")  # text only (models/vision.py)
     room = sampling.max_new_tokens - len(rec.tokens[i])
     if obs.numel() > room:
         return None  # TRL: an observation that would pass max_new_tokens is not appended

@@ -29,6 +29,7 @@ import torch
 
 from longstraw.engine.clock import clock
 from longstraw.engine.episode import EpisodeConfig, run_episodes
+from longstraw.engine.inputs import check_inputs
 from longstraw.engine.logprobs import scaled_logits
 from longstraw.errors import ConfigError, StaleStateError, StateMismatchError
 from longstraw.group import check_token_ids
@@ -143,14 +144,27 @@ class StateOrigin:
     """`weights_stamp` of the model at capture"""
     exact: bool
     """captured with what exact mode's reverse walk needs"""
+    inputs: dict | None = None
+    """the prompt's non-text inputs (`Group.prompt_inputs`) it was captured with"""
 
 
-def stamp_state(state, engine, prompt: torch.Tensor, exact: bool) -> None:
+def stamp_state(state, engine, prompt: torch.Tensor, exact: bool, prompt_inputs: dict | None = None) -> None:
+    inputs = None if prompt_inputs is None else {k: v for k, v in prompt_inputs.items() if v is not None}
     state.origin = StateOrigin(engine=engine, prompt=prompt.detach().to("cpu", torch.long).clone(),
-                               stamp=weights_stamp(engine.model), exact=exact)
+                               stamp=weights_stamp(engine.model), exact=exact, inputs=inputs)
 
 
-def check_state(state, engine, prompt: torch.Tensor, total: int | None = None) -> None:
+def same_inputs(held: dict | None, given: dict | None) -> bool:
+    """Whether prompt inputs `given` are those a state was captured with (`held`)."""
+    given = None if given is None else {k: v for k, v in given.items() if v is not None}
+    if not held or not given:
+        return not held and not given
+    return held.keys() == given.keys() and all(
+        held[k] is given[k] or (held[k].shape == given[k].shape and held[k].dtype == given[k].dtype
+                                and torch.equal(held[k], given[k].to(held[k].device))) for k in held)
+
+
+def check_state(state, engine, prompt: torch.Tensor, total: int | None = None, inputs: dict | None = None) -> None:
     """Refuse, before any work, a state that `engine` cannot reuse for `prompt` (and a
     group of `total` = P + longest response positions).
 
@@ -173,6 +187,10 @@ def check_state(state, engine, prompt: torch.Tensor, total: int | None = None) -
     if ids.shape != origin.prompt.shape or not torch.equal(ids, origin.prompt):
         raise StateMismatchError(f"this state was captured for another prompt ({origin.prompt.numel()} tokens); "
                                  f"the group's prompt has {ids.numel()} tokens or different ids")
+    if not same_inputs(origin.inputs, inputs):
+        raise StateMismatchError("this state was captured with other prompt_inputs (pixel values, image grids or "
+                                 "token types) than the group's; pass the inputs it was captured with, or capture "
+                                 "again")
     if total is not None and total > state.rope_length and rotary_of(engine.adapter.backbone) is not None:
         raise StateMismatchError(
             f"this state's RoPE frequencies are those of a {state.rope_length}-position sequence (rope_type "
@@ -222,7 +240,7 @@ def validate_prompt(engine, prompt, config: SamplingConfig) -> None:
 
 
 def generate(engine, prompt: torch.Tensor, config: SamplingConfig, generator=None,
-             episode: EpisodeConfig | None = None, state=None) -> Rollout:
+             episode: EpisodeConfig | None = None, state=None, prompt_inputs: dict | None = None) -> Rollout:
     """Capture `prompt` once (or reuse `state`, checked) and sample `config.num_samples`
     responses from its state, with `episode`'s environment and prefix. See `Engine.generate`."""
     episode = episode if episode is not None else EpisodeConfig()
@@ -237,13 +255,14 @@ def generate(engine, prompt: torch.Tensor, config: SamplingConfig, generator=Non
     def validate():
         validate_prompt(engine, prompt, config)
         episode.check(engine.adapter.vocab_size, config.max_new_tokens, config.eos_ids())
+        check_inputs(engine, prompt, prompt_inputs, [] if episode.prefix is None else [episode.prefix], "prefix")
         if state is not None:
-            check_state(state, engine, prompt, total=prompt.numel() + config.max_new_tokens)
+            check_state(state, engine, prompt, total=prompt.numel() + config.max_new_tokens, inputs=prompt_inputs)
 
     engine.agree_across_ranks(validate, fingerprint)
     t0 = clock(engine.adapter.device)
     if state is None:
-        state = engine.capture(prompt, exact=engine.config.mode == "exact",
+        state = engine.capture(prompt, exact=engine.config.mode == "exact", prompt_inputs=prompt_inputs,
                                rope_length=prompt.numel() + config.max_new_tokens)  # the sampler's RoPE length
     t1 = clock(engine.adapter.device)
     progress = engine.progress_bar("generate")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import torch
 
+from longstraw.engine.inputs import check_inputs
 from longstraw.engine.rollout import check_state
 from longstraw.errors import ConfigError, InvalidGroupError, LongStrawError, PositionLimitError
 from longstraw.group import BatchTotals, Group, validate_group
@@ -105,12 +106,13 @@ def validate_local(engine, group: Group, *, needs_ref: bool, needs_rewards: bool
     longest = max(int(r.numel()) for r in group.responses)
     total = engine.check_positions(int(group.prompt.numel()), longest, "longest response")
     engine.check_runnable()
+    check_inputs(engine, group.prompt, group.prompt_inputs, group.responses)  # images: prompt only
     if engine.cp is not None:
         engine.adapter.check_context_parallel(total)
     if totals is not None:
         check_totals(group, totals)
     if state is not None:
-        check_state(state, engine, group.prompt, total=total)
+        check_state(state, engine, group.prompt, total=total, inputs=group.prompt_inputs)
     return rewards
 
 

@@ -23,6 +23,7 @@ from .peft_layers import check_peft
 from .recompute import recomputed_layers
 from .rope import pinned_rope, rotary_of
 from .routing import AttentionCall, Divided, DividedChunk, Phase, forwards_replaced, run_backbone
+from .vision import check_prompt_inputs, check_text_responses, vision_tower
 
 try:
     from torch.distributed.fsdp import FSDPModule
@@ -105,6 +106,7 @@ class Adapter:
                 "the text ...ForCausalLM (or a ...ForConditionalGeneration whose .model has a .language_model)"
             )
         self.lm_head = self.causal_lm.get_output_embeddings()
+        self.vision = vision_tower(self.causal_lm)  # images in the prompt (`vision.py`); None: text only
         self.check_config()
         check_peft(self.model)
         rotary_of(self.backbone)  # refuses a length-dependent RoPE it could not pin
@@ -135,6 +137,30 @@ class Adapter:
 
     def check_config(self) -> None:
         """Refuse config features the adapter cannot run exactly (override to add)."""
+
+    def check_inputs(self, prompt: torch.Tensor | None, prompt_inputs, responses=(),
+                     what: str = "group.responses") -> None:
+        """Refuse a prompt's non-text inputs (`Group.prompt_inputs`) the model cannot run,
+        and image tokens in `responses` (named `what`; `vision.py`), before any work."""
+        if prompt is not None:
+            check_prompt_inputs(self.vision, getattr(self.causal_lm.config, "model_type", None), prompt,
+                                prompt_inputs)
+        check_text_responses(self.vision, responses, what)
+
+    def encode_inputs(self, prompt: torch.Tensor, prompt_inputs, cp=None):
+        """The prompt's images through the model's own tower, once, without grad, and its
+        M-RoPE positions (a `state.vision.PromptImages`); None for a text prompt. `cp`:
+        context parallelism, the images dealt over its ranks (`vision.deal_images`)."""
+        if prompt_inputs is None:
+            return None
+        return self.vision.encode(prompt, prompt_inputs, self.dtype, self.device, cp)
+
+    def backprop_inputs(self, images, prompt_inputs, cp=None) -> None:
+        """Exact mode, after the reverse walk: the images' accumulated gradient through the
+        tower, one image at a time (`vision.VisionTower.backprop`; `cp`: a divided walk's,
+        whose image-row gradient is partial on each rank)."""
+        if images is not None:
+            self.vision.backprop(images, prompt_inputs, cp)
 
     def check_context_parallel(self, total_positions: int) -> None:
         """Refuse what context parallelism cannot run exactly (override to add)."""

@@ -186,7 +186,12 @@ def run_backbone(backbone, config, input_ids: torch.Tensor, call: AttentionCall)
     else:
         ids = input_ids[None]  # (1, T)
         positions = torch.arange(call.start, call.start + input_ids.shape[0], device=input_ids.device)[None]
+    images = call.states[0].inputs if call.states else None  # a prompt with images (`state/vision.py`)
     with routed(config, call):
-        out = backbone(input_ids=ids, position_ids=positions, use_cache=False)
+        if images is None:
+            out = backbone(input_ids=ids, position_ids=positions, use_cache=False)
+        else:  # the tower's rows at image tokens, HF's M-RoPE ids: both looked up by sequence index
+            out = backbone(inputs_embeds=images.embed(backbone.get_input_embeddings(), ids, positions),
+                           position_ids=images.rope_positions(positions), use_cache=False)
     hidden = out.last_hidden_state
     return hidden[:, 0] if decode else hidden[0]

@@ -80,6 +80,13 @@ Expert parallelism (`ExecConfig(expert_parallel=True)`, `experts.py`): rank r ke
 sums the ranks' partials. Expert gradients are complete on their owner and are left out of
 both sums above (`experts.is_expert_shard`).
 
+Images in the prompt (Qwen3.5 VLMs, `models/vision.py`; docs/vision.md): the image rows
+and M-RoPE ids stay whole on every rank and are looked up by sequence index, so the
+divided phases read their own positions' rows and ids. The tower runs whole images dealt
+over the ranks (`deal_images`), its rows summed from zeroed tables; a divided walk's
+partial image-row gradient is all-reduced, each rank pushes its own images through the
+tower, and the tower's partial parameter gradients join the walk's one sum.
+
 What stays replicated: replay of the branches (R-sized), a walk over kept capture graphs
 (`keep_graph_bytes`), an offloaded state, FSDP2 on a 2-D mesh whose replica all-reduce is not held
 (`fsdp_sum_factor`), captures

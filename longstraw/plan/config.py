@@ -187,6 +187,15 @@ class PlanConfig:
     """Data-parallel replicas of the W context-parallel ranks (W x data_parallel GPUs in
     all): the trainable gradients are all-reduced over them once per step."""
 
+    images: int = 0
+    """Images in the prompt (`Group.prompt_inputs`, `plan/vision.py`): their tower's
+    parameters, the rows the state keeps, and the largest image's working set are added.
+    Qwen3.5 / 3.6 families only; under context parallelism every rank holds them whole, and
+    with state offload the rows stay on the device (as the engine: docs/vision.md)."""
+
+    image_tokens: int = 0
+    """Merged tokens of the largest image (HF's t * h * w / merge^2): each image counts this many."""
+
     tree: object = None
     """A prefix tree of the responses (`plan/tree.py`): levels [(segment_tokens, fan_out), ...]
     below the prompt, e.g. [(2048, 1), (256, 8)] (8 responses share 2,048 tokens, then 256
@@ -243,6 +252,7 @@ class PlanConfig:
         if not (isinstance(self.throughput_tflops, (int, float)) and math.isfinite(self.throughput_tflops)
                 and self.throughput_tflops > 0):
             raise ConfigError(f"PlanConfig.throughput_tflops must be a number > 0, got {self.throughput_tflops!r}")
+        self._check_images()
         self.gpu_memory = parse_bytes(self.gpu_memory)
         self.reserve = parse_bytes(self.reserve)
         self.keep_graph_bytes = parse_bytes(self.keep_graph_bytes)
@@ -256,6 +266,19 @@ class PlanConfig:
             if self.weight_dtype in QUANT_BYTES and not self.lora_rank:
                 raise ConfigError(f"weight_dtype {self.weight_dtype!r} stores frozen base weights: "
                                   "full training needs a float dtype; pass lora_rank for (Q)LoRA")
+
+    def _check_images(self) -> None:
+        for name in ("images", "image_tokens"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+                raise ConfigError(f"PlanConfig.{name} must be an int >= 0, got {value!r}")
+        if not self.images:
+            return
+        if self.image_tokens < 1 or self.images * (self.image_tokens + 2) >= self.prompt_tokens:
+            raise ConfigError(f"PlanConfig: {self.images} images of {self.image_tokens} tokens (+ their vision start / "
+                              f"end tokens) must fit in prompt_tokens={self.prompt_tokens} with text after them; "
+                              "give image_tokens >= 1 and fewer or smaller images")
+
 
 _DEFAULTS = {"gpu_memory": "96GiB", "throughput_tflops": 400.0, "host_bandwidth_gbs": 50.0,
              "intra_node_gbs": 360.0, "inter_node_gbs": 40.0}
@@ -322,6 +345,9 @@ def resolve(model, config: PlanConfig) -> Basis:
         if not arch.experts:
             raise ConfigError(f"PlanConfig.expert_parallel but {name} has no routed experts; drop expert_parallel")
         arch = replace(arch, expert_ranks=c.gpus)
+    if c.images and cfg.get("model_type") not in ("qwen3_5", "qwen3_5_moe", "qwen3_5_text", "qwen3_5_moe_text"):
+        raise ConfigError(f"PlanConfig.images: {name} ({cfg.get('model_type')}) runs text prompts only; images run on "
+                          "the Qwen3.5 / 3.6 families (docs/vision.md)")
     if c.gpus > 1:
         arch = replace(arch, context_ranks=c.gpus)
     deal = Deal(c.gpus, c.attention_block_size)

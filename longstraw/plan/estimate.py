@@ -22,6 +22,7 @@ from .report import build_report
 from .comm import plan_comm
 from .timing import plan_time
 from .tree_cost import plan_tree_replay, tree_report, tree_timing
+from .vision import plan_vision, vision_report
 
 
 def walk_chunk_count(s, walk) -> int:
@@ -49,7 +50,8 @@ def estimate(model, config: PlanConfig) -> dict:
     walk = plan_walk(s, capture, replay.graph_tok)
     score = score_working(s)
     offload = plan_offload(s, state, replay, capture)
-    peak = plan_peak(s, state, weights, replay, capture, walk, offload, score)
+    vision = plan_vision(s)
+    peak = plan_peak(s, state, weights, replay, capture, walk, offload, score, vision)
     timing = plan_time(s, divided=capture.divided, divided_walk=walk.divided, walk_chunk=walk.chunk,
                        held=replay.held, chunks=walk.chunks, kept_chunks=walk.kept_chunks, offload=offload.figures,
                        recompute=replay.recompute, walk_recompute=walk.recompute)
@@ -65,6 +67,9 @@ def estimate(model, config: PlanConfig) -> dict:
                      offload_s=timing.t_transfer,
                      offload_bytes=offload.figures["traffic_bytes"] if offload.figures else 0.0)
     report = build_report(s, state, weights, replay, capture, walk, offload, score, peak, timing)
+    report.update(vision_report(vision))
+    if vision is not None:
+        report["assumptions"] += list(vision.assumptions)
     report["comm"] = comm.as_dict()
     report["estimated_time_s_compute"] = report["estimated_time_s"]
     report["estimated_time_s"] = comm.total_s

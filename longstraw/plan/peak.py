@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from .config import Basis
 from .memory import CapturePlan, ReplayPlan, StatePlan, WalkPlan, WeightPlan
 from .offload import OffloadPlan
+from .vision import VisionPlan
 
 
 
@@ -36,11 +37,12 @@ class Peak:
 
 
 def plan_peak(s: Basis, state: StatePlan, weights: WeightPlan, replay: ReplayPlan, capture: CapturePlan,
-              walk: WalkPlan, offload: OffloadPlan, score: float) -> Peak:
-    """The static memory, each phase's working set, and the largest."""
+              walk: WalkPlan, offload: OffloadPlan, score: float, vision: VisionPlan | None = None) -> Peak:
+    """The static memory, each phase's working set, and the largest. `vision`: images in
+    the prompt (their tower, rows, and the largest image's working set, 'vision')."""
     c, w = s.config, weights
     static = (w.param_bytes + w.grad_bytes + w.optimizer_bytes + w.gathered + offload.state_gpu
-              + offload.state_grad_gpu + state.checkpoints)
+              + offload.state_grad_gpu + state.checkpoints + (vision.static if vision else 0.0))
     kept = walk.kept_bytes
     # what each phase holds beyond the static memory (capture may run before any gradient exists)
     # exact mode allocates the state gradients after capture (before it only to keep chunk graphs)
@@ -52,6 +54,8 @@ def plan_peak(s: Basis, state: StatePlan, weights: WeightPlan, replay: ReplayPla
                                   walk.working if walk.kept_chunks < walk.chunks else 0)
     if c.score_passes:
         phases["score"] = score
+    if vision is not None:  # one image's tower at capture (and, exact, its backward after the walk)
+        phases["vision"] = vision.working
     phase = max(phases, key=phases.get)
     peak = static + phases[phase]
     return Peak(static=static, phases=phases, phase=phase, peak=peak, fits=peak + c.reserve <= c.gpu_memory)

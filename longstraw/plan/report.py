@@ -236,6 +236,11 @@ def format_report(r: dict) -> str:
     ]
     if i["offload_state"]:
         rows += _offload_rows(r)
+    if i.get("images"):
+        rows += [("images", f"{i['images']} x {i['image_tokens']:,} tokens: tower {r['vision_parameters'] / 1e6:,.1f}M "
+                            f"params, {hb(r['vision_static_bytes'])} held (weights"
+                            + (", grads, Adam" if not i["lora_rank"] else "") + ", rows), "
+                            f"{hb(r['vision_working_bytes'])} for one image's tower")]
     rows += [
         None,
         ("weights per rank", hb(r["param_bytes"])),

@@ -278,6 +278,9 @@ class PromptState:
         rope_length: the sequence length whose RoPE frequencies every call against this
             state uses, for RoPE types that pick them from the length ("dynamic",
             "longrope": `models/rope.py`); set by `Engine.capture`. None: each call's own.
+        inputs: a prompt with images: its `state.vision.PromptImages` (the tower's
+            embeddings and the M-RoPE positions every run against the state reads); None
+            for a text prompt.
     """
 
     layers: list = field(default_factory=list)
@@ -288,16 +291,22 @@ class PromptState:
     origin: object = None
     offload: object = None
     rope_length: int | None = None
+    inputs: object = None
+
+    def _parts(self) -> list:
+        return [s for s in self.layers if s is not None] + ([self.inputs] if self.inputs is not None else [])
 
     def nbytes(self) -> int:
-        return sum(s.nbytes() for s in self.layers if s is not None)
+        return sum(s.nbytes() for s in self._parts())
 
     def grad_nbytes(self) -> int:
-        return sum(s.grad_nbytes() for s in self.layers if s is not None)
+        return sum(s.grad_nbytes() for s in self._parts())
 
     def enable_grad_buffers(self) -> None:
         """Zeroed dLoss/dState buffers for every layer (an offloaded state's host rows:
         one arena, `offload.Stager.enable_grad_buffers`)."""
+        if self.inputs is not None:
+            self.inputs.enable_grad_buffers()
         if self.offload is not None:
             self.offload.enable_grad_buffers()
             return
@@ -309,9 +318,8 @@ class PromptState:
         """Drop every layer's state-gradient buffers: `Engine.step` calls it once its
         reverse walk has spent them (exact mode), so a held state keeps only its rows
         (`grad_nbytes() == 0`); stepping it again allocates them afresh."""
-        for s in self.layers:
-            if s is not None:
-                s.release_grad_buffers()
+        for s in self._parts():
+            s.release_grad_buffers()
         if self.offload is not None:
             self.offload.release_grad_buffers()
 

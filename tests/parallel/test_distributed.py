@@ -12,14 +12,19 @@ others fail fast with a LongStrawError instead of hanging.
 import pytest
 
 from tests import distributed_worker as worker
+from tests import vision_worker
 from tests.ranks import WORLDS, spawn
 
 
 @pytest.mark.parametrize("world,cases", [(2, ["planner", "dense", "hybrid", "mla", "glm", "glm_sparse", "mla_mlp"]),
                                          (3, ["planner", "dense", "hybrid", "dsv32_sparse", "dsv32_sparse_mlp"])])
 def test_context_parallel_equals_single_process(tmp_path, world, cases):
-    spawn(worker.run_cases, args=(world, str(tmp_path / "init"), cases, ["detached", "exact"]), nprocs=world,
-          join=True)
+    """Then, in the same processes, a Qwen3.5 VLM prompt with two images whose rows lie on
+    both ranks' blocks (`vision_worker.run_images`): at W = 2 detached, exact with a divided and
+    a replicated walk, loss and every .grad, the vision tower's included, and a greedy agent
+    episode equal one process's; at W = 3 (one rank runs no image in the tower) the divided exact step."""
+    spawn(vision_worker.run_cases_then_images, args=(world, str(tmp_path / "init"), cases, ["detached", "exact"]),
+          nprocs=world, join=True)
 
 
 def _run_each(fn, nprocs: int, *args) -> list[int]:
