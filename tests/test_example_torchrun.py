@@ -1,4 +1,4 @@
-"""examples/torchrun_grpo.py under torchrun (gloo, CPU, float64, tiny model): W = 2 (one
+"""(-m slow) examples/torchrun_grpo.py under torchrun (gloo, CPU, float64, tiny model): W = 2 (one
 context-parallel group of two, FSDP2 over it, exact mode) trains 3 steps with a DCP
 checkpoint after each; the W = 2 checkpoint of step 2 loaded at W = 1 continues to the
 same step-3 weights (one process takes the same prompts and samples: the example's update
@@ -44,6 +44,7 @@ def _train_three_steps(tmp_path) -> dict:
     return torch.load(tmp_path / "a.pt", weights_only=True)
 
 
+@pytest.mark.slow  # two torchrun launches, 45 s on 2 idle cores; the launch itself: tests/parallel/test_launch.py
 def test_train_and_load_at_another_world(tmp_path):
     """The W = 2 checkpoint of step 2, loaded at W = 1, continues to the same step-3
     weights; and the run trained."""
@@ -59,7 +60,7 @@ def test_train_and_load_at_another_world(tmp_path):
     assert any((a[n] - init[n].detach()).abs().max() > 0 for n in a)  # it trained
 
 
-@pytest.mark.slow  # a third torchrun launch; the same-world resume is also tests/test_elastic.py's
+@pytest.mark.slow
 def test_resume_at_the_same_world_continues_the_curve(tmp_path):
     a = _train_three_steps(tmp_path)
     _torchrun(2, "--steps", "3", "--resume", str(tmp_path / "ck" / "step-1"), "--dump", str(tmp_path / "b.pt"))

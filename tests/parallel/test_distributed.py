@@ -129,9 +129,12 @@ def test_divided_capture_at_awkward_block_and_chunk_boundaries(tmp_path, world):
     spawn(worker.run_divided, args=(world, str(tmp_path / "init")), nprocs=world, join=True)
 
 
-@pytest.mark.parametrize("world", WORLDS)
-def test_divided_reverse_walk_equals_single_process(tmp_path, world):
-    spawn(worker.run_divided_walk, args=(world, str(tmp_path / "init")), nprocs=world, join=True)
+@pytest.mark.parametrize("world,every_geometry", [(3, False), pytest.param(3, True, marks=pytest.mark.slow),
+                                                   pytest.param(2, True, marks=pytest.mark.slow)])
+def test_divided_reverse_walk_equals_single_process(tmp_path, world, every_geometry):
+    """By default W = 3 without the geometries other cases repeat
+    (`distributed_worker.WALK_GEOMETRY_REPEATS`); all of them at W = 2 and 3: -m slow."""
+    spawn(worker.run_divided_walk, args=(world, str(tmp_path / "init"), every_geometry), nprocs=world, join=True)
 
 
 @pytest.mark.parametrize("world", WORLDS)
