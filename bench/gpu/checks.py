@@ -163,8 +163,14 @@ def check_offload_exact(device: torch.device) -> dict:
             "time_s": result.metrics["time_total_s"]}
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def run_checks(doc: str, checks, header, figure: str = "rel_err") -> int:
+    """The main of this script and of `bench/gpu/features.py` (`doc` the script's docstring,
+    its first line the `--help` description): `--cpu` parsed, a 1-rank
+    process group (NCCL on CUDA, gloo on CPU), each check run on the device as a row (one
+    that raises is reported as a failed row and the rest still run), the table printed
+    (`header(name, rows, use_cuda)` its first line, `figure` its figure column), then one
+    JSON line; 0 when every row is ok, else 1."""
+    parser = argparse.ArgumentParser(description=doc.splitlines()[0])
     parser.add_argument("--cpu", action="store_true", help="run on CPU over gloo (no GPU needed)")
     args = parser.parse_args()
     use_cuda = torch.cuda.is_available() and not args.cpu
@@ -175,19 +181,19 @@ def main() -> int:
     dist.init_process_group("nccl" if use_cuda else "gloo", init_method=f"file://{init}", rank=0, world_size=1)
     rows = []
     try:
-        for check in (check_cp, check_bf16_exact, check_autocast, check_generate_greedy, check_generate_bf16_cp,
-                      check_kernel_selection, check_offload_exact):
+        for check in checks:
             try:
                 row = check(device)
                 row["ok"] = row["rel_err"] <= row["limit"]
             except Exception as exc:  # report, keep going
-                row = {"check": check.__name__, "ok": False, "error": f"{type(exc).__name__}: {exc}"[:300]}
+                row = {"check": check.__name__.removeprefix("check_"), "ok": False,
+                       "error": f"{type(exc).__name__}: {exc}"[:300]}
             rows.append(row)
     finally:
         dist.destroy_process_group()
     name = torch.cuda.get_device_name(device) if use_cuda else "cpu"
-    print(f"device: {name}, torch {torch.__version__}, backend {'nccl' if use_cuda else 'gloo'}")
-    print(f"{'check':<18} {'ok':<5} {'rel_err':>10} {'limit':>10} {'time_s':>8}")
+    print(header(name, rows, use_cuda))
+    print(f"{'check':<18} {'ok':<5} {figure:>10} {'limit':>10} {'time_s':>8}")
     for r in rows:
         if "error" in r:
             print(f"{r['check']:<18} {'NO':<5} {r['error']}")
@@ -197,6 +203,14 @@ def main() -> int:
     print(json.dumps({"device": name, "torch": torch.__version__, "all_ok": all(r["ok"] for r in rows),
                       "rows": rows}))
     return 0 if all(r["ok"] for r in rows) else 1
+
+
+def main() -> int:
+    checks = (check_cp, check_bf16_exact, check_autocast, check_generate_greedy, check_generate_bf16_cp,
+              check_kernel_selection, check_offload_exact)
+    return run_checks(__doc__, checks,
+                      lambda name, rows, use_cuda: f"device: {name}, torch {torch.__version__}, "
+                                                   f"backend {'nccl' if use_cuda else 'gloo'}")
 
 
 if __name__ == "__main__":

@@ -28,31 +28,19 @@ Not here: the FSDP2 trainer and TRL's tools (their multi-process runs are
 
 from __future__ import annotations
 
-import argparse
 import copy
-import json
 import os
 import sys
-import tempfile
 import time
 
 import torch
-import torch.distributed as dist
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 if REPO not in sys.path:
     sys.path.insert(0, REPO)
 import longstraw as ls  # noqa: E402
+from bench.gpu.checks import _rel, run_checks  # noqa: E402
 from tests.reference import grads_of, random_group, tiny_family, tiny_hybrid, tiny_model, tree_group  # noqa: E402
-
-
-def _rel(got: dict, want: dict) -> float:
-    worst = 0.0
-    for name, w in want.items():
-        if w is None:
-            continue
-        worst = max(worst, float((got[name].double() - w.double()).norm() / w.double().norm().clamp_min(1e-30)))
-    return worst
 
 
 def _step(model, group, **kw):
@@ -145,39 +133,10 @@ CHECKS = (check_prefix_tree, check_agent_episode, check_layer_recompute, check_s
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--cpu", action="store_true", help="run on CPU over gloo (no GPU needed)")
-    args = parser.parse_args()
-    use_cuda = torch.cuda.is_available() and not args.cpu
-    device = torch.device("cuda", 0) if use_cuda else torch.device("cpu")
-    if use_cuda:
-        torch.cuda.set_device(device)
-    init = tempfile.NamedTemporaryFile(delete=False).name
-    dist.init_process_group("nccl" if use_cuda else "gloo", init_method=f"file://{init}", rank=0, world_size=1)
-    rows = []
-    try:
-        for check in CHECKS:
-            try:
-                row = check(device)
-                row["ok"] = row["rel_err"] <= row["limit"]
-            except Exception as exc:  # report, keep going
-                row = {"check": check.__name__.removeprefix("check_"), "ok": False,
-                       "error": f"{type(exc).__name__}: {exc}"[:300]}
-            rows.append(row)
-    finally:
-        dist.destroy_process_group()
-    name = torch.cuda.get_device_name(device) if use_cuda else "cpu"
-    print(f"device: {name}, torch {torch.__version__}, float32 (expert parallel: {rows[-1].get('dtype', '?')})")
-    print(f"{'check':<18} {'ok':<5} {'figure':>10} {'limit':>10} {'time_s':>8}")
-    for r in rows:
-        if "error" in r:
-            print(f"{r['check']:<18} {'NO':<5} {r['error']}")
-        else:
-            print(f"{r['check']:<18} {'yes' if r['ok'] else 'NO':<5} {r['rel_err']:>10.3e} {r['limit']:>10.3e} "
-                  f"{r['time_s']:>8.2f}")
-    print(json.dumps({"device": name, "torch": torch.__version__, "all_ok": all(r["ok"] for r in rows),
-                      "rows": rows}))
-    return 0 if all(r["ok"] for r in rows) else 1
+    def header(name, rows, use_cuda):
+        return f"device: {name}, torch {torch.__version__}, float32 (expert parallel: {rows[-1].get('dtype', '?')})"
+
+    return run_checks(__doc__, CHECKS, header, figure="figure")
 
 
 if __name__ == "__main__":
