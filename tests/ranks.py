@@ -31,9 +31,7 @@ PRELOAD = ["tests.ranks_preload"]
 
 
 def _rank_main(rank: int, env: dict[str, str], fn, *args) -> None:
-    os.environ.clear()
-    os.environ.update(env)
-    fn(rank, *args)
+    _call_with_env(env, fn, (rank, *args))
 
 
 def spawn(fn, args: tuple = (), nprocs: int = 1, join: bool = True):
@@ -57,6 +55,7 @@ def run_fresh(fn, *args):
 
 
 def _call_with_env(env: dict[str, str], fn, args: tuple):
+    """`fn(*args)` with the environment the caller had when it started this process."""
     os.environ.clear()
     os.environ.update(env)
     return fn(*args)
