@@ -23,8 +23,8 @@ def test_the_tree_arm_forks_after_the_observation_and_steps_with_one_capture(tmp
     start with its turn 1 + observation (or are its copies when it made no tool call); the
     update steps on all leaves with the given advantages, on the root's state (one capture
     per prompt for rollouts and update together, beside the KL's and the evaluations')."""
-    groups, captures = [], []
-    real_step, real_capture = ls.Engine.step, ls.Engine.capture
+    groups, captures, roots = [], [], []
+    real_step, real_capture, real_generate = ls.Engine.step, ls.Engine.capture, ls.Engine.generate
 
     def step(self, group, grpo, **kw):
         groups.append(group)
@@ -35,23 +35,30 @@ def test_the_tree_arm_forks_after_the_observation_and_steps_with_one_capture(tmp
         captures.append(self)
         return real_capture(self, prompt, **kw)
 
+    def generate(self, prompt, *args, **kw):
+        out = real_generate(self, prompt, *args, **kw)
+        if kw.get("prefix") is None and kw.get("num_samples") == T.TREE_ROOTS:
+            roots.append(out)  # a root sample (forks pass a prefix; evaluations sample 1, greedy)
+        return out
+
     monkeypatch.setattr(ls.Engine, "step", step)
     monkeypatch.setattr(ls.Engine, "capture", capture)
+    monkeypatch.setattr(ls.Engine, "generate", generate)
     cfg = LearningConfig(**{**AGENT, "group_size": 8, "log_kl": False}, arm="tree", steps=2, eval_every=2,
                          out_dir=str(tmp_path / "run"))
     run(cfg)
-    assert len(groups) == 2 * 2
+    assert len(groups) == 2 * 2 and len(roots) == len(groups)
     k = cfg.group_size // T.TREE_ROOTS
-    for g in groups:
+    for g, root in zip(groups, roots):
         assert g.size == cfg.group_size and g.advantages is not None
         for f in range(T.TREE_ROOTS):
-            fork = g.responses[f * k:(f + 1) * k]
-            head = fork[0][:T.TURN2]
-            assert all(torch.equal(r[:T.TURN2], head) for r in fork)
-            # the rollout's own record, not a token value: a root episode with a tool call holds
-            # its observation (loss mask False) inside the fork point; one without has none
-            if head.numel() < T.TURN2 or bool(g.loss_masks[f * k][:T.TURN2].all()):  # k copies of the root
-                assert all(torch.equal(r, fork[0]) for r in fork)
+            fork, episode = g.responses[f * k:(f + 1) * k], root.responses[f]
+            # the root's own record: an episode that made no tool call (or is shorter than the fork
+            # point) stands for its fork as k copies; every other one is forked at turn 2
+            if root.turns[f] == 0 or episode.numel() < T.TURN2:
+                assert all(torch.equal(r, episode) for r in fork)
+            else:
+                assert all(torch.equal(r[:T.TURN2], episode[:T.TURN2]) for r in fork)
         forks = torch.arange(T.TREE_ROOTS).repeat_interleave(k)
         torch.testing.assert_close(g.advantages, T.tree_advantages(g.rewards, forks))
     assert len(captures) == 2 * 2 + 2 * 4  # 2 steps x 2 prompts (forks and update reuse it); 2 evaluations x 4
