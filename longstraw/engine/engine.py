@@ -46,6 +46,7 @@ from longstraw.engine import grpo as G
 from longstraw.engine.capture import capture, divides_capture, divides_walk, rank_shard
 from longstraw.engine.clock import clock, progress
 from longstraw.engine.episode import EpisodeConfig
+from longstraw.host import on_host, to_host
 from longstraw.engine.logprobs import token_logprobs
 from longstraw.engine.metrics import StepMetrics
 from longstraw.engine.replay import branch_logprobs, replay_branch, replay_group
@@ -340,12 +341,21 @@ class Engine:
         grpo = GRPOConfig() if grpo is None else grpo
         if not isinstance(grpo, GRPOConfig):
             raise ConfigError(f"grpo must be a longstraw.GRPOConfig, got {type(grpo).__name__}")
-        rewards = self._validate(group, needs_ref=grpo.beta > 0, totals=totals, state=state)
-        totals = BatchTotals.of([group]) if totals is None else totals
+        with on_host():  # the real inputs checked for real, also in a rehearsal (`longstraw/host.py`)
+            rewards = self._validate(group, needs_ref=grpo.beta > 0, totals=totals, state=state)
+            totals = BatchTotals.of([group]) if totals is None else totals
+            t0, c0 = clock(self.adapter.device), Traffic.received
+            adv, skip = G.step_advantages(group, rewards, grpo)
+            metrics = self._host_metrics(group, state, rewards, adv)
+        if skip or group.loss_tokens == 0:  # zero advantage and no KL term, or no loss token: loss, gradient 0
+            metrics.skipped_zero_advantage, metrics.skipped_no_loss_tokens = float(skip), float(not skip)
+            metrics.divided_capture = 0.0
+            return StepResult(loss=0.0, metrics=metrics.as_dict())
+        return self._update(group, grpo, totals, state, adv, metrics, (t0, c0))
 
-        t0, c0 = clock(self.adapter.device), Traffic.received
-        adv, skip = G.step_advantages(group, rewards, grpo)
-        metrics = StepMetrics(
+    def _host_metrics(self, group: Group, state: PromptState | None, rewards, adv: torch.Tensor) -> StepMetrics:
+        """The step's metrics known before any work, from the real (host) inputs."""
+        return StepMetrics(
             context_parallel_world=float(self.cp.world if self.cp is not None else 1),
             divided_capture=float(state is None and self.divides_capture(
                 group.prompt.numel() - 1, self.config.keep_graph_bytes if self.config.mode == "exact" else 0)),
@@ -359,11 +369,6 @@ class Engine:
             advantage_min=float(adv.min()),
             advantage_max=float(adv.max()),
         )
-        if skip or group.loss_tokens == 0:  # zero advantage and no KL term, or no loss token: loss, gradient 0
-            metrics.skipped_zero_advantage, metrics.skipped_no_loss_tokens = float(skip), float(not skip)
-            metrics.divided_capture = 0.0
-            return StepResult(loss=0.0, metrics=metrics.as_dict())
-        return self._update(group, grpo, totals, state, adv, metrics, (t0, c0))
 
     def _update(self, group: Group, grpo: GRPOConfig, totals: BatchTotals, state: PromptState | None,
                 adv: torch.Tensor, metrics: StepMetrics, t0c0: tuple) -> StepResult:
@@ -427,4 +432,4 @@ class Engine:
         metrics.comm_bytes_reverse, metrics.comm_bytes_gradients = float(c3 - c2), float(c4 - c3)
         for key, value in stats.summary(with_kl=grpo.beta > 0).items():  # ratio_mean, clip_fraction, kl_mean
             setattr(metrics, key, value)
-        return StepResult(loss=float(stats.loss), metrics=metrics.as_dict())
+        return StepResult(loss=to_host(stats.loss), metrics=metrics.as_dict())
