@@ -3,7 +3,7 @@
 On a GPU every read of device data (`.item()`, `int(t)`, `.tolist()`, data-dependent
 control flow) is a device sync. The engine routes such reads through `to_host`, which
 counts them (`HostSyncs`), and runs its checks of the small real inputs (token ids,
-rewards, masks, advantages) under `on_host()`. A rehearsal (`longstraw.rehearse`) runs
+rewards, masks, advantages) under `on_host()`. A rehearsal (`longstraw.rehearsal`) runs
 the model, state and activations as fake tensors (shapes without data): there `on_host()`
 steps outside the fake mode so the real inputs are checked for real, and `to_host` of a
 fake tensor returns a stand-in of the right kind (0, False, a list of zeros) instead of

@@ -38,6 +38,8 @@ loss), `metrics.py` (the step's metrics), `clock.py` (phase times, progress bars
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from torch import nn
 
@@ -69,6 +71,11 @@ from longstraw.parallel.gradients import replicate_gradients, replicated_paramet
 from longstraw.state.prompt import PromptState, RecurrentState, Shard
 
 
+def _no_phase(name: str):
+    """The default `Engine.phase_hook`: nothing around a phase."""
+    return contextlib.nullcontext()
+
+
 class Engine:
     """Runs GRPO updates for one long shared prompt at a time.
 
@@ -86,6 +93,7 @@ class Engine:
         self.config = config
         self.adapter = adapter_for(model)
         self._graph_per_token: float | None = None  # recomputes_layers' estimate, made once
+        self.phase_hook = _no_phase  # name -> context manager around each phase of step (a rehearsal's tracker)
         check_placement(model)  # one device, no accelerate hooks (models/placement.py)
         want, have = (torch.device(config.state_device) if config.state_device else None), self.adapter.device
         if want is not None and not config.offloads_state() \
@@ -380,27 +388,30 @@ class Engine:
         def mark():
             marks.append((clock(self.adapter.device), Traffic.received))
 
-        state = self._reuse_or_capture(group, state, exact)
+        with self.phase_hook("capture"):
+            state = self._reuse_or_capture(group, state, exact)
         longest = max(int(r.numel()) for r in group.responses)  # replay's longest piece decides the metric
         metrics.recompute_layers = float(self.recomputes_layers(min(self.config.branch_chunk_size or longest, longest),
                                                                 state))
         try:
             mark()
             replay = replay_tree if self.config.share_response_prefixes else replay_group  # trie / flat
-            stats = replay(self, state, group, grpo, totals, adv)
+            with self.phase_hook("replay"):
+                stats = replay(self, state, group, grpo, totals, adv)
             mark()
             divided = exact and self.divides_walk(state)
             walk_rc = exact and self.walk_recomputes_layers(group.prompt.numel() - 1, state)
-            if divided:  # each prompt token on one rank; the ranks' partial gradients summed once
-                with summed_walk_gradients(self.model, self.cp, self.adapter.sharded_modules()):
+            with self.phase_hook("walk"):  # exact mode's reverse walk (nothing in detached mode)
+                if divided:  # each prompt token on one rank; the ranks' partial gradients summed once
+                    with summed_walk_gradients(self.model, self.cp, self.adapter.sharded_modules()):
+                        self.walk_back(group.prompt[:-1].to(self.adapter.device), 0, [state], self.config.chunk_size,
+                                       shard=rank_shard(self), recompute_layers=walk_rc)
+                        # the image rows' partial gradients summed, each rank's images through the tower
+                        self.adapter.backprop_inputs(state.inputs, group.prompt_inputs, self.cp)
+                elif exact:
                     self.walk_back(group.prompt[:-1].to(self.adapter.device), 0, [state], self.config.chunk_size,
-                                   shard=rank_shard(self), recompute_layers=walk_rc)
-                    # the image rows' partial gradients summed, each rank's images through the tower
-                    self.adapter.backprop_inputs(state.inputs, group.prompt_inputs, self.cp)
-            elif exact:
-                self.walk_back(group.prompt[:-1].to(self.adapter.device), 0, [state], self.config.chunk_size,
-                               recompute_layers=walk_rc)
-                self.adapter.backprop_inputs(state.inputs, group.prompt_inputs)  # every image, one at a time
+                                   recompute_layers=walk_rc)
+                    self.adapter.backprop_inputs(state.inputs, group.prompt_inputs)  # every image, one at a time
             settle_held_reductions(self.adapter.sharded_modules())  # a 2-D FSDP2 mesh: held shards into .grad
             mark()
             if self.cp is not None and self.cp.world > 1 and not divided:

@@ -7,7 +7,7 @@ allocated before the tracker started are counted through `LiveBytes.adopt` (the
 rehearsal adopts the model's parameters). `phase(name)` records the highest live total
 seen while it is open, so a step's capture, replay, walk and optimizer peaks come out of
 one run. Fake tensors carry their storage sizes, so the same count runs on a rehearsal
-without data (`longstraw.rehearse.run`).
+without data (`longstraw.rehearsal.run`).
 
 Why not `torch.distributed._tools.MemTracker`: it refuses a module called more than once
 per step, and the engine calls every layer once per chunk.
