@@ -1,0 +1,117 @@
+"""Rehearsals against real runs: the same tracker (`LiveBytes`) and the same measured step
+(`measure_steps`) on a real tiny model and on its fake twin (`ls.rehearse`); the
+per-phase peaks agree within 2%, and the FLOPs per phase are equal."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+import longstraw as ls
+from longstraw.host import HostSyncs, to_host
+from longstraw.rehearsal.measure import measure_steps
+from longstraw.rehearsal.run import rehearsal_group
+from longstraw.rehearsal.tracker import LiveBytes
+from longstraw.tiny import tiny_model
+
+P, G, R = 48, 2, 6
+
+
+def _real(model, cfg, steps=1):
+    group = rehearsal_group(prompt_tokens=P, group=G, response_tokens=R, vocab_size=model.config.vocab_size)
+    tracker = LiveBytes("cpu")
+    tracker.adopt(list(model.parameters()) + list(model.buffers()))
+    return measure_steps(ls.Engine(model, cfg), group, ls.GRPOConfig(), steps=steps, tracker=tracker)
+
+
+def _close(a: int, b: int, rel: float = 0.02) -> bool:
+    return abs(a - b) <= rel * max(a, b)
+
+
+def test_tracker_counts_real_and_fake_alike():
+    """A matmul's forward and backward: the same live bytes, peak and phase peaks on
+    real and on fake tensors (the weights adopted, a freed input taken off)."""
+    results = []
+    for fake in (False, True):
+        ctx = FakeTensorMode() if fake else torch.enable_grad()
+        with ctx:
+            w = torch.empty(64, 32, requires_grad=True)
+            tracker = LiveBytes("cpu")
+            tracker.adopt([w])
+            with tracker:
+                with tracker.phase("forward"):
+                    x = torch.empty(16, 64)
+                    y = (x @ w).relu()
+                    del x
+                    loss = y.sum()
+                with tracker.phase("backward"):
+                    loss.backward()
+                del y, loss
+            results.append((tracker.live, tracker.peak, dict(tracker.phase_peaks)))
+    assert results[0] == results[1]
+    live, peak, phases = results[0]
+    assert live == 2 * 64 * 32 * 4  # the weight and its gradient
+    assert phases["forward"] == (64 * 32 + 16 * 64 + 2 * 16 * 32) * 4  # w, x, the matmul and its relu at once
+
+
+def test_host_seam_counts_and_stands_in():
+    """`to_host` of a fake tensor counts one sync and answers a stand-in; of a CPU
+    tensor it answers the value and counts nothing."""
+    HostSyncs.count = 0
+    assert to_host(torch.tensor(2.5)) == 2.5 and to_host(torch.tensor([1, 2]), list) == [1, 2]
+    assert HostSyncs.count == 0
+    with FakeTensorMode():
+        t = torch.ones(3)
+        assert to_host(t, list) == [0, 0, 0] and to_host(t.sum()) == 0.0 and to_host(t, bytes) == bytes(12)
+    assert HostSyncs.count == 3
+
+
+@pytest.mark.parametrize("family,mode,pieces", [
+    ("qwen3", "detached", None),
+    pytest.param("qwen3", "exact", 3, marks=pytest.mark.slow),
+    pytest.param("qwen3_5", "detached", 3, marks=pytest.mark.slow),
+    pytest.param("qwen3_5", "exact", None, marks=pytest.mark.slow),
+    pytest.param("glm_moe_dsa", "exact", None, marks=pytest.mark.slow),
+    pytest.param("glm_moe_dsa", "detached", 3, marks=pytest.mark.slow),
+])
+def test_rehearsal_peaks_equal_the_real_step(family, mode, pieces):
+    """The rehearsal's peak and every phase's peak within 2% of the same step's real
+    live-tensor peak (same tracker); FLOPs per phase equal."""
+    model = tiny_model(family)
+    cfg = ls.ExecConfig(chunk_size=16, mode=mode, branch_chunk_size=pieces)
+    real = _real(model, cfg)[0]
+    reh = ls.rehearse(model, cfg, prompt_tokens=P, group=G, response_tokens=R, device="cpu")
+    assert set(reh.phases) == set(real.phases) == ({"capture", "replay", "walk"})
+    assert _close(reh.peak_bytes_per_rank, real.peak_bytes), (reh.peak_bytes_per_rank, real.peak_bytes)
+    for name, peak in real.phases.items():
+        assert _close(reh.phases[name], peak), (name, reh.phases[name], peak)
+    assert reh.flops == real.flops
+
+
+def test_host_syncs_do_not_grow_with_chunks():
+    """Twice the capture chunks (and the walk's), the same host syncs per step."""
+    config = tiny_model("qwen3").config
+    counts = [ls.rehearse(config, ls.ExecConfig(chunk_size=c, mode="exact"), prompt_tokens=P, group=G,
+                          response_tokens=R, device="cpu", dtype=torch.float32).host_syncs for c in (16, 8)]
+    assert counts[0] == counts[1] > 0
+
+
+@pytest.mark.slow
+def test_second_rehearsed_step_peaks_as_the_first():
+    """Two steps rehearsed (gradients set to None between): no leak, the second peak is the first's."""
+    reh = ls.rehearse(tiny_model("qwen3").config, ls.ExecConfig(chunk_size=16, mode="exact"), prompt_tokens=P,
+                      group=G, response_tokens=R, device="cpu", steps=2, dtype=torch.float32)
+    first, second = (s.peak_bytes for s in reh.steps)
+    assert _close(second, first, 0.005), (first, second)
+
+
+def test_rehearse_refuses_what_it_cannot_rehearse():
+    config = tiny_model("qwen3").config
+    with pytest.raises(ls.ConfigError, match="world_size"):
+        ls.rehearse(config, prompt_tokens=P, group=G, response_tokens=R, world_size=2, device="cpu")
+    with pytest.raises(ls.ConfigError, match="prompt_tokens >= 2"):
+        ls.rehearse(config, prompt_tokens=1, group=G, response_tokens=R, device="cpu")
+    if not torch.backends.cuda.is_built():
+        with pytest.raises(ls.ConfigError, match="CUDA build"):
+            ls.rehearse(config, prompt_tokens=P, group=G, response_tokens=R, device="cuda")
