@@ -1,7 +1,7 @@
 """One step measured phase by phase: the same function for a real run and a rehearsal.
 
 `measure_steps` installs an `Engine.phase_hook` that opens the tracker's phase (capture,
-replay, walk) and a FLOP counter around each phase of `Engine.step`, runs the steps (and
+replay, walk) around each phase of `Engine.step` (the tracker counts its bytes and FLOPs), runs the steps (and
 an optimizer step per step when given one), and returns per step the peak live bytes,
 the per-phase peaks, the FLOPs per phase and the host syncs (`longstraw.host.HostSyncs`).
 The tests run it on a real tiny model and on its fake twin and compare.
@@ -9,10 +9,7 @@ The tests run it on a real tiny model and on its fake twin and compare.
 
 from __future__ import annotations
 
-import contextlib
 from dataclasses import dataclass, field
-
-from torch.utils.flop_counter import FlopCounterMode
 
 from longstraw.host import HostSyncs
 from longstraw.rehearsal.tracker import LiveBytes
@@ -27,7 +24,7 @@ class StepFigures:
     phases: dict[str, int] = field(default_factory=dict)
     """Peak live bytes per phase: capture, replay, walk (exact mode), optimizer (if given)."""
     flops: dict[str, int] = field(default_factory=dict)
-    """FLOPs per phase (`torch.utils.flop_counter.FlopCounterMode`: matmuls, attention)."""
+    """FLOPs per phase (`torch.utils.flop_counter`'s formulas: matmuls, attention)."""
     host_syncs: int = 0
     """Reads of device data during the step (`longstraw.host.to_host`)."""
 
@@ -37,20 +34,11 @@ def measure_steps(engine, group, grpo, *, steps: int = 1, tracker: LiveBytes, op
     weights); after each, `optimizer.step()` (phase "optimizer") if given, then the
     gradients are set to None, as a training loop's `zero_grad()` does."""
     out = []
-    flops: dict[str, int] = {}
-
-    @contextlib.contextmanager
-    def hook(name: str):
-        counter = FlopCounterMode(display=False)
-        with tracker.phase(name), counter:
-            yield
-        flops[name] = flops.get(name, 0) + counter.get_total_flops()
-
+    hook = tracker.phase
     before, engine.phase_hook = engine.phase_hook, hook
     try:
         for _ in range(steps):
-            flops.clear()
-            tracker.peak, tracker.phase_peaks = tracker.live, {}
+            tracker.peak, tracker.phase_peaks, tracker.phase_flops = tracker.live, {}, {}
             HostSyncs.count = 0
             with tracker:
                 engine.step(group, grpo)
@@ -59,7 +47,7 @@ def measure_steps(engine, group, grpo, *, steps: int = 1, tracker: LiveBytes, op
                         optimizer.step()
             syncs = HostSyncs.count
             engine.model.zero_grad(set_to_none=True)
-            out.append(StepFigures(peak_bytes=tracker.peak, phases=dict(tracker.phase_peaks), flops=dict(flops),
+            out.append(StepFigures(peak_bytes=tracker.peak, phases=dict(tracker.phase_peaks), flops=dict(tracker.phase_flops),
                                    host_syncs=syncs))
     finally:
         engine.phase_hook = before

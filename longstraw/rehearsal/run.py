@@ -36,7 +36,7 @@ class Rehearsal:
     phases: dict[str, int]
     """Peak live bytes per phase (capture, replay, walk in exact mode, optimizer if given), worst step."""
     flops: dict[str, int]
-    """FLOPs per phase of one step (`FlopCounterMode`)."""
+    """FLOPs per phase of the first step (`torch.utils.flop_counter`'s formulas)."""
     host_syncs: int
     """Reads of device data per step (the most of any step)."""
     steps: list[StepFigures] = field(default_factory=list)

@@ -6,7 +6,9 @@ bytes off the live total when the storage dies. Parameters, buffers and anything
 allocated before the tracker started are counted through `LiveBytes.adopt` (the
 rehearsal adopts the model's parameters). `phase(name)` records the highest live total
 seen while it is open, so a step's capture, replay, walk and optimizer peaks come out of
-one run. Fake tensors carry their storage sizes, so the same count runs on a rehearsal
+one run, and `phase_flops` the FLOPs of its ops (`torch.utils.flop_counter`'s formulas:
+matmuls, convolutions, attention; counted here rather than by `FlopCounterMode`, whose
+module hooks trip on the engine's no-grad capture). Fake tensors carry their storage sizes, so the same count runs on a rehearsal
 without data (`longstraw.rehearsal.run`).
 
 Why not `torch.distributed._tools.MemTracker`: it refuses a module called more than once
@@ -20,6 +22,7 @@ import weakref
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.flop_counter import flop_registry
 from torch.utils._pytree import tree_leaves
 
 
@@ -35,6 +38,7 @@ class LiveBytes(TorchDispatchMode):
     Attributes:
         live: bytes alive now.  peak: the highest `live` since start.
         phase_peaks: {phase name: highest `live` while that phase was open}.
+        phase_flops: {phase name: FLOPs of the ops run while it was open}.
     """
 
     def __init__(self, device_type: str = "cuda"):
@@ -43,6 +47,7 @@ class LiveBytes(TorchDispatchMode):
         self.live = 0
         self.peak = 0
         self.phase_peaks: dict[str, int] = {}
+        self.phase_flops: dict[str, int] = {}
         self._open: list[str] = []
         self._seen: dict[int, weakref.ref] = {}  # id(storage) -> weakref (finalizers also keyed on it)
 
@@ -96,6 +101,11 @@ class LiveBytes(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
+        count = flop_registry.get(func._overloadpacket) if self._open else None
+        if count is not None:
+            flops = int(count(*args, **(kwargs or {}), out_val=out))
+            for name in self._open:
+                self.phase_flops[name] = self.phase_flops.get(name, 0) + flops
         for t in tree_leaves(out):
             if isinstance(t, torch.Tensor):
                 self._register(t)
