@@ -14,32 +14,17 @@ leak of issue 43, item 1) each scenario gains one chunk graph per step and fails
 
 from __future__ import annotations
 
-import gc
-import warnings
-
 import pytest
 import torch
 
 import longstraw as ls
+from bench.leak_steps import live_tensors
 from tests.reference import random_group, tiny_hybrid, tiny_model
 from tests.vision_reference import image_prompt, text_responses, tiny_vlm
 
 NONE_KEPT = 1  # a budget below one chunk's graph: chunk 0 measured, nothing kept
 ALL_KEPT = 1 << 40
 EXEC = dict(mode="exact", chunk_size=5, attention_block_size=4)
-
-
-def live_tensors() -> tuple[int, int]:
-    """(live tensors, live tensors with a grad_fn), by a gc walk."""
-    gc.collect()
-    tensors = graph = 0
-    with warnings.catch_warnings():  # isinstance on torch.distributed's deprecated names warns
-        warnings.simplefilter("ignore")
-        for obj in gc.get_objects():
-            if isinstance(obj, torch.Tensor):
-                tensors += 1
-                graph += obj.grad_fn is not None
-    return tensors, graph
 
 
 def _plain(model, config):
