@@ -16,7 +16,7 @@ receives per query, with the ring model of `collectives.Traffic`:
 
     2 (W-1)/W (rounds 16 * 4 + K (4 + s))  +  (W - 1) 4
 
-(s the score's bytes): flat in W but for the counts' 4 bytes a rank (`planned_bytes`).
+(s the score's bytes): flat in W but for the counts' 4 bytes a rank (`plan.comm.candidate_bytes_per_query`).
 """
 
 from __future__ import annotations
@@ -120,12 +120,3 @@ def _as_words(packed: torch.Tensor) -> torch.Tensor:
     """uint8 [B, m] (m a multiple of 4) as int32 [B, m / 4]: summed word by word, a word
     that only one rank fills comes back bit for bit."""
     return packed.contiguous().view(torch.int32)
-
-
-def planned_bytes(world: int, topk: int, dtype: torch.dtype = torch.float32) -> float:
-    """Bytes a rank receives per query of `global_topk` (the `collectives.Traffic` model)."""
-    if world == 1:
-        return 0.0
-    ring = 2 * (world - 1) / world
-    score = 8 if dtype == torch.float64 else 4
-    return ring * (4 + rounds(dtype) * BINS * 4 + topk * (4 + score)) + (world - 1) * 4
