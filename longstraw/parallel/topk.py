@@ -16,7 +16,7 @@ receives per query, with the ring model of `collectives.Traffic`:
 
     2 (W-1)/W (rounds 16 * 4 + K (4 + s))  +  (W - 1) 4
 
-(s the score's bytes): flat in W but for the counts' 4 bytes a rank (`plan.comm.candidate_bytes_per_query`).
+(s the score's bytes): flat in W but for the counts' 4 bytes a rank (`plan.traffic.candidate_bytes_per_query`).
 """
 
 from __future__ import annotations

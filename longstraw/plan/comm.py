@@ -52,6 +52,7 @@ from dataclasses import dataclass
 from .arch import indexer_parameters
 from .config import Basis
 from .experts import expert_elements, expert_phase_traffic, expert_slice
+from .traffic import candidate_bytes_per_query
 
 
 def link(c, ranks: int) -> tuple[str, float]:
@@ -96,17 +97,6 @@ def replay_merge_bytes_per_token(s: Basis, recompute: bool, score_passes: int) -
         forwards = 1 + (1 if recompute else 0) + score_passes
         candidates = candidate_bytes_per_query(W, arch.index_topk) * forwards * arch.count(mixer="mla", indexer=True)
     return 2 * (W - 1) / W * per * s.acc + candidates
-
-
-def candidate_bytes_per_query(W: int, topk: int, score_bytes: int = 4) -> float:
-    """Bytes a rank receives per query of `parallel.topk.global_topk` (the ring model of
-    `collectives.Traffic`): the candidate count's all-reduce (4), the radix select's
-    (8 score_bytes + 32) / 4 rounds of a 16-bin int32 histogram, the chosen [K] (int32
-    positions and scores) summed once, and the all-gather of each rank's count (4)."""
-    if W == 1:
-        return 0.0
-    rounds = (8 * score_bytes + 32) // 4
-    return 2 * (W - 1) / W * (4 + rounds * 16 * 4 + topk * (4 + score_bytes)) + (W - 1) * 4
 
 
 def held_merge_bytes_per_token(s: Basis) -> float:

@@ -2,7 +2,7 @@
 (`dsa.select_candidates` and its twin `naive.naive_select_candidates` over every rank's
 candidates at once): integer scores so ties meet at the cut and across ranks, empty
 slots, rows with fewer candidates than k (and none at all), float32 and float64; and the
-bytes a rank receives = `plan.comm.candidate_bytes_per_query` (the planner's term)."""
+bytes a rank receives = `plan.traffic.candidate_bytes_per_query` (the planner's term)."""
 
 import datetime
 
@@ -15,7 +15,7 @@ from longstraw.ops.naive import naive_select_candidates
 from longstraw.parallel.collectives import Traffic
 from longstraw.parallel.context import ContextParallel
 from longstraw.parallel.topk import global_topk
-from longstraw.plan.comm import candidate_bytes_per_query
+from longstraw.plan.traffic import candidate_bytes_per_query
 from tests.ranks import spawn
 
 B, N, BLOCK = 9, 23, 3  # queries, positions, deal block (position p on rank (p // BLOCK) % W)
