@@ -24,11 +24,6 @@ BASE = dict(prompt_tokens=2_088_960, group=8, response_tokens=8192, lora_rank=8,
             reserve=parse_bytes("14.4GiB"))
 
 
-def gathered(W: int, topk: int, score_bytes: int = 4) -> float:
-    """The old term: every rank's K candidates (int32 positions, fp32 scores) all-gathered."""
-    return (W - 1) * topk * (4 + score_bytes)
-
-
 @contextlib.contextmanager
 def candidate_bytes(fn):
     """Plan with `fn(W, K)` as the bytes per query of the candidates' exchange."""
@@ -59,7 +54,7 @@ def main() -> None:
     args = ap.parse_args()
     rows = []
     for w in map(int, args.gpus.split(",")):
-        for label, term in (("all_gather", gathered), ("global_topk", traffic.candidate_bytes_per_query)):
+        for label, term in (("all_gather", traffic.gathered_topk_bytes_per_query), ("global_topk", traffic.radix_topk_bytes_per_query)):
             rows.append(row(w, term, label))
             print(json.dumps(rows[-1]), flush=True)
     with open(args.out, "w") as f:

@@ -23,7 +23,7 @@ import torch
 from longstraw.ops.decode_attention import decode_attention, gathered_partial
 from longstraw.ops.dsa import indexer_scores, select_candidates, select_topk
 from longstraw.ops.flash import merge_partials
-from longstraw.parallel.topk import global_topk
+from longstraw.parallel.topk import shard_topk
 from longstraw.state.branch import BranchLatent
 from longstraw.state.prompt import MLAState
 
@@ -33,7 +33,7 @@ def prompt_candidates(index_q, weights, prompt_index, until: int, topk: int, sca
     """Each query's top-k among the prompt's indexer keys before `until`: (positions [B, K'],
     scores [B, K']), -1 / -inf padded, for queries index_q [B, Hi, Di] (float32) with
     weights [B, Hi]. Context-parallel: the global top-k of every rank's shard candidates
-    (every member of it is in its own shard's top-k), agreed by `parallel.topk.global_topk`
+    (every member of it is in its own shard's top-k), agreed by `parallel.topk.shard_topk`
     in bytes per query flat in W. Decode and replay's selection across ranks
     (`mla._select_across_ranks`) both use it."""
     keys, pos = prompt_index.until(until), prompt_index.positions(until)
@@ -45,7 +45,7 @@ def prompt_candidates(index_q, weights, prompt_index, until: int, topk: int, sca
     else:
         cand_sc = torch.full(cand.shape, float("-inf"), device=cand.device)
     if prompt_index.shard is not None:  # (a prompt of < 2^31 positions)
-        cand, cand_sc = global_topk(cand, cand_sc, topk, prompt_index.shard.cp)
+        cand, cand_sc = shard_topk(cand, cand_sc, topk, prompt_index.shard.cp)
     return cand, cand_sc
 
 

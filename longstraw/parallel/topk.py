@@ -16,14 +16,18 @@ receives per query, with the ring model of `collectives.Traffic`:
 
     2 (W-1)/W (rounds 16 * 4 + K (4 + s))  +  (W - 1) 4
 
-(s the score's bytes): flat in W but for the counts' 4 bytes a rank (`plan.traffic.candidate_bytes_per_query`).
+(s the score's bytes; `plan.traffic.radix_topk_bytes_per_query`): flat in W but for the
+counts' 4 bytes a rank. At W = 2 the all-gather's K (4 + s) is less, and `shard_topk`
+takes it there.
 """
 
 from __future__ import annotations
 
 import torch
 
+from longstraw.ops.dsa import select_candidates
 from longstraw.parallel.collectives import all_gather, all_reduce_sum
+from longstraw.plan.traffic import gathered_topk_bytes_per_query, radix_topk_bytes_per_query
 
 DIGIT_BITS = 4
 BINS = 1 << DIGIT_BITS
@@ -120,3 +124,21 @@ def _as_words(packed: torch.Tensor) -> torch.Tensor:
     """uint8 [B, m] (m a multiple of 4) as int32 [B, m / 4]: summed word by word, a word
     that only one rank fills comes back bit for bit."""
     return packed.contiguous().view(torch.int32)
+
+
+def gathered_topk(positions: torch.Tensor, scores: torch.Tensor, topk: int, cp):
+    """`global_topk` by all-gathering every rank's candidates (the naive twin; n the same on
+    every rank, positions sent as int32)."""
+    every_pos = torch.cat(all_gather(positions.to(torch.int32), cp), dim=1).long()
+    every_sc = torch.cat(all_gather(scores, cp), dim=1)
+    return select_candidates(every_sc, every_pos, topk, with_scores=True)
+
+
+def shard_topk(positions: torch.Tensor, scores: torch.Tensor, topk: int, cp):
+    """The global top-k of every rank's [B, n] candidates by the exchange that moves fewer
+    bytes per query (`plan.traffic.candidate_bytes_per_query`): the all-gather at W = 2,
+    the radix select from W = 3. Same result either way."""
+    n, s = positions.shape[1], scores.element_size()
+    if gathered_topk_bytes_per_query(cp.world, n, s) <= radix_topk_bytes_per_query(cp.world, topk, s):
+        return gathered_topk(positions, scores, topk, cp)
+    return global_topk(positions, scores, topk, cp)

@@ -11,7 +11,7 @@ from __future__ import annotations
 from ..parallel.deal import Deal, walk_chunk_bounds
 from .arch import DTYPE_BYTES, Arch, architecture, count_parameters, indexer_parameters, load_model_config
 
-def candidate_bytes_per_query(W: int, topk: int, score_bytes: int = 4) -> float:
+def radix_topk_bytes_per_query(W: int, topk: int, score_bytes: int = 4) -> float:
     """Bytes a rank receives per query of `parallel.topk.global_topk` (the ring model of
     `collectives.Traffic`): the candidate count's all-reduce (4), the radix select's
     (8 score_bytes + 32) / 4 rounds of a 16-bin int32 histogram, the chosen [K] (int32
@@ -20,6 +20,17 @@ def candidate_bytes_per_query(W: int, topk: int, score_bytes: int = 4) -> float:
         return 0.0
     rounds = (8 * score_bytes + 32) // 4
     return 2 * (W - 1) / W * (4 + rounds * 16 * 4 + topk * (4 + score_bytes)) + (W - 1) * 4
+
+
+def gathered_topk_bytes_per_query(W: int, topk: int, score_bytes: int = 4) -> float:
+    """Bytes a rank receives per query when every rank's K candidates are all-gathered."""
+    return (W - 1) * topk * (4 + score_bytes)
+
+
+def candidate_bytes_per_query(W: int, topk: int, score_bytes: int = 4) -> float:
+    """Sparse DSA's candidate exchange per query: the cheaper of the two
+    (`parallel.topk.shard_topk` takes the same one; the all-gather at W = 2)."""
+    return min(radix_topk_bytes_per_query(W, topk, score_bytes), gathered_topk_bytes_per_query(W, topk, score_bytes))
 
 
 def _arch_and_bytes(model, dtype: str | None) -> tuple[Arch, int, int]:

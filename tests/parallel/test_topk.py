@@ -2,7 +2,7 @@
 (`dsa.select_candidates` and its twin `naive.naive_select_candidates` over every rank's
 candidates at once): integer scores so ties meet at the cut and across ranks, empty
 slots, rows with fewer candidates than k (and none at all), float32 and float64; and the
-bytes a rank receives = `plan.traffic.candidate_bytes_per_query` (the planner's term)."""
+bytes a rank receives = `plan.traffic.radix_topk_bytes_per_query` (`shard_topk`: the planner's `candidate_bytes_per_query`)."""
 
 import datetime
 
@@ -14,8 +14,8 @@ from longstraw.ops.dsa import select_candidates
 from longstraw.ops.naive import naive_select_candidates
 from longstraw.parallel.collectives import Traffic
 from longstraw.parallel.context import ContextParallel
-from longstraw.parallel.topk import global_topk
-from longstraw.plan.traffic import candidate_bytes_per_query
+from longstraw.parallel.topk import global_topk, shard_topk
+from longstraw.plan.traffic import candidate_bytes_per_query, radix_topk_bytes_per_query
 from tests.ranks import spawn
 
 B, N, BLOCK = 9, 23, 3  # queries, positions, deal block (position p on rank (p // BLOCK) % W)
@@ -59,7 +59,11 @@ def check_ranks(rank: int, world: int, init_file: str) -> None:
                 assert torch.equal(got_pos, want_pos), (dtype, topk, rank, got_pos, want_pos)
                 assert torch.equal(got_sc, want_sc), (dtype, topk, rank)
                 assert got_sc.dtype == dtype
-                assert abs(moved - B * candidate_bytes_per_query(world, topk, dtype.itemsize)) <= 4, (moved, dtype, topk)
+                before = Traffic.received
+                got = shard_topk(cand_pos, cand_sc, topk, cp)  # the cheaper exchange, planned as such
+                assert torch.equal(got[0], want_pos) and torch.equal(got[1], want_sc)
+                assert abs(Traffic.received - before - B * candidate_bytes_per_query(world, topk, dtype.itemsize)) <= 4
+                assert abs(moved - B * radix_topk_bytes_per_query(world, topk, dtype.itemsize)) <= 4, (moved, dtype, topk)
     finally:
         dist.destroy_process_group()
 
@@ -85,6 +89,6 @@ def test_planned_bytes_flat_in_world():
     """The bytes per query stay within the counts' 4 bytes a rank of each other from W = 2 to 1,024
     (the all-gather they replace: (W - 1) K 8)."""
     k = 2048
-    small, large = candidate_bytes_per_query(2, k), candidate_bytes_per_query(1024, k)
+    small, large = radix_topk_bytes_per_query(2, k), radix_topk_bytes_per_query(1024, k)
     assert large - small < 2 * small + 4 * 1024
     assert large < 0.01 * (1023 * k * 8)
