@@ -20,9 +20,10 @@ def _case(seed: int):
     rng = random.Random(seed)
     model = MODELS[seed % len(MODELS)]
     hybrid_exact = model == "qwen3.6-27b" and seed % 2  # exact snapshots, which grow as P / chunk
-    base = PlanConfig(prompt_tokens=1048576 if hybrid_exact else rng.choice((65536, 262144, 1048576)), group=rng.choice((2, 8)),
-                      response_tokens=rng.choice((512, 1024, 2048)), gpus=rng.choice((1, 2, 4)),
-                      mode="exact" if hybrid_exact else rng.choice(("detached", "exact")), lora_rank=rng.choice((None, 16)), reserve=0)
+    base = PlanConfig(prompt_tokens=1048576 if hybrid_exact else rng.choice((65536, 262144, 1048576)),
+                      group=rng.choice((2, 8)), response_tokens=rng.choice((512, 1024, 2048)),
+                      gpus=rng.choice((1, 2, 4)), mode="exact" if hybrid_exact else rng.choice(("detached", "exact")),
+                      lora_rank=rng.choice((None, 16)), reserve=0)
     pinned = {"mode"} | set(rng.sample(FREE, 4))  # two on/off options free: the product stays small
     for name in pinned - {"mode"}:
         values = {"recompute_layers": (False, True), "offload_state": (False, True), "shard_params": (False, True),

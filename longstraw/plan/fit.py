@@ -135,7 +135,8 @@ def search(model, base: PlanConfig, pinned=()) -> Fit | NoFit:
         cfg = replace(base, **combo)
         if cfg.offload_state and cfg.keep_graph_bytes:
             continue
-        if not _fits(_leanest(plan, cfg, pieces, chunks)[1], budget):
+        if not any(_fits(plan(replace(cfg, branch_chunk_size=pieces[-1], chunk_size=ch)), budget)
+                   for ch in reversed(chunks)):  # the smallest chunk first: usually the leanest
             continue
         fast = plan(replace(cfg, branch_chunk_size=pieces[0], chunk_size=chunks[0]))
         candidates.append((fast["estimated_time_s"], combo))
