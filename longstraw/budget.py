@@ -95,7 +95,9 @@ def fit_config(model, *, memory_budget, prompt_tokens: int, group: int, response
         memory_budget: bytes the step may add above the model and its gradients: an int,
             "80GiB" / "20GB", or on CUDA "auto" (free memory minus `AUTO_RESERVE`). The
             planner's peak must fit it less max(16 MiB, 5%) (`RUNTIME_RESERVE_*`).
-        prompt_tokens / group / response_tokens: the step to fit (P, G, R).
+        prompt_tokens: P, the prompt length of the step to fit.
+        group: G, the responses per prompt.
+        response_tokens: R, the tokens per response.
         mode: "detached" or "exact" (kept as given).
         held_states: other prompt states of this P alive during the step (a trainer that
             keeps a generation batch's states until their updates): each adds the
