@@ -46,9 +46,9 @@ import torch
 from tqdm.auto import tqdm
 
 from longstraw.checkpoint import append_log, load_checkpoint, truncate_log, write_atomic
-from longstraw.config import GRPOConfig
 from longstraw.engine.engine import Engine
-from longstraw.errors import NonFiniteError
+from longstraw.config import LOSS_TYPES, GRPOConfig
+from longstraw.errors import ConfigError, NonFiniteError
 from longstraw.group import BatchTotals, Group
 from longstraw.measure import peak_rss_bytes
 from longstraw.parallel.context import check_replicas
@@ -177,21 +177,23 @@ class TrainConfig:
 
     def __post_init__(self):
         if self.task_name not in TASKS:
-            raise ValueError(f"task must be one of {TASKS}, got {self.task_name!r}")
+            raise ConfigError(f"task must be one of {TASKS}, got {self.task_name!r}")
         if self.arm not in self.arms:
-            raise ValueError(f"arm must be one of {self.arms}, got {self.arm!r}")
+            raise ConfigError(f"arm must be one of {self.arms}, got {self.arm!r}")
         if self.model not in self.presets:
-            raise ValueError(f"model must be one of {sorted(self.presets)}, got {self.model!r}")
+            raise ConfigError(f"model must be one of {sorted(self.presets)}, got {self.model!r}")
+        if self.loss_type not in LOSS_TYPES:  # here, not in GRPOConfig after the warm start
+            raise ConfigError(f"loss_type must be one of {LOSS_TYPES}, got {self.loss_type!r}")
         if self.dtype not in ("float32", "float64"):
-            raise ValueError(f"dtype must be float32 or float64, got {self.dtype!r}")
+            raise ConfigError(f"dtype must be float32 or float64, got {self.dtype!r}")
         if self.replica_check_every < 0:
-            raise ValueError(f"replica_check_every must be >= 0 (0: off), got {self.replica_check_every}")
+            raise ConfigError(f"replica_check_every must be >= 0 (0: off), got {self.replica_check_every}")
         if self.kl_prompts < 0:
-            raise ValueError(f"kl_prompts must be >= 0, got {self.kl_prompts}")
+            raise ConfigError(f"kl_prompts must be >= 0, got {self.kl_prompts}")
         for name in ("prompt_tokens", "steps", "group_size", "prompts_per_step", "eval_prompts", "eval_every",
                      "checkpoint_every", "chunk_size", "max_nonfinite_steps"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+                raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
         check_memory_budget(self.memory_budget)
 
     def task(self, prompt_tokens: int | None = None) -> KVRecall | ToolLookup:
@@ -448,7 +450,7 @@ def config_from_args(values: dict, config_file: str | None = None, cls: type = T
     known = {f.name for f in dataclasses.fields(cls)}
     unknown = set(base) - known
     if unknown:
-        raise ValueError(f"unknown TrainConfig fields in {config_file}: {sorted(unknown)}")
+        raise ConfigError(f"unknown TrainConfig fields in {config_file}: {sorted(unknown)}")
     base.update({k: v for k, v in values.items() if v is not None})
     return cls(**base)
 
