@@ -165,3 +165,28 @@ def test_train_refuses_a_bad_loss_type_before_the_warm_start(tmp_path, capsys, m
     with pytest.raises(train_mod.ConfigError, match="loss_type"):
         train_mod.TrainConfig(loss_type="ppo")  # from Python too, before any work
     assert not (tmp_path / "run").exists()
+
+
+TINY_TRAIN = ["--prompt-tokens", "16", "--num-facts", "1", "--num-values", "2", "--num-keys", "2", "--num-filler", "4",
+              "--warm-steps", "0", "--steps", "2", "--group-size", "4", "--eval-every", "2", "--eval-prompts", "2",
+              "--chunk-size", "8", "--no-log-kl", "--no-progress", "--threads", "1"]
+
+
+def test_train_rerun_on_a_finished_out_dir_says_so(tmp_path, capsys, monkeypatch):
+    """A second `longstraw train` on a finished --out-dir: exit 0, says it is finished and how
+    to start over (not `{}`), prints the run's last record, and builds no model."""
+    import json
+
+    import pytest
+
+    import longstraw.train as train_mod
+    from longstraw.cli import main
+
+    flags = [*TINY_TRAIN, "--out-dir", str(tmp_path / "run")]
+    assert main(["train", *flags]) == 0
+    first = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    monkeypatch.setattr(train_mod, "warm_model", lambda cfg: pytest.fail("a finished run built its model again"))
+    assert main(["train", *flags]) == 0
+    out, err = capsys.readouterr()
+    assert json.loads(out.strip().splitlines()[-1]) == first and first["step"] == 2
+    assert "finished" in err and "--no-resume" in err and "--steps" in err, err
