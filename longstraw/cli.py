@@ -313,6 +313,24 @@ def field_docs(cls) -> dict[str, str]:
 _TRAIN_ALIASES = {"task_name": ["--task"]}  # TrainConfig.task() is a method, so the field is task_name
 
 
+def _train_choices(cls) -> dict[str, list]:
+    """The values `--task`, `--model`, `--arm` and `--loss-type` accept (argparse `choices=`, listed in --help)."""
+    from longstraw.config import LOSS_TYPES
+    from longstraw.tasks.episodes import TASKS
+
+    return {"task_name": list(TASKS), "model": sorted(cls.presets), "arm": list(cls.arms),
+            "loss_type": list(LOSS_TYPES)}
+
+
+class _Parser(argparse.ArgumentParser):
+    """An argparse parser whose bad flag is one line, `longstraw: ConfigError: ...`, exit 2 (as the
+    library's own errors print), instead of the usage block."""
+
+    def error(self, message):
+        print(f"longstraw: ConfigError: {message} (see `{self.prog} --help`)", file=sys.stderr)
+        sys.exit(2)
+
+
 def _add_train_parser(sub) -> None:
     from longstraw.train import TrainConfig
 
@@ -322,6 +340,7 @@ def _add_train_parser(sub) -> None:
                                    "JSONL to --out-dir, checkpoints and resumes. See docs/learning.md.")
     p.add_argument("--config", default=None, help="JSON file of TrainConfig fields; flags override it")
     docs = field_docs(TrainConfig)
+    choices = _train_choices(TrainConfig)
     for f in dataclasses.fields(TrainConfig):
         doc = docs.get(f.name, "")
         flags = ["--" + f.name.replace("_", "-")] + _TRAIN_ALIASES.get(f.name, [])
@@ -331,7 +350,8 @@ def _add_train_parser(sub) -> None:
                            help=f"{doc} (default {f.default})".strip())
         else:
             cast = {"int": int, "float": float}.get(kind.split(" |")[0], str)
-            p.add_argument(*flags, dest=f.name, default=None, type=cast, help=f"{doc} (default {f.default})".strip())
+            p.add_argument(*flags, dest=f.name, default=None, type=cast, choices=choices.get(f.name),
+                           help=f"{doc} (default {f.default})".strip())
 
 
 def _add_demo_parser(sub) -> None:
@@ -355,7 +375,7 @@ def _add_demo_parser(sub) -> None:
 
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    parser = argparse.ArgumentParser(prog="longstraw", description=__doc__.splitlines()[0])
+    parser = _Parser(prog="longstraw", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     torch_free = argv[:1] == ["plan"]  # only the planner's parser: nothing imports torch
     if not torch_free:
