@@ -5,6 +5,8 @@
     longstraw plan --model PRESET_OR_CONFIG_JSON --prompt-tokens N --group G --response-tokens R
                    [--mode detached|exact] [--gpus W] [--gpu-memory 96GiB] [--dtype bf16]
                    [--lora-rank r] [--chunk-size 4096] [--throughput-tflops 400] [--json] ...
+    longstraw grpo --model_name_or_path DIR --dataset_name FILE.jsonl --reward_funcs file.py:func
+                   [--config FILE.yaml] [TRL's GRPO script flags] [--longstraw_* ...]   (grpo_cli.py)
 """
 
 from __future__ import annotations
@@ -353,8 +355,27 @@ def _add_demo_parser(sub) -> None:
     p.add_argument("--seed", type=int, default=0)
 
 
+def _add_grpo_parser(sub) -> None:
+    """Listed in `longstraw --help`; its flags are TRL's (`longstraw grpo --help`, grpo_cli.py)."""
+    sub.add_parser("grpo", add_help=False, help="TRL's GRPO script (trl grpo flags: --model_name_or_path, "
+                                                 "--dataset_name, --reward_funcs, GRPOConfig, PEFT) with "
+                                                 "LongStrawGRPOTrainer; see docs/your_model.md")
+
+
+def grpo(argv) -> int:
+    from longstraw import grpo_cli
+
+    return grpo_cli.main(argv)
+
+
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["grpo"]:  # TRL's own parser reads its flags
+        try:
+            return grpo(argv[1:])
+        except LongStrawError as exc:
+            print(f"longstraw: {type(exc).__name__}: {exc}", file=sys.stderr)
+            return 2
     parser = argparse.ArgumentParser(prog="longstraw", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     torch_free = argv[:1] == ["plan"]  # only the planner's parser: nothing imports torch
@@ -363,6 +384,7 @@ def main(argv=None) -> int:
     _add_plan_parser(sub)
     if not torch_free:
         _add_train_parser(sub)
+        _add_grpo_parser(sub)
     args = parser.parse_args(argv)
 
     try:
