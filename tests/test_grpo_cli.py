@@ -166,3 +166,74 @@ def test_dataset_formats(tmp_path):
         assert train["prompt"] == rows["prompt"], name
     with pytest.raises(grpo_cli.ConfigError, match=r"splits \['test', 'train'\]"):
         grpo_cli.train_split(grpo_cli.load_local_or_hub_dataset(str(tmp_path / "saved_dict")), "validation")
+
+
+class _Recorded:
+    """What the first optimizer step saw: its gradients (and, after training, the logged loss)."""
+
+    grads: list = []
+
+
+def _recording(trainer_cls):
+    """`trainer_cls` whose every optimizer step's gradients land in `_Recorded.grads`."""
+
+    class Grads(trl.trainer.grpo_trainer.TrainerCallback):
+        def on_pre_optimizer_step(self, args, state, control, model=None, **kwargs):
+            _Recorded.grads.append({n: p.grad.detach().clone() for n, p in model.named_parameters()
+                                    if p.grad is not None})
+
+    class Recording(trainer_cls):
+        def __init__(self, *a, **k):
+            super().__init__(*a, **k)
+            self.add_callback(Grads())
+            _Recorded.trainer = self
+
+    return Recording
+
+
+def test_first_step_equals_trl_script_with_the_trainer_swapped_in(workspace, monkeypatch):
+    """float64: `longstraw grpo` and TRL's own `trl/scripts/grpo.py` main, with
+    `trl.GRPOTrainer` replaced by `LongStrawGRPOTrainer` by hand, agree on the first
+    step's loss and every gradient (same flags, same dotted reward, same data folder)."""
+    from trl.scripts import grpo as trl_grpo
+
+    from longstraw.config import ExecConfig
+    from longstraw.integrations.trl import LongStrawGRPOTrainer
+
+    ws = workspace
+    tiny_model("qwen3", dtype=torch.float64, max_position_embeddings=POSITIONS).save_pretrained(ws / "model")
+    (ws / "data").mkdir()
+    (ws / "data.jsonl").rename(ws / "data" / "train.jsonl")
+    monkeypatch.chdir(ws)  # TRL imports a dotted reward from the working directory
+    common = ["--model_name_or_path", str(ws / "model"), "--dataset_name", str(ws / "data"),
+              "--reward_funcs", "rewards.even_tokens", "--per_device_train_batch_size", "4",
+              "--num_generations", "4", "--max_completion_length", "4", "--max_steps", "1", "--learning_rate", "0.1",
+              "--use_cpu", "--report_to", "none", "--save_strategy", "no", "--logging_steps", "1", "--seed", "0",
+              "--dtype", "auto"]
+    runs = {}
+    for name in ("trl", "longstraw"):
+        _Recorded.grads = []
+        out = ["--output_dir", str(ws / name)]
+        if name == "trl":
+            class Swapped(LongStrawGRPOTrainer):  # what a TRL user writes: the one class changed
+                def __init__(self, *a, **k):
+                    super().__init__(*a, longstraw_config=ExecConfig(chunk_size=4), **k)
+
+            monkeypatch.setattr(trl, "GRPOTrainer", _recording(Swapped))
+            parsed = trl_grpo.make_parser().parse_args_and_config(
+                args=common + out + ["--bf16", "False", "--disable_dropout", "True"])
+            trl_grpo.main(*parsed)
+        else:
+            monkeypatch.setattr(grpo_cli, "LongStrawGRPOTrainer", _recording(LongStrawGRPOTrainer))
+            assert cli.main(["grpo", *common, *out, "--longstraw_chunk_size", "4"]) == 0
+        trainer = _Recorded.trainer
+        assert next(trainer.model.parameters()).dtype == torch.float64
+        loss = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+        runs[name] = (loss, _Recorded.grads)
+    (trl_loss, trl_grads), (ls_loss, ls_grads) = runs["trl"], runs["longstraw"]
+    assert len(trl_grads) == len(ls_grads) == 1 and trl_loss and len(trl_loss) == len(ls_loss)
+    assert ls_loss[0] == pytest.approx(trl_loss[0], rel=1e-12, abs=1e-15)
+    assert trl_grads[0].keys() == ls_grads[0].keys() and trl_grads[0]
+    assert any(g.abs().max() > 0 for g in ls_grads[0].values())
+    for n, g in trl_grads[0].items():
+        torch.testing.assert_close(ls_grads[0][n], g, rtol=1e-12, atol=1e-15, msg=n)
