@@ -360,6 +360,21 @@ def _optimizer_step(run: Run, params: list) -> tuple[torch.Tensor, bool]:
     return grad_norm, finite
 
 
+def no_update_reason(record: dict, groups: int) -> str | None:
+    """Why a step's record changed no weight, in the words the progress bar and the log show
+    ("no update (equal rewards)", ...), or None when the step updated. `groups`: groups per step."""
+    if record["nonfinite_grad"]:
+        return "no update (non-finite gradient, skipped)"
+    equal, masked = record["skipped_zero_advantage"], record["skipped_no_loss_tokens"]
+    if equal + masked < groups:
+        return None  # at least one group had a gradient
+    if masked == 0:
+        return "no update (equal rewards)" if groups == 1 else f"no update (equal rewards in all {groups} groups)"
+    if equal == 0:
+        return "no update (no loss tokens: every response token masked)"
+    return "no update (equal rewards or no loss tokens in every group)"
+
+
 def _step(run: Run, step: int, update, params: list, rollout_fn) -> dict:
     """One RL step: rollouts, the reference's KL, the update, held-out evaluation; its
     log line is written and returned."""
@@ -392,6 +407,7 @@ def _step(run: Run, step: int, update, params: list, rollout_fn) -> dict:
         "loss": sum(m["loss"] for m in metrics),
         "clip_fraction": sum(m.get("clip_fraction", 0.0) for m in metrics) / len(metrics),
         "skipped_zero_advantage": sum(m.get("skipped_zero_advantage", 0.0) for m in metrics),
+        "skipped_no_loss_tokens": sum(m.get("skipped_no_loss_tokens", 0.0) for m in metrics),
         "kl_ref": kl, "grad_norm": float(grad_norm), "response_tokens": resp_tokens,
         "environment_calls": calls,
         "nonfinite_grad": float(not finite), "nonfinite_in_row": run.nonfinite["in_row"],
@@ -403,6 +419,7 @@ def _step(run: Run, step: int, update, params: list, rollout_fn) -> dict:
         **{k: sum(m.get(k, 0.0) for m in metrics) for k in ("time_capture_s", "time_replay_s", "time_reverse_s")},
         **ev,
     }
+    record["no_update"] = no_update_reason(record, len(groups))  # None: the weights moved
     if _rank() == 0:  # under torchrun every rank holds the same record; one writes it
         append_log(run.log_path, record)
     return record
@@ -447,8 +464,9 @@ def _train(cfg: TrainConfig, update, rollout_fn) -> dict:
         inject_signal(step, _rank())  # test hook (LONGSTRAW_FAULT kill@R:S / stop@R:S)
         record = _step(run, step, update, params, rollout_fn)
         if cfg.progress:
-            ev = {k: v for k, v in record.items() if k.endswith("_accuracy")}
-            bar.set_postfix(reward=f"{record['reward_mean']:.2f}", **({"acc": f"{next(iter(ev.values())):.2f}"} if ev else {}))
+            ev = [v for k, v in record.items() if k.endswith("_accuracy")]
+            shown = [f"reward={record['reward_mean']:.2f}"] + ([f"acc={ev[0]:.2f}"] if ev else [])
+            bar.set_postfix_str(", ".join(shown + ([record["no_update"]] if record["no_update"] else [])))
         in_row = run.nonfinite["in_row"]
         if in_row >= cfg.max_nonfinite_steps:
             raise NonFiniteError(
