@@ -25,7 +25,7 @@ _HOMES = {
     "PositionLimitError": "errors", "UnsupportedModelError": "errors", "ModelStateError": "errors",
     "StaleStateError": "errors", "StateMismatchError": "errors", "EpisodeError": "errors",
     "DoesNotFitError": "errors", "fit_config": "budget", "PromptInputsError": "errors",
-    "UnsupportedInputError": "errors",
+    "UnsupportedInputError": "errors", "rehearse": "rehearsal.run", "Rehearsal": "rehearsal.run",
 }
 """Each public name -> the module (under longstraw/) that defines it."""
 
@@ -34,6 +34,7 @@ __all__ = [
     "LongStrawError", "ConfigError", "InvalidGroupError", "PositionLimitError", "UnsupportedModelError",
     "ModelStateError", "StaleStateError", "StateMismatchError", "Rollout", "SamplingConfig",
     "EpisodeError", "DoesNotFitError", "fit_config", "PromptInputsError", "UnsupportedInputError",
+    "rehearse", "Rehearsal",
 ]
 
 

@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 import torch
 
 from .errors import InvalidGroupError
+from .host import on_host
 
 
 @dataclass(kw_only=True)
@@ -63,7 +64,8 @@ class Group:
         """Response i's loss tokens: those its loss mask keeps (all R_i without masks)."""
         if self.loss_masks is None:
             return int(self.responses[i].numel())
-        return int(self.loss_masks[i].sum())
+        with on_host():  # real masks, also in a rehearsal (`longstraw/host.py`)
+            return int(self.loss_masks[i].sum())
 
     @property
     def loss_tokens(self) -> int:

@@ -38,6 +38,8 @@ loss), `metrics.py` (the step's metrics), `clock.py` (phase times, progress bars
 
 from __future__ import annotations
 
+import contextlib
+
 import torch
 from torch import nn
 
@@ -46,6 +48,7 @@ from longstraw.engine import grpo as G
 from longstraw.engine.capture import capture, divides_capture, divides_walk, rank_shard
 from longstraw.engine.clock import clock, progress
 from longstraw.engine.episode import EpisodeConfig
+from longstraw.host import on_host, to_host
 from longstraw.engine.logprobs import token_logprobs
 from longstraw.engine.metrics import StepMetrics
 from longstraw.engine.replay import branch_logprobs, replay_branch, replay_group
@@ -68,6 +71,11 @@ from longstraw.parallel.gradients import replicate_gradients, replicated_paramet
 from longstraw.state.prompt import PromptState, RecurrentState, Shard
 
 
+def _no_phase(name: str):
+    """The default `Engine.phase_hook`: nothing around a phase."""
+    return contextlib.nullcontext()
+
+
 class Engine:
     """Runs GRPO updates for one long shared prompt at a time.
 
@@ -85,6 +93,7 @@ class Engine:
         self.config = config
         self.adapter = adapter_for(model)
         self._graph_per_token: float | None = None  # recomputes_layers' estimate, made once
+        self.phase_hook = _no_phase  # name -> context manager around each phase of step (a rehearsal's tracker)
         check_placement(model)  # one device, no accelerate hooks (models/placement.py)
         want, have = (torch.device(config.state_device) if config.state_device else None), self.adapter.device
         if want is not None and not config.offloads_state() \
@@ -340,12 +349,21 @@ class Engine:
         grpo = GRPOConfig() if grpo is None else grpo
         if not isinstance(grpo, GRPOConfig):
             raise ConfigError(f"grpo must be a longstraw.GRPOConfig, got {type(grpo).__name__}")
-        rewards = self._validate(group, needs_ref=grpo.beta > 0, totals=totals, state=state)
-        totals = BatchTotals.of([group]) if totals is None else totals
+        with on_host():  # the real inputs checked for real, also in a rehearsal (`longstraw/host.py`)
+            rewards = self._validate(group, needs_ref=grpo.beta > 0, totals=totals, state=state)
+            totals = BatchTotals.of([group]) if totals is None else totals
+            t0, c0 = clock(self.adapter.device), Traffic.received
+            adv, skip = G.step_advantages(group, rewards, grpo)
+            metrics = self._host_metrics(group, state, rewards, adv)
+        if skip or group.loss_tokens == 0:  # zero advantage and no KL term, or no loss token: loss, gradient 0
+            metrics.skipped_zero_advantage, metrics.skipped_no_loss_tokens = float(skip), float(not skip)
+            metrics.divided_capture = 0.0
+            return StepResult(loss=0.0, metrics=metrics.as_dict())
+        return self._update(group, grpo, totals, state, adv, metrics, (t0, c0))
 
-        t0, c0 = clock(self.adapter.device), Traffic.received
-        adv, skip = G.step_advantages(group, rewards, grpo)
-        metrics = StepMetrics(
+    def _host_metrics(self, group: Group, state: PromptState | None, rewards, adv: torch.Tensor) -> StepMetrics:
+        """The step's metrics known before any work, from the real (host) inputs."""
+        return StepMetrics(
             context_parallel_world=float(self.cp.world if self.cp is not None else 1),
             divided_capture=float(state is None and self.divides_capture(
                 group.prompt.numel() - 1, self.config.keep_graph_bytes if self.config.mode == "exact" else 0)),
@@ -359,11 +377,6 @@ class Engine:
             advantage_min=float(adv.min()),
             advantage_max=float(adv.max()),
         )
-        if skip or group.loss_tokens == 0:  # zero advantage and no KL term, or no loss token: loss, gradient 0
-            metrics.skipped_zero_advantage, metrics.skipped_no_loss_tokens = float(skip), float(not skip)
-            metrics.divided_capture = 0.0
-            return StepResult(loss=0.0, metrics=metrics.as_dict())
-        return self._update(group, grpo, totals, state, adv, metrics, (t0, c0))
 
     def _update(self, group: Group, grpo: GRPOConfig, totals: BatchTotals, state: PromptState | None,
                 adv: torch.Tensor, metrics: StepMetrics, t0c0: tuple) -> StepResult:
@@ -375,27 +388,30 @@ class Engine:
         def mark():
             marks.append((clock(self.adapter.device), Traffic.received))
 
-        state = self._reuse_or_capture(group, state, exact)
+        with self.phase_hook("capture"):
+            state = self._reuse_or_capture(group, state, exact)
         longest = max(int(r.numel()) for r in group.responses)  # replay's longest piece decides the metric
         metrics.recompute_layers = float(self.recomputes_layers(min(self.config.branch_chunk_size or longest, longest),
                                                                 state))
         try:
             mark()
             replay = replay_tree if self.config.share_response_prefixes else replay_group  # trie / flat
-            stats = replay(self, state, group, grpo, totals, adv)
+            with self.phase_hook("replay"):
+                stats = replay(self, state, group, grpo, totals, adv)
             mark()
             divided = exact and self.divides_walk(state)
             walk_rc = exact and self.walk_recomputes_layers(group.prompt.numel() - 1, state)
-            if divided:  # each prompt token on one rank; the ranks' partial gradients summed once
-                with summed_walk_gradients(self.model, self.cp, self.adapter.sharded_modules()):
+            with self.phase_hook("walk"):  # exact mode's reverse walk (nothing in detached mode)
+                if divided:  # each prompt token on one rank; the ranks' partial gradients summed once
+                    with summed_walk_gradients(self.model, self.cp, self.adapter.sharded_modules()):
+                        self.walk_back(group.prompt[:-1].to(self.adapter.device), 0, [state], self.config.chunk_size,
+                                       shard=rank_shard(self), recompute_layers=walk_rc)
+                        # the image rows' partial gradients summed, each rank's images through the tower
+                        self.adapter.backprop_inputs(state.inputs, group.prompt_inputs, self.cp)
+                elif exact:
                     self.walk_back(group.prompt[:-1].to(self.adapter.device), 0, [state], self.config.chunk_size,
-                                   shard=rank_shard(self), recompute_layers=walk_rc)
-                    # the image rows' partial gradients summed, each rank's images through the tower
-                    self.adapter.backprop_inputs(state.inputs, group.prompt_inputs, self.cp)
-            elif exact:
-                self.walk_back(group.prompt[:-1].to(self.adapter.device), 0, [state], self.config.chunk_size,
-                               recompute_layers=walk_rc)
-                self.adapter.backprop_inputs(state.inputs, group.prompt_inputs)  # every image, one at a time
+                                   recompute_layers=walk_rc)
+                    self.adapter.backprop_inputs(state.inputs, group.prompt_inputs)  # every image, one at a time
             settle_held_reductions(self.adapter.sharded_modules())  # a 2-D FSDP2 mesh: held shards into .grad
             mark()
             if self.cp is not None and self.cp.world > 1 and not divided:
@@ -427,4 +443,4 @@ class Engine:
         metrics.comm_bytes_reverse, metrics.comm_bytes_gradients = float(c3 - c2), float(c4 - c3)
         for key, value in stats.summary(with_kl=grpo.beta > 0).items():  # ratio_mean, clip_fraction, kl_mean
             setattr(metrics, key, value)
-        return StepResult(loss=float(stats.loss), metrics=metrics.as_dict())
+        return StepResult(loss=to_host(stats.loss), metrics=metrics.as_dict())

@@ -12,6 +12,7 @@ from longstraw.config import GRPOConfig
 from longstraw.engine import grpo as G
 from longstraw.engine.capture import capture_chunks
 from longstraw.engine.clock import progress
+from longstraw.host import on_host, to_host
 from longstraw.group import BatchTotals, Group
 from longstraw.phase import Phase
 from longstraw.state.prompt import PromptState
@@ -41,10 +42,15 @@ class BranchStats:
         self.kl = self.kl + (total("kl") if "kl" in tok_stats else 0.0)
 
     def summary(self, with_kl: bool) -> dict:
-        tokens = max(1, int(self.tokens))  # a group with masks may count none (all its stats are then 0)
-        out = {"ratio_mean": float(self.ratio) / tokens, "clip_fraction": float(self.clipped) / tokens}
+        """The statistics as floats: one host sync (`host.to_host`) for all of them."""
+        parts = [self.tokens, self.ratio, self.clipped, self.kl]
+        held = [p.detach().double().reshape(()) for p in parts if isinstance(p, torch.Tensor)]
+        values = iter(to_host(torch.stack(held), list) if held else [])
+        n, ratio, clipped, kl = (next(values) if isinstance(p, torch.Tensor) else p for p in parts)
+        tokens = max(1, int(n))  # a group with masks may count none (all its stats are then 0)
+        out = {"ratio_mean": float(ratio) / tokens, "clip_fraction": float(clipped) / tokens}
         if with_kl:
-            out["kl_mean"] = float(self.kl) / tokens
+            out["kl_mean"] = float(kl) / tokens
         return out
 
 
@@ -77,6 +83,8 @@ def replay_group(engine, state: PromptState, group: Group, grpo: GRPOConfig, tot
     time, accumulating `.grad`; returns the branches' statistics."""
     stats = BranchStats()
     stats.forwarded = group.response_tokens
+    with on_host():  # real advantages [G], also in a rehearsal
+        adv = [float(a) for a in adv]
     branches = list(enumerate(group.responses))
     for i, response in progress(branches, enabled=engine.config.progress, desc="replay", total=len(branches)):
         weight = G.branch_weight(grpo, totals, group.loss_tokens_of(i))
@@ -84,7 +92,7 @@ def replay_group(engine, state: PromptState, group: Group, grpo: GRPOConfig, tot
 
         def piece_loss(hidden, a, b, i=i, weight=weight, target=target):
             logp = engine.logprobs(hidden, target[a:b], grpo.temperature)  # (b - a,)
-            loss, tok_stats = G.branch_loss(logp, group, i, float(adv[i]), weight, grpo, span=slice(a, b))
+            loss, tok_stats = G.branch_loss(logp, group, i, adv[i], weight, grpo, span=slice(a, b))
             stats.add(loss, tok_stats)
             return loss
 

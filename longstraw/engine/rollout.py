@@ -26,8 +26,10 @@ import math
 from dataclasses import dataclass, field
 
 import torch
+from torch._subclasses.fake_tensor import is_fake
 
 from longstraw.engine.clock import clock
+from longstraw.host import to_host
 from longstraw.engine.episode import EpisodeConfig, run_episodes
 from longstraw.engine.inputs import check_inputs
 from longstraw.engine.logprobs import scaled_logits
@@ -119,11 +121,11 @@ def weights_stamp(model) -> tuple:
     samples = []
     for p in params:
         local = p.to_local() if hasattr(p, "to_local") else p  # DTensor (FSDP2): its local shard
-        versions.append((p._version, local._version, local.data_ptr()))
+        versions.append((p._version, local._version, 0 if is_fake(local) else local.data_ptr()))
         flat = local.detach().reshape(-1) if local.is_contiguous() else local.detach().flatten()
         step = max(1, flat.numel() // 32)
         samples.append(flat[::step][:32].double().sum() if flat.numel() else flat.new_zeros((), dtype=torch.float64))
-    checksum = torch.stack(samples).cpu().numpy().tobytes() if samples else b""
+    checksum = to_host(torch.stack(samples), bytes) if samples else b""  # one sync
     adapters = []
     for name, module in model.named_modules():
         if hasattr(module, "active_adapters") and hasattr(module, "disable_adapters") and hasattr(module, "merged"):

@@ -39,6 +39,7 @@ from longstraw.config import GRPOConfig
 from longstraw.engine import grpo as G
 from longstraw.engine.capture import capture_chunks
 from longstraw.engine.clock import ProgressCounter
+from longstraw.host import on_host
 from longstraw.engine.replay import BranchStats
 from longstraw.engine.trie import Segment, build_trie
 from longstraw.group import BatchTotals, Group
@@ -71,6 +72,8 @@ def replay_tree(engine, state: PromptState, group: Group, grpo: GRPOConfig, tota
     stats = BranchStats()
     stats.forwarded, stats.shared = root.forwarded_tokens(), root.shared_segments()  # (flat: every token, 0)
     weights = [G.branch_weight(grpo, totals, group.loss_tokens_of(i)) for i in range(group.size)]
+    with on_host():  # real advantages [G], also in a rehearsal
+        adv = [float(a) for a in adv]
     device = engine.adapter.device
 
     def visit(seg: Segment, stack: list[PromptState]) -> None:
@@ -87,7 +90,7 @@ def replay_tree(engine, state: PromptState, group: Group, grpo: GRPOConfig, tota
             logp = engine.logprobs(hidden, target[a:b], grpo.temperature)  # (b - a,), once for every member
             span, total = slice(seg.start + a, seg.start + b), 0.0
             for i in seg.members:
-                loss, tok_stats = G.branch_loss(logp, group, i, float(adv[i]), weights[i], grpo, span=span)
+                loss, tok_stats = G.branch_loss(logp, group, i, adv[i], weights[i], grpo, span=span)
                 stats.add(loss, tok_stats)
                 total = total + loss
             return total

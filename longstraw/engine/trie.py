@@ -25,6 +25,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from longstraw.host import on_host
+
 
 @dataclass
 class Segment:
@@ -76,8 +78,9 @@ def build_trie(responses: list[torch.Tensor], masks: list[torch.Tensor] | None =
     """The trie of `responses` (G LongTensors [R_i]), keyed by (token, mask) when `masks`
     (G bool [R_i]) are given, by token alone otherwise. Returns its root segment, which
     starts at position 0. Cost: O(G * R) comparisons on the CPU, no model work."""
-    keys = _keys(responses, masks)
-    return _grow(keys, list(range(len(keys))), 0)
+    with on_host():  # the token ids are real, also in a rehearsal (`longstraw/host.py`)
+        keys = _keys(responses, masks)
+        return _grow(keys, list(range(len(keys))), 0)
 
 
 def _grow(keys: list[torch.Tensor], members: list[int], start: int) -> Segment:

@@ -1,0 +1,149 @@
+"""`rehearse`: the engine's own `step` at full size on fake tensors (shapes, no data).
+
+The model's weights, the prompt state and every activation are `FakeTensor`s
+(`torch._subclasses.fake_tensor.FakeTensorMode`): each op computes its output's shape,
+dtype and strides and allocates nothing. The token ids and rewards stay real (random,
+small) and are checked for real (`longstraw.host.on_host`); every read of device data
+goes through `longstraw.host.to_host`, which answers a fake tensor with a stand-in and
+counts the read. `LiveBytes` counts the fake storages the way it counts real ones, so
+the peak a rehearsal reports is the peak the same code holds in live tensors on a real
+device (tests/test_rehearse.py checks this against real tiny models).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+import transformers
+from torch import nn
+from torch._subclasses.fake_tensor import FakeTensorMode
+
+from longstraw.config import ExecConfig, GRPOConfig
+from longstraw.errors import ConfigError
+from longstraw.group import Group
+from longstraw.rehearsal.measure import StepFigures, measure_steps
+from longstraw.rehearsal.tracker import LiveBytes
+
+
+@dataclass(kw_only=True, slots=True)
+class Rehearsal:
+    """What a rehearsal measured (bytes are live-tensor bytes on the rehearsed device)."""
+
+    peak_bytes_per_rank: int
+    """The highest live bytes over every rehearsed step: the planner's `peak_bytes_per_rank`."""
+    phases: dict[str, int]
+    """Peak live bytes per phase (capture, replay, walk in exact mode, optimizer if given), worst step."""
+    flops: dict[str, int]
+    """FLOPs per phase of one step (`FlopCounterMode`)."""
+    host_syncs: int
+    """Reads of device data per step (the most of any step)."""
+    steps: list[StepFigures] = field(default_factory=list)
+    """Each step's own figures (a leak shows as a later step's higher peak)."""
+    wall_s: float = 0.0
+    """The rehearsal's own wall time (building the fake model included)."""
+    device: str = "cuda"
+
+    def as_dict(self) -> dict:
+        """The JSON form (`longstraw plan --rehearse`'s "rehearsal")."""
+        return {"peak_bytes_per_rank": self.peak_bytes_per_rank, "phases": dict(self.phases),
+                "flops": dict(self.flops), "host_syncs": self.host_syncs, "wall_s": self.wall_s,
+                "device": self.device, "step_peaks": [s.peak_bytes for s in self.steps]}
+
+
+def _default_device() -> str:
+    return "cuda" if torch.backends.cuda.is_built() else "cpu"
+
+
+def fake_model(config, *, device: str, dtype: torch.dtype, mode: FakeTensorMode) -> nn.Module:
+    """A stock HF causal LM of `config` whose parameters and buffers are fake tensors on
+    `device` (built on the meta device, nothing initialised, nothing allocated)."""
+    config._attn_implementation = "sdpa"
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
+    with mode:
+        for module in model.modules():
+            for name, p in list(module._parameters.items()):
+                if p is not None:
+                    module._parameters[name] = nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device=device),
+                                                            requires_grad=p.requires_grad)
+            for name, b in list(module._buffers.items()):
+                if b is not None:
+                    module._buffers[name] = torch.empty(b.shape, dtype=b.dtype, device=device)
+    return model.eval()
+
+
+def rehearsal_group(*, prompt_tokens: int, group: int, response_tokens: int, vocab_size: int,
+                    seed: int = 0) -> Group:
+    """The real (host) inputs of a rehearsed step: random prompt and response ids, distinct rewards."""
+    gen = torch.Generator().manual_seed(seed)
+    prompt = torch.randint(0, vocab_size, (prompt_tokens,), generator=gen)
+    responses = [torch.randint(0, vocab_size, (response_tokens,), generator=gen) for _ in range(group)]
+    return Group(prompt=prompt, responses=responses, rewards=torch.arange(group, dtype=torch.float32))
+
+
+def rehearse(model, config: ExecConfig | None = None, *, prompt_tokens: int, group: int, response_tokens: int,
+             world_size: int = 1, device: str | None = None, steps: int = 1, generate: bool = False,
+             dtype: torch.dtype = torch.bfloat16, grpo: GRPOConfig | None = None,
+             optimizer: bool = False) -> Rehearsal:
+    """Run `Engine.step` at full size on fake tensors and measure it: live bytes per
+    phase, FLOPs per phase, host syncs per step, wall time.
+
+    Nothing is computed and nothing is allocated: a 27B model at 2M prompt tokens
+    rehearses on a laptop. The figures are those of this exact code at this exact size
+    (the live tensors a real device would hold); see docs/rehearse.md for what a
+    rehearsal cannot see (allocator fragmentation, kernel workspaces, speed).
+
+    Args:
+        model: an HF config (`transformers.PretrainedConfig`) of a supported family, or a
+            stock HF model (its config is used: the rehearsal builds its own fake twin).
+        config: the `ExecConfig` to rehearse (default `ExecConfig()`).
+        prompt_tokens: P. group: G responses. response_tokens: R tokens each.
+        world_size: ranks; only 1 is rehearsed so far (larger raises `ConfigError`).
+        device: the fake tensors' device: "cuda" (the CUDA branches; needs a CUDA build
+            of torch, since autograd on a fake device checks the device is built in) or
+            "cpu"; default "cuda" where torch is built with CUDA, else "cpu".
+        steps: steps rehearsed one after the other (the gradients set to None between).
+        generate: rehearse `generate` too (not yet: raises `ConfigError`).
+        dtype: the weights' dtype for a config (a model gives its own).
+        grpo: the objective (default `GRPOConfig()`).
+        optimizer: add an AdamW step after each step (phase "optimizer": its moments).
+
+    Returns:
+        `Rehearsal` (`peak_bytes_per_rank`, `phases`, `flops`, `host_syncs`, `steps`, `wall_s`).
+    """
+    t0 = time.perf_counter()
+    from longstraw.engine import Engine  # the engine imports group/host; keep this module light to import
+
+    if world_size != 1:
+        raise ConfigError(f"rehearse: world_size={world_size} is not rehearsed yet; pass world_size=1")
+    if generate:
+        raise ConfigError("rehearse: generate=True is not rehearsed yet; pass generate=False")
+    if min(prompt_tokens - 2, group - 1, response_tokens - 1, steps - 1) < 0:
+        raise ConfigError(f"rehearse: need prompt_tokens >= 2, group >= 1, response_tokens >= 1 and steps >= 1; got "
+                          f"{prompt_tokens}, {group}, {response_tokens}, {steps}")
+    device = _default_device() if device is None else device
+    if torch.device(device).type == "cuda" and not torch.backends.cuda.is_built():
+        raise ConfigError("rehearse: device='cuda' needs a CUDA build of torch (autograd checks the device even on "
+                          "fake tensors); pass device='cpu' to rehearse the same code on the CPU branches")
+    hf_config = model.config if isinstance(model, nn.Module) else model
+    if isinstance(model, nn.Module):
+        dtype = next(model.parameters()).dtype
+    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    fake = fake_model(hf_config, device=device, dtype=dtype, mode=mode)
+    inputs = rehearsal_group(prompt_tokens=prompt_tokens, group=group, response_tokens=response_tokens,
+                             vocab_size=hf_config.get_text_config().vocab_size)
+    tracker = LiveBytes(torch.device(device).type)
+    with mode:
+        engine = Engine(fake, config)
+        tracker.adopt(list(fake.parameters()) + list(fake.buffers()))
+        opt = torch.optim.AdamW(fake.parameters(), foreach=False) if optimizer else None
+        figures = measure_steps(engine, inputs, grpo or GRPOConfig(), steps=steps, tracker=tracker, optimizer=opt)
+    phases: dict[str, int] = {}
+    for f in figures:
+        for name, peak in f.phases.items():
+            phases[name] = max(phases.get(name, 0), peak)
+    return Rehearsal(peak_bytes_per_rank=max(f.peak_bytes for f in figures), phases=phases,
+                     flops=dict(figures[0].flops), host_syncs=max(f.host_syncs for f in figures), steps=figures,
+                     wall_s=time.perf_counter() - t0, device=device)

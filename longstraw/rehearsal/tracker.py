@@ -1,0 +1,102 @@
+"""Live bytes per phase, counted the same way on real and on fake tensors.
+
+`LiveBytes` is a `TorchDispatchMode`: every tensor an op returns (on the tracked device
+type) has its storage registered once, by a weak reference whose finalizer takes its
+bytes off the live total when the storage dies. Parameters, buffers and anything
+allocated before the tracker started are counted through `LiveBytes.adopt` (the
+rehearsal adopts the model's parameters). `phase(name)` records the highest live total
+seen while it is open, so a step's capture, replay, walk and optimizer peaks come out of
+one run. Fake tensors carry their storage sizes, so the same count runs on a rehearsal
+without data (`longstraw.rehearsal.run`).
+
+Why not `torch.distributed._tools.MemTracker`: it refuses a module called more than once
+per step, and the engine calls every layer once per chunk.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+
+def _storage_key(t: torch.Tensor):
+    """The identity of t's storage (fake storages have no data pointer; their Python
+    object is unique while alive)."""
+    return t.untyped_storage()
+
+
+class LiveBytes(TorchDispatchMode):
+    """Counts live storage bytes on `device_type` ("cuda", "cpu"); see the module docstring.
+
+    Attributes:
+        live: bytes alive now.  peak: the highest `live` since start.
+        phase_peaks: {phase name: highest `live` while that phase was open}.
+    """
+
+    def __init__(self, device_type: str = "cuda"):
+        super().__init__()
+        self.device_type = device_type
+        self.live = 0
+        self.peak = 0
+        self.phase_peaks: dict[str, int] = {}
+        self._open: list[str] = []
+        self._seen: dict[int, weakref.ref] = {}  # id(storage) -> weakref (finalizers also keyed on it)
+
+    # --------------------------------------------------------------------------
+    def _register(self, t: torch.Tensor) -> None:
+        if t.device.type != self.device_type:
+            return
+        try:
+            storage = _storage_key(t)
+        except (RuntimeError, NotImplementedError):  # tensor subclasses without a storage
+            return
+        key = id(storage)
+        ref = self._seen.get(key)
+        if ref is not None and ref() is not None:
+            return
+        nbytes = int(storage.nbytes())
+        try:
+            self._seen[key] = weakref.ref(storage, lambda _, k=key, n=nbytes: self._free(k, n))
+        except TypeError:
+            return
+        self.live += nbytes
+        self._bump()
+
+    def _free(self, key: int, nbytes: int) -> None:
+        self._seen.pop(key, None)
+        self.live -= nbytes
+
+    def _bump(self) -> None:
+        if self.live > self.peak:
+            self.peak = self.live
+        for name in self._open:
+            if self.live > self.phase_peaks.get(name, 0):
+                self.phase_peaks[name] = self.live
+
+    def adopt(self, tensors) -> None:
+        """Count tensors allocated before the tracker started (parameters, a held state)."""
+        for t in tensors:
+            if isinstance(t, torch.Tensor):
+                self._register(t)
+
+    @contextlib.contextmanager
+    def phase(self, name: str):
+        """Record the peak of live bytes while the block runs as `phase_peaks[name]`
+        (at least the live bytes at its start)."""
+        self._open.append(name)
+        self.phase_peaks[name] = max(self.phase_peaks.get(name, 0), self.live)
+        try:
+            yield
+        finally:
+            self._open.remove(name)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        for t in tree_leaves(out):
+            if isinstance(t, torch.Tensor):
+                self._register(t)
+        return out
