@@ -237,3 +237,11 @@ def test_first_step_equals_trl_script_with_the_trainer_swapped_in(workspace, mon
     assert any(g.abs().max() > 0 for g in ls_grads[0].values())
     for n, g in trl_grads[0].items():
         torch.testing.assert_close(ls_grads[0][n], g, rtol=1e-12, atol=1e-15, msg=n)
+
+
+def test_token_id_tokenizer_keeps_numbers_that_contain_the_eos_digits(tmp_path):
+    """eos "1" is a special token: it must not split "2100" or "12" (whole words only), also after a reload."""
+    tok = token_id_tokenizer(4096, eos_token_id=1)
+    tok.save_pretrained(tmp_path)
+    for t in (tok, grpo_cli.AutoProcessor.from_pretrained(tmp_path)):
+        assert t("2100 12 7 1 11")["input_ids"] == [2100, 12, 7, 1, 11]

@@ -1,0 +1,15 @@
+"""The reward of examples/your_model: TRL's reward signature, one float per completion.
+
+`answer` is the JSONL's column of that name (TRL passes every extra column as a keyword).
+"""
+
+VALUES = range(2100, 2116)  # the answer tokens the prompts use (make_files.py)
+
+
+def first_token_is_answer(completion_ids, answer, **kwargs):
+    """1 when the completion starts with the asked key's value, 0.1 for another value token, else 0."""
+    out = []
+    for ids, want in zip(completion_ids, answer):
+        first = ids[0] if ids else -1
+        out.append(1.0 if first == want else 0.1 if first in VALUES else 0.0)
+    return out
