@@ -7,7 +7,7 @@
                    [--lora-rank r] [--chunk-size 4096] [--throughput-tflops 400] [--json] ...
     longstraw grpo --model_name_or_path DIR --dataset_name FILE.jsonl --reward_funcs file.py:func
                    [--config FILE.yaml] [TRL's GRPO script flags] [--longstraw_* ...]   (grpo_cli.py)
-    longstraw export CHECKPOINT OUT [--model tiny:qwen3|HF_FOLDER] [--tokenizer DIR]   (export.py)
+    longstraw export CHECKPOINT OUT [--model tiny:qwen3|HF_FOLDER] [--tokenizer DIR] [--merge]   (export.py)
 """
 
 from __future__ import annotations
@@ -393,13 +393,15 @@ def _add_export_parser(sub) -> None:
     p.add_argument("--tokenizer", default=None, help="a tokenizer folder to save with the model")
     p.add_argument("--max-position-embeddings", type=int, default=None,
                    help="for a DCP checkpoint: the positions the run's model had")
+    p.add_argument("--merge", action="store_true", help="a PEFT adapter folder: merge it into its base model "
+                                                        "(default: write the adapter folder)")
 
 
 def export(args) -> int:
     from longstraw.export import export as run_export
 
     out = run_export(args.checkpoint, args.out, model=args.model, tokenizer=args.tokenizer,
-                     max_position_embeddings=args.max_position_embeddings)
+                     max_position_embeddings=args.max_position_embeddings, merge=args.merge)
     print(f"longstraw export: wrote {out}")
     return 0
 

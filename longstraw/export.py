@@ -10,7 +10,10 @@ Checkpoints read:
   `--model` did (`tiny:<family>`, or an HF folder / config.json), with the vocabulary
   taken from the embedding's rows and `--max-position-embeddings` the run's positions;
 * a `longstraw train` checkpoint (`checkpoint.pt`, or the folder holding it): its own
-  `TrainConfig` rebuilds the preset model (`warm.build_model`), no `--model` needed.
+  `TrainConfig` rebuilds the preset model (`warm.build_model`), no `--model` needed;
+* a PEFT adapter folder (`adapter_config.json`: a `longstraw grpo --use_peft` checkpoint-N
+  or output_dir): written again as an adapter folder, or with `--merge` merged into its
+  base model (`base_model_name_or_path`) as a plain HF folder.
 
 The state dict must match the architecture exactly (strict load: a missing or extra key,
 or a shape, is a `CheckpointError` before anything is written).
@@ -98,10 +101,35 @@ def load_source(checkpoint: str, model_spec: str | None, positions: int | None):
     return model.eval(), tokenizer
 
 
+def load_adapter(folder: str, merge: bool):
+    """A PEFT adapter folder with its base model (float dtype as saved); merged with `merge`."""
+    from peft import AutoPeftModelForCausalLM
+
+    try:
+        loaded = AutoPeftModelForCausalLM.from_pretrained(folder, dtype="auto")
+    except Exception as exc:
+        raise CheckpointError(f"{folder}: cannot load the adapter with its base model ({type(exc).__name__}: "
+                              f"{exc})") from None
+    return (loaded.merge_and_unload() if merge else loaded).eval()
+
+
+def _tokenizer_source(*folders):
+    return next((f for f in folders if f and os.path.isfile(os.path.join(f, "tokenizer_config.json"))), None)
+
+
 def export(checkpoint: str, out: str, *, model: str | None = None, tokenizer: str | None = None,
-           max_position_embeddings: int | None = None) -> str:
-    """Write `out` as an HF folder (safetensors, config, tokenizer if known); returns `out`."""
-    loaded, known_tokenizer = load_source(checkpoint, model, max_position_embeddings)
+           max_position_embeddings: int | None = None, merge: bool = False) -> str:
+    """Write `out` as an HF folder (safetensors, config, tokenizer if known; an adapter
+    folder for a PEFT adapter unless `merge`); returns `out`."""
+    if os.path.isfile(os.path.join(checkpoint, "adapter_config.json")):
+        loaded = load_adapter(checkpoint, merge)
+        base = getattr(loaded, "peft_config", {}).get("default")
+        known_tokenizer = _tokenizer_source(checkpoint, getattr(base, "base_model_name_or_path", None),
+                                            getattr(loaded.config, "_name_or_path", None))
+    elif merge:
+        raise ConfigError(f"--merge: {checkpoint} holds no PEFT adapter (no adapter_config.json)")
+    else:
+        loaded, known_tokenizer = load_source(checkpoint, model, max_position_embeddings)
     loaded.save_pretrained(out)
     source = tokenizer or known_tokenizer
     if source is not None:

@@ -64,3 +64,27 @@ def test_bad_checkpoints_are_errors_before_writing(tmp_path, capsys):
     assert not (tmp_path / "hf").exists()
     assert cli.main(["export", str(tmp_path / "nothing"), str(tmp_path / "hf")]) == 2
     assert "neither a DCP checkpoint" in capsys.readouterr().err
+
+
+def test_lora_adapter_exports_as_adapter_and_merged(tmp_path):
+    peft = __import__("pytest").importorskip("peft")
+    base = tiny_model("qwen3", dtype=torch.float64, vocab_size=VOCAB, max_position_embeddings=POSITIONS)
+    base.save_pretrained(tmp_path / "base")
+    token_id_tokenizer(VOCAB, eos_token_id=1).save_pretrained(tmp_path / "base")
+    base = AutoModelForCausalLM.from_pretrained(tmp_path / "base", attn_implementation="sdpa")  # the adapter names it
+    lora = peft.get_peft_model(base, peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
+                                                     lora_dropout=0.0))
+    _perturb(lora)  # the adapter trained (B no longer zero), the base moved too: only the adapter is saved
+    lora.save_pretrained(tmp_path / "adapter")
+    trained = peft.AutoPeftModelForCausalLM.from_pretrained(tmp_path / "adapter", dtype="auto").eval()
+    ids = torch.randint(0, VOCAB, (40,), generator=torch.Generator().manual_seed(0))
+    want = _logprobs(trained, ids)
+    assert cli.main(["export", str(tmp_path / "adapter"), str(tmp_path / "merged"), "--merge"]) == 0
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged", attn_implementation="sdpa")
+    assert not any("lora" in n for n, _ in merged.named_parameters())
+    assert (tmp_path / "merged" / "tokenizer.json").exists()
+    torch.testing.assert_close(_logprobs(merged, ids), want, rtol=0, atol=1e-12)
+    assert not torch.allclose(_logprobs(AutoModelForCausalLM.from_pretrained(tmp_path / "base"), ids), want)
+    assert cli.main(["export", str(tmp_path / "adapter"), str(tmp_path / "again")]) == 0
+    again = peft.AutoPeftModelForCausalLM.from_pretrained(tmp_path / "again", dtype="auto").eval()
+    torch.testing.assert_close(_logprobs(again, ids), want, rtol=0, atol=1e-12)

@@ -237,3 +237,35 @@ def test_first_step_equals_trl_script_with_the_trainer_swapped_in(workspace, mon
     assert any(g.abs().max() > 0 for g in ls_grads[0].values())
     for n, g in trl_grads[0].items():
         torch.testing.assert_close(ls_grads[0][n], g, rtol=1e-12, atol=1e-15, msg=n)
+
+
+def test_token_id_tokenizer_keeps_numbers_that_contain_the_eos_digits(tmp_path):
+    """eos "1" is a special token: it must not split "2100" or "12" (whole words only), also after a reload."""
+    tok = token_id_tokenizer(4096, eos_token_id=1)
+    tok.save_pretrained(tmp_path)
+    for t in (tok, grpo_cli.AutoProcessor.from_pretrained(tmp_path)):
+        assert t("2100 12 7 1 11")["input_ids"] == [2100, 12, 7, 1, 11]
+
+
+@pytest.mark.slow
+def test_torchrun_two_ranks_context_parallel(workspace):
+    """`torchrun --nproc-per-node 2 -m longstraw.cli grpo ... --longstraw_context_parallel_size 2`
+    (gloo, CPU): one prompt over both ranks, 3 steps, a from_pretrained-able output_dir."""
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    flags = _flags(workspace, "--longstraw_context_parallel_size", "2", "--save_strategy", "no")[1:]
+    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                          "--master-addr", "127.0.0.1", "--master-port", str(port), "-m", "longstraw.cli", "grpo",
+                          *flags], env={**os.environ, "PYTHONPATH": repo, "HF_HUB_OFFLINE": "1"},
+                         capture_output=True, text=True, timeout=900)
+    assert run.returncode == 0, run.stderr[-4000:]
+    before = AutoModelForCausalLM.from_pretrained(workspace / "model").state_dict()
+    after = AutoModelForCausalLM.from_pretrained(workspace / "out").state_dict()
+    assert any(not torch.equal(p, before[n]) for n, p in after.items())
