@@ -95,7 +95,9 @@ def fit_config(model, *, memory_budget, prompt_tokens: int, group: int, response
         memory_budget: bytes the step may add above the model and its gradients: an int,
             "80GiB" / "20GB", or on CUDA "auto" (free memory minus `AUTO_RESERVE`). The
             planner's peak must fit it less max(16 MiB, 5%) (`RUNTIME_RESERVE_*`).
-        prompt_tokens / group / response_tokens: the step to fit (P, G, R).
+        prompt_tokens: P, the prompt length of the step to fit.
+        group: G, the responses per prompt.
+        response_tokens: R, the tokens per response.
         mode: "detached" or "exact" (kept as given).
         held_states: other prompt states of this P alive during the step (a trainer that
             keeps a generation batch's states until their updates): each adds the
@@ -145,11 +147,22 @@ def fit_config(model, *, memory_budget, prompt_tokens: int, group: int, response
         if held_states:
             step += f", {held_states} other prompt state(s) held ({int(others):,} B)"
         raise DoesNotFitError(_does_not_fit(result, memory_budget, budget, outside - others, step, reserve))
-    chosen = exec_config(result.config)
+    chosen = exec_config(result.config)  # state_device="cpu" where the search chose the offload
     chosen.pop("context_parallel")
-    if not offload:
-        chosen["state_device"] = fixed.get("state_device")
-    return ExecConfig(**{**chosen, **fixed})
+    returned = ExecConfig(**{**chosen, **fixed})
+    again = estimate(cfg, replace(base, **_plan_fields(returned), reserve=reserve))
+    if again["peak_bytes_per_rank"] > budget + outside - others - reserve:  # what is returned is what was planned
+        raise AssertionError(f"fit_config: the returned {returned} plans {int(again['peak_bytes_per_rank']):,} B, "
+                             f"above the {int(budget + outside - others - reserve):,} B its search fitted")
+    return returned
+
+
+def _plan_fields(cfg: ExecConfig) -> dict:
+    """The PlanConfig fields an ExecConfig sets (the search's and the plan-only ones)."""
+    out = {plan: getattr(cfg, name) for name, plan in _SEARCHABLE.items()}
+    out.update({name: getattr(cfg, name) for name in _PLAN_ONLY})
+    out["offload_state"] = cfg.state_device is not None and torch.device(cfg.state_device).type == "cpu"
+    return out
 
 
 def _does_not_fit(result, memory_budget, budget: int, outside: float, step: str, reserve: int) -> str:

@@ -5,6 +5,9 @@
     longstraw plan --model PRESET_OR_CONFIG_JSON --prompt-tokens N --group G --response-tokens R
                    [--mode detached|exact] [--gpus W] [--gpu-memory 96GiB] [--dtype bf16]
                    [--lora-rank r] [--chunk-size 4096] [--throughput-tflops 400] [--json] ...
+    longstraw grpo --model_name_or_path DIR --dataset_name FILE.jsonl --reward_funcs file.py:func
+                   [--config FILE.yaml] [TRL's GRPO script flags] [--longstraw_* ...]   (grpo_cli.py)
+    longstraw export CHECKPOINT OUT [--model tiny:qwen3|HF_FOLDER] [--tokenizer DIR] [--merge]   (export.py)
 """
 
 from __future__ import annotations
@@ -313,6 +316,24 @@ def field_docs(cls) -> dict[str, str]:
 _TRAIN_ALIASES = {"task_name": ["--task"]}  # TrainConfig.task() is a method, so the field is task_name
 
 
+def _train_choices(cls) -> dict[str, list]:
+    """The values `--task`, `--model`, `--arm` and `--loss-type` accept (argparse `choices=`, listed in --help)."""
+    from longstraw.config import LOSS_TYPES
+    from longstraw.tasks.episodes import TASKS
+
+    return {"task_name": list(TASKS), "model": sorted(cls.presets), "arm": list(cls.arms),
+            "loss_type": list(LOSS_TYPES)}
+
+
+class _Parser(argparse.ArgumentParser):
+    """An argparse parser whose bad flag is one line, `longstraw: ConfigError: ...`, exit 2 (as the
+    library's own errors print), instead of the usage block."""
+
+    def error(self, message):
+        print(f"longstraw: ConfigError: {message} (see `{self.prog} --help`)", file=sys.stderr)
+        sys.exit(2)
+
+
 def _add_train_parser(sub) -> None:
     from longstraw.train import TrainConfig
 
@@ -322,6 +343,7 @@ def _add_train_parser(sub) -> None:
                                    "JSONL to --out-dir, checkpoints and resumes. See docs/learning.md.")
     p.add_argument("--config", default=None, help="JSON file of TrainConfig fields; flags override it")
     docs = field_docs(TrainConfig)
+    choices = _train_choices(TrainConfig)
     for f in dataclasses.fields(TrainConfig):
         doc = docs.get(f.name, "")
         flags = ["--" + f.name.replace("_", "-")] + _TRAIN_ALIASES.get(f.name, [])
@@ -331,7 +353,8 @@ def _add_train_parser(sub) -> None:
                            help=f"{doc} (default {f.default})".strip())
         else:
             cast = {"int": int, "float": float}.get(kind.split(" |")[0], str)
-            p.add_argument(*flags, dest=f.name, default=None, type=cast, help=f"{doc} (default {f.default})".strip())
+            p.add_argument(*flags, dest=f.name, default=None, type=cast, choices=choices.get(f.name),
+                           help=f"{doc} (default {f.default})".strip())
 
 
 def _add_demo_parser(sub) -> None:
@@ -353,9 +376,51 @@ def _add_demo_parser(sub) -> None:
     p.add_argument("--seed", type=int, default=0)
 
 
+def _add_grpo_parser(sub) -> None:
+    """Listed in `longstraw --help`; its flags are TRL's (`longstraw grpo --help`, grpo_cli.py)."""
+    sub.add_parser("grpo", add_help=False, help="TRL's GRPO script (trl grpo flags: --model_name_or_path, "
+                                                 "--dataset_name, --reward_funcs, GRPOConfig, PEFT) with "
+                                                 "LongStrawGRPOTrainer; see docs/your_model.md")
+
+
+def _add_export_parser(sub) -> None:
+    p = sub.add_parser("export", help="a DCP (torchrun template) or `longstraw train` checkpoint to a Hugging Face "
+                                      "folder that from_pretrained loads (export.py)")
+    p.add_argument("checkpoint", help="a DCP step-N folder, or a longstraw train checkpoint.pt (or its out-dir)")
+    p.add_argument("out", help="the HF folder to write (config.json, model.safetensors, the tokenizer if known)")
+    p.add_argument("--model", default=None, help="for a DCP checkpoint: the architecture, tiny:<family> or an HF "
+                                                 "folder / config.json (a folder's tokenizer is copied too)")
+    p.add_argument("--tokenizer", default=None, help="a tokenizer folder to save with the model")
+    p.add_argument("--max-position-embeddings", type=int, default=None,
+                   help="for a DCP checkpoint: the positions the run's model had")
+    p.add_argument("--merge", action="store_true", help="a PEFT adapter folder: merge it into its base model "
+                                                        "(default: write the adapter folder)")
+
+
+def export(args) -> int:
+    from longstraw.export import export as run_export
+
+    out = run_export(args.checkpoint, args.out, model=args.model, tokenizer=args.tokenizer,
+                     max_position_embeddings=args.max_position_embeddings, merge=args.merge)
+    print(f"longstraw export: wrote {out}")
+    return 0
+
+
+def grpo(argv) -> int:
+    from longstraw import grpo_cli
+
+    return grpo_cli.main(argv)
+
+
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
-    parser = argparse.ArgumentParser(prog="longstraw", description=__doc__.splitlines()[0])
+    if argv[:1] == ["grpo"]:  # TRL's own parser reads its flags
+        try:
+            return grpo(argv[1:])
+        except LongStrawError as exc:
+            print(f"longstraw: {type(exc).__name__}: {exc}", file=sys.stderr)
+            return 2
+    parser = _Parser(prog="longstraw", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
     torch_free = argv[:1] == ["plan"]  # only the planner's parser: nothing imports torch
     if not torch_free:
@@ -363,11 +428,15 @@ def main(argv=None) -> int:
     _add_plan_parser(sub)
     if not torch_free:
         _add_train_parser(sub)
+        _add_grpo_parser(sub)
+        _add_export_parser(sub)
     args = parser.parse_args(argv)
 
     try:
         if args.command == "train":
             return train(args)
+        if args.command == "export":
+            return export(args)
         return plan(args, argv) if args.command == "plan" else demo(args)
     except LongStrawError as exc:
         print(f"longstraw: {type(exc).__name__}: {exc}", file=sys.stderr)

@@ -38,6 +38,7 @@ import copy
 import dataclasses
 import json
 import os
+import sys
 import time
 from dataclasses import dataclass
 from typing import ClassVar
@@ -46,9 +47,9 @@ import torch
 from tqdm.auto import tqdm
 
 from longstraw.checkpoint import append_log, load_checkpoint, truncate_log, write_atomic
-from longstraw.config import GRPOConfig
 from longstraw.engine.engine import Engine
-from longstraw.errors import NonFiniteError
+from longstraw.config import LOSS_TYPES, GRPOConfig
+from longstraw.errors import ConfigError, NonFiniteError
 from longstraw.group import BatchTotals, Group
 from longstraw.measure import peak_rss_bytes
 from longstraw.parallel.context import check_replicas
@@ -177,21 +178,23 @@ class TrainConfig:
 
     def __post_init__(self):
         if self.task_name not in TASKS:
-            raise ValueError(f"task must be one of {TASKS}, got {self.task_name!r}")
+            raise ConfigError(f"task must be one of {TASKS}, got {self.task_name!r}")
         if self.arm not in self.arms:
-            raise ValueError(f"arm must be one of {self.arms}, got {self.arm!r}")
+            raise ConfigError(f"arm must be one of {self.arms}, got {self.arm!r}")
         if self.model not in self.presets:
-            raise ValueError(f"model must be one of {sorted(self.presets)}, got {self.model!r}")
+            raise ConfigError(f"model must be one of {sorted(self.presets)}, got {self.model!r}")
+        if self.loss_type not in LOSS_TYPES:  # here, not in GRPOConfig after the warm start
+            raise ConfigError(f"loss_type must be one of {LOSS_TYPES}, got {self.loss_type!r}")
         if self.dtype not in ("float32", "float64"):
-            raise ValueError(f"dtype must be float32 or float64, got {self.dtype!r}")
+            raise ConfigError(f"dtype must be float32 or float64, got {self.dtype!r}")
         if self.replica_check_every < 0:
-            raise ValueError(f"replica_check_every must be >= 0 (0: off), got {self.replica_check_every}")
+            raise ConfigError(f"replica_check_every must be >= 0 (0: off), got {self.replica_check_every}")
         if self.kl_prompts < 0:
-            raise ValueError(f"kl_prompts must be >= 0, got {self.kl_prompts}")
+            raise ConfigError(f"kl_prompts must be >= 0, got {self.kl_prompts}")
         for name in ("prompt_tokens", "steps", "group_size", "prompts_per_step", "eval_prompts", "eval_every",
                      "checkpoint_every", "chunk_size", "max_nonfinite_steps"):
             if getattr(self, name) is not None and getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+                raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
         check_memory_budget(self.memory_budget)
 
     def task(self, prompt_tokens: int | None = None) -> KVRecall | ToolLookup:
@@ -271,9 +274,9 @@ def train(cfg: TrainConfig, *, update=None, rollouts=None) -> dict:
         torch.set_num_threads(threads)
 
 
-def _start(cfg: TrainConfig) -> tuple[Run, dict]:
+def _start(cfg: TrainConfig, ckpt: dict | None = None) -> tuple[Run, dict]:
     """Write config.json, build the warm-started model, its frozen reference copy and the
-    optimizer, and resume from the checkpoint when there is one. Returns (run, warm_info)."""
+    optimizer, and resume from `ckpt` (the loaded checkpoint.pt) when there is one. Returns (run, warm_info)."""
     mode = "exact" if cfg.arm == "exact" else "detached"
     cp = torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1  # under torchrun: one prompt
     exec_cfg = engine_config(cfg, build_model(cfg) if cfg.memory_budget is not None else None, mode=mode,
@@ -289,8 +292,7 @@ def _start(cfg: TrainConfig) -> tuple[Run, dict]:
     reference = copy.deepcopy(model).requires_grad_(False) if (cfg.log_kl or cfg.beta > 0) else None
     optimizer = torch.optim.AdamW(model.parameters(), lr=cfg.lr, weight_decay=cfg.weight_decay)
     start, nonfinite = 0, {"in_row": 0, "total": 0}  # steps whose gradient norm was NaN/inf
-    if cfg.resume and os.path.exists(ckpt_path):
-        ckpt = load_checkpoint(ckpt_path)
+    if ckpt is not None:
         model.load_state_dict(ckpt["model"])
         optimizer.load_state_dict(ckpt["optimizer"])
         torch.set_rng_state(ckpt["torch_rng"])
@@ -358,6 +360,21 @@ def _optimizer_step(run: Run, params: list) -> tuple[torch.Tensor, bool]:
     return grad_norm, finite
 
 
+def no_update_reason(record: dict, groups: int) -> str | None:
+    """Why a step's record changed no weight, in the words the progress bar and the log show
+    ("no update (equal rewards)", ...), or None when the step updated. `groups`: groups per step."""
+    if record["nonfinite_grad"]:
+        return "no update (non-finite gradient, skipped)"
+    equal, masked = record["skipped_zero_advantage"], record["skipped_no_loss_tokens"]
+    if equal + masked < groups:
+        return None  # at least one group had a gradient
+    if masked == 0:
+        return "no update (equal rewards)" if groups == 1 else f"no update (equal rewards in all {groups} groups)"
+    if equal == 0:
+        return "no update (no loss tokens: every response token masked)"
+    return "no update (equal rewards or no loss tokens in every group)"
+
+
 def _step(run: Run, step: int, update, params: list, rollout_fn) -> dict:
     """One RL step: rollouts, the reference's KL, the update, held-out evaluation; its
     log line is written and returned."""
@@ -390,6 +407,7 @@ def _step(run: Run, step: int, update, params: list, rollout_fn) -> dict:
         "loss": sum(m["loss"] for m in metrics),
         "clip_fraction": sum(m.get("clip_fraction", 0.0) for m in metrics) / len(metrics),
         "skipped_zero_advantage": sum(m.get("skipped_zero_advantage", 0.0) for m in metrics),
+        "skipped_no_loss_tokens": sum(m.get("skipped_no_loss_tokens", 0.0) for m in metrics),
         "kl_ref": kl, "grad_norm": float(grad_norm), "response_tokens": resp_tokens,
         "environment_calls": calls,
         "nonfinite_grad": float(not finite), "nonfinite_in_row": run.nonfinite["in_row"],
@@ -401,13 +419,36 @@ def _step(run: Run, step: int, update, params: list, rollout_fn) -> dict:
         **{k: sum(m.get(k, 0.0) for m in metrics) for k in ("time_capture_s", "time_replay_s", "time_reverse_s")},
         **ev,
     }
+    record["no_update"] = no_update_reason(record, len(groups))  # None: the weights moved
     if _rank() == 0:  # under torchrun every rank holds the same record; one writes it
         append_log(run.log_path, record)
     return record
 
 
+def _finished(cfg: TrainConfig, ckpt: dict | None) -> dict | None:
+    """The last log record of a run in cfg.out_dir whose checkpoint `ckpt` already holds all
+    cfg.steps steps (None otherwise): a rerun of it resumes nothing, so it says so."""
+    if ckpt is None or ckpt["step"] < cfg.steps:
+        return None
+    done = ckpt["step"]
+    with open(os.path.join(cfg.out_dir, "log.jsonl")) as f:
+        records = [json.loads(line) for line in f if line.strip()]
+    last = next((r for r in reversed(records) if r.get("step") == done), records[-1] if records else {})
+    if _rank() == 0:
+        print(f"longstraw train: {cfg.out_dir} is finished ({done} of {cfg.steps} steps in its checkpoint); nothing "
+              f"to do. To start over: --no-resume (or another --out-dir); to train on: a larger --steps",
+              file=sys.stderr, flush=True)
+    return last
+
+
 def _train(cfg: TrainConfig, update, rollout_fn) -> dict:
-    run, warm_info = _start(cfg)
+    ckpt_path = os.path.join(cfg.out_dir, "checkpoint.pt")
+    ckpt = load_checkpoint(ckpt_path) if cfg.resume and os.path.exists(ckpt_path) else None  # loaded once
+    finished = _finished(cfg, ckpt)
+    if finished is not None:
+        return finished
+    run, warm_info = _start(cfg, ckpt)
+    del ckpt  # its tensors now live in the model and the optimizer
     if run.start == 0:
         t0 = time.perf_counter()
         ev = evaluate(run.engine, run.task, cfg.eval_prompts, split=cfg.eval_split)
@@ -423,8 +464,9 @@ def _train(cfg: TrainConfig, update, rollout_fn) -> dict:
         inject_signal(step, _rank())  # test hook (LONGSTRAW_FAULT kill@R:S / stop@R:S)
         record = _step(run, step, update, params, rollout_fn)
         if cfg.progress:
-            ev = {k: v for k, v in record.items() if k.endswith("_accuracy")}
-            bar.set_postfix(reward=f"{record['reward_mean']:.2f}", **({"acc": f"{next(iter(ev.values())):.2f}"} if ev else {}))
+            ev = [v for k, v in record.items() if k.endswith("_accuracy")]
+            shown = [f"reward={record['reward_mean']:.2f}"] + ([f"acc={ev[0]:.2f}"] if ev else [])
+            bar.set_postfix_str(", ".join(shown + ([record["no_update"]] if record["no_update"] else [])))
         in_row = run.nonfinite["in_row"]
         if in_row >= cfg.max_nonfinite_steps:
             raise NonFiniteError(
@@ -448,7 +490,7 @@ def config_from_args(values: dict, config_file: str | None = None, cls: type = T
     known = {f.name for f in dataclasses.fields(cls)}
     unknown = set(base) - known
     if unknown:
-        raise ValueError(f"unknown TrainConfig fields in {config_file}: {sorted(unknown)}")
+        raise ConfigError(f"unknown TrainConfig fields in {config_file}: {sorted(unknown)}")
     base.update({k: v for k, v in values.items() if v is not None})
     return cls(**base)
 

@@ -108,3 +108,85 @@ def test_plan_command_runs_without_torch():
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert '"peak_bytes_per_rank"' in proc.stdout
+
+
+def _refused(capsys, flags):
+    """Run `longstraw train` with `flags`: its exit code and its stderr's lines."""
+    from longstraw.cli import main
+
+    code = main(["train", *flags])
+    return code, capsys.readouterr().err.strip().splitlines()
+
+
+def test_train_refuses_an_unknown_model_arm_or_task_in_one_line(tmp_path, capsys):
+    """--model / --arm / --task outside their choices: one `longstraw: ConfigError:` line, exit 2,
+    naming the choices; no traceback, and --help lists them."""
+    import pytest
+
+    from longstraw.cli import main
+
+    for flag, bad, choice in (("--model", "nope", "dense"), ("--arm", "foo", "detached"),
+                              ("--task", "foo", "tool_lookup")):
+        with pytest.raises(SystemExit) as exc:
+            main(["train", flag, bad, "--out-dir", str(tmp_path / "run")])
+        err = capsys.readouterr().err.strip().splitlines()
+        assert exc.value.code == 2 and len(err) == 1, err
+        assert err[0].startswith("longstraw: ConfigError: ") and bad in err[0] and choice in err[0], err
+    assert not (tmp_path / "run").exists()
+    with pytest.raises(SystemExit):
+        main(["train", "--help"])
+    out = " ".join(capsys.readouterr().out.split())
+    assert "--model {dense}" in out and "--arm {detached,exact}" in out and "kv_recall,tool_lookup" in out
+
+
+def test_train_refuses_an_unknown_model_from_a_config_file_in_one_line(tmp_path, capsys):
+    """The same field from --config (no argparse choices there): TrainConfig's ConfigError, one line, exit 2."""
+    import json
+
+    path = tmp_path / "cfg.json"
+    path.write_text(json.dumps({"model": "nope"}))
+    code, err = _refused(capsys, ["--config", str(path), "--out-dir", str(tmp_path / "run")])
+    assert code == 2 and len(err) == 1 and err[0].startswith("longstraw: ConfigError: ") and "nope" in err[0], err
+
+
+def test_train_refuses_a_bad_loss_type_before_the_warm_start(tmp_path, capsys, monkeypatch):
+    """--loss-type ppo: refused before the warm start runs and before config.json is written."""
+    import pytest
+
+    import longstraw.train as train_mod
+    from longstraw.cli import main
+
+    monkeypatch.setattr(train_mod, "warm_model", lambda cfg: pytest.fail("the warm start ran"))
+    with pytest.raises(SystemExit) as exc:
+        main(["train", "--loss-type", "ppo", "--out-dir", str(tmp_path / "run")])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert exc.value.code == 2 and len(err) == 1 and err[0].startswith("longstraw: ConfigError: "), err
+    assert "ppo" in err[0] and "dapo" in err[0]
+    with pytest.raises(train_mod.ConfigError, match="loss_type"):
+        train_mod.TrainConfig(loss_type="ppo")  # from Python too, before any work
+    assert not (tmp_path / "run").exists()
+
+
+TINY_TRAIN = ["--prompt-tokens", "16", "--num-facts", "1", "--num-values", "2", "--num-keys", "2", "--num-filler", "4",
+              "--warm-steps", "0", "--steps", "2", "--group-size", "4", "--eval-every", "2", "--eval-prompts", "2",
+              "--chunk-size", "8", "--no-log-kl", "--no-progress", "--threads", "1"]
+
+
+def test_train_rerun_on_a_finished_out_dir_says_so(tmp_path, capsys, monkeypatch):
+    """A second `longstraw train` on a finished --out-dir: exit 0, says it is finished and how
+    to start over (not `{}`), prints the run's last record, and builds no model."""
+    import json
+
+    import pytest
+
+    import longstraw.train as train_mod
+    from longstraw.cli import main
+
+    flags = [*TINY_TRAIN, "--out-dir", str(tmp_path / "run")]
+    assert main(["train", *flags]) == 0
+    first = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    monkeypatch.setattr(train_mod, "warm_model", lambda cfg: pytest.fail("a finished run built its model again"))
+    assert main(["train", *flags]) == 0
+    out, err = capsys.readouterr()
+    assert json.loads(out.strip().splitlines()[-1]) == first and first["step"] == 2
+    assert "finished" in err and "--no-resume" in err and "--steps" in err, err

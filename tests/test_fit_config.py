@@ -90,3 +90,24 @@ def test_the_fitted_step_stays_inside_its_budget_on_cpu(mode, budget):
     assert row["planned_above"] <= row["budget_bytes"]
     if budget != "1GiB":
         assert row["planned_above"] > 0.5 * row["budget_bytes"], row
+
+
+def test_the_offload_the_search_chose_on_cuda_is_returned(monkeypatch):
+    """Issue 43 item 4: on CUDA (faked: the planner reads the model's device and dtype through
+    `_device_and_dtype`) a 1M-token prompt fits 1 GiB only with the state on the host; the
+    returned config keeps `state_device="cpu"`, and planned again it adds <= the budget."""
+    import longstraw.budget as budget
+
+    bf16 = tiny_model("qwen3", dtype=torch.bfloat16)
+    monkeypatch.setattr(budget, "_device_and_dtype", lambda m: (torch.device("cuda"), "bfloat16"))
+    step = dict(prompt_tokens=2**20, group=8, response_tokens=1024)
+    cfg = ls.fit_config(bf16, memory_budget="1GiB", mode="detached", **step)
+    assert cfg.state_device == "cpu"
+
+    def adds(offload):
+        r = estimate(planner_config(bf16), PlanConfig(
+            dtype="bfloat16", mode=cfg.mode, chunk_size=cfg.chunk_size, branch_chunk_size=cfg.branch_chunk_size,
+            recompute_layers=cfg.recompute_layers, offload_state=offload, gdn_kernel="fla", **step))
+        return r["peak_bytes_per_rank"] - r["param_bytes"] - r["grad_bytes"] - r["optimizer_bytes"]
+
+    assert adds(True) <= 2**30 < adds(False)  # the offload is what fits (planned 612 MiB vs 1,124 MiB)

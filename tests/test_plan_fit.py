@@ -89,3 +89,18 @@ def test_the_fit_is_the_fastest_of_a_brute_force_over_a_small_space():
 def test_no_fit_is_returned_not_raised():
     r = search("qwen3-8b", PlanConfig(prompt_tokens=1 << 22, gpu_memory="8GiB", group=2, response_tokens=512))
     assert isinstance(r, NoFit) and r.binding and r.evaluated > 0
+
+
+def test_a_combination_whose_smallest_chunk_does_not_fit_is_still_scanned(capsys):
+    """Issue 43 item 5: exact mode's snapshots grow as P / chunk, so the smallest chunk is not
+    the leanest. Qwen3.6-27B, 1M tokens, 8 H200s, snapshots pinned on the device: chunk 512
+    with recompute does not fit, chunk 4,096 does, and --fit finds it (it said "nothing fits")."""
+    args = ["--model", "qwen3.6-27b", "--prompt-tokens", "1048576", "--group", "8", "--response-tokens", "8192",
+            "--gpus", "8", "--lora-rank", "16", "--weight-dtype", "nf4", "--mode", "exact",
+            "--offload-snapshots", "off", "--gpu", "h200", "--recompute-layers", "on", "--branch-chunk-size", "256"]
+    _, small = run(capsys, args + ["--chunk-size", "512"])
+    _, large = run(capsys, args + ["--chunk-size", "4096"])
+    assert not small["fits"] and large["fits"]
+    code, r = run(capsys, args[:-4] + ["--fit"])
+    assert code == 0 and r["fit"] is not None, r.get("binding")
+    assert r["fit"]["exec_config"]["offload_snapshots"] is False and r["fits"]

@@ -213,6 +213,7 @@ def test_a_nonfinite_gradient_skips_the_update(tmp_path, monkeypatch):
     log = [r for r in _log(tmp_path) if "nonfinite_grad" in r]
     assert [r["nonfinite_grad"] for r in log] == [0, 0, 1, 0, 0]
     assert [r["nonfinite_steps"] for r in log] == [0, 0, 1, 1, 1] and log[3]["nonfinite_in_row"] == 0
+    assert log[2]["no_update"] == "no update (non-finite gradient, skipped)"
     for name, value in snapshots[2].items():  # the weights after step 3 are those after step 2
         assert torch.equal(snapshots[3][name], value), name
     ckpt = torch.load(tmp_path / "checkpoint.pt", weights_only=True)
@@ -333,3 +334,22 @@ def test_a_bad_tool_output_stops_the_agent_task_before_the_update(tmp_path, monk
         assert steps == []
     model = build(cfg)
     assert all(p.grad is None for p in model.parameters())
+
+
+def test_a_step_with_equal_rewards_says_no_update(tmp_path, monkeypatch, capsys):
+    """Every response rewarded alike: the engine skips the group (zero advantage), and the
+    log line and the progress bar say "no update (equal rewards)"; an updating step says nothing."""
+    import itertools
+
+    from longstraw.tasks import KVRecall
+
+    monkeypatch.setattr(KVRecall, "reward", lambda self, item, response: 1.0)
+    train(TrainConfig(**dict(TINY, arm="detached", steps=2, eval_every=100, progress=True, out_dir=str(tmp_path))))
+    log = [r for r in _log(tmp_path) if r["step"] > 0]
+    assert [r["no_update"] for r in log] == ["no update (equal rewards)"] * 2
+    assert [r["skipped_zero_advantage"] for r in log] == [1.0, 1.0]
+    assert "no update (equal rewards)" in capsys.readouterr().err
+    turn = itertools.count()
+    monkeypatch.setattr(KVRecall, "reward", lambda self, item, response: float(next(turn) % 2))  # 0, 1, 0, 1
+    train(TrainConfig(**dict(TINY, arm="detached", steps=2, eval_every=100, out_dir=str(tmp_path / "b"))))
+    assert [r["no_update"] for r in _log(tmp_path / "b") if r["step"] > 0] == [None, None]

@@ -22,7 +22,13 @@ import torch
 
 class SavedBytes:
     """Bytes of the distinct storages autograd saves for backward inside the block,
-    parameters excluded (they are held anyway)."""
+    parameters excluded (they are held anyway).
+
+    The pack hook returns the tensor DETACHED (same storage, no `grad_fn`): an op that
+    saves its own output (rsqrt, mul, ...) would otherwise hold that output, whose
+    `grad_fn` holds the saved copy, a cycle through the C++ graph that neither
+    refcounting nor `gc` frees, and an unkept measured graph would outlive its step
+    (issue 43, item 1). Backward only needs the values, so the gradients are the same."""
 
     def __init__(self, model: torch.nn.Module):
         self.exclude = {p.untyped_storage().data_ptr() for p in model.parameters()}
@@ -39,7 +45,7 @@ class SavedBytes:
         if ptr not in self.exclude and ptr not in self.seen:
             self.seen.add(ptr)
             self.total += storage.nbytes()
-        return tensor
+        return tensor.detach()
 
     def __enter__(self):
         self._hooks.__enter__()

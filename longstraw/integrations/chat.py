@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import json
 
-from tokenizers import Tokenizer, models, pre_tokenizers
+from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast
 
 from ..errors import ConfigError
@@ -89,5 +89,9 @@ def token_id_tokenizer(vocab_size: int, *, eos_token_id: int = 0, pad_token_id: 
     tok = Tokenizer(models.WordLevel(vocab, unk_token=str(eos_token_id)))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     pad = eos_token_id if pad_token_id is None else pad_token_id
-    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=str(eos_token_id), pad_token=str(pad),
+
+    def whole(i):  # a special token matches whole words only: "1" as eos must not split "2100" into 2 1 00
+        return AddedToken(str(i), single_word=True, special=True)
+
+    return PreTrainedTokenizerFast(tokenizer_object=tok, eos_token=whole(eos_token_id), pad_token=whole(pad),
                                    padding_side="left")

@@ -134,12 +134,13 @@ class _MicroBatch:
 class LongStrawGRPOTrainer(trl_checkpoint.TrainerCheckpoints, trl.GRPOTrainer):
     """TRL's `GRPOTrainer` with LongStraw's rollouts and update (see the module doc).
 
+    `model`, `reward_funcs`, `args`, `train_dataset`, `eval_dataset`, `processing_class`,
+    `reward_processing_classes`, `callbacks`, `optimizers`, `peft_config` and the other
+    keyword arguments are as `trl.GRPOTrainer`'s. `args.gradient_checkpointing` is turned
+    off (LongStraw bounds activation memory itself); unsupported settings raise
+    `ConfigError` (`unsupported_settings`).
+
     Args:
-        model, reward_funcs, args, train_dataset, eval_dataset, processing_class,
-        reward_processing_classes, callbacks, optimizers, peft_config, and the other
-        keyword arguments: as `trl.GRPOTrainer`. `args.gradient_checkpointing` is turned
-        off (LongStraw bounds activation memory itself); unsupported settings raise
-        `ConfigError` (`unsupported_settings`).
         longstraw_config: how the engine runs (`ExecConfig`: chunk sizes, mode). Default
             `ExecConfig()` (detached); `mode="exact"` gives the full-sequence gradient.
         longstraw_keep_states: keep each prompt's state from generation to its update
@@ -160,9 +161,10 @@ class LongStrawGRPOTrainer(trl_checkpoint.TrainerCheckpoints, trl.GRPOTrainer):
             data-parallel groups stays one all-reduce per step.
         longstraw_max_nonfinite_steps: NaN/inf gradients on any rank skip the step on all ranks
             (`longstraw/skipped_nonfinite_steps`); this many in a row raise `NonFiniteError`.
-        longstraw_memory_budget, longstraw_prompt_tokens: `ls.fit_config` picks the engine's
-            config for this bytes / "80GiB" budget and P at construction (`trl_budget.py`;
+        longstraw_memory_budget: `ls.fit_config` picks the engine's config for this bytes /
+            "80GiB" budget and `longstraw_prompt_tokens` at construction (`trl_budget.py`;
             `longstraw_config`'s non-default fields pinned; `DoesNotFitError` if nothing fits).
+        longstraw_prompt_tokens: P, the prompt length `longstraw_memory_budget` is fitted for.
     """
 
     def __init__(self, model, reward_funcs=None, args=None, train_dataset=None, eval_dataset=None,

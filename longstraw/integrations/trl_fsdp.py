@@ -27,11 +27,11 @@ mesh, before the Trainer creates the optimizer. The contract is in docs/distribu
 from __future__ import annotations
 
 import torch
-from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard
 
 from longstraw.models.base import unwrap_causal_lm
 from longstraw.parallel.fsdp import hold_replica_reductions
+from longstraw.parallel.launch import device_mesh
 from longstraw.parallel.mesh import Mesh
 
 
@@ -66,12 +66,13 @@ def decoder_layers(model) -> list:
 def shard_decoder_layers(model, mesh: Mesh, device: torch.device) -> list:
     """`fully_shard` each decoder layer of `model` on the 2-D (dp, cp) device mesh of
     `mesh` (HSDP: sharded over the cp ranks, replicated over dp), its all-reduce across
-    replicas held for LongStraw's one sum per step (`hold_replica_reductions`). Every rank
-    must call it, before the optimizer is made. Returns the sharded layers."""
-    device_mesh = init_device_mesh(device.type, (mesh.data, mesh.context), mesh_dim_names=("dp", "cp"))
+    replicas held for LongStraw's one sum per step (`hold_replica_reductions`). The mesh's
+    groups wait `LONGSTRAW_COLLECTIVE_TIMEOUT` (`parallel.launch.device_mesh`), not torch's
+    default. Every rank must call it, before the optimizer is made. Returns the sharded layers."""
+    fsdp_mesh = device_mesh(device.type, (mesh.data, mesh.context), ("dp", "cp"))
     layers = decoder_layers(model)
     for layer in layers:
-        fully_shard(layer, mesh=device_mesh)
+        fully_shard(layer, mesh=fsdp_mesh)
     hold_replica_reductions(layers)
     return layers
 

@@ -23,7 +23,7 @@ import torch
 from longstraw.ops.decode_attention import decode_attention, gathered_partial
 from longstraw.ops.dsa import indexer_scores, select_candidates, select_topk
 from longstraw.ops.flash import merge_partials
-from longstraw.parallel.collectives import all_gather
+from longstraw.parallel.topk import shard_topk
 from longstraw.state.branch import BranchLatent
 from longstraw.state.prompt import MLAState
 
@@ -32,9 +32,10 @@ from .attention import merge_shard
 def prompt_candidates(index_q, weights, prompt_index, until: int, topk: int, scale: float):
     """Each query's top-k among the prompt's indexer keys before `until`: (positions [B, K'],
     scores [B, K']), -1 / -inf padded, for queries index_q [B, Hi, Di] (float32) with
-    weights [B, Hi]. Context-parallel: every rank's shard candidates, all-gathered in rank
-    order (every member of the global top-k is in its own shard's top-k). Decode and
-    replay's selection across ranks (`mla._select_across_ranks`) both use it."""
+    weights [B, Hi]. Context-parallel: the global top-k of every rank's shard candidates
+    (every member of it is in its own shard's top-k), agreed by `parallel.topk.shard_topk`
+    in bytes per query flat in W. Decode and replay's selection across ranks
+    (`mla._select_across_ranks`) both use it."""
     keys, pos = prompt_index.until(until), prompt_index.positions(until)
     scores = indexer_scores(index_q, weights, keys, scale=scale)  # (G, S) float32
     cand = select_topk(scores, pos, topk)  # (G, K)
@@ -43,10 +44,8 @@ def prompt_candidates(index_q, weights, prompt_index, until: int, topk: int, sca
         cand_sc = torch.where(cand < 0, float("-inf"), scores.gather(-1, cols))
     else:
         cand_sc = torch.full(cand.shape, float("-inf"), device=cand.device)
-    if prompt_index.shard is not None:  # positions travel as int32 (a prompt of < 2^31 positions)
-        cp = prompt_index.shard.cp
-        cand = torch.cat(all_gather(cand.to(torch.int32), cp), dim=1).long()
-        cand_sc = torch.cat(all_gather(cand_sc, cp), dim=1)
+    if prompt_index.shard is not None:  # (a prompt of < 2^31 positions)
+        cand, cand_sc = shard_topk(cand, cand_sc, topk, prompt_index.shard.cp)
     return cand, cand_sc
 
 

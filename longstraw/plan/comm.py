@@ -52,6 +52,7 @@ from dataclasses import dataclass
 from .arch import indexer_parameters
 from .config import Basis
 from .experts import expert_elements, expert_phase_traffic, expert_slice
+from .traffic import candidate_bytes_per_query
 
 
 def link(c, ranks: int) -> tuple[str, float]:
@@ -72,9 +73,11 @@ def replay_merge_bytes_per_token(s: Basis, recompute: bool, score_passes: int) -
                     H (kv_lora + 2); a score pass H (kv_lora + 1)
 
     (H heads, Dv the value head dim; MLA merges in the latent space.) A sparse DSA layer
-    with its own indexer (top-k K below the prompt's positions) also all-gathers every
-    rank's candidates per forward (`mla_decode.prompt_candidates`): (W-1) K (4 + 4) bytes
-    (int32 positions, fp32 scores). Fitted to the engine's `comm_bytes_replay` on gloo at
+    with its own indexer (top-k K below the prompt's positions) also agrees on the global
+    top-k of every rank's candidates per forward (`mla_decode.prompt_candidates`,
+    `parallel.topk.global_topk`): `candidate_bytes_per_query(W, K)`, 2 (W-1)/W (4 + 16 x
+    64 + K (4 + 4)) + (W-1) 4, flat in W but for the last term (it was an all-gather of
+    (W-1) K (4 + 4)). Fitted to the engine's `comm_bytes_replay` on gloo at
     W = 2 and 3 (tests/test_plan_comm.py; the DSA candidates and the expert combines:
     tests/comm_worker.py's `check_expert_and_gradient_bytes`)."""
     W, arch = s.W, s.arch
@@ -92,7 +95,7 @@ def replay_merge_bytes_per_token(s: Basis, recompute: bool, score_passes: int) -
     candidates = 0.0
     if arch.index_topk and arch.index_topk < s.P - 1:  # sparse: top-k below the prompt's positions
         forwards = 1 + (1 if recompute else 0) + score_passes
-        candidates = (W - 1) * arch.index_topk * 8 * forwards * arch.count(mixer="mla", indexer=True)
+        candidates = candidate_bytes_per_query(W, arch.index_topk) * forwards * arch.count(mixer="mla", indexer=True)
     return 2 * (W - 1) / W * per * s.acc + candidates
 
 

@@ -13,8 +13,9 @@ The space (each option the caller did not pin):
 
 How (a few dozen `estimate` calls, not the product of every option): every combination of
 the on/off savers is planned once at the largest pieces and chunk (its fastest setting,
-a lower bound on its time) and once at the smallest (its leanest); a combination whose
-leanest setting does not fit is dropped. The rest are taken fastest first; each is
+a lower bound on its time) and at the smallest pieces with every chunk (its leanest: the
+peak falls with the pieces, but not with the chunk, since exact mode's recurrent snapshots
+grow as P / chunk); a combination none of whose leanest settings fits is dropped. The rest are taken fastest first; each is
 scanned from the largest pieces and chunk down to the first that fits, and the scan
 stops when the next combination's lower bound is no faster than the best fit found.
 Exact mode then tries to keep capture graphs in the memory left over.
@@ -134,8 +135,8 @@ def search(model, base: PlanConfig, pinned=()) -> Fit | NoFit:
         cfg = replace(base, **combo)
         if cfg.offload_state and cfg.keep_graph_bytes:
             continue
-        lean = plan(replace(cfg, branch_chunk_size=pieces[-1], chunk_size=chunks[-1]))
-        if not _fits(lean, budget):
+        if not any(_fits(plan(replace(cfg, branch_chunk_size=pieces[-1], chunk_size=ch)), budget)
+                   for ch in reversed(chunks)):  # the smallest chunk first: usually the leanest
             continue
         fast = plan(replace(cfg, branch_chunk_size=pieces[0], chunk_size=chunks[0]))
         candidates.append((fast["estimated_time_s"], combo))
@@ -164,6 +165,17 @@ def search(model, base: PlanConfig, pinned=()) -> Fit | NoFit:
                 c, r = kept, rk
                 break
     return Fit(config=c, report=r, options=_option_costs(base, c, r, plan, pinned), evaluated=len(plan.memo))
+
+
+def _leanest(plan, cfg: PlanConfig, pieces, chunks) -> tuple[PlanConfig, dict]:
+    """`cfg` at its smallest pieces and the chunk of the smallest peak, and its plan."""
+    leanest = None
+    for ch in chunks:
+        c = replace(cfg, branch_chunk_size=pieces[-1], chunk_size=ch)
+        r = plan(c)
+        if leanest is None or r["peak_bytes_per_rank"] < leanest[1]["peak_bytes_per_rank"]:
+            leanest = (c, r)
+    return leanest
 
 
 def _option_costs(base: PlanConfig, chosen: PlanConfig, r: dict, plan, pinned: set) -> list[dict]:
@@ -203,10 +215,9 @@ def _no_fit(model, base: PlanConfig, pinned: set, plan, pieces, chunks) -> NoFit
     """The binding term of the leanest plan and the smallest changes that fit."""
     lean_combo = {}
     for combo in _savers(model, base, pinned):  # the leanest combination: the smallest lean peak
-        c = replace(base, **combo, branch_chunk_size=pieces[-1], chunk_size=chunks[-1])
-        if c.offload_state and c.keep_graph_bytes:
+        if combo.get("offload_state", base.offload_state) and base.keep_graph_bytes:
             continue
-        r = plan(c)
+        c, r = _leanest(plan, replace(base, **combo), pieces, chunks)
         if not lean_combo or r["peak_bytes_per_rank"] < lean_combo["r"]["peak_bytes_per_rank"]:
             lean_combo = {"c": c, "r": r}
     lean, r = lean_combo["c"], lean_combo["r"]

@@ -11,6 +11,28 @@ from __future__ import annotations
 from ..parallel.deal import Deal, walk_chunk_bounds
 from .arch import DTYPE_BYTES, Arch, architecture, count_parameters, indexer_parameters, load_model_config
 
+def radix_topk_bytes_per_query(W: int, topk: int, score_bytes: int = 4) -> float:
+    """Bytes a rank receives per query of `parallel.topk.global_topk` (the ring model of
+    `collectives.Traffic`): the candidate count's all-reduce (4), the radix select's
+    (8 score_bytes + 32) / 4 rounds of a 16-bin int32 histogram, the chosen [K] (int32
+    positions and scores) summed once, and the all-gather of each rank's count (4)."""
+    if W == 1:
+        return 0.0
+    rounds = (8 * score_bytes + 32) // 4
+    return 2 * (W - 1) / W * (4 + rounds * 16 * 4 + topk * (4 + score_bytes)) + (W - 1) * 4
+
+
+def gathered_topk_bytes_per_query(W: int, topk: int, score_bytes: int = 4) -> float:
+    """Bytes a rank receives per query when every rank's K candidates are all-gathered."""
+    return (W - 1) * topk * (4 + score_bytes)
+
+
+def candidate_bytes_per_query(W: int, topk: int, score_bytes: int = 4) -> float:
+    """Sparse DSA's candidate exchange per query: the cheaper of the two
+    (`parallel.topk.shard_topk` takes the same one; the all-gather at W = 2)."""
+    return min(radix_topk_bytes_per_query(W, topk, score_bytes), gathered_topk_bytes_per_query(W, topk, score_bytes))
+
+
 def _arch_and_bytes(model, dtype: str | None) -> tuple[Arch, int, int]:
     """The model's `Arch`, the bytes of `dtype` (default: the config's, else bf16), and of
     its accumulation dtype (fp32 for half types)."""
@@ -79,8 +101,9 @@ def divided_walk_traffic(model, *, positions: int, world: int, block: int, chunk
         MLA         the absorbed queries and latent rows (all-gather); an own indexer's
                     inputs (all-gather, no grad); where top-k covers the chunk, as attention
                     (its value the latent's first R columns, its k and v gradients summed
-                    apart); else (sparse DSA) every rank's top-k candidates per query and
-                    each rank's own rows' selection (an own indexer; all-gathers), the
+                    apart); else (sparse DSA) the global top-k of every rank's candidates per
+                    query (`candidate_bytes_per_query`) and each rank's own rows'
+                    selection (an own indexer; an all-gather), the
                     shard's sparse partials (merged) and dq
                     (all-reduce); the output gradient (all-reduce)
 
@@ -121,8 +144,8 @@ def divided_walk_traffic(model, *, positions: int, world: int, block: int, chunk
                     if a > 0:
                         total += summed * h * t * (kl + 2) * acc + back * summed * h * t * (kl + r) * b
                 else:
-                    if layer.indexer:  # every rank's candidates for the chunk; each rank's rows' selection
-                        total += gathered * t * arch.index_topk * (4 + 4) + gathered * most * arch.index_topk * 4
+                    if layer.indexer:  # the chunk's global top-k; each rank's rows' selection
+                        total += t * candidate_bytes_per_query(world, arch.index_topk) + gathered * most * arch.index_topk * 4
                     total += summed * h * t * (kl + 2) * acc + back * summed * h * t * (kl + r) * b
     if grad_bytes is None:
         grad_bytes = (count_parameters(arch).total - indexer_parameters(arch)) * b

@@ -1,0 +1,144 @@
+"""A global top-k across context ranks whose bytes per query do not grow with W (issue 46).
+
+Each rank holds, per query, its own candidates (positions and scores, e.g. the top-k of its
+shard of the prompt's indexer keys). The global top-k is the same selection one process's
+`dsa.select_candidates` makes over all of them: best score first, ties to the lower position.
+
+The naive twin all-gathers every rank's candidates: (W - 1) K (4 + 4) bytes per query.
+Here the ranks first agree on the k-th best candidate by a radix select: every candidate's
+order key is the pair (score, -position) mapped to two integers whose order is the pair's;
+each round all-reduces a 16-bin histogram of one 4-bit digit of the candidates still tied
+with the cut on the digits above (16 rounds for float32 scores, 24 for float64). Every
+candidate at or above the cut is in (the keys are distinct: a row's positions are), so
+exactly min(K, candidates) of them, and the ranks place theirs in one [B, K] buffer each
+(at offsets from an all-gather of their counts) that one all-reduce sums. Bytes a rank
+receives per query, with the ring model of `collectives.Traffic`:
+
+    2 (W-1)/W (rounds 16 * 4 + K (4 + s))  +  (W - 1) 4
+
+(s the score's bytes; `plan.traffic.radix_topk_bytes_per_query`): flat in W but for the
+counts' 4 bytes a rank. At W = 2 the all-gather's K (4 + s) is less, and `shard_topk`
+takes it there.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from longstraw.ops.dsa import select_candidates
+from longstraw.parallel.collectives import all_gather, all_reduce_sum
+from longstraw.plan.traffic import gathered_topk_bytes_per_query, radix_topk_bytes_per_query
+
+DIGIT_BITS = 4
+BINS = 1 << DIGIT_BITS
+POSITION_BITS = 32  # positions below 2^31, keyed as 2^31 - 1 - position (non-negative)
+
+
+def score_bits(dtype: torch.dtype) -> int:
+    """The width of a score's order key: 32 for float32 (and narrower floats, scored in it), 64 for float64."""
+    return 64 if dtype == torch.float64 else 32
+
+
+def order_key(scores: torch.Tensor) -> torch.Tensor:
+    """int64 keys of scores (float32 or float64, no NaN) in the same order: the IEEE bits,
+    negative values' magnitude bits flipped (so -0.0 sorts just below +0.0)."""
+    if scores.dtype == torch.float64:
+        bits = scores.contiguous().view(torch.int64)
+        return bits ^ ((bits >> 63) & 0x7FFFFFFFFFFFFFFF)
+    bits = scores.float().contiguous().view(torch.int32)
+    return (bits ^ ((bits >> 31) & 0x7FFFFFFF)).long()
+
+
+def rounds(dtype: torch.dtype) -> int:
+    """Histogram all-reduces a selection takes for scores of `dtype`."""
+    return (score_bits(dtype) + POSITION_BITS) // DIGIT_BITS
+
+
+def _radix_cut(words: list[tuple[torch.Tensor, int]], valid: torch.Tensor, need: torch.Tensor, cp):
+    """The need-th largest (lexicographic) key per row among `valid` entries over all ranks.
+
+    words: (int64 [B, n], bits) most significant first, each fitting a signed `bits`-bit
+    integer. need: [B] (>= 1 where used). Returns the cut's words, [B] each."""
+    match = valid.clone()
+    need = need.clone()
+    cut = []
+    for word, bits in words:
+        value = torch.zeros_like(need)
+        for shift in range(bits - DIGIT_BITS, -1, -DIGIT_BITS):
+            digit = (word >> shift) & (BINS - 1)
+            if shift == bits - DIGIT_BITS:
+                digit = (word >> shift) + BINS // 2  # the sign digit: -8..7 -> 0..15
+            hist = torch.zeros(need.shape[0], BINS, dtype=torch.int32, device=word.device)
+            hist.scatter_add_(1, torch.where(match, digit, 0), match.to(torch.int32))
+            hist = all_reduce_sum(hist, cp)
+            at_or_above = hist.flip(1).cumsum(1).flip(1)  # [B, 16]: candidates in bins >= d
+            d = ((at_or_above >= need[:, None]).sum(1) - 1).clamp(min=0)  # the bin holding the need-th
+            need -= (at_or_above.gather(1, d[:, None]) - hist.gather(1, d[:, None]))[:, 0]
+            top = d - BINS // 2 if shift == bits - DIGIT_BITS else d
+            value += top << shift
+            match &= digit == d[:, None]
+        cut.append(value)
+    return cut
+
+
+def global_topk(positions: torch.Tensor, scores: torch.Tensor, topk: int, cp):
+    """The top-k per row of every rank's candidates (positions [B, n], -1 = empty slot;
+    scores [B, n] float32/float64; a row's positions distinct across all ranks and below
+    2^31): ([B, topk] positions, [B, topk] scores), best score first, ties to the lower
+    position, -1 / -inf padded: what `dsa.select_candidates` gives over every rank's
+    candidates concatenated. Every rank must call it with the same B and dtype."""
+    b = positions.shape[0]
+    device = scores.device
+    valid = (positions >= 0) & (scores > float("-inf"))
+    total = all_reduce_sum(valid.sum(1, dtype=torch.int32), cp).long()  # [B]
+    need = total.clamp(max=topk)
+    score_key = order_key(scores)
+    pos_key = (2**31 - 1) - positions.clamp(min=0)  # larger = lower position
+    cut_score, cut_pos = _radix_cut([(score_key, score_bits(scores.dtype)), (pos_key, POSITION_BITS)], valid,
+                                    need.clamp(min=1), cp)
+    above = (score_key > cut_score[:, None]) | ((score_key == cut_score[:, None]) & (pos_key >= cut_pos[:, None]))
+    chosen = valid & above & (need[:, None] > 0)
+    count = chosen.sum(1, dtype=torch.int32)  # [B], this rank's share of the selection
+    counts = torch.stack(all_gather(count, cp))  # [W, B]
+    offset = (counts.cumsum(0) - counts)[cp.rank].long()  # ranks before this one
+    rows, cols = chosen.nonzero(as_tuple=True)  # row-major
+    slot = offset[rows] + torch.arange(rows.numel(), device=device) - (count.long().cumsum(0) - count)[rows]
+    pos_buf = torch.zeros(b, topk, dtype=torch.int32, device=device)
+    sc_buf = torch.zeros(b, topk, dtype=scores.dtype, device=device)
+    pos_buf[rows, slot] = (positions[rows, cols] + 1).to(torch.int32)  # 0 = empty after the sum
+    sc_buf[rows, slot] = scores[rows, cols]
+    packed = torch.cat([pos_buf.view(torch.uint8).reshape(b, -1), sc_buf.view(torch.uint8).reshape(b, -1)], 1)
+    packed = all_reduce_sum(_as_words(packed), cp)  # one collective; a slot has one rank's bytes, others 0
+    raw = packed.view(torch.uint8).reshape(b, -1)
+    out_pos = raw[:, : 4 * topk].contiguous().view(torch.int32).long() - 1
+    out_sc = raw[:, 4 * topk :].contiguous().view(scores.dtype)
+    out_sc = torch.where(out_pos < 0, float("-inf"), out_sc)
+    # order: score descending, equal scores by lower position, empty slots last
+    by_pos = torch.where(out_pos < 0, torch.iinfo(torch.long).max, out_pos).sort(dim=1, stable=True).indices
+    out_pos, out_sc = out_pos.gather(1, by_pos), out_sc.gather(1, by_pos)
+    order = out_sc.sort(dim=1, descending=True, stable=True).indices
+    return out_pos.gather(1, order), out_sc.gather(1, order)
+
+
+def _as_words(packed: torch.Tensor) -> torch.Tensor:
+    """uint8 [B, m] (m a multiple of 4) as int32 [B, m / 4]: summed word by word, a word
+    that only one rank fills comes back bit for bit."""
+    return packed.contiguous().view(torch.int32)
+
+
+def gathered_topk(positions: torch.Tensor, scores: torch.Tensor, topk: int, cp):
+    """`global_topk` by all-gathering every rank's candidates (the naive twin; n the same on
+    every rank, positions sent as int32)."""
+    every_pos = torch.cat(all_gather(positions.to(torch.int32), cp), dim=1).long()
+    every_sc = torch.cat(all_gather(scores, cp), dim=1)
+    return select_candidates(every_sc, every_pos, topk, with_scores=True)
+
+
+def shard_topk(positions: torch.Tensor, scores: torch.Tensor, topk: int, cp):
+    """The global top-k of every rank's [B, n] candidates by the exchange that moves fewer
+    bytes per query (`plan.traffic.candidate_bytes_per_query`): the all-gather at W = 2,
+    the radix select from W = 3. Same result either way."""
+    n, s = positions.shape[1], scores.element_size()
+    if gathered_topk_bytes_per_query(cp.world, n, s) <= radix_topk_bytes_per_query(cp.world, topk, s):
+        return gathered_topk(positions, scores, topk, cp)
+    return global_topk(positions, scores, topk, cp)
