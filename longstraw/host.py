@@ -15,7 +15,7 @@ from __future__ import annotations
 import contextlib
 
 import torch
-from torch._subclasses.fake_tensor import is_fake, unset_fake_temporarily
+from torch._subclasses.fake_tensor import FakeTensorMode, is_fake, unset_fake_temporarily
 from torch.utils._python_dispatch import _get_current_dispatch_mode_stack
 
 
@@ -27,7 +27,6 @@ class HostSyncs:
 
 
 def _faking() -> bool:
-    from torch._subclasses.fake_tensor import FakeTensorMode
     return any(isinstance(m, FakeTensorMode) for m in _get_current_dispatch_mode_stack())
 
 

@@ -21,6 +21,7 @@ from torch import nn
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 from longstraw.config import ExecConfig, GRPOConfig
+from longstraw.engine import Engine
 from longstraw.errors import ConfigError
 from longstraw.group import Group
 from longstraw.rehearsal.measure import StepFigures, measure_steps
@@ -114,7 +115,6 @@ def rehearse(model, config: ExecConfig | None = None, *, prompt_tokens: int, gro
         `Rehearsal` (`peak_bytes_per_rank`, `phases`, `flops`, `host_syncs`, `steps`, `wall_s`).
     """
     t0 = time.perf_counter()
-    from longstraw.engine import Engine  # the engine imports group/host; keep this module light to import
 
     if world_size != 1:
         raise ConfigError(f"rehearse: world_size={world_size} is not rehearsed yet; pass world_size=1")
