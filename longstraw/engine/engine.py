@@ -390,6 +390,7 @@ class Engine:
 
         with self.phase_hook("capture"):
             state = self._reuse_or_capture(group, state, exact)
+        metrics.kept_graph_chunks = float(len(state.kept))  # the walk pops them as it reaches them
         longest = max(int(r.numel()) for r in group.responses)  # replay's longest piece decides the metric
         metrics.recompute_layers = float(self.recomputes_layers(min(self.config.branch_chunk_size or longest, longest),
                                                                 state))
