@@ -56,6 +56,9 @@ class StepMetrics:
     kept_graph_chunks: float = 0.0
     """Exact mode: capture chunks whose autograd graph capture kept (`ExecConfig.keep_graph_bytes`),
     which the reverse walk backpropagated through without recomputing them."""
+    kept_attention_bytes: float = 0.0
+    """Exact mode with `ExecConfig.keep_attention_outputs`: bytes of the attention outputs and
+    LSEs capture kept for the reverse walk (`state/kept_outputs.py`), freed chunk by chunk."""
     state_bytes: float = 0.0
     state_grad_bytes: float = 0.0
     """What the step held in state gradients after its walk (released on return): the
