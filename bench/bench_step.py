@@ -8,6 +8,9 @@ Methods (`--methods`)
 * `exact`: the same with `mode="exact"` and `chunk_size=--exact-chunk-size` (default
   1024): the full-sequence gradient, by recomputing capture chunks in reverse. Its peak
   is one chunk's autograd graph, so the chunk must be well below P.
+* `exact_outputs`: exact mode with `keep_attention_outputs=True`: capture keeps each
+  attention layer's output and LSE, and the walk runs attention's backward from them
+  instead of attending over the prompt again.
 * `exact_kept`: exact mode with `keep_graph_bytes=--keep-graph-bytes` (default: all):
   capture keeps the chunks' graphs that fit and the reverse walk recomputes only the rest.
 * `exact_fit_pg`: exact mode with the `ExecConfig` that `ls.fit_config(model,
@@ -88,9 +91,9 @@ if REPO not in sys.path:
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from proc import code_info, cpu_model, machine_busy_s, mem_total, own_cpu_s, peak_rss, status_bytes  # noqa: E402  (torch-free)
 
-METHODS = ("detached", "exact", "exact_kept", "exact_fit_pg", "exact_blockwise", "naive", "batched", "prefix_grouper",
+METHODS = ("detached", "exact", "exact_outputs", "exact_kept", "exact_fit_pg", "exact_blockwise", "naive", "batched", "prefix_grouper",
            "capture", "hf_forward")
-LONGSTRAW_STEPS = ("detached", "exact", "exact_kept", "exact_fit_pg", "exact_blockwise")
+LONGSTRAW_STEPS = ("detached", "exact", "exact_outputs", "exact_kept", "exact_fit_pg", "exact_blockwise")
 DENSE_FAMILIES = ("qwen3",)
 THREADS = int(os.environ.get("BENCH_THREADS", "2"))  # torch threads per worker (1: a core of its own beside another job)
 VOCAB = 4096
@@ -116,6 +119,8 @@ def _exec_kwargs(args, method: str) -> dict:
         kw["mode"] = "exact"
     if method == "exact_kept":
         kw["keep_graph_bytes"] = args.keep_graph_bytes
+    if method == "exact_outputs":
+        kw["keep_attention_outputs"] = True
     return kw
 
 
@@ -369,14 +374,15 @@ def plan_run(family: str, mode: str, P: int, G: int, R: int, exec_kwargs: dict, 
                      chunk_size=kw["chunk_size"], attention_block_size=kw["attention_block_size"],
                      logits_chunk_size=kw["logits_chunk_size"], branch_chunk_size=kw["branch_chunk_size"],
                      self_attention=self_attention, grads_during_capture=not first_group,
-                     keep_graph_bytes=kw.get("keep_graph_bytes", 0), recompute_layers=kw.get("recompute_layers"))
+                     keep_graph_bytes=kw.get("keep_graph_bytes", 0), recompute_layers=kw.get("recompute_layers"),
+                     keep_attention_outputs=kw.get("keep_attention_outputs", False))
     r = estimate(PLAN_MODEL[family], cfg)
     return r, r["peak_bytes_per_rank"] - r["param_bytes"] - r["optimizer_bytes"]
 
 
 def planner_prediction(args, method: str, params_model: int) -> dict:
     """The capacity planner's figures for this measurement (fp32, no optimizer)."""
-    if method not in ("detached", "exact", "exact_kept", "exact_fit_pg"):
+    if method not in ("detached", "exact", "exact_outputs", "exact_kept", "exact_fit_pg"):
         return {}
     r, held = plan_run(args.family, "detached" if method == "detached" else "exact", args.worker_p, args.worker_g, args.response_tokens,
                        _exec_kwargs(args, method), first_group=False, self_attention=args.plan_self_attention)
@@ -446,10 +452,13 @@ def worker(args) -> dict:
         kw = _exec_kwargs(args, method)
         row.update(chunk_size=kw["chunk_size"], attention_block_size=kw["attention_block_size"],
                    logits_chunk_size=kw["logits_chunk_size"], branch_chunk_size=kw["branch_chunk_size"],
-                   keep_graph_bytes=kw.get("keep_graph_bytes", 0), recompute_layers=kw.get("recompute_layers"))
+                   keep_graph_bytes=kw.get("keep_graph_bytes", 0), recompute_layers=kw.get("recompute_layers"),
+                   keep_attention_outputs=kw.get("keep_attention_outputs", False))
     if method == "exact_fit_pg":
         row["fit_budget_bytes"] = int(args.fit_budget_bytes)
         row["kept_chunks"] = metrics.get("kept_graph_chunks")
+    if method in LONGSTRAW_STEPS:
+        row["kept_attention_bytes"] = metrics.get("kept_attention_bytes")
     if args.family == "glm_moe_dsa":
         row["index_topk"] = TINY_CONFIGS["glm_moe_dsa"]["index_topk"]
     if dsa is not None:
@@ -589,8 +598,8 @@ def _worker_cmd(args, method, P, G, live=False) -> list[str]:
 
 CSV_FIELDS = [
     "tag", "family", "method", "P", "G", "R", "rep", "status", "note", "dtype", "chunk_size", "attention_block_size",
-    "logits_chunk_size", "branch_chunk_size", "keep_graph_bytes", "recompute_layers", "fit_budget_bytes",
-    "kept_chunks", "rss_after_model", "peak_before_step", "peak_rss", "vm_hwm",
+    "logits_chunk_size", "branch_chunk_size", "keep_graph_bytes", "recompute_layers", "keep_attention_outputs",
+    "fit_budget_bytes", "kept_chunks", "kept_attention_bytes", "rss_after_model", "peak_before_step", "peak_rss", "vm_hwm",
     "peak_above_model", "live_tensor_peak", "baseline_hid_peak", "rss_file_growth", "rss_anon_retained",
     "step_time_s", "time_capture_s", "time_replay_s", "time_reverse_s", "state_bytes", "state_grad_bytes",
     "grad_bytes_allocated", "param_bytes", "loss", "cpu_time_s", "foreign_cpu_s", "loadavg_1m_before",
