@@ -154,8 +154,8 @@ _SEARCHED_FLAGS = {"mode": "--mode", "branch_chunk_size": "--branch-chunk-size",
 def _pinned(argv) -> set:
     """The searched fields whose flag is on the command line (`--flag value` or `--flag=value`)."""
     given = {a.split("=", 1)[0] for a in argv if a.startswith("--")}
-    # kept attention outputs: the engine applies them where the walk's attention is torch's fused CPU
-    # kernel, not on a GPU, so the GPU planner never searches them (`fit_config` does on CPU)
+    # kept attention outputs: measured on CPU only so far, so the GPU planner does not search
+    # them (`fit_config` does on CPU)
     return {name for name, flag in _SEARCHED_FLAGS.items() if flag in given} | {"keep_attention_outputs"}
 
 
@@ -256,8 +256,7 @@ def _add_plan_parser(sub) -> None:
                                                            "default 0: recompute every chunk)")
     p.add_argument("--keep-attention-outputs", action="store_true",
                    help="exact mode: capture keeps each full-attention layer's output and LSE, so the walk skips "
-                        "attention's forward over the prompt (ExecConfig.keep_attention_outputs; the engine "
-                        "applies it on CPU's fused kernel only)")
+                        "attention's forward over the prompt (ExecConfig.keep_attention_outputs)")
     p.add_argument("--score-passes", type=int, default=0, help="no-grad scoring forwards per branch (old/ref "
                                                                "log-probs) from the step's one captured state, "
                                                                "no second capture (the paper: 2; default 0)")

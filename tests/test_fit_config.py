@@ -116,8 +116,8 @@ def test_the_offload_the_search_chose_on_cuda_is_returned(monkeypatch):
 
 def test_exact_fit_keeps_attention_outputs_on_cpu_where_they_fit(model, monkeypatch):
     """Kept attention outputs skip the walk's attention forward (planned faster): a budget
-    with room for them chooses them on CPU; pinned off they stay off; where the engine
-    would not keep them (no fused CPU backward) they are never chosen."""
+    with room for them chooses them on CPU; pinned off they stay off; without torch's fused
+    CPU backward (CUDA: not measured there yet) they are not searched."""
     roomy = ls.fit_config(model, memory_budget="1GiB", mode="exact", **STEP)
     assert roomy.keep_attention_outputs is True
     assert planned_addition(model, roomy) <= 1024 * MiB

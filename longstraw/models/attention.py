@@ -85,7 +85,7 @@ def chunk_attention(module, query, key, value, call: AttentionCall, scale: float
     assert kv.end == call.start or call.phase is not Phase.CAPTURE, (kv.end, call.start)
     store = call.states[-1].outputs  # exact mode's kept attention outputs (`state/kept_outputs.py`), or None
     keep = (store is not None and call.phase is Phase.CAPTURE and not torch.is_grad_enabled()
-            and keeps_outputs(query, value.shape[-1], window, sinks))
+            and keeps_outputs(query, value.shape[-1], window, sinks, sharded=kv.shard is not None))
     kept = (store.get(module.layer_idx, call.start, query.shape[2])
             if store is not None and call.phase is Phase.RECOMPUTE and len(call.states) == 1 else None)
     out = prefix_causal_attention(

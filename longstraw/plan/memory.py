@@ -421,11 +421,12 @@ def plan_walk(s: Basis, capture: CapturePlan, graph_tok: float) -> WalkPlan:
 
 def kept_output_bytes(s: Basis, positions: int) -> float:
     """`keep_attention_outputs`: bytes of the outputs [H, Dv] (compute dtype) and LSEs [H]
-    (accumulation dtype) of `positions` recomputed prompt positions, per full-attention
-    layer (sliding windows, MLA / DSA and GDN layers keep none: their walk attends again)."""
+    (accumulation dtype) of `positions` recomputed prompt positions, per attention layer
+    (sliding-window ones too: exact mode keeps all their rows; MLA / DSA and GDN layers
+    keep none, their walk attends again)."""
     if not s.config.keep_attention_outputs:
         return 0.0
-    layers = s.arch.count(mixer="attention", window=None)
+    layers = s.arch.count(mixer="attention")
     return float(layers * positions * s.arch.heads * (s.arch.head_dim * s.b + s.acc))
 
 

@@ -122,7 +122,7 @@ def plan_time(s: Basis, *, divided: bool, divided_walk: bool, walk_chunk: int, h
     capture chunks, and those whose graphs are kept (not recomputed); recompute: replay
     recomputes each decoder layer in backward (one more forward of the branch's layers,
     not of its lm_head); walk_recompute: so does the exact walk (one more forward of each
-    recomputed chunk); kept_outputs: the walk's recomputed forwards skip the full-attention
+    recomputed chunk); kept_outputs: the walk's recomputed forwards skip the attention
     layers' QK^T / PV (`keep_attention_outputs`; its backward is unchanged)."""
     c, arch, params, P, R, G, W = s.config, s.arch, s.params, s.P, s.R, s.G, s.W
     thr = c.throughput_tflops * 1e12
@@ -141,8 +141,8 @@ def plan_time(s: Basis, *, divided: bool, divided_walk: bool, walk_chunk: int, h
                                                                        walk_chunk)
     else:
         # kept attention outputs: the recomputed forwards skip full attention over the prompt
-        skipped = (sum(mixer_flops(arch, layer, P, 0) for layer in arch.layers
-                       if layer.mixer == "attention" and layer.window is None) / W if kept_outputs else 0.0)
+        skipped = (sum(mixer_flops(arch, layer, P, 0) for layer in arch.layers if layer.mixer == "attention") / W
+                   if kept_outputs else 0.0)
         flops_exact_extra = (BACKWARD_FACTOR * flops_prompt
                              + (1 + again) * (chunks - kept_chunks) / chunks * (flops_prompt - skipped))
     t_detached = (flops_capture + G * flops_branch) / thr  # FLOPs of one rank (see forward_flops)
