@@ -278,11 +278,9 @@ def prefix_causal_attention(q, k, v, *, prefixes: list[KVSegment], q_start: int,
             replayed in pieces, also the earlier pieces). Empty segments are skipped.
             A segment with `cp` set holds only this rank's rows of a context-parallel
             shard: its partial attention is merged across ranks (`longstraw/parallel/collectives.py`).
-        scale: softmax scale. window: sliding window W or None.
-        block_size: prefix positions per block.
-        allow_fused: without autograd, use torch's fused flash kernel where one fits
-            (`fused_kernel`: CPU, or CUDA in half precision); False forces the
-            blockwise torch path.
+        scale: softmax scale. window: sliding window W or None. block_size: positions per block.
+        allow_fused: use torch's fused flash kernel where one fits (`fused_kernel`: CPU,
+            or CUDA in half precision); False forces the blockwise torch path.
         own_rows: context parallelism's divided walk, (index, cp) with index[s] the rows
             (LongTensor, increasing) of the T queries that rank s owns: this rank runs the
             causal self part for its own rows only and the ranks' partials are gathered,
@@ -292,8 +290,7 @@ def prefix_causal_attention(q, k, v, *, prefixes: list[KVSegment], q_start: int,
         sinks: [H] sink logits (gpt-oss; no value), merged once into the whole LSE
             (`flash.merge_sink`), with their gradient; the blockwise kernel runs then.
         return_lse: also return the LSE [H, T] (before any sink; accumulation dtype).
-        kept: the walk's kept (o [H, T, Dv], lse [H, T]) from capture: no forward
-            (`flash.KeptAttention`, `KeptPrefixAttention`); ignored with sinks or shards.
+        kept: the walk's (o [H, T, Dv], lse [H, T]) from capture: no forward (`KeptAttention`s).
 
     Returns:
         [H, T, Dv] attention output, in q's dtype (and the LSE with `return_lse`).
