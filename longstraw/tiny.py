@@ -28,7 +28,8 @@ shared; vocab 4096.
 `Qwen3_5ForConditionalGeneration`, with a 2-block vision tower (hidden 64, 4 heads,
 patches 16 x 16 over 2 frames, 2 x 2 spatial merge: a 512 x 512 screenshot is a
 (1, 32, 32) grid, 256 image tokens) and its merger; image / video / vision start / end
-ids 4090-4093 (`TINY_VLM_TOKENS`).
+ids 4090-4093 (`TINY_VLM_TOKENS`). Its processor (built offline), screenshots and ready
+prompt inputs are in `longstraw.tiny_vision`.
 """
 
 from __future__ import annotations
