@@ -370,6 +370,8 @@ class WalkPlan:
         recompute: each decoder layer recomputed in backward (`Engine.walk_recomputes_layers`).
         transient: the blockwise attention's backward transient of one chunk (a kept graph's
             backward holds it).
+        kept_outputs: `keep_attention_outputs`: the full-attention layers' outputs and LSEs
+            of the recomputed chunks, bytes (0 without; alive from capture to the walk).
     """
 
     working: float
@@ -382,6 +384,7 @@ class WalkPlan:
     comm: float
     recompute: bool = False
     transient: float = 0.0
+    kept_outputs: float = 0.0
 
 
 def _divided_walk_working(s: Basis, walk_chunk: int, graph_tok: float) -> float:
@@ -426,9 +429,20 @@ def plan_walk(s: Basis, capture: CapturePlan, graph_tok: float) -> WalkPlan:
                       - (expert_elements(s.arch) if c.expert_parallel else 0))  # expert slices: never summed
         comm = divided_walk_traffic(s.cfg, positions=P - 1, world=W, block=c.attention_block_size,
                                     chunk_size=c.chunk_size, dtype=s.dtype, grad_bytes=grad_elems * s.b)
+    outputs = kept_output_bytes(s, (P - 1) - min(P - 1, kept * C)) if exact and not divided else 0.0
     return WalkPlan(working=working, chunks=chunks, chunk_graph=chunk_graph, kept_chunks=kept,
                     kept_bytes=kept * chunk_graph, divided=bool(divided), chunk=walk_chunk, comm=comm,
-                    recompute=recompute, transient=transient)
+                    recompute=recompute, transient=transient, kept_outputs=outputs)
+
+
+def kept_output_bytes(s: Basis, positions: int) -> float:
+    """`keep_attention_outputs`: bytes of the outputs [H, Dv] (compute dtype) and LSEs [H]
+    (accumulation dtype) of `positions` recomputed prompt positions, per full-attention
+    layer (sliding windows, MLA / DSA and GDN layers keep none: their walk attends again)."""
+    if not s.config.keep_attention_outputs:
+        return 0.0
+    layers = s.arch.count(mixer="attention", window=None)
+    return float(layers * positions * s.arch.heads * (s.arch.head_dim * s.b + s.acc))
 
 
 def kept_chunks(s: Basis, C: int) -> int:
