@@ -4,6 +4,9 @@ set by hand; one worker process per rank, tests/parallel/launch_worker.py):
 * a rank stopped with SIGSTOP makes its peer raise a DistributedError naming the rank and
   the phase within LONGSTRAW_COLLECTIVE_TIMEOUT (3 s here), not the group's 30 minutes;
 * a phase stuck past twice the timeout is ended by the watchdog (exit code 70);
+* the watchdog watches progress: a phase of 3.5x the timeout whose collectives complete
+  runs to its end; one that stops making progress is ended twice the timeout after its
+  last progress;
 * a NaN gradient on rank 1 only makes both ranks skip the step (weights and AdamW state
   untouched), counted; N in a row raise NonFiniteError."""
 
@@ -81,6 +84,27 @@ def test_the_watchdog_ends_a_phase_stuck_past_twice_the_timeout(tmp_path):
     assert proc.returncode == WATCHDOG_EXIT_CODE, log
     assert "rank ? stuck in phase 'a stuck kernel'" in log, log
     assert time.monotonic() - start < 20
+
+
+def test_a_phase_longer_than_twice_the_timeout_completes_while_its_collectives_do(tmp_path):
+    out = str(tmp_path / "long")
+    procs = _start("long", out, 2, LONGSTRAW_COLLECTIVE_TIMEOUT="1")
+    logs = _reap(procs, 60)
+    assert all(p.returncode == 0 for p in procs), ([p.returncode for p in procs], logs)  # 70: the watchdog ended it
+    for rank in (0, 1):
+        seen = _result(out, rank)
+        assert seen["completed"] and seen["seconds"] >= 3.5 and seen["calls"] > 5, seen
+
+
+@pytest.mark.slow  # 15 s on loaded cores; the fast case of the progress watch is the test above
+def test_the_watchdog_counts_from_the_last_progress_not_the_phase_start(tmp_path):
+    (proc,) = _start("silent", str(tmp_path / "silent"), 1, LONGSTRAW_COLLECTIVE_TIMEOUT="1")
+    (log,) = _reap([proc], 30)
+    ended = time.monotonic()
+    assert proc.returncode == WATCHDOG_EXIT_CODE, log
+    assert "rank ? stuck in phase 'a kernel that stops': no progress for 2." in log, log
+    last = float(log.split("last beat at ")[1].split()[0])
+    assert 2.0 <= ended - last <= 6.0, (ended - last, log)  # 2x the timeout after the last beat (+ the 0.5 s poll)
 
 
 def test_a_nan_on_one_rank_skips_the_step_on_every_rank(tmp_path):
