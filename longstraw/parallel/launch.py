@@ -248,5 +248,23 @@ def inject_signal(step: int, rank: int, point: str = "step") -> None:
             os.kill(os.getpid(), sig)
 
 
+@contextlib.contextmanager
+def inject_delay(modules, step: int, rank: int):
+    """Test hook, on the first attempt only: within the block, with LONGSTRAW_FAULT
+    "slow@R:S", rank R's step S sleeps LONGSTRAW_FAULT_SLOW_S seconds (default 0.1) before
+    each forward of each of `modules` (the decoder layers): a long step that keeps making
+    progress (`longstraw.heartbeat`), for the watchdog's test."""
+    if restart_count() > 0 or (rank, step) not in faults("slow"):
+        yield
+        return
+    seconds = float(os.environ.get("LONGSTRAW_FAULT_SLOW_S", "0.1"))
+    handles = [m.register_forward_pre_hook(lambda *_: time.sleep(seconds)) for m in modules]
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+
+
 __all__ = ["DEFAULT_COLLECTIVE_TIMEOUT_S", "WATCHDOG_EXIT_CODE", "collective_timeout", "device_mesh", "faults", "init_distributed",
-           "inject_signal", "phase", "restart_count"]
+           "inject_delay", "inject_signal", "phase", "restart_count"]

@@ -147,3 +147,36 @@ def test_a_phase_names_collective_failures_and_leaves_other_errors_alone():
     with pytest.raises(NonFiniteError):
         with phase("update"):
             raise NonFiniteError("3 steps in a row")
+
+
+def _template(timeout_s: int, fault: str, *args, slow_s: float = 0.1) -> subprocess.CompletedProcess:
+    """examples/torchrun_grpo.py under `torchrun --standalone --max-restarts 0` (W = 2, the
+    tests' TASK, exact mode) with LONGSTRAW_COLLECTIVE_TIMEOUT and LONGSTRAW_FAULT set."""
+    from tests.test_example_torchrun import TASK
+
+    env = {**os.environ, "PYTHONPATH": REPO, "OMP_NUM_THREADS": "1", "LONGSTRAW_FAULT": fault,
+           "LONGSTRAW_FAULT_SLOW_S": str(slow_s), "LONGSTRAW_COLLECTIVE_TIMEOUT": str(timeout_s)}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "--max-restarts",
+           "0", os.path.join(REPO, "examples", "torchrun_grpo.py"), *TASK, *args]
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=400)
+
+
+@pytest.mark.slow  # a torchrun launch, 90 s on loaded cores
+def test_a_template_step_of_three_times_the_timeout_completes():
+    done = _template(3, "slow@0:0,slow@1:0", "--steps", "1")  # each layer forward of step 0 sleeps 0.1 s
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    (line,) = [json.loads(x) for x in done.stdout.splitlines() if x.startswith('{"')]
+    print(f"step 0: {line['step_seconds'][0]:.1f} s (LONGSTRAW_COLLECTIVE_TIMEOUT=3)")
+    assert line["step_seconds"][0] >= 3 * 3, line  # past the old per-phase limit of 2x the timeout, completed
+
+
+@pytest.mark.slow  # a torchrun launch, then torchrun's 30 s grace before it kills the stopped rank
+def test_a_sigstopped_template_rank_is_named_within_the_timeout():
+    done = _template(3, "stop@1:1", "--steps", "3")
+    log = done.stdout + done.stderr
+    assert done.returncode != 0, log[-3000:]
+    named = [x for x in log.splitlines() if "DistributedError: rank 0: phase 'step 1: rollouts and update' failed" in x]
+    assert named, log[-4000:]
+    seconds = float(named[0].split("failed after ")[1].split(" s")[0])
+    print(named[0])
+    assert 2.5 <= seconds <= 3 + 5, named[0]  # the stated timeout (+ start-up of the phase), not 2x, not 30 min
