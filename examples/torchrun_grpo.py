@@ -25,6 +25,7 @@ import argparse
 import json
 import os
 import shutil
+import time
 
 import torch
 import torch.distributed as dist
@@ -38,7 +39,8 @@ import longstraw as ls
 from longstraw.checkpoint import commit_step_dir, prune_step_dirs, read_marker, step_dir
 from longstraw.parallel.collectives import all_reduce_sum
 from longstraw.parallel.data import global_totals, process_group_view, reduce_gradients
-from longstraw.parallel.launch import collective_timeout, device_mesh, init_distributed, inject_signal, phase, restart_count
+from longstraw.parallel.launch import (collective_timeout, device_mesh, init_distributed, inject_delay, inject_signal, phase,
+                                      restart_count)
 from longstraw.parallel.nonfinite import DEFAULT_MAX_NONFINITE_STEPS, NonFiniteGuard, inject
 from longstraw.parallel.mesh import Mesh, mesh_groups
 from longstraw.tasks import KVRecall, Vocab
@@ -170,11 +172,14 @@ def main(argv=None):
     target = resume_target(args.resume, args.checkpoint_dir)
     start = load(target, model, optimizer, guard) if target else 0
 
+    step_seconds = []  # each step's rollouts and update, wall time (in the final JSON line)
     bar = tqdm(range(start, args.steps), disable=rank != 0, desc=f"GRPO W={world} C={mesh.context}")
     for step in bar:
         inject_signal(step, rank)  # test hook (LONGSTRAW_FAULT kill@R:S / stop@R:S)
-        with phase(f"step {step}: rollouts and update"):
+        began = time.monotonic()
+        with phase(f"step {step}: rollouts and update"), inject_delay(model.model.layers, step, rank):  # slow@R:S
             loss, batch = grpo_step(engine, task, grpo, args, step, groups.dp, mesh.data, data)
+        step_seconds.append(round(time.monotonic() - began, 3))
         with phase(f"step {step}: gradient all-reduce and non-finite check"):
             reduce_gradients(model.parameters(), data)  # every group's share, summed: one process's gradient
             inject(model.parameters(), step, rank)  # test hook (LONGSTRAW_FAULT nan@R:S)
@@ -196,7 +201,8 @@ def main(argv=None):
         save(args.checkpoint_dir, model, optimizer, args.steps, guard, args.keep_checkpoints)
     if rank == 0:
         print(json.dumps({"steps": args.steps, "start": start, "restart_count": restart_count(),
-                          "skipped_nonfinite_steps": guard.total, "nonfinite_in_row": guard.in_row}), flush=True)
+                          "skipped_nonfinite_steps": guard.total, "nonfinite_in_row": guard.in_row,
+                          "step_seconds": step_seconds}), flush=True)
     if args.dump:
         full = {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().cpu()
                 for n, p in model.named_parameters()}

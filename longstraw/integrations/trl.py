@@ -7,10 +7,8 @@ update run through LongStraw. A TRL user changes one class:
     trainer.train()
 
 What stays TRL's: the data loader and its RepeatSampler (each prompt num_generations
-times in a row), tokenisation (each distinct prompt once), reward functions, advantages
-(every `scale_rewards`), logging, checkpoints (save and resume; the model and optimizer
-state go through torch.distributed.checkpoint and load at any W: `trl_checkpoint.py`),
-the optimizer, scheduler and gradient clipping.
+times in a row), tokenisation (each distinct prompt once), rewards, advantages, logging,
+checkpoints (DCP, loadable at any W: `trl_checkpoint.py`), optimizer, scheduler, clipping.
 
 What LongStraw replaces, through three of GRPOTrainer's hooks:
 
@@ -25,8 +23,7 @@ What LongStraw replaces, through three of GRPOTrainer's hooks:
   log-probs (num_iterations > 1) and for the reference (beta > 0): `engine.score` per
   group, on the rollout's state while it is fresh. The reference is scored by a second
   engine over `ref_model`, or, with PEFT, on the model with the adapter disabled; its
-  weights differ from the rollout's, so that is a separate capture (the stale-state
-  check sees the adapter switch and refuses the rollout's state).
+  weights differ from the rollout's, so that is a separate capture.
 * `_prepare_inputs` / `training_step`: stock TRL shuffles rows and runs one batched
   full-sequence forward + backward per micro-step, whose graph grows with
   rows x (P + R). Here the generation batch stays whole prompt groups, dealt over the
@@ -36,14 +33,13 @@ What LongStraw replaces, through three of GRPOTrainer's hooks:
   the batch-wide divisors the summed gradient equals TRL's for "dapo", "grpo" and
   "dr_grpo", however the groups fall into micro-steps.
 
-Advantages are TRL's own (from `_generate_and_score_completions`, so "group", "batch"
-and "none" scaling all work); they reach the engine as the rewards with
-`scale_rewards="none"`. They are already centred per group, so the engine's centring
-changes nothing (beyond float rounding).
+Advantages are TRL's own (every `scale_rewards`); they reach the engine as the rewards
+with `scale_rewards="none"` (already centred, so the engine's centring changes nothing).
 
 Memory: each prompt keeps its state from generation to its update (`longstraw_keep_states=
 False` drops it and captures again: one more capture per prompt; with tools the states
 live until the tool loop ends, since its continuations interleave the prompts).
+The screen (skipped steps, the loss note): `trl_screen.py`.
 
 Images (a processor as `processing_class`, TRL's `image` / `images` columns): each group's
 processor outputs become its `prompt_inputs` (`trl_images.py`), for generate, score, step.
@@ -52,8 +48,7 @@ Many processes (`longstraw_context_parallel_size=C`): W / C data-parallel groups
 context-parallel ranks (`trl_parallel.py`, docs/distributed.md); `longstraw_fsdp=True`
 adds FSDP2 per decoder layer over each context-parallel group (`trl_fsdp.py`).
 
-Anything TRL offers that cannot run here is refused at construction with a
-`longstraw.ConfigError` naming the setting and the fix (`unsupported_settings`).
+TRL settings that cannot run here: a `ConfigError` at construction (`unsupported_settings`).
 """
 
 from __future__ import annotations
@@ -78,6 +73,7 @@ from longstraw.parallel.launch import collective_timeout, init_distributed  # on
 from longstraw.parallel.mesh import Mesh, mesh_groups
 from longstraw.parallel.nonfinite import DEFAULT_MAX_NONFINITE_STEPS, NonFiniteGuard
 from longstraw.integrations.trl_settings import LOSS_TYPES, unsupported_settings  # noqa: F401 (public here too)
+from longstraw.integrations.trl_settings import turn_off_activation_checkpointing
 from longstraw.parallel.data import agreed, global_totals, process_group_view, reduce_gradients, sampling_generator
 from longstraw.integrations.trl_parallel import (DataParallelView, check_mesh_settings, reduce_metrics,
                                                  seen_per_data_parallel_group)
@@ -85,6 +81,7 @@ from longstraw.integrations import trl_checkpoint, trl_fsdp
 from longstraw.integrations.chat import token_id_tokenizer  # noqa: F401 (public here too)
 from longstraw.integrations.trl_budget import check_prompt_tokens, fitted_config, held_prompt_states
 from longstraw.integrations.trl_images import group_prompt_inputs  # images: each group's prompt_inputs
+from longstraw.integrations.trl_screen import ScreenCallback
 
 try:
     import trl
@@ -94,8 +91,9 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
 
 logger = logging.getLogger(__name__)
 
-WINDOW_KEYS = ("captures", "tool_continuations", "time_capture_s", "time_generate_s", "time_replay_s",
-               "time_reverse_s", "state_bytes", "state_grad_bytes", "peak_memory_bytes", "skipped_nonfinite_steps")
+SUMMED_KEYS = ("captures", "tool_continuations", "groups", "skipped_zero_advantage", "skipped_no_loss_tokens")
+WINDOW_KEYS = SUMMED_KEYS + ("time_capture_s", "time_generate_s", "time_replay_s", "time_reverse_s", "state_bytes",
+                             "state_grad_bytes", "peak_memory_bytes", "skipped_nonfinite_steps", "nonfinite_grad")
 """The `longstraw/...` metrics logged per optimizer step (every rank reduces the same keys)."""
 
 # ----------------------------------------------------------------------------
@@ -190,12 +188,7 @@ class LongStrawGRPOTrainer(trl_checkpoint.TrainerCheckpoints, trl.GRPOTrainer):
         bad += check_mesh_settings(args, mesh) + trl_fsdp.check_fsdp_settings(longstraw_fsdp, mesh, optimizers)
         if bad:
             raise ConfigError("LongStrawGRPOTrainer cannot run these TRL settings:\n  - " + "\n  - ".join(bad))
-        if args.gradient_checkpointing or getattr(args, "activation_checkpointing", False):
-            logger.warning("LongStrawGRPOTrainer: turning gradient_checkpointing off; LongStraw replays one branch "
-                           "(or one chunk) at a time and never holds a full-sequence graph")
-            args.gradient_checkpointing = False
-            if hasattr(args, "activation_checkpointing"):  # its newer name (transformers >= 5.x)
-                args.activation_checkpointing = False
+        turn_off_activation_checkpointing(args)
         if mesh.context > 1:  # TRL sized it for W processes; the C ranks of a group share its rows
             args.generation_batch_size = args.per_device_train_batch_size * mesh.data * args.steps_per_generation
 
@@ -247,6 +240,8 @@ class LongStrawGRPOTrainer(trl_checkpoint.TrainerCheckpoints, trl.GRPOTrainer):
         self._pending: list[_Pending] = []
         self._in_tool_loop = False
         self._window = defaultdict(float)  # LongStraw metrics of the current optimizer step
+        self._screen = ScreenCallback(speaks=self.accelerator.is_main_process)  # trl_screen.py: skips, the loss note
+        self.add_callback(self._screen)
 
     # ------------------------------------------------------------------------
     # many processes: TRL's data and generation code sees the data-parallel groups
@@ -436,6 +431,9 @@ class LongStrawGRPOTrainer(trl_checkpoint.TrainerCheckpoints, trl.GRPOTrainer):
             m = result.metrics
             loss += result.loss
             skipped = m["skipped_zero_advantage"] > 0 or m["skipped_no_loss_tokens"] > 0
+            for key, value in (("groups", 1.0), ("skipped_zero_advantage", m["skipped_zero_advantage"]),
+                               ("skipped_no_loss_tokens", m["skipped_no_loss_tokens"])):  # what the screen counts
+                self._window[key] += value
             if state is None and not skipped:  # the rollout's state was dropped or stale: captured again
                 self._window["captures"] += 1
                 self._window["time_capture_s"] += m["time_capture_s"]
@@ -471,8 +469,9 @@ class LongStrawGRPOTrainer(trl_checkpoint.TrainerCheckpoints, trl.GRPOTrainer):
         if self._step % self.current_gradient_accumulation_steps == 0:
             # the last micro-step: every data-parallel group's gradient added up (their divisors are the global batch's)
             reduce_gradients(self.longstraw_engine.model.parameters(), self._data)
-            self._nonfinite.skip_if_nonfinite(self.longstraw_engine.model.parameters(), self.state.global_step,
-                                              rank=self.longstraw_mesh.rank, device=self.accelerator.device)
+            self._window["nonfinite_grad"] = float(self._nonfinite.skip_if_nonfinite(
+                self.longstraw_engine.model.parameters(), self.state.global_step, rank=self.longstraw_mesh.rank,
+                device=self.accelerator.device))
             self._window["skipped_nonfinite_steps"] = float(self._nonfinite.total)  # every rank skipped alike
             self._current_train_step_time += time.perf_counter() - start
             self._metrics["train"]["step_time"].append(self._current_train_step_time)
@@ -493,8 +492,8 @@ class LongStrawGRPOTrainer(trl_checkpoint.TrainerCheckpoints, trl.GRPOTrainer):
         if self._data is not None:  # captures added up over the groups, times and bytes their max
             for key in WINDOW_KEYS:
                 self._window.setdefault(key, 0.0)
-            self._window = defaultdict(float, reduce_metrics(self._window, ("captures", "tool_continuations"),
-                                                             self._data))
+            self._window = defaultdict(float, reduce_metrics(self._window, SUMMED_KEYS, self._data))
+        self._screen.step(self._window)  # most steps without an update: one warning
         for key, value in self._window.items():
             self._metrics["train"][f"longstraw/{key}"].append(float(value))
         self._window.clear()

@@ -28,7 +28,7 @@ import torch
 from ..tensors import KVSegment, accumulation_dtype
 from . import flash
 from longstraw.parallel.collectives import GatherRows, MergeAcrossRanks, SumGradAcrossRanks
-from .flash import (FlashAttention, can_use_flash_autograd, empty_partial, fused_kernel, fused_takes, merge_partials,
+from .flash import (FlashAttention, KeptAttention, can_use_flash_autograd, empty_partial, fused_kernel, fused_takes, merge_partials,
                     merge_sink)
 
 
@@ -201,7 +201,8 @@ def _own_self_part(rows, k, v, q_start: int, own_rows, attend):
 
 def prefix_causal_attention(q, k, v, *, prefixes: list[KVSegment], q_start: int, scale: float,
                             window: int | None = None, block_size: int = 1024, allow_fused: bool = True,
-                            own_rows=None, sinks: torch.Tensor | None = None, return_lse: bool = False):
+                            own_rows=None, sinks: torch.Tensor | None = None, return_lse: bool = False,
+                            kept: tuple | None = None):
     """Attention of T new tokens over earlier state segments plus themselves.
 
     Args:
@@ -225,6 +226,10 @@ def prefix_causal_attention(q, k, v, *, prefixes: list[KVSegment], q_start: int,
         sinks: [H] sink logits (gpt-oss; no value), merged once into the whole LSE
             (`flash.merge_sink`), with their gradient; the blockwise kernel runs then.
         return_lse: also return the LSE [H, T] (before any sink; accumulation dtype).
+        kept: exact mode's walk with kept attention outputs: (o [H, T, Dv], lse [H, T])
+            of these queries from capture. Where the fused autograd kernel runs, its
+            forward is skipped (`flash.KeptAttention`: the kept output, the same
+            backward); elsewhere it is ignored and attention is computed.
 
     Returns:
         [H, T, Dv] attention output, in q's dtype (and the LSE with `return_lse`).
@@ -240,7 +245,10 @@ def prefix_causal_attention(q, k, v, *, prefixes: list[KVSegment], q_start: int,
     if not needs_lse and allow_fused and torch.is_grad_enabled() and can_use_flash_autograd(q, k, v, prefixes, window):
         # a shard joins whenever any rank may hold rows before the queries (even if this one holds none)
         used = [s for s in prefixes if (s.k.shape[1] > 0 if s.cp is None else q_start > s.start)]
-        out = FlashAttention.apply(q, k, v, used, scale, flash.BACKWARD_BLOCK, own_rows)
+        if kept is not None and own_rows is None:  # the walk: capture's output, no attention again
+            out = KeptAttention.apply(q, k, v, used, scale, flash.BACKWARD_BLOCK, kept)
+        else:
+            out = FlashAttention.apply(q, k, v, used, scale, flash.BACKWARD_BLOCK, own_rows)
         return out.to(q.dtype).reshape(h, t, -1)
     fused = allow_fused and own_rows is None and can_use_fused(q, k, v, prefixes, window)
     rows = q.reshape(hkv, g * t, d)  # (Hkv, M, D): head j*g+i -> kv head j
