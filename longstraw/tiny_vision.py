@@ -29,9 +29,12 @@ Needs Pillow (`pip install pillow`), as HF's PIL image processor does.
 
 from __future__ import annotations
 
+import numpy as np
 import torch
+from PIL import Image
 from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
 from transformers import PreTrainedTokenizerFast, Qwen3VLProcessor
+from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
 from longstraw.tiny import TINY_VISION, TINY_VLM_TOKENS
 
@@ -89,8 +92,6 @@ def tiny_vlm_processor(*, min_pixels: int = 32 * 32, max_pixels: int = 512 * 512
         min_pixels, max_pixels: the image processor's resize bounds (HF's `smart_resize`:
             each side rounded to a multiple of 32, the area kept within the bounds).
     """
-    from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
-
     images = Qwen2VLImageProcessorPil(patch_size=TINY_VISION["patch_size"],
                                       temporal_patch_size=TINY_VISION["temporal_patch_size"],
                                       merge_size=TINY_VISION["spatial_merge_size"],
@@ -100,9 +101,6 @@ def tiny_vlm_processor(*, min_pixels: int = 32 * 32, max_pixels: int = 512 * 512
 
 def screenshots(n: int, *, height: int = 64, width: int = 96, seed: int = 0) -> list:
     """n random RGB `PIL.Image`s of height x width (64 x 96: a (1, 4, 6) grid, 6 image tokens)."""
-    import numpy as np
-    from PIL import Image
-
     rng = np.random.default_rng(seed)
     return [Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8)) for _ in range(n)]
 
