@@ -84,9 +84,18 @@ def _processor_inputs(prompt, images):
     return out["input_ids"][0], {k: out[k] for k in ("pixel_values", "image_grid_thw", "mm_token_type_ids")}
 
 
-@pytest.mark.slow  # 84 s of CPU (float64, the tiny VLM's 256-wide text model)
-def test_first_step_with_two_images_per_prompt_equals_engine_step(tmp_path):
-    model = tiny_vlm(dtype=torch.float64)
+SMALL = dict(text=dict(hidden_size=32, intermediate_size=32, num_hidden_layers=2, num_attention_heads=2,
+                       layer_types=["linear_attention", "full_attention"], num_key_value_heads=1, head_dim=8,
+                       linear_num_key_heads=1, linear_num_value_heads=2, linear_key_head_dim=8,
+                       linear_value_head_dim=8, rope_parameters=dict(rope_type="default", rope_theta=10000.0,
+                                                                     partial_rotary_factor=1.0, mrope_section=[2, 1, 1])),
+             depth=1, hidden_size=16, num_heads=2, intermediate_size=16, out_hidden_size=32)
+"""`tiny_vlm` narrowed for the default suite (every M-RoPE axis rotates: sections [2, 1, 1])."""
+
+
+@pytest.mark.parametrize("size", ["small", pytest.param("tiny", marks=pytest.mark.slow)])  # tiny: 84 s of CPU
+def test_first_step_with_two_images_per_prompt_equals_engine_step(tmp_path, size):
+    model = tiny_vlm(dtype=torch.float64, **(SMALL if size == "small" else {}))
     reference = copy.deepcopy(model)
     grads = _Grads()
     trainer = _trainer(model, tmp_path, grads)
