@@ -222,11 +222,7 @@ class Engine:
         tokens recomputes each decoder layer in backward: the replay rule
         (`recomputes_layers`) for its chunks of min(chunk_size, positions) tokens. A chunk
         then keeps only each layer's input [chunk, d], and the live graph holds one layer.
-        Not under FSDP2: a walk chunk's roots sit inside each layer (its state rows), so
-        backward can reach a layer's recompute before FSDP2's pre-backward hook has
-        gathered its weights (untested; the walk keeps the chunk's whole graph there)."""
-        if self.adapter.sharded_modules():
-            return False
+        Under FSDP2 too: a recompute gathers its layer first (`models/recompute.py`)."""
         return self.recomputes_layers(min(self.config.chunk_size, positions), state)
 
     def replay_branch(self, state: PromptState, prompt: torch.Tensor, response: torch.Tensor, piece_loss) -> None:
