@@ -24,6 +24,7 @@ from tests.reference import (
     random_group,
     reference_grpo_loss,
     tiny_hybrid,
+    tiny_mla,
     tiny_model,
 )
 
@@ -107,6 +108,21 @@ def test_kept_outputs_through_the_blockwise_kernel(family, overrides, monkeypatc
     assert_grads_close(got, want_engine, 1e-12)
     assert kept["kept_blockwise"] == model.config.num_hidden_layers * 4 and plain["kept_blockwise"] == 0
     assert kept["kept"] == kept["flash"] == 0 and result.metrics["kept_attention_bytes"] > 0
+
+
+@pytest.mark.parametrize("family,overrides", [("deepseek_v3", {}), ("glm_moe_dsa", dict(index_topk=64))])
+def test_kept_outputs_of_dense_mla_layers(family, overrides, monkeypatch):
+    """MLA over the latent (absorbed, so blockwise; GLM's DSA with a top-k above P, so every
+    query selects all it sees): the walk's attention is the kept latent output's, and the
+    gradient is the walk's that attends again (itself checked against HF: tests/models/test_mla.py)."""
+    model = tiny_mla(family, **overrides)
+    group = random_group(97, 17, [3, 6], seed=13)  # prompt[:-1] = 16 tokens: chunks at 0, 4, 8, 12
+    _, want, plain = _step(model, group, monkeypatch, chunk_size=4, attention_block_size=3)
+    result, got, kept = _step(model, group, monkeypatch, chunk_size=4, attention_block_size=3,
+                              keep_attention_outputs=True)
+    assert_grads_close(got, want, 1e-10)
+    assert kept["kept_blockwise"] == model.config.num_hidden_layers * 4 and plain["kept_blockwise"] == 0
+    assert result.metrics["kept_attention_bytes"] > 0
 
 
 @pytest.mark.slow
