@@ -110,7 +110,8 @@ def test_kept_outputs_through_the_blockwise_kernel(family, overrides, monkeypatc
     assert kept["kept"] == kept["flash"] == 0 and result.metrics["kept_attention_bytes"] > 0
 
 
-@pytest.mark.parametrize("family,overrides", [("deepseek_v3", {}), ("glm_moe_dsa", dict(index_topk=64))])
+@pytest.mark.parametrize("family,overrides", [("deepseek_v3", {}), pytest.param("glm_moe_dsa", dict(index_topk=64),
+                                                                                  marks=pytest.mark.slow)])
 def test_kept_outputs_of_dense_mla_layers(family, overrides, monkeypatch):
     """MLA over the latent (absorbed, so blockwise; GLM's DSA with a top-k above P, so every
     query selects all it sees): the walk's attention is the kept latent output's, and the
