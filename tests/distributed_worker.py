@@ -962,3 +962,28 @@ def decode_merge_in_one_collective(rank: int, world: int, init_file: str) -> Non
         assert per_step == 1 + attention_layers, (counts, per_step, attention_layers)
     finally:
         dist.destroy_process_group()
+
+
+def run_kept_outputs(rank: int, world: int, init_file: str) -> None:
+    """Exact mode with kept attention outputs (`ExecConfig.keep_attention_outputs`) under
+    context parallelism, capture and walk replicated (a divided walk attends for its own
+    rows and keeps none): capture keeps the outputs and LSEs merged across the ranks'
+    shards, the walk's attention backward runs from them; loss and every gradient equal
+    one process's walk that attends again."""
+    _init(rank, world, init_file)
+    try:
+        model = float64_norms(tiny_model("qwen3"))
+        group = random_group(97, 23, [5, 1, 7], seed=3)
+        exec_kw = dict(chunk_size=6, attention_block_size=4, shard_block_size=3, mode="exact")
+        model.zero_grad(set_to_none=True)
+        single = ls.Engine(model, ls.ExecConfig(**exec_kw)).step(group)
+        want = grads_of(model)
+        model.zero_grad(set_to_none=True)
+        engine = ls.Engine(model, ls.ExecConfig(context_parallel=True, divide_capture=False, divide_walk=False,
+                                                keep_attention_outputs=True, **exec_kw))
+        result = engine.step(group)
+        assert result.metrics["kept_attention_bytes"] > 0 and result.metrics["divided_walk"] == 0.0
+        assert abs(result.loss - single.loss) <= 1e-9 * abs(single.loss) + 1e-13
+        assert_grads_close(grads_of(model), want, FLOAT64)
+    finally:
+        dist.destroy_process_group()

@@ -18,6 +18,7 @@ from longstraw.engine.inputs import check_inputs
 from longstraw.parallel.divided import divided_capture
 from longstraw.parallel.fsdp import fsdp_sum_factor
 from longstraw.phase import Phase
+from longstraw.state.kept_outputs import KeptOutputs
 from longstraw.state.offload import Stager
 from longstraw.state.prompt import PromptState, RecurrentState, Shard
 
@@ -52,7 +53,8 @@ def capture_chunks(engine, ids: torch.Tensor, start: int, states: list[PromptSta
 
 
 def capture(engine, prompt: torch.Tensor, *, exact: bool = False, keep_graph_bytes: int = 0,
-            rope_length: int | None = None, prompt_inputs: dict | None = None) -> PromptState:
+            rope_length: int | None = None, prompt_inputs: dict | None = None,
+            keep_attention_outputs: bool = False) -> PromptState:
     """The prompt state of prompt [P] (see `Engine.capture`)."""
     check_inputs(engine, prompt, prompt_inputs)
     ids = prompt[:-1].to(engine.adapter.device)  # (P-1,)
@@ -75,6 +77,8 @@ def capture(engine, prompt: torch.Tensor, *, exact: bool = False, keep_graph_byt
         divided_capture(engine.adapter, ids, state, shard, chunk_size=engine.config.chunk_size, exact=exact,
                         block_size=engine.config.attention_block_size)
     else:
+        if exact and keep_attention_outputs:  # the walk's attention backward reads them (`state/kept_outputs.py`)
+            state.outputs = KeptOutputs()
         capture_chunks(engine, ids, 0, [state], engine.config.chunk_size, "capture", keep_graph_bytes)
     stamp_state(state, engine, prompt, exact, prompt_inputs)
     return state

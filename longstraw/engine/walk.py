@@ -47,4 +47,6 @@ def walk_back(engine, ids: torch.Tensor, start: int, states: list[PromptState], 
         if roots:
             torch.autograd.backward([t for t, _ in roots], [g for _, g in roots])
             settle(states)  # offloaded states: the last layers' gradient sinks back to host
+        if states[-1].outputs is not None:  # kept attention outputs: this chunk's are spent
+            states[-1].outputs.drop(start + a)
         del roots, hidden, kept
