@@ -48,14 +48,18 @@ class _Grads(trl.trainer.grpo_trainer.TrainerCallback):
         self.steps.append({n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None})
 
 
+def image_dataset():
+    """TRL's layout: conversational prompts and an `images` column (two screenshots each)."""
+    return datasets.Dataset.from_dict({"prompt": PROMPTS, "images": _images()})
+
+
 def _trainer(model, tmp_path, grads, **overrides):
     args = dict(output_dir=str(tmp_path / "out"), per_device_train_batch_size=4, gradient_accumulation_steps=2,
                 num_generations=4, max_completion_length=3, max_steps=1, optim="sgd", learning_rate=1.0,
                 lr_scheduler_type="constant", weight_decay=0.0, max_grad_norm=0.0, use_cpu=True, bf16=False,
                 report_to=[], save_strategy="no", logging_steps=1, seed=0, disable_dropout=True)
-    dataset = datasets.Dataset.from_dict({"prompt": PROMPTS, "images": _images()})
     return LongStrawGRPOTrainer(model=model, reward_funcs=_reward, args=trl.GRPOConfig(**{**args, **overrides}),
-                                train_dataset=dataset, processing_class=tiny_vlm_processor(), callbacks=[grads],
+                                train_dataset=image_dataset(), processing_class=tiny_vlm_processor(), callbacks=[grads],
                                 longstraw_config=EXACT)
 
 
