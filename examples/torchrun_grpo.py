@@ -6,7 +6,7 @@
 W processes form W / C data-parallel groups of C context-parallel ranks (`parallel.mesh`):
 the C ranks of a group run each prompt together (`ExecConfig(context_parallel=True)` on
 their process group), the groups take different prompts. The decoder layers are FSDP2
-(`fully_shard`) over the C ranks of a group (the ranks that run the same sequences, so
+(`parallel.sharding.shard_model`: each layer resharded after its forward) over the C ranks of a group (the ranks that run the same sequences, so
 their FSDP2 collectives pair up; in exact mode the divided reverse walk sums their
 partial gradients through FSDP2's own reduce-scatter, `parallel/fsdp.py`). Every group
 steps with the divisors of the whole global batch (`parallel.data.global_totals`), and
@@ -32,7 +32,6 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import transformers
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-from torch.distributed.fsdp import fully_shard
 from tqdm import tqdm
 
 import longstraw as ls
@@ -43,6 +42,7 @@ from longstraw.parallel.launch import (collective_timeout, device_mesh, init_dis
                                       restart_count)
 from longstraw.parallel.nonfinite import DEFAULT_MAX_NONFINITE_STEPS, NonFiniteGuard, inject
 from longstraw.parallel.mesh import Mesh, mesh_groups
+from longstraw.parallel.sharding import shard_model
 from longstraw.tasks import KVRecall, Vocab
 from longstraw.tiny import tiny_model
 
@@ -161,8 +161,7 @@ def main(argv=None):
                                                                       num_filler=args.filler))
     model = build_model(args.model, task.vocab.size, args.prompt_tokens + 64, getattr(torch, args.dtype)).to(device)
     fsdp_mesh = device_mesh(device.type, (mesh.data, mesh.context), ("dp", "cp"))["cp"]  # the stated timeout
-    for layer in model.model.layers:  # FSDP2 per decoder layer over the group's C ranks; the rest replicated
-        fully_shard(layer, mesh=fsdp_mesh)
+    shard_model(model, fsdp_mesh)  # FSDP2 per decoder layer over the group's C ranks, resharded; the rest replicated
     engine = ls.Engine(model, ls.ExecConfig(mode=args.mode, chunk_size=args.chunk_size,
                                             context_parallel=mesh.context > 1),
                        process_group=groups.context_group)

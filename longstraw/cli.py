@@ -20,7 +20,8 @@ import json
 import sys
 
 from longstraw import defaults
-from longstraw.errors import LongStrawError
+from longstraw import fit_advice
+from longstraw.errors import ConfigError, DoesNotFitError, LongStrawError
 from longstraw.plan import PlanConfig, estimate, format_report
 
 # `longstraw plan` runs without torch (the planner needs none): the commands that load a
@@ -93,7 +94,7 @@ def _sweep(args, config, argv) -> int:
 
 def plan(args, argv=()) -> int:
     if args.tree is None and (args.group is None or args.response_tokens is None):
-        raise SystemExit("longstraw plan: give --group and --response-tokens, or --tree (e.g. --tree 2048x1,256x8)")
+        raise ConfigError("longstraw plan: give --group and --response-tokens, or --tree (e.g. --tree 2048x1,256x8)")
     config = PlanConfig(**{name: getattr(args, name) for name in _PLAN_FIELDS})
     if args.sweep:
         return _sweep(args, config, argv)
@@ -219,7 +220,10 @@ def train(args) -> int:
     values = {f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig)}
     cfg = config_from_args(values, args.config)
     rank, _ = _init_torchrun()  # under torchrun: context parallelism over every rank, rank 0 writes the files
-    summary = run_training(cfg)
+    try:
+        summary = run_training(cfg)
+    except DoesNotFitError as exc:  # fit_config's changes, said as this command's flags
+        raise fit_advice.again(exc, "train", prefix=f"--memory-budget {cfg.memory_budget}: ") from None
     if rank in (None, 0):
         print(json.dumps(summary))
     return 0

@@ -69,6 +69,23 @@ def test_nothing_fits_raises_before_any_work(model, monkeypatch):
     assert calls == [] and all(p.grad is None for p in model.parameters())
 
 
+def test_nothing_fits_gives_the_smallest_budget_and_changes_as_python(model):
+    """DoesNotFitError's smallest budget fits and one byte less does not; its changes are
+    fit_config / ExecConfig terms (no CLI flags), each of which fits at the given budget."""
+    step = dict(prompt_tokens=65536, group=4, response_tokens=256, mode="exact", chunk_size=4096)
+    with pytest.raises(ls.DoesNotFitError) as err:
+        ls.fit_config(model, memory_budget="400MiB", **step)
+    least, text = err.value.smallest_budget, str(err.value)
+    assert f"The smallest budget that fits: memory_budget={least} ({least / 2**30:.4g} GiB)" in text
+    assert not any(flag in text for flag in ("--gpus", "--prompt-tokens", "--chunk-size", "--memory-budget"))
+    assert "prompt_tokens=" in text and "no pinned chunk_size=4096" in text
+    assert isinstance(ls.fit_config(model, memory_budget=least, **step), ls.ExecConfig)
+    with pytest.raises(ls.DoesNotFitError):
+        ls.fit_config(model, memory_budget=least - 1, **step)
+    change = next(c for c in err.value.changes if "prompt_tokens" in c)
+    assert ls.fit_config(model, memory_budget="400MiB", **{**step, **change}).mode == "exact"
+
+
 def test_the_fitted_config_runs_a_step(model):
     group = random_group(model.config.vocab_size, 64, [8, 5], seed=1)
     cfg = ls.fit_config(model, memory_budget=20 * MiB, prompt_tokens=64, group=2, response_tokens=8, mode="exact")

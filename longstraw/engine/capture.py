@@ -31,8 +31,11 @@ def capture_chunks(engine, ids: torch.Tensor, start: int, states: list[PromptSta
     With `keep_graph_bytes` > 0 (exact mode; states[-1] already has its gradient
     buffers), the first chunk runs with autograd and its graph is measured
     (`kept_graphs.SavedBytes`); the last chunks whose graphs fit the budget then run
-    with autograd too, and their roots are kept in `states[-1].kept` for the walk."""
+    with autograd too, and their roots are kept in `states[-1].kept` for the walk. Not
+    under FSDP2 (the walk recomputes every chunk there)."""
     starts = list(range(0, ids.shape[0], size))
+    if engine.adapter.sharded_modules():  # FSDP2 frees a layer's weights after its forward: a kept graph's saved
+        keep_graph_bytes = 0  # weights would be gone by the walk; the walk recomputes the chunk (parallel.fsdp)
     keep: set[int] = set()
     for a in progress(starts, enabled=engine.config.progress, desc=desc, total=len(starts)):
         piece = ids[a : a + size]

@@ -30,6 +30,7 @@ GPU preset with more memory.
 from __future__ import annotations
 
 import itertools
+import math
 from dataclasses import dataclass, field, replace
 
 from .arch import human_bytes, parse_bytes
@@ -66,12 +67,28 @@ class Fit:
 
 @dataclass
 class NoFit:
-    """Nothing fits: the binding term and the smallest changes that would fit."""
+    """Nothing fits: the binding term and the smallest changes that would fit.
+
+    Fields:
+        binding: the leanest plan's peak phase and its largest term, as text.
+        suggestions: the changes that fit, as `longstraw plan` flags.
+        leanest: the leanest plan's `estimate` (the smallest peak the search can reach).
+        evaluated: plans estimated.
+        changes: the same changes as PlanConfig fields, one dict each ({"gpus": 4,
+            "shard_params": True}, {"prompt_tokens": 524288}, {"gpu": "h200"}), for callers
+            that say them in their own terms (`ls.fit_config`: ExecConfig fields).
+        leanest_config: the PlanConfig of `leanest`.
+        smallest_memory: the least `gpu_memory` (bytes, the reserve included) at which
+            the search fits, every pinned field kept.
+    """
 
     binding: str
     suggestions: list
     leanest: dict
     evaluated: int = 0
+    changes: list = field(default_factory=list)
+    leanest_config: PlanConfig | None = None
+    smallest_memory: int = 0
 
 
 def _budget(c: PlanConfig) -> int:
@@ -227,7 +244,7 @@ def _no_fit(model, base: PlanConfig, pinned: set, plan, pieces, chunks) -> NoFit
         if not lean_combo or r["peak_bytes_per_rank"] < lean_combo["r"]["peak_bytes_per_rank"]:
             lean_combo = {"c": c, "r": r}
     lean, r = lean_combo["c"], lean_combo["r"]
-    budget, suggestions = _budget(base), []
+    budget, suggestions, changes = _budget(base), [], []
     w = base.gpus * 2
     spread = {k: True for k in ("shard_params",) if k not in pinned}  # more GPUs: weights shard over them too
     if "expert_parallel" not in pinned and _is_moe(model, base):
@@ -236,6 +253,7 @@ def _no_fit(model, base: PlanConfig, pinned: set, plan, pieces, chunks) -> NoFit
         try:
             if _fits(plan(replace(lean, gpus=w, **spread)), budget):
                 suggestions.append(f"--gpus {w}" + "".join(f" --{k.replace('_', '-')}" for k in spread))
+                changes.append({"gpus": w, **spread})
                 break
         except Exception:  # a config the planner refuses at this W
             pass
@@ -244,6 +262,7 @@ def _no_fit(model, base: PlanConfig, pinned: set, plan, pieces, chunks) -> NoFit
     while p >= 1024:  # a smaller prompt
         if _fits(plan(replace(lean, prompt_tokens=p)), budget):
             suggestions.append(f"--prompt-tokens {p} (P halved until it fits)")
+            changes.append({"prompt_tokens": p})
             break
         p //= 2
     for name, spec in sorted(load_gpus().items(), key=lambda kv: parse_bytes(kv[1].memory)):  # another GPU
@@ -252,7 +271,10 @@ def _no_fit(model, base: PlanConfig, pinned: set, plan, pieces, chunks) -> NoFit
             continue
         if _fits(plan(c), c.gpu_memory - c.reserve):
             suggestions.append(f"--gpu {name} ({human_bytes(c.gpu_memory)})")
-    return NoFit(binding=_binding(r), suggestions=suggestions, leanest=r, evaluated=len(plan.memo))
+            changes.append({"gpu": name})
+    smallest = math.ceil(r["peak_bytes_per_rank"]) + base.reserve  # the leanest plan fits from here on
+    return NoFit(binding=_binding(r), suggestions=suggestions, leanest=r, evaluated=len(plan.memo), changes=changes,
+                 leanest_config=lean, smallest_memory=smallest)
 
 
 # ----------------------------------------------------------------------------
@@ -309,7 +331,7 @@ def fit_report(result: Fit | NoFit) -> dict:
     """The report's "fit" entry (or "fit": None with "binding" and "suggestions")."""
     if isinstance(result, NoFit):
         return {"fit": None, "binding": result.binding, "suggestions": result.suggestions,
-                "evaluated": result.evaluated}
+                "smallest_gpu_memory_bytes": result.smallest_memory, "evaluated": result.evaluated}
     c, r = result.config, result.report
     return {"fit": {"flags": flags(c), "exec_config": exec_config(c), "fsdp2": c.shard_params,
                     "peak_bytes_per_rank": int(r["peak_bytes_per_rank"]), "time_s": float(r["estimated_time_s"]),
@@ -319,7 +341,9 @@ def fit_report(result: Fit | NoFit) -> dict:
 def format_fit(result: Fit | NoFit) -> str:
     """The text report's fit section."""
     if isinstance(result, NoFit):
-        lines = ["  FIT: nothing fits", f"    binding: {result.binding}"]
+        lines = ["  FIT: nothing fits", f"    binding: {result.binding}",
+                 f"    smallest --gpu-memory that fits: {result.smallest_memory} ({result.smallest_memory / 2**30:.4g} "
+                 f"GiB, the --reserve included; every flag given kept)"]
         lines += [f"    would fit: {s}" for s in result.suggestions] or ["    no change tried fits"]
         return "\n".join(lines)
     c, r = result.config, result.report

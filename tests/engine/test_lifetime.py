@@ -43,15 +43,16 @@ def _tree(model, config):
 def _episode(model, config):
     engine = ls.Engine(model, ls.ExecConfig(**EXEC, **config))
     prompt = torch.randint(0, 97, (10,), generator=torch.Generator().manual_seed(0))
-    eos = 3
+    ends = list(range(48))  # half the vocabulary ends a turn: both branches call the environment
 
     def env(branch, response):
-        return torch.tensor([5, 6 + branch])
+        return torch.tensor([50, 51 + branch])
 
     def step():
         g = torch.Generator().manual_seed(1)
-        rollout = engine.generate(prompt, num_samples=2, max_new_tokens=5, eos_token_id=eos, generator=g,
-                                  environment=env, max_turns=2, prefix=torch.tensor([eos]))
+        rollout = engine.generate(prompt, num_samples=2, max_new_tokens=8, eos_token_id=ends, generator=g,
+                                  environment=env, max_turns=2, prefix=torch.tensor([3]))
+        assert rollout.turns == [2, 2], rollout.turns  # observations absorbed into each branch's state
         group = ls.Group(prompt=prompt, responses=rollout.responses, rewards=torch.tensor([0.0, 1.0]),
                          loss_masks=rollout.loss_masks)
         engine.step(group)  # its own capture (kept graphs apply to a step's own capture)
