@@ -28,7 +28,10 @@ arm of one seed starts from the identical model.
 
 Each step appends one JSON line to `<out_dir>/log.jsonl` (rewards, loss, clip fraction,
 KL to the warm start, tokens/s, peak RSS, phase times; held-out accuracy every
-`eval_every` steps). `<out_dir>/checkpoint.pt` holds the model, the optimizer, the RNG
+`eval_every` steps). A step that changed no weight says why (`no_update`); a run where most
+steps do warns once with what to change (`skips.SkipWatch`). Times keep the engine's
+meanings: `time_capture_s` is every capture of the step (the one inside `generate`
+included), `time_generate_s` the decoding, `time_rollout_s` the rollout phase's wall time. `<out_dir>/checkpoint.pt` holds the model, the optimizer, the RNG
 states and the step; a resumed run continues the same curve (every random draw of a
 step comes from a generator seeded by (seed, step)).
 """
@@ -55,6 +58,7 @@ from longstraw.measure import peak_rss_bytes
 from longstraw.parallel.context import check_replicas
 from longstraw.parallel.launch import inject_signal, phase
 from longstraw.parallel.nonfinite import all_finite, inject
+from longstraw.skips import TRAIN_ADVICE, SkipWatch, no_update_reason
 from longstraw.tasks import KVRecall, ToolLookup
 from longstraw.tasks.episodes import TASKS, episode_kwargs, evaluate
 from longstraw.train_budget import describe, engine_config
@@ -213,21 +217,6 @@ def _optimizer_step(run: Run, params: list) -> tuple[torch.Tensor, bool]:
     return grad_norm, finite
 
 
-def no_update_reason(record: dict, groups: int) -> str | None:
-    """Why a step's record changed no weight, in the words the progress bar and the log show
-    ("no update (equal rewards)", ...), or None when the step updated. `groups`: groups per step."""
-    if record["nonfinite_grad"]:
-        return "no update (non-finite gradient, skipped)"
-    equal, masked = record["skipped_zero_advantage"], record["skipped_no_loss_tokens"]
-    if equal + masked < groups:
-        return None  # at least one group had a gradient
-    if masked == 0:
-        return "no update (equal rewards)" if groups == 1 else f"no update (equal rewards in all {groups} groups)"
-    if equal == 0:
-        return "no update (no loss tokens: every response token masked)"
-    return "no update (equal rewards or no loss tokens in every group)"
-
-
 def _step(run: Run, step: int, update, params: list, rollout_fn) -> dict:
     """One RL step: rollouts, the reference's KL, the update, held-out evaluation; its
     log line is written and returned."""
@@ -241,6 +230,8 @@ def _step(run: Run, step: int, update, params: list, rollout_fn) -> dict:
     totals = BatchTotals.of(groups)
     metrics = [update(run, grp, ro.state, run.grpo, totals) for grp, ro in zip(groups, rollouts)]
     calls = sum(ro.metrics["environment_calls"] for ro in rollouts)
+    ro_capture = [ro.metrics["time_capture_s"] for ro in rollouts]
+    ro_decode = [ro.metrics["time_generate_s"] for ro in rollouts]
     del rollouts  # their prompt states: nothing after the update reads them (not the next capture)
     inject(params, step, _rank())  # test hook (LONGSTRAW_FAULT nan@R:S)
     with phase(f"step {step}: optimizer step"):
@@ -267,9 +258,12 @@ def _step(run: Run, step: int, update, params: list, rollout_fn) -> dict:
         "nonfinite_steps": run.nonfinite["total"], "skipped_nonfinite_steps": run.nonfinite["total"],
         "tokens_per_s": (cfg.prompts_per_step * cfg.prompt_tokens + resp_tokens) / (t_upd - t_start),
         "peak_rss_bytes": peak_rss_bytes(),
-        "time_generate_s": t_gen - t_start, "time_ref_s": t_ref - t_gen, "time_update_s": t_upd - t_ref,
+        "time_ref_s": t_ref - t_gen, "time_update_s": t_upd - t_ref,
         "time_eval_s": t_eval - t_upd, "time_step_s": t_eval - t_start,
-        **{k: sum(m.get(k, 0.0) for m in metrics) for k in ("time_capture_s", "time_replay_s", "time_reverse_s")},
+        # one meaning per name: capture is capture wherever it ran (inside generate, or again at the update)
+        "time_capture_s": sum(ro_capture) + sum(m.get("time_capture_s", 0.0) for m in metrics),
+        "time_generate_s": sum(ro_decode), "time_rollout_s": t_gen - t_start,  # decode; the whole rollout phase
+        **{k: sum(m.get(k, 0.0) for m in metrics) for k in ("time_replay_s", "time_reverse_s")},
         **ev,
     }
     record["no_update"] = no_update_reason(record, len(groups))  # None: the weights moved
@@ -313,6 +307,7 @@ def _train(cfg: TrainConfig, update, rollout_fn) -> dict:
     if cfg.progress:
         bar = tqdm(bar, desc=f"train {cfg.arm}", initial=run.start, total=cfg.steps)
     record: dict = {}
+    watch = SkipWatch("longstraw train", TRAIN_ADVICE, total=cfg.steps - run.start)  # warns once if most skip
     for step in bar:
         inject_signal(step, _rank())  # test hook (LONGSTRAW_FAULT kill@R:S / stop@R:S)
         record = _step(run, step, update, params, rollout_fn)
@@ -320,6 +315,8 @@ def _train(cfg: TrainConfig, update, rollout_fn) -> dict:
             ev = [v for k, v in record.items() if k.endswith("_accuracy")]
             shown = [f"reward={record['reward_mean']:.2f}"] + ([f"acc={ev[0]:.2f}"] if ev else [])
             bar.set_postfix_str(", ".join(shown + ([record["no_update"]] if record["no_update"] else [])))
+        if _rank() == 0:  # every rank holds the same record; one says it
+            watch.step(record["no_update"], reward_mean=record["reward_mean"])
         in_row = run.nonfinite["in_row"]
         if in_row >= cfg.max_nonfinite_steps:
             raise NonFiniteError(
@@ -330,6 +327,8 @@ def _train(cfg: TrainConfig, update, rollout_fn) -> dict:
             )
         if ((step + 1) % cfg.checkpoint_every == 0 or step + 1 == cfg.steps) and _rank() == 0:
             _save(run.ckpt_path, run.model, run.optimizer, step + 1, cfg, run.nonfinite)  # the replicas': rank 0's
+    if _rank() == 0:
+        watch.finish()
     return record
 
 

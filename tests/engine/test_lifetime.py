@@ -83,6 +83,7 @@ def _images(model, config):
 SCENARIOS = {
     "dense_none_kept": (lambda: tiny_model("qwen3"), _plain, dict(keep_graph_bytes=NONE_KEPT)),
     "dense_all_kept": (lambda: tiny_model("qwen3"), _plain, dict(keep_graph_bytes=ALL_KEPT)),
+    "dense_kept_outputs": (lambda: tiny_model("qwen3"), _plain, dict(keep_attention_outputs=True)),
     # state offload refuses kept graphs (ExecConfig): this one guards the Stager, not item 1
     "dense_offload": (lambda: tiny_model("qwen3"), _plain, dict(state_device="cpu")),
     "hybrid_snapshots": (lambda: tiny_hybrid("qwen3_5"), _plain, dict(keep_graph_bytes=NONE_KEPT)),
@@ -97,7 +98,7 @@ SCENARIOS = {
 # the default suite keeps the case that leaked (an unkept chunk 0's measuring graph) and the
 # tree, which keeps segment states between phases; the rest take 20 s to minutes each on 2
 # cores and run under -m slow
-SLOW = {"hybrid_snapshots", "hybrid_offloaded_snapshots", "vlm_images", "dense_offload", "dense_all_kept",
+SLOW = {"dense_kept_outputs", "hybrid_snapshots", "hybrid_offloaded_snapshots", "vlm_images", "dense_offload", "dense_all_kept",
         "dense_episode"}
 
 
