@@ -1,18 +1,20 @@
 """No state outlives its step: for every mode and option that keeps something between
-phases (kept capture graphs, recurrent snapshots, state and snapshot offload, prefix
-trees, agent episodes, images), five steps in one process leave the same live tensors
+phases (kept capture graphs, kept attention outputs, recurrent snapshots, state and
+snapshot offload, prefix trees, agent episodes, images), five steps in one process leave the same live tensors
 after step 2 as after step 5, and none of them with a `grad_fn`.
 
 Live tensors are counted by a gc walk after `gc.collect()` (every Python tensor object,
 whoever holds it); the noise allowed is 0: on CPU with tiny models nothing is cached
 lazily after step 1 (step 1 may create lazy buffers, so the comparison starts at step 2).
-Every scenario but state offload (which refuses kept graphs) runs exact mode with a
+Every scenario but state offload (which refuses kept graphs) and kept attention outputs
+runs exact mode with a
 `keep_graph_bytes` budget, so capture measures chunk 0 with autograd on: with
 `SavedBytes`' pack hook returning the tensor itself (the leak of issue 43, item 1) an unkept
 measured graph outlives its step. Each scenario was seen red with a leak put by hand into
 the state it keeps (a module-level list holding, per step: the unkept measured graph for
 dense_none_kept and dense_tree; the kept graphs' roots; the stager's host rows; a GDN
-snapshot; a host snapshot; the image embeddings; an episode branch's state view).
+snapshot; a host snapshot; the image embeddings; an episode branch's state view; the kept
+attention outputs).
 
 RSS is checked by `test_rss_does_not_grow_after_step_2` (-m slow): `bench/leak_steps.py` in
 a fresh process, RSS read after `gc.collect()` and `malloc_trim(0)`.
