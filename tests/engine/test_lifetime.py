@@ -98,10 +98,10 @@ SCENARIOS = {
 
 
 # the default suite keeps the case that leaked (an unkept chunk 0's measuring graph) and the
-# tree, which keeps segment states between phases; the rest take 20 s to minutes each on 2
-# cores and run under -m slow
-SLOW = {"dense_kept_outputs", "hybrid_snapshots", "hybrid_offloaded_snapshots", "vlm_images", "dense_offload", "dense_all_kept",
-        "dense_episode"}
+# tree, which keeps segment states between phases (about 9 s each on the loaded 2 cores);
+# the rest take 8 s (dense) to 58 s (hybrid, VLM) there and run under -m slow
+SLOW = {"dense_kept_outputs", "hybrid_snapshots", "hybrid_offloaded_snapshots", "vlm_images", "dense_offload",
+        "dense_all_kept", "dense_episode"}
 
 
 @pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in SLOW else n for n in SCENARIOS])
