@@ -101,6 +101,8 @@ class LiveBytes(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
+        if func.namespace == "prim":  # prim.device / prim.layout: metadata queries, no tensor made
+            return out
         count = flop_registry.get(func._overloadpacket) if self._open else None
         if count is not None:
             flops = int(count(*args, **(kwargs or {}), out_val=out))
