@@ -50,7 +50,8 @@ class Rehearsal:
         """The JSON form (`longstraw plan --rehearse`'s "rehearsal")."""
         return {"peak_bytes_per_rank": self.peak_bytes_per_rank, "phases": dict(self.phases),
                 "flops": dict(self.flops), "host_syncs": self.host_syncs, "wall_s": self.wall_s,
-                "device": self.device, "step_peaks": [s.peak_bytes for s in self.steps]}
+                "device": self.device, "step_peaks": [s.peak_bytes for s in self.steps],
+                "ops": [s.ops for s in self.steps]}
 
 
 def _default_device() -> str:
