@@ -76,6 +76,7 @@ from longstraw.parallel.data import agreed, global_totals, process_group_view, r
 from longstraw.integrations.trl_parallel import (DataParallelView, check_mesh_settings, reduce_metrics,
                                                  seen_per_data_parallel_group)
 from longstraw.integrations.trl_fsdp import check_fsdp_settings, shard_decoder_layers, without_ddp
+from longstraw import quiet
 from longstraw.integrations import trl_checkpoint
 from longstraw.integrations.chat import token_id_tokenizer  # noqa: F401 (public here too)
 from longstraw.integrations.trl_budget import check_prompt_tokens, fitted_config, held_prompt_states
@@ -88,6 +89,7 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
     raise ImportError("longstraw.integrations.trl needs TRL: pip install 'longstraw[trl]'") from exc
 
 logger = logging.getLogger(__name__)
+quiet.install()  # at import: a TRL script builds its GRPOConfig (and its FutureWarning) after this (quiet.py)
 
 SUMMED_KEYS = ("captures", "tool_continuations", "groups", "skipped_zero_advantage", "skipped_no_loss_tokens")
 WINDOW_KEYS = SUMMED_KEYS + ("time_capture_s", "time_generate_s", "time_replay_s", "time_reverse_s", "state_bytes",
@@ -169,6 +171,7 @@ class LongStrawGRPOTrainer(trl_checkpoint.TrainerCheckpoints, trl.GRPOTrainer):
                  longstraw_replica_check_every: int = 0, longstraw_context_parallel_size: int = 1,
                  longstraw_fsdp: bool = False, longstraw_max_nonfinite_steps: int = DEFAULT_MAX_NONFINITE_STEPS,
                  longstraw_memory_budget=None, longstraw_prompt_tokens: int | None = None, **kwargs):
+        quiet.install()  # again (a no-op unless filters were reset): what is not the user's to act on
         init_distributed()  # a no-op when the script (or accelerate, from `args`) initialized the group
         longstraw_config = ExecConfig() if longstraw_config is None else longstraw_config
         if not isinstance(longstraw_replica_check_every, int) or longstraw_replica_check_every < 0:
