@@ -25,6 +25,7 @@ import torch
 from longstraw import fit_advice
 from longstraw.config import ExecConfig
 from longstraw.errors import ConfigError, DoesNotFitError
+from longstraw.ops.flash import fused_backward_kernel
 from longstraw.plan.arch import parse_bytes
 from longstraw.plan.config import PlanConfig
 from longstraw.plan.estimate import estimate
@@ -47,7 +48,8 @@ model and its gradients was 10-16 MiB above the planner's figure at P = 8,192.""
 # ExecConfig fields the search sets, and the PlanConfig field each is
 _SEARCHABLE = {"mode": "mode", "chunk_size": "chunk_size", "branch_chunk_size": "branch_chunk_size",
                "recompute_layers": "recompute_layers", "offload_snapshots": "offload_snapshots",
-               "expert_parallel": "expert_parallel", "keep_graph_bytes": "keep_graph_bytes"}
+               "expert_parallel": "expert_parallel", "keep_graph_bytes": "keep_graph_bytes",
+               "keep_attention_outputs": "keep_attention_outputs"}
 _PLAN_ONLY = {"attention_block_size", "logits_chunk_size", "divide_capture", "divide_walk"}
 
 
@@ -135,6 +137,8 @@ def fit_config(model, *, memory_budget, prompt_tokens: int, group: int, response
         pinned |= {"offload_state"}
     if world < 2:
         pinned |= {"expert_parallel"}
+    if fused_backward_kernel(device.type, getattr(torch, dtype)) is None:  # the engine keeps no attention
+        pinned |= {"keep_attention_outputs"}                             # outputs there (`flash.keeps_outputs`)
     base = PlanConfig(prompt_tokens=prompt_tokens, group=group, response_tokens=response_tokens, mode=mode,
                       gpus=world, dtype=dtype, lora_rank=rank, lora_targets=targets, offload_state=offload,
                       gdn_kernel="fla" if device.type == "cuda" else "torch", reserve=0, **plan_fixed)

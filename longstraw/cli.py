@@ -58,7 +58,7 @@ _PLAN_FIELDS = ("prompt_tokens", "group", "response_tokens", "mode", "gpus", "gp
                 "weight_dtype", "lora_rank", "lora_targets", "chunk_size", "branch_chunk_size", "attention_block_size",
                 "logits_chunk_size", "self_attention", "gdn_kernel", "grads_during_capture", "shard_params",
                 "expert_parallel", "offload_state", "host_bandwidth_gbs", "score_passes", "keep_graph_bytes",
-                "throughput_tflops", "recompute_layers", "divide_capture", "divide_walk", "tree", "offload_snapshots",
+                "keep_attention_outputs", "throughput_tflops", "recompute_layers", "divide_capture", "divide_walk", "tree", "offload_snapshots",
                 "gpu", "gpus_per_node", "intra_node_gbs", "inter_node_gbs", "data_parallel", "images", "image_tokens")
 
 
@@ -73,7 +73,9 @@ _SEARCHED_FLAGS = {"mode": "--mode", "branch_chunk_size": "--branch-chunk-size",
 def _pinned(argv) -> set:
     """The searched fields whose flag is on the command line (`--flag value` or `--flag=value`)."""
     given = {a.split("=", 1)[0] for a in argv if a.startswith("--")}
-    return {name for name, flag in _SEARCHED_FLAGS.items() if flag in given}
+    # kept attention outputs: the engine applies them where the walk's attention is torch's fused CPU
+    # kernel, not on a GPU, so the GPU planner never searches them (`fit_config` does on CPU)
+    return {name for name, flag in _SEARCHED_FLAGS.items() if flag in given} | {"keep_attention_outputs"}
 
 
 def _sweep(args, config, argv) -> int:
@@ -171,6 +173,10 @@ def _add_plan_parser(sub) -> None:
     p.add_argument("--keep-graph-bytes", default="0", help="exact mode: bytes of capture-chunk graphs kept instead "
                                                            "of recomputed, e.g. 2GiB (ExecConfig.keep_graph_bytes; "
                                                            "default 0: recompute every chunk)")
+    p.add_argument("--keep-attention-outputs", action="store_true",
+                   help="exact mode: capture keeps each full-attention layer's output and LSE, so the walk skips "
+                        "attention's forward over the prompt (ExecConfig.keep_attention_outputs; the engine "
+                        "applies it on CPU's fused kernel only)")
     p.add_argument("--score-passes", type=int, default=0, help="no-grad scoring forwards per branch (old/ref "
                                                                "log-probs) from the step's one captured state, "
                                                                "no second capture (the paper: 2; default 0)")

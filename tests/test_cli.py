@@ -155,6 +155,7 @@ def test_train_refuses_a_bad_loss_type_before_the_warm_start(tmp_path, capsys, m
 
     import longstraw.train as train_mod
     from longstraw.cli import main
+    from longstraw.errors import ConfigError
 
     monkeypatch.setattr(train_mod, "warm_model", lambda cfg: pytest.fail("the warm start ran"))
     with pytest.raises(SystemExit) as exc:
@@ -162,7 +163,7 @@ def test_train_refuses_a_bad_loss_type_before_the_warm_start(tmp_path, capsys, m
     err = capsys.readouterr().err.strip().splitlines()
     assert exc.value.code == 2 and len(err) == 1 and err[0].startswith("longstraw: ConfigError: "), err
     assert "ppo" in err[0] and "dapo" in err[0]
-    with pytest.raises(train_mod.ConfigError, match="loss_type"):
+    with pytest.raises(ConfigError, match="loss_type"):
         train_mod.TrainConfig(loss_type="ppo")  # from Python too, before any work
     assert not (tmp_path / "run").exists()
 

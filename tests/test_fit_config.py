@@ -27,7 +27,8 @@ def planned_addition(model, cfg: ls.ExecConfig) -> float:
     """What the planner says `cfg`'s step adds above the model, gradients and optimizer."""
     r = estimate(planner_config(model), PlanConfig(
         dtype="float32", mode=cfg.mode, chunk_size=cfg.chunk_size, branch_chunk_size=cfg.branch_chunk_size,
-        recompute_layers=cfg.recompute_layers, keep_graph_bytes=cfg.keep_graph_bytes, **STEP))
+        recompute_layers=cfg.recompute_layers, keep_graph_bytes=cfg.keep_graph_bytes,
+        keep_attention_outputs=cfg.keep_attention_outputs, **STEP))
     return r["peak_bytes_per_rank"] - r["param_bytes"] - r["grad_bytes"] - r["optimizer_bytes"]
 
 
@@ -128,3 +129,17 @@ def test_the_offload_the_search_chose_on_cuda_is_returned(monkeypatch):
         return r["peak_bytes_per_rank"] - r["param_bytes"] - r["grad_bytes"] - r["optimizer_bytes"]
 
     assert adds(True) <= 2**30 < adds(False)  # the offload is what fits (planned 612 MiB vs 1,124 MiB)
+
+
+def test_exact_fit_keeps_attention_outputs_on_cpu_where_they_fit(model, monkeypatch):
+    """Kept attention outputs skip the walk's attention forward (planned faster): a budget
+    with room for them chooses them on CPU; pinned off they stay off; where the engine
+    would not keep them (no fused CPU backward) they are never chosen."""
+    roomy = ls.fit_config(model, memory_budget="1GiB", mode="exact", **STEP)
+    assert roomy.keep_attention_outputs is True
+    assert planned_addition(model, roomy) <= 1024 * MiB
+    off = ls.fit_config(model, memory_budget="1GiB", mode="exact", keep_attention_outputs=False, **STEP)
+    assert off.keep_attention_outputs is False
+    assert ls.fit_config(model, memory_budget="1GiB", mode="detached", **STEP).keep_attention_outputs is False
+    monkeypatch.setattr("longstraw.budget.fused_backward_kernel", lambda device_type, dtype: None)
+    assert ls.fit_config(model, memory_budget="1GiB", mode="exact", **STEP).keep_attention_outputs is False

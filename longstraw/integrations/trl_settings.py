@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import logging
 
-from transformers import ProcessorMixin
 
 from longstraw.config import ExecConfig
 
@@ -74,7 +73,6 @@ def unsupported_settings(args, *, eval_dataset=None, processing_class=None, roll
            "correction LongStraw does not apply; use tools= or environment_factory= for multi-turn rollouts")
     refuse(eval_dataset is not None or args.eval_strategy != "no",
            "evaluation (eval_dataset / eval_strategy) is not supported yet; set eval_strategy='no'")
-    refuse(isinstance(processing_class, ProcessorMixin), "multimodal processors are not supported (text only)")
     refuse(longstraw_config is not None and longstraw_config.context_parallel,
            "ExecConfig(context_parallel=True): the trainer sets up context parallelism itself; pass "
            "longstraw_context_parallel_size=C (ranks per prompt) and leave context_parallel=False")

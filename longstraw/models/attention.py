@@ -31,7 +31,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from longstraw.errors import UnsupportedModelError
 from longstraw.ops.attention import prefix_causal_attention
 from longstraw.ops.decode_attention import decode_attention
-from longstraw.ops.flash import merge_sink
+from longstraw.ops.flash import keeps_outputs, merge_sink
 from longstraw.parallel.attention import divided_causal_attention
 from longstraw.parallel.collectives import MergeAcrossRanks, all_reduce_sum, merge_gathered
 from longstraw.state.branch import BranchKV
@@ -83,10 +83,19 @@ def chunk_attention(module, query, key, value, call: AttentionCall, scale: float
         window = None  # the window covers every position so far: full attention
     assert kv.window in (sliding_window, window), f"layer {module.layer_idx}: state window {kv.window} != {window}"
     assert kv.end == call.start or call.phase is not Phase.CAPTURE, (kv.end, call.start)
+    store = call.states[-1].outputs  # exact mode's kept attention outputs (`state/kept_outputs.py`), or None
+    keep = (store is not None and call.phase is Phase.CAPTURE and not torch.is_grad_enabled()
+            and keeps_outputs(query, value.shape[-1], window, sinks))
+    kept = (store.get(module.layer_idx, call.start, query.shape[2])
+            if store is not None and call.phase is Phase.RECOMPUTE and len(call.states) == 1 else None)
     out = prefix_causal_attention(
         query[0], key[0], value[0], prefixes=[layer.segment(until=call.start) for layer in layers],
         q_start=call.start, scale=scale, window=window, block_size=call.block_size, sinks=sinks,
+        return_lse=keep, kept=kept,
     )  # (H, T, Dv)
+    if keep:  # the walk's attention backward reads these instead of attending again
+        out, lse = out
+        store.put(module.layer_idx, call.start, out, lse)
     if call.phase is Phase.CAPTURE:
         layers[-1].append(key[0], value[0])
         write_back(call.states, module.layer_idx)

@@ -28,7 +28,7 @@ import torch
 from ..tensors import KVSegment, accumulation_dtype
 from . import flash
 from longstraw.parallel.collectives import GatherRows, MergeAcrossRanks, SumGradAcrossRanks
-from .flash import (FlashAttention, can_use_flash_autograd, empty_partial, fused_kernel, fused_takes, merge_partials,
+from .flash import (FlashAttention, KeptAttention, can_use_flash_autograd, empty_partial, fused_kernel, fused_takes, merge_partials,
                     merge_sink)
 
 
@@ -199,9 +199,20 @@ def _own_self_part(rows, k, v, q_start: int, own_rows, attend):
     return full[..., :-1], full[..., -1]
 
 
+def _fused_autograd(q, k, v, prefixes, q_start: int, scale: float, own_rows, kept):
+    """The fused kernel with autograd: `FlashAttention` -> [Hkv, g*T, Dv], or, with the walk's
+    kept (o, lse), `KeptAttention` (no forward, the same backward)."""
+    # a shard joins whenever any rank may hold rows before the queries (even if this one holds none)
+    used = [s for s in prefixes if (s.k.shape[1] > 0 if s.cp is None else q_start > s.start)]
+    if kept is not None and own_rows is None:  # the walk: capture's output, no attention again
+        return KeptAttention.apply(q, k, v, used, scale, flash.BACKWARD_BLOCK, kept)
+    return FlashAttention.apply(q, k, v, used, scale, flash.BACKWARD_BLOCK, own_rows)
+
+
 def prefix_causal_attention(q, k, v, *, prefixes: list[KVSegment], q_start: int, scale: float,
                             window: int | None = None, block_size: int = 1024, allow_fused: bool = True,
-                            own_rows=None, sinks: torch.Tensor | None = None, return_lse: bool = False):
+                            own_rows=None, sinks: torch.Tensor | None = None, return_lse: bool = False,
+                            kept: tuple | None = None):
     """Attention of T new tokens over earlier state segments plus themselves.
 
     Args:
@@ -225,6 +236,8 @@ def prefix_causal_attention(q, k, v, *, prefixes: list[KVSegment], q_start: int,
         sinks: [H] sink logits (gpt-oss; no value), merged once into the whole LSE
             (`flash.merge_sink`), with their gradient; the blockwise kernel runs then.
         return_lse: also return the LSE [H, T] (before any sink; accumulation dtype).
+        kept: the walk's kept (o [H, T, Dv], lse [H, T]) from capture: the fused autograd
+            kernel's forward is skipped (`flash.KeptAttention`); elsewhere it is ignored.
 
     Returns:
         [H, T, Dv] attention output, in q's dtype (and the LSE with `return_lse`).
@@ -238,10 +251,7 @@ def prefix_causal_attention(q, k, v, *, prefixes: list[KVSegment], q_start: int,
     g = h // hkv
     needs_lse = sinks is not None or return_lse  # the fused autograd kernel returns no LSE
     if not needs_lse and allow_fused and torch.is_grad_enabled() and can_use_flash_autograd(q, k, v, prefixes, window):
-        # a shard joins whenever any rank may hold rows before the queries (even if this one holds none)
-        used = [s for s in prefixes if (s.k.shape[1] > 0 if s.cp is None else q_start > s.start)]
-        out = FlashAttention.apply(q, k, v, used, scale, flash.BACKWARD_BLOCK, own_rows)
-        return out.to(q.dtype).reshape(h, t, -1)
+        return _fused_autograd(q, k, v, prefixes, q_start, scale, own_rows, kept).to(q.dtype).reshape(h, t, -1)
     fused = allow_fused and own_rows is None and can_use_fused(q, k, v, prefixes, window)
     rows = q.reshape(hkv, g * t, d)  # (Hkv, M, D): head j*g+i -> kv head j
     k_pos = torch.arange(q_start, q_start + t, device=q.device)

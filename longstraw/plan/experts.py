@@ -4,7 +4,8 @@
 Memory. Each rank holds ceil(E / W) of every MoE layer's E routed experts for good (the
 fullest rank's slice; the engine's floor split differs by at most one expert), never
 gathered. What is not a routed expert (attention, routers, shared experts, dense MLPs,
-embeddings) is replicated, or with `shard_params` sharded 1/W with two decoder layers'
+embeddings) is replicated, or with `shard_params` (FSDP2 over the decoder layers) the
+layers' part sharded 1/W, the embeddings, lm_head and final norm whole, with two decoder layers'
 non-expert weights gathered at a time (the largest such layer, counted twice: the running
 one and the prefetched next).
 
@@ -93,30 +94,37 @@ def weight_bytes(elements_linear: float, elements_other: float, wdt: str, b: int
     return elements_linear * per + elements_other * (b if wdt in QUANT_BYTES else DTYPE_BYTES[wdt])
 
 
-def plan_expert_weights(arch: Arch, base: float, wdt: str, b: int, world: int, shard_params: bool) -> dict:
+def plan_expert_weights(arch: Arch, base: float, wdt: str, b: int, world: int, shard_params: bool,
+                        whole: float = 0.0) -> dict:
     """Per-rank weight bytes under expert parallelism: 'experts' (the rank's slice),
-    'rest' (everything else, 1/W with `shard_params`), 'gathered' (two of the largest
-    layer's non-expert weights with `shard_params`, else 0); `base` is the whole model's
-    stored weight bytes."""
+    'rest' (everything else; with `shard_params` the decoder layers' part 1/W and `whole`,
+    the bytes FSDP2 leaves unwrapped: embeddings, lm_head, final norm, on every rank),
+    'gathered' (two of the largest layer's non-expert weights with `shard_params`, else 0);
+    `base` is the whole model's stored weight bytes."""
     experts = weight_bytes(expert_elements(arch), 0, wdt, b)
     rest = base - experts
     linear, other = largest_non_expert_layer(arch)
-    return {"experts": experts * expert_slice(arch, world), "rest": rest / world if shard_params else rest,
+    return {"experts": experts * expert_slice(arch, world),
+            "rest": whole + (rest - whole) / world if shard_params else rest,
             "gathered": 2 * weight_bytes(linear, other, wdt, b) if shard_params else 0.0}
 
 
 def expert_parallel_weights(arch: Arch, *, base: float, lora_bytes: float, trainable: int, lora: bool, adam: int,
-                            wdt: str, b: int, world: int, shard_params: bool) -> tuple[float, float, float, float]:
+                            wdt: str, b: int, world: int, shard_params: bool, whole: float = 0.0,
+                            whole_trained: int = 0) -> tuple[float, float, float, float]:
     """(param, grad, optimizer, gathered) bytes per rank under expert parallelism: the
-    experts' slice, the rest replicated or (`shard_params`) 1/W; full training
-    (`lora` False) trains the slice's experts and the rest, LoRA only its adapters."""
-    w = plan_expert_weights(arch, base, wdt, b, world, shard_params)
+    experts' slice, the rest replicated or (`shard_params`) the decoder layers' part 1/W
+    with `whole` bytes (`whole_trained` trained elements: embeddings, lm_head, final norm)
+    on every rank; full training (`lora` False) trains the slice's experts and the rest,
+    LoRA only its adapters (all in the decoder layers)."""
+    w = plan_expert_weights(arch, base, wdt, b, world, shard_params, whole if shard_params else 0.0)
     rest = world if shard_params else 1
     if lora:
         mine = trainable / rest
     else:
         experts = expert_elements(arch)
-        mine = experts * expert_slice(arch, world) + (trainable - experts) / rest
+        kept = whole_trained if shard_params else 0
+        mine = experts * expert_slice(arch, world) + kept + (trainable - experts - kept) / rest
     return w["experts"] + w["rest"] + lora_bytes / rest, mine * b, mine * adam, w["gathered"]
 
 

@@ -8,7 +8,8 @@ The space (each option the caller did not pin):
     parameter sharding (FSDP2), a replicated capture (`divide_capture=False`: chunked,
     where a divided capture holds a rank's share of each layer at once);
   * sizes: replay pieces (`branch_chunk_size`) and the capture chunk (`chunk_size`);
-  * exact mode's `keep_graph_bytes`, which spends spare memory to save recompute time;
+  * exact mode's `keep_attention_outputs` and `keep_graph_bytes`, which spend spare memory
+    to save the walk's attention forward and its whole recomputed forward;
   * `mode`, only when it is free (detached is always the faster).
 
 How (a few dozen `estimate` calls, not the product of every option): every combination of
@@ -18,7 +19,7 @@ peak falls with the pieces, but not with the chunk, since exact mode's recurrent
 grow as P / chunk); a combination none of whose leanest settings fits is dropped. The rest are taken fastest first; each is
 scanned from the largest pieces and chunk down to the first that fits, and the scan
 stops when the next combination's lower bound is no faster than the best fit found.
-Exact mode then tries to keep capture graphs in the memory left over.
+Exact mode then tries to keep attention outputs, and capture graphs in the memory left over.
 
 "Fastest" is the planner's `estimated_time_s` (compute + communication by the overlap
 rule of `comm.py`). Nothing fits: `NoFit` names the binding term (the leanest plan's peak
@@ -39,7 +40,7 @@ from .estimate import estimate
 from .gpus import load_gpus
 
 SEARCHED = ("mode", "branch_chunk_size", "chunk_size", "recompute_layers", "offload_state", "offload_snapshots",
-            "expert_parallel", "shard_params", "keep_graph_bytes", "divide_capture")
+            "expert_parallel", "shard_params", "keep_graph_bytes", "keep_attention_outputs", "divide_capture")
 """The PlanConfig fields the search may set."""
 
 PIECES = (8192, 4096, 2048, 1024, 512, 256)
@@ -173,6 +174,11 @@ def search(model, base: PlanConfig, pinned=()) -> Fit | NoFit:
     if best is None:
         return _no_fit(model, base, pinned, plan, pieces, chunks)
     _, c, r = best
+    if c.mode == "exact" and not c.offload_state and "keep_attention_outputs" not in pinned:
+        outputs = replace(c, keep_attention_outputs=True)  # the walk without a second attention over the prompt
+        ro = plan(outputs)
+        if _fits(ro, budget) and ro["estimated_time_s"] < r["estimated_time_s"]:
+            c, r = outputs, ro
     if c.mode == "exact" and not c.offload_state and "keep_graph_bytes" not in pinned:
         spare = budget - r["peak_bytes_per_rank"]
         for share in (1.0, 0.5, 0.25):  # kept capture graphs in the memory left over
@@ -292,6 +298,8 @@ def flags(c: PlanConfig) -> list[str]:
         out.append("--replicate-capture")
     if c.keep_graph_bytes:
         out += ["--keep-graph-bytes", str(c.keep_graph_bytes)]
+    if c.keep_attention_outputs:
+        out.append("--keep-attention-outputs")
     return out
 
 
@@ -303,7 +311,7 @@ def exec_config(c: PlanConfig) -> dict:
             "recompute_layers": c.recompute_layers, "offload_snapshots": c.offload_snapshots,
             "state_device": "cpu" if c.offload_state else None, "expert_parallel": c.expert_parallel,
             "context_parallel": c.gpus > 1, "keep_graph_bytes": c.keep_graph_bytes,
-            "divide_capture": c.divide_capture, "divide_walk": c.divide_walk}
+            "keep_attention_outputs": c.keep_attention_outputs, "divide_capture": c.divide_capture, "divide_walk": c.divide_walk}
 
 
 def exec_config_text(c: PlanConfig) -> str:
@@ -312,7 +320,8 @@ def exec_config_text(c: PlanConfig) -> str:
                "attention_block_size": d.ATTENTION_BLOCK_SIZE, "logits_chunk_size": d.LOGITS_CHUNK_SIZE,
                "recompute_layers": d.RECOMPUTE_LAYERS, "offload_snapshots": d.OFFLOAD_SNAPSHOTS,
                "state_device": None, "expert_parallel": False, "context_parallel": False,
-               "keep_graph_bytes": d.KEEP_GRAPH_BYTES, "divide_capture": d.DIVIDE_CAPTURE,
+               "keep_graph_bytes": d.KEEP_GRAPH_BYTES, "keep_attention_outputs": d.KEEP_ATTENTION_OUTPUTS,
+               "divide_capture": d.DIVIDE_CAPTURE,
                "divide_walk": d.DIVIDE_WALK}
     fields = ", ".join(f"{k}={v!r}" for k, v in exec_config(c).items() if v != default[k])
     return f"ExecConfig({fields})" + ("  + FSDP2 fully_shard of the decoder layers" if c.shard_params else "")

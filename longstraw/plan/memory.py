@@ -158,22 +158,38 @@ def plan_weights(s: Basis) -> WeightPlan:
     if c.expert_parallel:  # plan/experts.py: each rank its experts' slice for good; the rest as below
         param_bytes, grad_bytes, optimizer_bytes, gathered = expert_parallel_weights(
             s.arch, base=base, lora_bytes=param_bytes - base, trainable=trainable, lora=bool(c.lora_rank), adam=adam,
-            wdt=wdt, b=b, world=W, shard_params=c.shard_params)
+            wdt=wdt, b=b, world=W, shard_params=c.shard_params, whole=whole_weight_bytes(s.arch, params, wdt, b),
+            whole_trained=0 if c.lora_rank else whole_elements(s.arch, params))
         assumptions.append(f"expert parallelism: each rank holds ceil(E/W) = {math.ceil(s.arch.experts / W)} of "
                            f"{s.arch.experts} routed experts per MoE layer, never gathered; "
-                           + ("the other weights, grads and optimizer state sharded 1/W, two layers' non-expert "
-                              "weights gathered at a time" if c.shard_params else "the other weights replicated"))
+                           + ("the decoder layers' other weights, grads and optimizer state sharded 1/W (embeddings, "
+                              "lm_head and the final norm whole), two layers' non-expert weights gathered at a time" if c.shard_params else "the other weights replicated"))
     elif c.shard_params:
-        param_bytes, grad_bytes, optimizer_bytes = param_bytes / W, grad_bytes / W, optimizer_bytes / W
-        outside = (params.embedding + params.lm_head + s.arch.hidden) * (b if wdt in QUANT_BYTES else DTYPE_BYTES[wdt])
-        per_layer = (base - outside) / len(s.arch.layers)  # a decoder layer's (embeddings, lm_head: not sharded)
+        whole = whole_weight_bytes(s.arch, params, wdt, b)  # FSDP2 wraps the decoder layers only
+        whole_trained = 0 if c.lora_rank else whole_elements(s.arch, params)
+        per_layer = (base - whole) / len(s.arch.layers)  # a decoder layer's
+        param_bytes = whole + (param_bytes - whole) / W
+        grad_bytes = (whole_trained + (trainable - whole_trained) / W) * b
+        optimizer_bytes = (whole_trained + (trainable - whole_trained) / W) * adam
         gathered = 2 * per_layer
-        assumptions.append("shard_params: weights, grads and optimizer state sharded 1/W; two layers' weights "
-                           "gathered at a time (counted in the static memory)")
+        assumptions.append("shard_params: the decoder layers' weights, grads and optimizer state sharded 1/W "
+                           "(FSDP2 wraps the layers only: embeddings, lm_head and the final norm stay whole on "
+                           "every rank); two layers' weights gathered at a time (counted in the static memory)")
     else:
         assumptions.append("weights, grads and optimizer state replicated on every rank")
     return WeightPlan(base=base, trainable=trainable, param_bytes=param_bytes, grad_bytes=grad_bytes,
                       optimizer_bytes=optimizer_bytes, gathered=gathered, assumptions=tuple(assumptions))
+
+
+def whole_elements(arch: Arch, params) -> int:
+    """Elements FSDP2 leaves whole on every rank under `shard_params` (the engine wraps each
+    decoder layer, `fully_shard(layer)`): the embeddings, lm_head and the final norm."""
+    return params.embedding + params.lm_head + arch.hidden
+
+
+def whole_weight_bytes(arch: Arch, params, wdt: str, b: int) -> float:
+    """Stored bytes of `whole_elements` (never quantized: the compute dtype under a quantized `wdt`)."""
+    return whole_elements(arch, params) * (b if wdt in QUANT_BYTES else DTYPE_BYTES[wdt])
 
 
 # ----------------------------------------------------------------------------
@@ -354,6 +370,8 @@ class WalkPlan:
         recompute: each decoder layer recomputed in backward (`Engine.walk_recomputes_layers`).
         transient: the blockwise attention's backward transient of one chunk (a kept graph's
             backward holds it).
+        kept_outputs: `keep_attention_outputs`: the full-attention layers' outputs and LSEs
+            of the recomputed chunks, bytes (0 without; alive from capture to the walk).
     """
 
     working: float
@@ -366,6 +384,7 @@ class WalkPlan:
     comm: float
     recompute: bool = False
     transient: float = 0.0
+    kept_outputs: float = 0.0
 
 
 def _divided_walk_working(s: Basis, walk_chunk: int, graph_tok: float) -> float:
@@ -405,14 +424,25 @@ def plan_walk(s: Basis, capture: CapturePlan, graph_tok: float) -> WalkPlan:
             else _divided_walk_working(s, walk_chunk, graph_tok))
         # the replicated parameters' gradients summed after the walk: LoRA's, or (FSDP2 reduce-scatters
         # the sharded layers itself) the embeddings, lm_head and final norm, or every parameter but the expert slices
-        grad_elems = (params.lora if c.lora_rank else params.embedding + params.lm_head + s.arch.hidden if c.shard_params
+        grad_elems = (params.lora if c.lora_rank else whole_elements(s.arch, params) if c.shard_params
                       else params.total - indexer_parameters(s.arch)
                       - (expert_elements(s.arch) if c.expert_parallel else 0))  # expert slices: never summed
         comm = divided_walk_traffic(s.cfg, positions=P - 1, world=W, block=c.attention_block_size,
                                     chunk_size=c.chunk_size, dtype=s.dtype, grad_bytes=grad_elems * s.b)
+    outputs = kept_output_bytes(s, (P - 1) - min(P - 1, kept * C)) if exact and not divided else 0.0
     return WalkPlan(working=working, chunks=chunks, chunk_graph=chunk_graph, kept_chunks=kept,
                     kept_bytes=kept * chunk_graph, divided=bool(divided), chunk=walk_chunk, comm=comm,
-                    recompute=recompute, transient=transient)
+                    recompute=recompute, transient=transient, kept_outputs=outputs)
+
+
+def kept_output_bytes(s: Basis, positions: int) -> float:
+    """`keep_attention_outputs`: bytes of the outputs [H, Dv] (compute dtype) and LSEs [H]
+    (accumulation dtype) of `positions` recomputed prompt positions, per full-attention
+    layer (sliding windows, MLA / DSA and GDN layers keep none: their walk attends again)."""
+    if not s.config.keep_attention_outputs:
+        return 0.0
+    layers = s.arch.count(mixer="attention", window=None)
+    return float(layers * positions * s.arch.heads * (s.arch.head_dim * s.b + s.acc))
 
 
 def kept_chunks(s: Basis, C: int) -> int:

@@ -115,14 +115,15 @@ class Timing:
 
 def plan_time(s: Basis, *, divided: bool, divided_walk: bool, walk_chunk: int, held: int, chunks: int,
               kept_chunks: int, offload: dict | None, recompute: bool = False,
-              walk_recompute: bool = False) -> Timing:
+              walk_recompute: bool = False, kept_outputs: bool = False) -> Timing:
     """The step's FLOPs and seconds on one rank. divided / divided_walk: capture / the
     exact walk is divided over the ranks (walk chunks of `walk_chunk` tokens); held:
     branch tokens held as a state while pieces are walked back; chunks / kept_chunks:
     capture chunks, and those whose graphs are kept (not recomputed); recompute: replay
     recomputes each decoder layer in backward (one more forward of the branch's layers,
     not of its lm_head); walk_recompute: so does the exact walk (one more forward of each
-    recomputed chunk)."""
+    recomputed chunk); kept_outputs: the walk's recomputed forwards skip the full-attention
+    layers' QK^T / PV (`keep_attention_outputs`; its backward is unchanged)."""
     c, arch, params, P, R, G, W = s.config, s.arch, s.params, s.P, s.R, s.G, s.W
     thr = c.throughput_tflops * 1e12
     flops_prompt = forward_flops(arch, params, P, 0, lm_head=False, world=W)  # one replicated prompt forward
@@ -139,7 +140,11 @@ def plan_time(s: Basis, *, divided: bool, divided_walk: bool, walk_chunk: int, h
         flops_exact_extra = (BACKWARD_FACTOR + 1 + again) * divided_walk_flops(arch, params, P, W, c.attention_block_size,
                                                                        walk_chunk)
     else:
-        flops_exact_extra = (BACKWARD_FACTOR + (1 + again) * (chunks - kept_chunks) / chunks) * flops_prompt
+        # kept attention outputs: the recomputed forwards skip full attention over the prompt
+        skipped = (sum(mixer_flops(arch, layer, P, 0) for layer in arch.layers
+                       if layer.mixer == "attention" and layer.window is None) / W if kept_outputs else 0.0)
+        flops_exact_extra = (BACKWARD_FACTOR * flops_prompt
+                             + (1 + again) * (chunks - kept_chunks) / chunks * (flops_prompt - skipped))
     t_detached = (flops_capture + G * flops_branch) / thr  # FLOPs of one rank (see forward_flops)
     t_exact = t_detached + flops_exact_extra / thr
     t_transfer = offload["traffic_bytes"] / (c.host_bandwidth_gbs * 1e9) if offload else 0.0
