@@ -20,7 +20,7 @@ import json
 import sys
 
 from longstraw import defaults
-from longstraw import fit_advice
+from longstraw import fit_advice, quiet
 from longstraw.errors import ConfigError, DoesNotFitError, LongStrawError
 from longstraw.plan import PlanConfig, estimate, format_report
 
@@ -367,6 +367,7 @@ def grpo(argv) -> int:
 
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
+    quiet.install()  # warnings that are not the user's to act on (quiet.py)
     if argv[:1] == ["grpo"]:  # TRL's own parser reads its flags
         try:
             return grpo(argv[1:])
