@@ -404,9 +404,9 @@ def plan_walk(s: Basis, capture: CapturePlan, graph_tok: float) -> WalkPlan:
     """Exact mode's recompute working set, kept graphs, and whether the walk is divided."""
     c, W, P, C, exact, params = s.config, s.W, s.P, capture.C, s.exact, s.params
     graph, transient = _autograd(s, C, s.p_rank)
-    # the engine's rule (Engine.walk_recomputes_layers): replay's, for chunks of min(C, P - 1); not under FSDP2
+    # the engine's rule (Engine.walk_recomputes_layers): replay's, for chunks of min(C, P - 1); FSDP2 too
     walk_graph = _autograd(s, min(C, P - 1), s.p_rank)[0]  # one undivided walk chunk's graph (the engine's yardstick)
-    recompute = exact and not c.shard_params and recompute_pays(c.recompute_layers, walk_graph,
+    recompute = exact and recompute_pays(c.recompute_layers, walk_graph,
                                                                  held_bytes(s, plan_state(s)), len(s.arch.layers))
     working = (walk_recompute_working(s, C, s.p_rank) if recompute else graph + transient) if exact else 0.0
     # exact mode's kept capture graphs (the last chunks that fit), alive from capture to their walk
@@ -456,9 +456,10 @@ def kept_output_layers(arch: Arch, P: int) -> list[LayerSpec]:
 
 
 def kept_chunks(s: Basis, C: int) -> int:
-    """Exact mode's kept capture graphs: the last chunks whose graphs fit `keep_graph_bytes`."""
+    """Exact mode's kept capture graphs: the last chunks whose graphs fit `keep_graph_bytes`
+    (none under FSDP2: the engine's capture keeps no graph there, `engine/capture.py`)."""
     c = s.config
-    if not (s.exact and c.keep_graph_bytes):
+    if not (s.exact and c.keep_graph_bytes) or c.shard_params:
         return 0
     return min(-(-max(s.P - 1, 1) // C), int(c.keep_graph_bytes // _autograd(s, C, s.p_rank)[0]))
 
