@@ -137,8 +137,8 @@ def fit_config(model, *, memory_budget, prompt_tokens: int, group: int, response
         pinned |= {"offload_state"}
     if world < 2:
         pinned |= {"expert_parallel"}
-    if fused_backward_kernel(device.type, getattr(torch, dtype)) is None:  # the engine keeps no attention
-        pinned |= {"keep_attention_outputs"}                             # outputs there (`flash.keeps_outputs`)
+    if fused_backward_kernel(device.type, getattr(torch, dtype)) is None:  # kept attention outputs: measured
+        pinned |= {"keep_attention_outputs"}                             # on CPU's fused kernel only so far
     base = PlanConfig(prompt_tokens=prompt_tokens, group=group, response_tokens=response_tokens, mode=mode,
                       gpus=world, dtype=dtype, lora_rank=rank, lora_targets=targets, offload_state=offload,
                       gdn_kernel="fla" if device.type == "cuda" else "torch", reserve=0, **plan_fixed)

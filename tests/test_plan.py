@@ -723,3 +723,18 @@ def test_kept_attention_outputs_hold_their_bytes_and_skip_the_walks_attention_fo
     assert kept["kept_attention_bytes_per_rank"] == 0
     with pytest.raises(ConfigError, match="keep_attention_outputs"):
         PlanConfig(keep_attention_outputs=True, offload_state=True, **kw)
+
+
+def test_kept_attention_outputs_of_mla_count_the_latent_and_only_dense_layers():
+    """MLA keeps [H, kv_lora_rank] outputs over the latent, per layer whose queries select
+    every position they see: DeepSeek-V3.2's DSA at P below its top-k keeps every layer's,
+    above it none (its sparse attention is computed again)."""
+    from longstraw.plan.config import resolve
+
+    kw = dict(prompt_tokens=1024, group=2, response_tokens=64, mode="exact", keep_attention_outputs=True)
+    a = resolve("deepseek-v3.2", PlanConfig(**kw)).arch
+    assert a.index_topk > 1024 and all(layer.mixer == "mla" for layer in a.layers)
+    r = estimate("deepseek-v3.2", PlanConfig(**kw))
+    assert r["kept_attention_bytes_per_rank"] == len(a.layers) * 1023 * a.heads * (a.kv_lora_rank * 2 + 4)
+    long = estimate("deepseek-v3.2", PlanConfig(**{**kw, "prompt_tokens": 4 * a.index_topk}))
+    assert long["kept_attention_bytes_per_rank"] == 0

@@ -312,13 +312,17 @@ class FlashAttention(torch.autograd.Function):
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None
 
 
-def keeps_outputs(q: torch.Tensor, value_dim: int, window: int | None, sinks) -> bool:
+def keeps_outputs(q: torch.Tensor, value_dim: int, window: int | None, sinks, sharded: bool) -> bool:
     """Whether a capture chunk's attention output and LSE can stand in for the reverse
-    walk's attention forward (`ExecConfig.keep_attention_outputs`): the walk's attention
-    of these queries is `FlashAttention` (a fused forward and backward for q's device and
-    dtype, no sliding window, no sinks), whose backward needs only (q, k, v, o, lse)."""
-    return sinks is None and fused_takes(q, value_dim, window) and fused_backward_kernel(q.device.type,
-                                                                                         q.dtype) is not None
+    walk's attention forward (`ExecConfig.keep_attention_outputs`), whose backward needs
+    only (q, k, v, o, lse): no sinks, and the walk's attention of these queries is either
+    `FlashAttention` (a fused forward and backward for q's device and dtype, no sliding
+    window: `KeptAttention`) or the blockwise kernel over an unsharded state
+    (`attention.KeptPrefixAttention`: sliding windows, CUDA)."""
+    if sinks is not None:
+        return False
+    fused = fused_takes(q, value_dim, window) and fused_backward_kernel(q.device.type, q.dtype) is not None
+    return fused or not sharded
 
 
 class KeptAttention(FlashAttention):

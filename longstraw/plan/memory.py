@@ -436,13 +436,23 @@ def plan_walk(s: Basis, capture: CapturePlan, graph_tok: float) -> WalkPlan:
 
 
 def kept_output_bytes(s: Basis, positions: int) -> float:
-    """`keep_attention_outputs`: bytes of the outputs [H, Dv] (compute dtype) and LSEs [H]
-    (accumulation dtype) of `positions` recomputed prompt positions, per full-attention
-    layer (sliding windows, MLA / DSA and GDN layers keep none: their walk attends again)."""
+    """`keep_attention_outputs`: bytes of the outputs (compute dtype) and LSEs [H]
+    (accumulation dtype) of `positions` recomputed prompt positions, per attention layer
+    ([H, Dv]; sliding-window ones too: exact mode keeps all their rows) and dense MLA layer
+    ([H, kv_lora_rank] over the latent: `kept_output_layers`). GDN layers and sparse DSA
+    attention keep none (their walk computes it again)."""
     if not s.config.keep_attention_outputs:
         return 0.0
-    layers = s.arch.count(mixer="attention", window=None)
-    return float(layers * positions * s.arch.heads * (s.arch.head_dim * s.b + s.acc))
+    a = s.arch
+    per = {"attention": a.heads * (a.head_dim * s.b + s.acc), "mla": a.heads * (a.kv_lora_rank * s.b + s.acc)}
+    return float(positions * sum(per[layer.mixer] for layer in kept_output_layers(a, s.P)))
+
+
+def kept_output_layers(arch: Arch, P: int) -> list[LayerSpec]:
+    """The layers whose attention outputs `keep_attention_outputs` keeps: GQA / MQA attention,
+    and MLA whose queries select every position they see (no DSA, or a top-k >= P)."""
+    return [layer for layer in arch.layers if layer.mixer == "attention"
+            or (layer.mixer == "mla" and (not layer.sparse or (arch.index_topk or 0) >= P))]
 
 
 def kept_chunks(s: Basis, C: int) -> int:
