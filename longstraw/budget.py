@@ -147,16 +147,8 @@ def fit_config(model, *, memory_budget, prompt_tokens: int, group: int, response
     cfg = planner_config(model)
     held = estimate(cfg, base)  # the model, its gradients and the optimizer: outside the budget
     outside = held["param_bytes"] + held["grad_bytes"] + held["optimizer_bytes"]
-    others = held_states * held_state_bytes(held)  # inside the budget, outside the step's plan
     reserve = max(RUNTIME_RESERVE_BYTES, int(RUNTIME_RESERVE_SHARE * budget))  # _at's
-    for _ in range(4):  # a held state's snapshots depend on the chunk the search picks: search again until settled
-        result = search(cfg, _at(base, budget, outside - others), pinned)
-        if not (held_states and hasattr(result, "config")):
-            break
-        chosen_others = held_states * held_state_bytes(estimate(cfg, replace(result.config, reserve=reserve)))
-        if chosen_others <= others:
-            break
-        others = chosen_others
+    result, others = _search_beside_held(cfg, base, pinned, budget, outside, held_states, held)
     if not hasattr(result, "config"):
         step = f"P={prompt_tokens:,}, G={group}, R={response_tokens:,}, mode={mode!r}"
         if held_states:
@@ -175,6 +167,25 @@ def fit_config(model, *, memory_budget, prompt_tokens: int, group: int, response
         raise AssertionError(f"fit_config: the returned {returned} plans {int(again['peak_bytes_per_rank']):,} B, "
                              f"above the {int(budget + outside - others - reserve):,} B its search fitted")
     return returned
+
+
+def _search_beside_held(cfg, base: PlanConfig, pinned: set, budget: int, outside: float, held_states: int,
+                        held: dict):
+    """The search at `budget` beside `held_states` other prompt states (each `held_state_bytes`,
+    inside the budget, outside the step's plan). A held state's exact snapshots depend on the
+    chunk the search picks, so it searches again (at most 4 times) until the held bytes settle.
+    Returns (the search's result, the held bytes it was searched beside)."""
+    others = held_states * held_state_bytes(held)
+    for _ in range(4):
+        result = search(cfg, _at(base, budget, outside - others), pinned)
+        if not (held_states and hasattr(result, "config")):
+            break
+        chosen_others = held_states * held_state_bytes(estimate(cfg, replace(result.config, reserve=_at(
+            base, budget, 0).reserve)))
+        if chosen_others <= others:
+            break
+        others = chosen_others
+    return result, others
 
 
 def _at(base: PlanConfig, budget: int, outside: float) -> PlanConfig:
