@@ -20,7 +20,7 @@ import json
 import sys
 
 from longstraw import defaults
-from longstraw import fit_advice
+from longstraw import fit_advice, quiet
 from longstraw.errors import ConfigError, DoesNotFitError, LongStrawError
 from longstraw.plan import PlanConfig, estimate, format_report
 
@@ -99,8 +99,14 @@ def plan(args, argv=()) -> int:
     if args.sweep:
         return _sweep(args, config, argv)
     if not args.fit:
+        if args.rehearse:
+            from longstraw.rehearsal.against_plan import refuse_unrehearsed
+            refuse_unrehearsed(config)  # before any work
         report = estimate(args.model, config)
-        print(json.dumps(report) if args.json else format_report(report))
+        text = format_report(report)
+        if args.rehearse:
+            text += "\n\n" + _rehearse(args.model, config, report)
+        print(json.dumps(report) if args.json else text)
         return 0
     from longstraw.plan.fit import fit_report, format_fit, search
 
@@ -108,8 +114,24 @@ def plan(args, argv=()) -> int:
     entry = fit_report(result)
     report = estimate(args.model, result.config) if entry["fit"] else result.leanest
     report.update(entry)
-    print(json.dumps(report) if args.json else format_report(report) + "\n\n" + format_fit(result))
-    return 0 if entry["fit"] else 3
+    text = format_report(report) + "\n\n" + format_fit(result)
+    fits = entry["fit"]
+    if args.rehearse and fits:  # the chosen configuration, rehearsed: a choice whose rehearsal does not fit fails
+        text += "\n\n" + _rehearse(args.model, result.config, report)
+        fits = report["rehearsal"]["fits"]
+    print(json.dumps(report) if args.json else text)
+    return 0 if fits else 3
+
+
+def _rehearse(model, config: PlanConfig, report: dict) -> str:
+    """Rehearse the planned step (`--rehearse`): adds report["rehearsal"], returns its table.
+    It fits when its peak plus the optimizer state and the reserve is within the GPU memory."""
+    from longstraw.rehearsal.against_plan import comparison, format_comparison, rehearse_plan
+
+    entry = comparison(model, config, rehearse_plan(model, config))
+    entry["fits"] = entry["peak_bytes_per_rank"] + report["optimizer_bytes"] + config.reserve <= config.gpu_memory
+    report["rehearsal"] = entry
+    return format_comparison(entry) + ("" if entry["fits"] else "\n  the rehearsed peak does not fit")
 
 
 def _add_plan_parser(sub) -> None:
@@ -210,6 +232,10 @@ def _add_fit_flags(p) -> None:
                    "tower's parameters, the image rows the state keeps and the largest image's working set")
     p.add_argument("--image-tokens", type=int, default=0, help="merged tokens of the largest image (with --images)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    p.add_argument("--rehearse", action="store_true",
+                   help="also run the planned step (with --fit: the chosen one) on fake tensors (ls.rehearse, one "
+                        "rank, CPU branches) and print the planner's and the rehearsal's peak per phase side by side "
+                        "(JSON: \"rehearsal\"; docs/rehearse.md)")
 
 
 def train(args) -> int:
@@ -341,6 +367,7 @@ def grpo(argv) -> int:
 
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
+    quiet.install()  # warnings that are not the user's to act on (quiet.py)
     if argv[:1] == ["grpo"]:  # TRL's own parser reads its flags
         try:
             return grpo(argv[1:])

@@ -31,9 +31,10 @@ KL to the warm start, tokens/s, peak RSS, phase times; held-out accuracy every
 `eval_every` steps). A step that changed no weight says why (`no_update`); a run where most
 steps do warns once with what to change (`skips.SkipWatch`). Times keep the engine's
 meanings: `time_capture_s` is every capture of the step (the one inside `generate`
-included), `time_generate_s` the decoding, `time_rollout_s` the rollout phase's wall time. `<out_dir>/checkpoint.pt` holds the model, the optimizer, the RNG
-states and the step; a resumed run continues the same curve (every random draw of a
-step comes from a generator seeded by (seed, step)).
+included), `time_generate_s` the decoding, `time_rollout_s` the rollout phase's wall time.
+`<out_dir>/checkpoint.pt` holds the model, the optimizer, the RNG states and the step; a
+resumed run continues the same curve (every random draw of a step comes from a generator
+seeded by (seed, step)).
 """
 
 from __future__ import annotations

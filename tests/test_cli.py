@@ -79,8 +79,10 @@ def test_train_runs_the_agent_task_through_its_environment(tmp_path, capsys):
     """`longstraw train --task tool_lookup` trains on agent episodes: the log counts the
     tool calls its rollouts made through engine.generate(environment=)."""
     import json
+    import warnings
 
     from longstraw.cli import main
+    from longstraw.skips import NoUpdateWarning
 
     out = tmp_path / "run"
     flags = ["--task", "tool_lookup", "--prompt-tokens", "24", "--num-facts", "2", "--num-values", "2",
@@ -88,7 +90,10 @@ def test_train_runs_the_agent_task_through_its_environment(tmp_path, capsys):
              "--warm-min-prompt-tokens", "16", "--warm-prompt-tokens", "16", "--warm-batch", "8", "--warm-lr", "0.01",
              "--steps", "2", "--group-size", "4", "--eval-every", "2", "--eval-prompts", "2", "--chunk-size", "8",
              "--no-log-kl", "--no-progress", "--threads", "1", "--out-dir", str(out)]
-    assert main(["train", *flags]) == 0
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")  # as -W always: no warning but ours reaches the screen (quiet.py)
+        assert main(["train", *flags]) == 0
+    assert all(issubclass(w.category, NoUpdateWarning) for w in seen), [str(w.message) for w in seen]
     summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     log = [json.loads(line) for line in open(out / "log.jsonl")]
     assert json.load(open(out / "config.json"))["task_name"] == "tool_lookup"

@@ -693,10 +693,12 @@ def test_the_papers_qwen_exact_run_fits(pieces):
     assert one["exact_snapshots"]["offload"] and one["peak_bytes_per_rank"] <= 0.85 * one["gpu_memory_bytes"]
 
 
-def test_the_walk_does_not_recompute_layers_under_fsdp2():
+def test_the_walk_recomputes_layers_under_fsdp2_as_the_engine_does():
+    """The engine's walk recomputes layers under FSDP2 when asked (issue 43 item 6a,
+    tests/parallel/test_sharding.py), and keeps no capture graph there: the plan follows."""
     kw = dict(PAPER_QWEN, branch_chunk_size=2048, recompute_layers=True)
     assert plan("qwen3.6-27b", **kw)["walk_recompute_layers"]
-    assert not plan("qwen3.6-27b", shard_params=True, **kw)["walk_recompute_layers"]  # the engine's rule
+    assert plan("qwen3.6-27b", shard_params=True, **kw)["walk_recompute_layers"]  # the engine's rule
 
 
 def test_kept_attention_outputs_hold_their_bytes_and_skip_the_walks_attention_forward():

@@ -36,10 +36,8 @@ What LongStraw replaces, through three of GRPOTrainer's hooks:
 Advantages are TRL's own (every `scale_rewards`); they reach the engine as the rewards
 with `scale_rewards="none"` (already centred, so the engine's centring changes nothing).
 
-Memory: each prompt keeps its state from generation to its update (`longstraw_keep_states=
-False` drops it and captures again: one more capture per prompt; with tools the states
-live until the tool loop ends, since its continuations interleave the prompts).
-The screen (skipped steps, the loss note): `trl_screen.py`.
+Memory: each prompt keeps its state until its update (`longstraw_keep_states=False`:
+dropped, captured again; with tools: until the tool loop ends). Screen: `trl_screen.py`.
 
 Images (a processor as `processing_class`, TRL's `image` / `images` columns): each group's
 processor outputs become its `prompt_inputs` (`trl_images.py`), for generate, score, step.
@@ -77,6 +75,7 @@ from longstraw.integrations.trl_settings import turn_off_activation_checkpointin
 from longstraw.parallel.data import agreed, global_totals, process_group_view, reduce_gradients, sampling_generator
 from longstraw.integrations.trl_parallel import (DataParallelView, check_mesh_settings, reduce_metrics,
                                                  seen_per_data_parallel_group)
+from longstraw import quiet
 from longstraw.integrations import trl_checkpoint, trl_fsdp
 from longstraw.integrations.chat import token_id_tokenizer  # noqa: F401 (public here too)
 from longstraw.integrations.trl_budget import check_prompt_tokens, fitted_config, held_prompt_states
@@ -90,6 +89,7 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
     raise ImportError("longstraw.integrations.trl needs TRL: pip install 'longstraw[trl]'") from exc
 
 logger = logging.getLogger(__name__)
+quiet.install()  # at import: a TRL script builds its GRPOConfig (and its FutureWarning) after this (quiet.py)
 
 SUMMED_KEYS = ("captures", "tool_continuations", "groups", "skipped_zero_advantage", "skipped_no_loss_tokens")
 WINDOW_KEYS = SUMMED_KEYS + ("time_capture_s", "time_generate_s", "time_replay_s", "time_reverse_s", "state_bytes",
@@ -172,6 +172,7 @@ class LongStrawGRPOTrainer(trl_checkpoint.TrainerCheckpoints, trl.GRPOTrainer):
                  longstraw_replica_check_every: int = 0, longstraw_context_parallel_size: int = 1,
                  longstraw_fsdp: bool = False, longstraw_max_nonfinite_steps: int = DEFAULT_MAX_NONFINITE_STEPS,
                  longstraw_memory_budget=None, longstraw_prompt_tokens: int | None = None, **kwargs):
+        quiet.install()  # again (a no-op unless filters were reset): what is not the user's to act on
         init_distributed()  # a no-op when the script (or accelerate, from `args`) initialized the group
         longstraw_config = ExecConfig() if longstraw_config is None else longstraw_config
         if not isinstance(longstraw_replica_check_every, int) or longstraw_replica_check_every < 0:
