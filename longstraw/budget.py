@@ -25,6 +25,7 @@ import torch
 from longstraw import fit_advice
 from longstraw.config import ExecConfig
 from longstraw.errors import ConfigError, DoesNotFitError
+from longstraw.ops import kernels
 from longstraw.ops.flash import fused_backward_kernel
 from longstraw.plan.arch import parse_bytes
 from longstraw.plan.config import PlanConfig
@@ -105,7 +106,8 @@ def fit_config(model, *, memory_budget, prompt_tokens: int, group: int, response
         mode: "detached" or "exact" (kept as given).
         held_states: other prompt states of this P alive during the step (a trainer that
             keeps a generation batch's states until their updates): each adds the
-            planner's state bytes per rank to what the budget holds. Default 0.
+            planner's state bytes per rank, and in exact mode its recurrent snapshots on
+            the device, to what the budget holds (`held_state_bytes`). Default 0.
         process_group: with `context_parallel=True`, the ranks that share the prompt (as
             `Engine(process_group=)`); None: the default group.
         **fixed: ExecConfig fields to pin (e.g. `branch_chunk_size=2048`,
@@ -137,17 +139,16 @@ def fit_config(model, *, memory_budget, prompt_tokens: int, group: int, response
         pinned |= {"offload_state"}
     if world < 2:
         pinned |= {"expert_parallel"}
-    if fused_backward_kernel(device.type, getattr(torch, dtype)) is None:  # the engine keeps no attention
-        pinned |= {"keep_attention_outputs"}                             # outputs there (`flash.keeps_outputs`)
+    if fused_backward_kernel(device.type, getattr(torch, dtype)) is None:  # kept attention outputs: measured
+        pinned |= {"keep_attention_outputs"}                             # on CPU's fused kernel only so far
     base = PlanConfig(prompt_tokens=prompt_tokens, group=group, response_tokens=response_tokens, mode=mode,
                       gpus=world, dtype=dtype, lora_rank=rank, lora_targets=targets, offload_state=offload,
-                      gdn_kernel="fla" if device.type == "cuda" else "torch", reserve=0, **plan_fixed)
+                      gdn_kernel=gdn_kernel(device, dtype), reserve=0, **plan_fixed)
     cfg = planner_config(model)
     held = estimate(cfg, base)  # the model, its gradients and the optimizer: outside the budget
     outside = held["param_bytes"] + held["grad_bytes"] + held["optimizer_bytes"]
-    others = held_states * held["state_bytes_on_gpu_per_rank"]  # inside the budget, outside the step's plan
     reserve = max(RUNTIME_RESERVE_BYTES, int(RUNTIME_RESERVE_SHARE * budget))  # _at's
-    result = search(cfg, _at(base, budget, outside - others), pinned)
+    result, others = _search_beside_held(cfg, base, pinned, budget, outside, held_states, held)
     if not hasattr(result, "config"):
         step = f"P={prompt_tokens:,}, G={group}, R={response_tokens:,}, mode={mode!r}"
         if held_states:
@@ -166,6 +167,25 @@ def fit_config(model, *, memory_budget, prompt_tokens: int, group: int, response
         raise AssertionError(f"fit_config: the returned {returned} plans {int(again['peak_bytes_per_rank']):,} B, "
                              f"above the {int(budget + outside - others - reserve):,} B its search fitted")
     return returned
+
+
+def _search_beside_held(cfg, base: PlanConfig, pinned: set, budget: int, outside: float, held_states: int,
+                        held: dict):
+    """The search at `budget` beside `held_states` other prompt states (each `held_state_bytes`,
+    inside the budget, outside the step's plan). A held state's exact snapshots depend on the
+    chunk the search picks, so it searches again (at most 4 times) until the held bytes settle.
+    Returns (the search's result, the held bytes it was searched beside)."""
+    others = held_states * held_state_bytes(held)
+    for _ in range(4):
+        result = search(cfg, _at(base, budget, outside - others), pinned)
+        if not (held_states and hasattr(result, "config")):
+            break
+        chosen_others = held_states * held_state_bytes(estimate(cfg, replace(result.config, reserve=_at(
+            base, budget, 0).reserve)))
+        if chosen_others <= others:
+            break
+        others = chosen_others
+    return result, others
 
 
 def _at(base: PlanConfig, budget: int, outside: float) -> PlanConfig:
@@ -213,6 +233,21 @@ def _changes(cfg, base: PlanConfig, pinned: set, given: set, result, budget: int
         if hasattr(freed, "config"):
             out.append({"unpin": name, "pinned": getattr(base, name), "value": getattr(freed.config, name)})
     return out
+
+
+def held_state_bytes(plan: dict) -> float:
+    """What one more prompt state of the step holds on the rank while it waits for its
+    update (`held_states`): its device part and, in exact mode, its recurrent snapshots on
+    the device (`exact_checkpoint_bytes_per_rank`, 0 detached or offloaded)."""
+    return plan["state_bytes_on_gpu_per_rank"] + plan["exact_checkpoint_bytes_per_rank"]
+
+
+def gdn_kernel(device: torch.device, dtype: str) -> str:
+    """The GDN kernel the engine will run (`ops.kernels.pick`): flash-linear-attention's
+    ('fla') only on CUDA in bf16 / fp16 with fla importable, else the torch kernel."""
+    if device.type != "cuda" or dtype not in ("bfloat16", "float16"):
+        return "torch"
+    return "fla" if kernels.load("chunk_gated_delta_rule") is not None else "torch"
 
 
 def _plan_fields(cfg: ExecConfig) -> dict:

@@ -73,8 +73,8 @@ _SEARCHED_FLAGS = {"mode": "--mode", "branch_chunk_size": "--branch-chunk-size",
 def _pinned(argv) -> set:
     """The searched fields whose flag is on the command line (`--flag value` or `--flag=value`)."""
     given = {a.split("=", 1)[0] for a in argv if a.startswith("--")}
-    # kept attention outputs: the engine applies them where the walk's attention is torch's fused CPU
-    # kernel, not on a GPU, so the GPU planner never searches them (`fit_config` does on CPU)
+    # kept attention outputs: measured on CPU only so far, so the GPU planner does not search
+    # them (`fit_config` does on CPU)
     return {name for name, flag in _SEARCHED_FLAGS.items() if flag in given} | {"keep_attention_outputs"}
 
 
@@ -99,8 +99,14 @@ def plan(args, argv=()) -> int:
     if args.sweep:
         return _sweep(args, config, argv)
     if not args.fit:
+        if args.rehearse:
+            from longstraw.rehearsal.against_plan import refuse_unrehearsed
+            refuse_unrehearsed(config)  # before any work
         report = estimate(args.model, config)
-        print(json.dumps(report) if args.json else format_report(report))
+        text = format_report(report)
+        if args.rehearse:
+            text += "\n\n" + _rehearse(args.model, config, report)
+        print(json.dumps(report) if args.json else text)
         return 0
     from longstraw.plan.fit import fit_report, format_fit, search
 
@@ -108,8 +114,24 @@ def plan(args, argv=()) -> int:
     entry = fit_report(result)
     report = estimate(args.model, result.config) if entry["fit"] else result.leanest
     report.update(entry)
-    print(json.dumps(report) if args.json else format_report(report) + "\n\n" + format_fit(result))
-    return 0 if entry["fit"] else 3
+    text = format_report(report) + "\n\n" + format_fit(result)
+    fits = entry["fit"]
+    if args.rehearse and fits:  # the chosen configuration, rehearsed: a choice whose rehearsal does not fit fails
+        text += "\n\n" + _rehearse(args.model, result.config, report)
+        fits = report["rehearsal"]["fits"]
+    print(json.dumps(report) if args.json else text)
+    return 0 if fits else 3
+
+
+def _rehearse(model, config: PlanConfig, report: dict) -> str:
+    """Rehearse the planned step (`--rehearse`): adds report["rehearsal"], returns its table.
+    It fits when its peak plus the optimizer state and the reserve is within the GPU memory."""
+    from longstraw.rehearsal.against_plan import comparison, format_comparison, rehearse_plan
+
+    entry = comparison(model, config, rehearse_plan(model, config))
+    entry["fits"] = entry["peak_bytes_per_rank"] + report["optimizer_bytes"] + config.reserve <= config.gpu_memory
+    report["rehearsal"] = entry
+    return format_comparison(entry) + ("" if entry["fits"] else "\n  the rehearsed peak does not fit")
 
 
 def _add_plan_parser(sub) -> None:
@@ -175,8 +197,7 @@ def _add_plan_parser(sub) -> None:
                                                            "default 0: recompute every chunk)")
     p.add_argument("--keep-attention-outputs", action="store_true",
                    help="exact mode: capture keeps each full-attention layer's output and LSE, so the walk skips "
-                        "attention's forward over the prompt (ExecConfig.keep_attention_outputs; the engine "
-                        "applies it on CPU's fused kernel only)")
+                        "attention's forward over the prompt (ExecConfig.keep_attention_outputs)")
     p.add_argument("--score-passes", type=int, default=0, help="no-grad scoring forwards per branch (old/ref "
                                                                "log-probs) from the step's one captured state, "
                                                                "no second capture (the paper: 2; default 0)")
@@ -211,6 +232,10 @@ def _add_fit_flags(p) -> None:
                    "tower's parameters, the image rows the state keeps and the largest image's working set")
     p.add_argument("--image-tokens", type=int, default=0, help="merged tokens of the largest image (with --images)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    p.add_argument("--rehearse", action="store_true",
+                   help="also run the planned step (with --fit: the chosen one) on fake tensors (ls.rehearse, one "
+                        "rank, CPU branches) and print the planner's and the rehearsal's peak per phase side by side "
+                        "(JSON: \"rehearsal\"; docs/rehearse.md)")
 
 
 def train(args) -> int:

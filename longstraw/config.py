@@ -99,16 +99,16 @@ class ExecConfig:
     reused from `generate` is walked by recomputation. See docs/exact.md."""
 
     keep_attention_outputs: bool = defaults.KEEP_ATTENTION_OUTPUTS
-    """Exact mode: capture keeps what each full-attention layer's backward needs from its
+    """Exact mode: capture keeps what each attention layer's backward needs from its
     forward, the output [H, Dv] and the log-sum-exp [H] per prompt position (model dtype
     and float32 / float64), so the reverse walk recomputes only norms, projections and the
     MLP and runs attention's backward from what was kept, without a second attention over
     the prompt (`state/kept_outputs.py`). It costs H * (Dv + 1) numbers per position and
-    attention layer on the device, freed chunk by chunk as the walk passes. Applies where
-    the walk's attention is the fused flash kernel (`ops/flash.keeps_outputs`: CPU; no
-    sliding window, no sinks; not MLA / DSA or a divided walk yet) to a step's own
-    capture; elsewhere the walk recomputes attention as before. Same result.
-    See docs/exact.md."""
+    attention layer on the device, freed chunk by chunk as the walk passes. Applies to a
+    step's own capture and GQA / MQA attention layers (the fused flash kernel or the
+    blockwise one, sliding windows too: `ops/flash.keeps_outputs`); not yet to attention
+    sinks, MLA / DSA layers or a divided walk, which recompute attention as before. Same
+    result. See docs/exact.md."""
 
     state_device: str | None = None
     """Where the prompt state's per-token rows (K/V, MLA latents, DSA indexer keys and

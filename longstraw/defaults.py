@@ -16,6 +16,10 @@ BRANCH_CHUNK_SIZE = None
 ATTENTION_BLOCK_SIZE = 1024
 """Prompt positions per block of the blockwise attention over the captured state."""
 
+FLASH_BACKWARD_BLOCK = 8192
+"""Prompt positions per call of the fused attention backward (`ops.flash.FlashAttention`):
+each call holds the block's K and V copies and their dK, dV (the planner counts them)."""
+
 LOGITS_CHUNK_SIZE = 1024
 """Response tokens per lm_head + log-softmax chunk."""
 

@@ -95,7 +95,8 @@ def tiny_vlm_processor(*, min_pixels: int = 32 * 32, max_pixels: int = 512 * 512
     images = Qwen2VLImageProcessorPil(patch_size=TINY_VISION["patch_size"],
                                       temporal_patch_size=TINY_VISION["temporal_patch_size"],
                                       merge_size=TINY_VISION["spatial_merge_size"],
-                                      size={"shortest_edge": min_pixels, "longest_edge": max_pixels})
+                                      size={"shortest_edge": min_pixels, "longest_edge": max_pixels},
+                                      return_tensors="pt")  # tensors even untensored, as HF's torchvision one
     return TinyVLMProcessor(image_processor=images, tokenizer=tiny_vlm_tokenizer(), chat_template=CHAT_TEMPLATE)
 
 

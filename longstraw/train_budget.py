@@ -10,10 +10,13 @@ The fit runs on a freshly built model before the warm start, so a budget that no
 fits stops the run (`DoesNotFitError`, the CLI's exit 2) before any work.
 
 What the budget counts is `fit_config`'s: what one `engine.step` adds above the loaded
-model and its gradients. The optimizer's state, the frozen reference copy (`log_kl`,
-`beta`) and rollouts' other prompts' states (`prompts_per_step` > 1 keeps one state per
-prompt until the update) are outside it; the last is added to the budget's load
-(`held_states`), the first two are the loop's, like the model.
+model and its gradients. The optimizer's state and the frozen reference copy (`log_kl`,
+`beta`) are the loop's, like the model. The prompt states the loop holds besides the
+step's own are added to the budget's load (`held_states`, `held_states_of`): the
+rollouts' other prompts' states (`prompts_per_step` > 1 keeps one state per prompt until
+the update), and with a reference (`log_kl`, the default, or `beta` > 0) one more: the
+reference scores the samples with its own capture of the prompt while every rollout's
+state is still held.
 """
 
 from __future__ import annotations
@@ -24,7 +27,7 @@ from longstraw.budget import fit_config
 from longstraw.config import ExecConfig
 from longstraw.train_config import TrainConfig, check_memory_budget
 
-__all__ = ["TRAIN_CHUNK_SIZE", "SHOWN", "check_memory_budget", "engine_config", "describe"]
+__all__ = ["TRAIN_CHUNK_SIZE", "SHOWN", "check_memory_budget", "engine_config", "held_states_of", "describe"]
 
 TRAIN_CHUNK_SIZE = 1024
 """The loop's capture chunk (and exact mode's walk chunk) when neither `chunk_size` nor a
@@ -54,7 +57,14 @@ def engine_config(cfg: TrainConfig, model, *, mode: str, context_parallel: bool)
         fixed["chunk_size"] = cfg.chunk_size
     return fit_config(model, memory_budget=cfg.memory_budget, prompt_tokens=cfg.prompt_tokens, group=cfg.group_size,
                       response_tokens=cfg.task().response_tokens, mode=mode,
-                      held_states=cfg.prompts_per_step - 1, **fixed)
+                      held_states=held_states_of(cfg), **fixed)
+
+
+def held_states_of(cfg: TrainConfig) -> int:
+    """Prompt states alive beside the one a step (or the reference's scoring) works on:
+    the other prompts' rollout states, plus, with a reference (`log_kl` or `beta` > 0),
+    the reference's own capture made while all of them are held (`train._reference_kl`)."""
+    return cfg.prompts_per_step - 1 + (1 if cfg.log_kl or cfg.beta > 0 else 0)
 
 
 SHOWN = ("mode", "chunk_size", "branch_chunk_size", "recompute_layers", "offload_snapshots", "expert_parallel",

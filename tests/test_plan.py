@@ -693,10 +693,12 @@ def test_the_papers_qwen_exact_run_fits(pieces):
     assert one["exact_snapshots"]["offload"] and one["peak_bytes_per_rank"] <= 0.85 * one["gpu_memory_bytes"]
 
 
-def test_the_walk_does_not_recompute_layers_under_fsdp2():
+def test_the_walk_recomputes_layers_under_fsdp2_as_the_engine_does():
+    """The engine's walk recomputes layers under FSDP2 when asked (issue 43 item 6a,
+    tests/parallel/test_sharding.py), and keeps no capture graph there: the plan follows."""
     kw = dict(PAPER_QWEN, branch_chunk_size=2048, recompute_layers=True)
     assert plan("qwen3.6-27b", **kw)["walk_recompute_layers"]
-    assert not plan("qwen3.6-27b", shard_params=True, **kw)["walk_recompute_layers"]  # the engine's rule
+    assert plan("qwen3.6-27b", shard_params=True, **kw)["walk_recompute_layers"]  # the engine's rule
 
 
 def test_kept_attention_outputs_hold_their_bytes_and_skip_the_walks_attention_forward():
@@ -723,3 +725,18 @@ def test_kept_attention_outputs_hold_their_bytes_and_skip_the_walks_attention_fo
     assert kept["kept_attention_bytes_per_rank"] == 0
     with pytest.raises(ConfigError, match="keep_attention_outputs"):
         PlanConfig(keep_attention_outputs=True, offload_state=True, **kw)
+
+
+def test_kept_attention_outputs_of_mla_count_the_latent_and_only_dense_layers():
+    """MLA keeps [H, kv_lora_rank] outputs over the latent, per layer whose queries select
+    every position they see: DeepSeek-V3.2's DSA at P below its top-k keeps every layer's,
+    above it none (its sparse attention is computed again)."""
+    from longstraw.plan.config import resolve
+
+    kw = dict(prompt_tokens=1024, group=2, response_tokens=64, mode="exact", keep_attention_outputs=True)
+    a = resolve("deepseek-v3.2", PlanConfig(**kw)).arch
+    assert a.index_topk > 1024 and all(layer.mixer == "mla" for layer in a.layers)
+    r = estimate("deepseek-v3.2", PlanConfig(**kw))
+    assert r["kept_attention_bytes_per_rank"] == len(a.layers) * 1023 * a.heads * (a.kv_lora_rank * 2 + 4)
+    long = estimate("deepseek-v3.2", PlanConfig(**{**kw, "prompt_tokens": 4 * a.index_topk}))
+    assert long["kept_attention_bytes_per_rank"] == 0

@@ -205,3 +205,38 @@ def test_planner_walk_seed_bytes_match_the_seed_readers(family):
     seeds = {g.untyped_storage().data_ptr(): g.untyped_storage().nbytes() for g in seeds}
     measured = sum(seeds.values())  # the storages they keep alive (a view of a whole buffer would show)
     assert measured == (b - a) * seed_bytes_per_token(architecture(model.config.to_dict()), 4)
+
+
+def test_replay_over_a_long_prompt_counts_the_fused_backwards_key_blocks(monkeypatch):
+    """Issue 43 item 8: a replay piece much shorter than the prompt, whose attention
+    backward (the fused kernel, `ops.flash.FlashAttention`) walks the prompt in blocks of
+    `FLASH_BACKWARD_BLOCK` positions and holds each block's K and V copies and their dK, dV.
+    The planner's replay phase (above the weights) within 10% of the live tensors', per
+    `LiveBytes` phase. Block 2,048 (the default 8,192 needs P > 8,192 to show; the planner
+    reads the same constant), one layer, P = 4,096, pieces of 16. It also counts lm_head's
+    weight gradient, computed apart before it is added into the existing `.grad` (the
+    second branch on). Before: the planner counted the blockwise kernel's tiles and no
+    gradient transient, 0.81 of the measured (1.04 after)."""
+    from longstraw.ops import flash
+    from longstraw.plan import working
+    from longstraw.rehearsal.tracker import LiveBytes
+
+    monkeypatch.setattr(flash, "BACKWARD_BLOCK", 2048)
+    monkeypatch.setattr(working, "FLASH_BACKWARD_BLOCK", 2048)
+    torch.manual_seed(0)
+    model = tiny_model("qwen3", dtype=torch.float32, num_hidden_layers=1)
+    p, r = 4096, 16
+    kw = dict(chunk_size=512, branch_chunk_size=r, recompute_layers=False)
+    engine = ls.Engine(model, ls.ExecConfig(**kw))
+    tracker = LiveBytes("cpu")
+    tracker.adopt(list(model.parameters()))
+    weights = tracker.live
+    engine.phase_hook = tracker.phase
+    with tracker:
+        engine.step(uniform_group(model.config.vocab_size, p, G, r, seed=0), ls.GRPOConfig())
+    measured = tracker.phase_peaks["replay"] - weights
+    plan = estimate(model.config.to_dict(), PlanConfig(prompt_tokens=p, group=G, response_tokens=r, dtype="float32",
+                                                       grads_during_capture=False, **kw))
+    planned = plan["breakdown"]["phase_peak_bytes"]["replay"] - plan["param_bytes"] - plan["optimizer_bytes"]
+    print(f"replay above the weights: planned {planned:,} B, measured {measured:,} B ({planned / measured:.3f})")
+    assert abs(planned / measured - 1) <= 0.10, (planned, measured)

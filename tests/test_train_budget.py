@@ -19,9 +19,24 @@ STEP = dict(prompt_tokens=16384, group_size=8, arm="exact", warm_steps=0, progre
 
 
 def _fit(cfg: TrainConfig) -> ls.ExecConfig:
+    held = cfg.prompts_per_step - 1 + (1 if cfg.log_kl else 0)  # log_kl: the reference's own state, held too
     return ls.fit_config(build_model(cfg), memory_budget=cfg.memory_budget, prompt_tokens=cfg.prompt_tokens,
                          group=cfg.group_size, response_tokens=cfg.task().response_tokens, mode="exact",
-                         context_parallel=False)
+                         context_parallel=False, held_states=held)
+
+
+def test_the_reference_state_of_log_kl_is_held_in_the_budget(monkeypatch):
+    """Issue 43 item 6: with `log_kl` (the default) the reference captures its own state of
+    the prompt while every rollout's state is held: one held state more than the rollouts'
+    others (before: `prompts_per_step - 1` only)."""
+    from longstraw import train_budget
+
+    seen = []
+    monkeypatch.setattr(train_budget, "fit_config", lambda model, **kw: seen.append(kw["held_states"]))
+    for log_kl, prompts in ((True, 1), (False, 1), (True, 3), (False, 3)):
+        cfg = TrainConfig(**STEP, memory_budget="1GiB", log_kl=log_kl, prompts_per_step=prompts)
+        engine_config(cfg, None, mode="exact", context_parallel=False)
+    assert seen == [1, 0, 3, 2]
 
 
 def test_the_budget_chooses_the_engine_config_and_given_options_are_kept():
@@ -52,7 +67,7 @@ def test_train_runs_the_fitted_config_and_prints_it(tmp_path, capsys, monkeypatc
     assert main(["train", *flags]) == 0
     out = capsys.readouterr().out.strip().splitlines()
     cfg = TrainConfig(prompt_tokens=64, num_facts=1, num_values=1, num_keys=2, num_filler=4, warm_steps=0,
-                      group_size=2, memory_budget="20MiB")
+                      group_size=2, memory_budget="20MiB", log_kl=False)
     assert seen == [_fit(cfg)]
     assert out[0].startswith("longstraw train: memory_budget='20MiB' fits ExecConfig(")
     assert f"chunk_size={seen[0].chunk_size}" in out[0] and "mode='exact'" in out[0]

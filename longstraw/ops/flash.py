@@ -29,14 +29,16 @@ from __future__ import annotations
 
 import torch
 
+from ..defaults import FLASH_BACKWARD_BLOCK
 from ..tensors import accumulation_dtype
 from longstraw.parallel.collectives import all_reduce_sum, gather_rows, merge_across_ranks
 
 FUSED_ENABLED = True
 """Allow the fused kernels (set False to force the blockwise path everywhere)."""
 
-BACKWARD_BLOCK = 8192
-"""Prefix positions per fused backward call (bounds its dk / dv temporaries)."""
+BACKWARD_BLOCK = FLASH_BACKWARD_BLOCK
+"""Prefix positions per fused backward call (bounds its dk / dv temporaries; the planner
+reads `defaults.FLASH_BACKWARD_BLOCK`)."""
 
 
 def fused_kernel(device_type: str, dtype: torch.dtype):
@@ -307,18 +309,23 @@ class FlashAttention(torch.autograd.Function):
                 if seg.grad is not None:
                     seg.grad[0][:, b0:b1] += dk_b[0].to(seg.grad[0].dtype)
                     seg.grad[1][:, b0:b1] += dv_b[0].to(seg.grad[1].dtype)
+                del kb, vb, dq_b, dk_b, dv_b  # before the next block's: one block's four copies at a time, not six
             if seg.cp is not None:
                 dq += all_reduce_sum(part, seg.cp)
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None
 
 
-def keeps_outputs(q: torch.Tensor, value_dim: int, window: int | None, sinks) -> bool:
+def keeps_outputs(q: torch.Tensor, value_dim: int, window: int | None, sinks, sharded: bool) -> bool:
     """Whether a capture chunk's attention output and LSE can stand in for the reverse
-    walk's attention forward (`ExecConfig.keep_attention_outputs`): the walk's attention
-    of these queries is `FlashAttention` (a fused forward and backward for q's device and
-    dtype, no sliding window, no sinks), whose backward needs only (q, k, v, o, lse)."""
-    return sinks is None and fused_takes(q, value_dim, window) and fused_backward_kernel(q.device.type,
-                                                                                         q.dtype) is not None
+    walk's attention forward (`ExecConfig.keep_attention_outputs`), whose backward needs
+    only (q, k, v, o, lse): no sinks, and the walk's attention of these queries is either
+    `FlashAttention` (a fused forward and backward for q's device and dtype, no sliding
+    window: `KeptAttention`) or the blockwise kernel over an unsharded state
+    (`attention.KeptPrefixAttention`: sliding windows, CUDA)."""
+    if sinks is not None:
+        return False
+    fused = fused_takes(q, value_dim, window) and fused_backward_kernel(q.device.type, q.dtype) is not None
+    return fused or not sharded
 
 
 class KeptAttention(FlashAttention):

@@ -59,8 +59,13 @@ def initialize_root(root) -> None:
         state._lazy_init()
 
 
-def _storage_key(tensor) -> int:
-    return tensor.untyped_storage()._cdata  # the StorageImpl: FSDP2 frees and refills it in place
+def _storage_key(tensor) -> int | None:
+    """The tensor's StorageImpl (FSDP2 frees and refills a parameter's in place); None for
+    a tensor without one (a subclass, sparse)."""
+    try:
+        return tensor.untyped_storage()._cdata
+    except (RuntimeError, NotImplementedError, AttributeError, TypeError):
+        return None
 
 
 class _Gathered:

@@ -150,12 +150,12 @@ class PlanConfig:
     estimate of one chunk's graph; they are alive from capture to the reverse walk."""
 
     keep_attention_outputs: bool = defaults.KEEP_ATTENTION_OUTPUTS
-    """Exact mode (`ExecConfig.keep_attention_outputs`): capture keeps every full-attention
+    """Exact mode (`ExecConfig.keep_attention_outputs`): capture keeps every attention
     layer's output and LSE per prompt position (H * (Dv * b + acc) bytes per position and
     layer, on the device, from capture until the walk passes each chunk), so the walk's
     recomputed forward skips attention over the prompt (its backward runs from them). The
-    engine applies it on a replicated walk where its attention is the fused flash kernel
-    (CPU today); `fit_config` offers it only there."""
+    engine applies it on a replicated walk (not to MLA / DSA layers or attention sinks);
+    `fit_config` offers it on CPU only (not yet measured on a GPU), `--fit` never."""
 
     divide_capture: bool = defaults.DIVIDE_CAPTURE
     """Under context parallelism (W > 1), capture computes each prompt token on one rank

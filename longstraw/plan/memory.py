@@ -255,7 +255,7 @@ def plan_replay(s: Basis, state: StatePlan) -> ReplayPlan:
     held = (R - 1) // T * T if T < R else 0  # branch tokens held as a state while pieces are walked back
     # under CP a rank's queries read its own shard of the prompt (plus the branch's held pieces)
     graph, attn = _autograd(s, T, s.p_rank + held)
-    logits = min(T, c.logits_chunk_size) * arch.vocab * (b + 3 * 4) + T * arch.hidden * b
+    logits = min(T, c.logits_chunk_size) * arch.vocab * (b + 3 * 4) + T * arch.hidden * b + head_grad_transient(s)
     # the earlier pieces' state (and the recurrent state at each piece start), with grad buffers
     branch_state = 2 * (st["per_token"] * held + held // T * (st["recurrent_fixed"] + st["conv_tail_fixed"]))
     working = graph + max(attn, logits)
@@ -266,6 +266,18 @@ def plan_replay(s: Basis, state: StatePlan) -> ReplayPlan:
         graph, working = kept + layer_graph, kept + max(moment, logits)
     return ReplayPlan(T=T, held=held, graph_tok=_graph_tok(s), recompute=recompute, graph=graph, attention=attn,
                       logits=logits, branch_state=branch_state, working=working + branch_state)
+
+
+def head_grad_transient(s: Basis) -> float:
+    """Bytes of lm_head's weight gradient computed apart (an mm over the logits chunk's
+    rows) before autograd adds it into the existing `.grad`: full training, once a
+    gradient exists (every branch after the first, or a later group of a batch); the
+    tied embedding when lm_head is tied. Found on tiny qwen3 (one layer, vocab 4,096):
+    a [4096, 256] fp32 mm output alive at the replay peak (4 MiB), not planned before."""
+    c = s.config
+    if c.lora_rank or (s.G < 2 and c.tree is None and not c.grads_during_capture):
+        return 0.0
+    return (s.params.lm_head or s.params.embedding) * s.b
 
 
 def held_bytes(s: Basis, state: StatePlan) -> float:
@@ -404,9 +416,9 @@ def plan_walk(s: Basis, capture: CapturePlan, graph_tok: float) -> WalkPlan:
     """Exact mode's recompute working set, kept graphs, and whether the walk is divided."""
     c, W, P, C, exact, params = s.config, s.W, s.P, capture.C, s.exact, s.params
     graph, transient = _autograd(s, C, s.p_rank)
-    # the engine's rule (Engine.walk_recomputes_layers): replay's, for chunks of min(C, P - 1); not under FSDP2
+    # the engine's rule (Engine.walk_recomputes_layers): replay's, for chunks of min(C, P - 1); FSDP2 too
     walk_graph = _autograd(s, min(C, P - 1), s.p_rank)[0]  # one undivided walk chunk's graph (the engine's yardstick)
-    recompute = exact and not c.shard_params and recompute_pays(c.recompute_layers, walk_graph,
+    recompute = exact and recompute_pays(c.recompute_layers, walk_graph,
                                                                  held_bytes(s, plan_state(s)), len(s.arch.layers))
     working = (walk_recompute_working(s, C, s.p_rank) if recompute else graph + transient) if exact else 0.0
     # exact mode's kept capture graphs (the last chunks that fit), alive from capture to their walk
@@ -436,19 +448,30 @@ def plan_walk(s: Basis, capture: CapturePlan, graph_tok: float) -> WalkPlan:
 
 
 def kept_output_bytes(s: Basis, positions: int) -> float:
-    """`keep_attention_outputs`: bytes of the outputs [H, Dv] (compute dtype) and LSEs [H]
-    (accumulation dtype) of `positions` recomputed prompt positions, per full-attention
-    layer (sliding windows, MLA / DSA and GDN layers keep none: their walk attends again)."""
+    """`keep_attention_outputs`: bytes of the outputs (compute dtype) and LSEs [H]
+    (accumulation dtype) of `positions` recomputed prompt positions, per attention layer
+    ([H, Dv]; sliding-window ones too: exact mode keeps all their rows) and dense MLA layer
+    ([H, kv_lora_rank] over the latent: `kept_output_layers`). GDN layers and sparse DSA
+    attention keep none (their walk computes it again)."""
     if not s.config.keep_attention_outputs:
         return 0.0
-    layers = s.arch.count(mixer="attention", window=None)
-    return float(layers * positions * s.arch.heads * (s.arch.head_dim * s.b + s.acc))
+    a = s.arch
+    per = {"attention": a.heads * (a.head_dim * s.b + s.acc), "mla": a.heads * (a.kv_lora_rank * s.b + s.acc)}
+    return float(positions * sum(per[layer.mixer] for layer in kept_output_layers(a, s.P)))
+
+
+def kept_output_layers(arch: Arch, P: int) -> list[LayerSpec]:
+    """The layers whose attention outputs `keep_attention_outputs` keeps: GQA / MQA attention,
+    and MLA whose queries select every position they see (no DSA, or a top-k >= P)."""
+    return [layer for layer in arch.layers if layer.mixer == "attention"
+            or (layer.mixer == "mla" and (not layer.sparse or (arch.index_topk or 0) >= P))]
 
 
 def kept_chunks(s: Basis, C: int) -> int:
-    """Exact mode's kept capture graphs: the last chunks whose graphs fit `keep_graph_bytes`."""
+    """Exact mode's kept capture graphs: the last chunks whose graphs fit `keep_graph_bytes`
+    (none under FSDP2: the engine's capture keeps no graph there, `engine/capture.py`)."""
     c = s.config
-    if not (s.exact and c.keep_graph_bytes):
+    if not (s.exact and c.keep_graph_bytes) or c.shard_params:
         return 0
     return min(-(-max(s.P - 1, 1) // C), int(c.keep_graph_bytes // _autograd(s, C, s.p_rank)[0]))
 

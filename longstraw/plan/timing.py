@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from ..parallel.deal import Deal
 from .arch import BACKWARD_FACTOR, Arch, LayerSpec, ParamCount
 from .config import Basis
+from .memory import kept_output_layers
 
 def causal_pairs(n_q: int, prefix: int, limit: int | None) -> float:
     """Query-key pairs of n_q causal queries that follow `prefix` keys, each seeing at
@@ -37,6 +38,13 @@ def mixer_flops(arch: Arch, layer: LayerSpec, n_q: int, prefix: int) -> float:
     if layer.indexer:
         f += 2 * arch.index_heads * arch.index_dim * causal_pairs(n_q, prefix, None)
     return f
+
+def kept_attention_flops(arch: Arch, layer: LayerSpec, P: int) -> float:
+    """The forward FLOPs over the prompt that a kept attention output saves the walk: QK^T and
+    PV of the layer (MLA: over the latent, the indexer not run where every key is selected)."""
+    if layer.mixer == "attention":
+        return mixer_flops(arch, layer, P, 0)
+    return 2 * arch.heads * (2 * arch.kv_lora_rank + arch.rope_dim) * causal_pairs(P, 0, None)
 
 def forward_flops(arch: Arch, params: ParamCount, n_q: int, prefix: int, lm_head: bool, world: int = 1) -> float:
     """Forward FLOPs one rank runs: the token computation (projections, MLP/MoE, GDN,
@@ -122,7 +130,7 @@ def plan_time(s: Basis, *, divided: bool, divided_walk: bool, walk_chunk: int, h
     capture chunks, and those whose graphs are kept (not recomputed); recompute: replay
     recomputes each decoder layer in backward (one more forward of the branch's layers,
     not of its lm_head); walk_recompute: so does the exact walk (one more forward of each
-    recomputed chunk); kept_outputs: the walk's recomputed forwards skip the full-attention
+    recomputed chunk); kept_outputs: the walk's recomputed forwards skip the attention
     layers' QK^T / PV (`keep_attention_outputs`; its backward is unchanged)."""
     c, arch, params, P, R, G, W = s.config, s.arch, s.params, s.P, s.R, s.G, s.W
     thr = c.throughput_tflops * 1e12
@@ -141,8 +149,8 @@ def plan_time(s: Basis, *, divided: bool, divided_walk: bool, walk_chunk: int, h
                                                                        walk_chunk)
     else:
         # kept attention outputs: the recomputed forwards skip full attention over the prompt
-        skipped = (sum(mixer_flops(arch, layer, P, 0) for layer in arch.layers
-                       if layer.mixer == "attention" and layer.window is None) / W if kept_outputs else 0.0)
+        skipped = sum(kept_attention_flops(arch, layer, P) for layer in kept_output_layers(arch, P)) / W \
+            if kept_outputs else 0.0
         flops_exact_extra = (BACKWARD_FACTOR * flops_prompt
                              + (1 + again) * (chunks - kept_chunks) / chunks * (flops_prompt - skipped))
     t_detached = (flops_capture + G * flops_branch) / thr  # FLOPs of one rank (see forward_flops)

@@ -8,7 +8,7 @@ from dataclasses import replace
 from ..defaults import recompute_pays
 from .arch import BACKWARD_FACTOR
 from .config import Basis
-from .memory import ReplayPlan, StatePlan, held_bytes, plan_replay, plan_state
+from .memory import ReplayPlan, StatePlan, head_grad_transient, held_bytes, plan_replay, plan_state
 from .timing import Timing, forward_flops
 from .tree import Level, leaf_pieces, levels, segment_chunk
 from .working import autograd_pass, recompute_pass
@@ -42,7 +42,7 @@ def plan_tree_replay(s: Basis, state: StatePlan) -> ReplayPlan:
             held, own_tokens, own_snaps = lv.above + L - T, L, chunks(lv)
         graph, attn = autograd_pass(arch, T, s.p_rank + held, c.attention_block_size, b, s.acc, dense,
                                     c.gdn_kernel)  # as memory.plan_replay's piece
-        logits = min(T, c.logits_chunk_size) * arch.vocab * (b + 3 * 4) + T * arch.hidden * b
+        logits = min(T, c.logits_chunk_size) * arch.vocab * (b + 3 * 4) + T * arch.hidden * b + head_grad_transient(s)
         snaps = own_snaps + sum(chunks(x) for x in above)
         branch_state = 2 * (st["per_token"] * (lv.above + own_tokens) + snaps * fixed)  # with gradient buffers
         working = graph + max(attn, logits)

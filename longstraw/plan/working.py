@@ -26,6 +26,7 @@ from .arch import (
     LayerSpec,
 )
 from .experts import local_choices
+from ..defaults import FLASH_BACKWARD_BLOCK
 
 
 def gdn_kernel_bytes_per_token(arch: Arch, b: int, kernel: str, *, graph: bool) -> float:
@@ -211,7 +212,10 @@ def attention_working(arch: Arch, layer: LayerSpec, queries: int, keys: int, blo
             return rows
         B = min(block, keys, layer.window or keys)
         tiles = 2 if backward else 1
-        return tiles * arch.heads * queries * B * acc + arch.kv_heads * B * d * acc + rows
+        blockwise = tiles * arch.heads * queries * B * acc + arch.kv_heads * B * d * acc + rows
+        if backward and layer.window is None:  # where the fused kernel runs instead: whichever is larger
+            return max(blockwise, flash_backward_bytes(arch, queries, keys, b) + rows)
+        return blockwise
     tiles = 4 if backward else 2
     kl, r = arch.kv_lora_rank, arch.rope_dim
     rows = arch.heads * queries * (2 * kl + r) * acc
@@ -224,6 +228,18 @@ def attention_working(arch: Arch, layer: LayerSpec, queries: int, keys: int, blo
     selection = dsa_selection_bytes(arch, queries, keys, b, acc) if layer.indexer else 0.0
     shared = layer.indexer and any(l.sparse and not l.indexer for l in arch.layers)
     return max(selection, gathered) + queries * K * 8 * (2 if shared else 1) + rows
+
+
+def flash_backward_bytes(arch: Arch, queries: int, keys: int, b: int) -> float:
+    """Transient bytes of the fused attention backward over `keys` held positions
+    (`ops.flash.FlashAttention`, which runs where torch's flash kernel takes the dtype and
+    head dim: CPU fp32 / bf16, CUDA bf16 / fp16): per call of `FLASH_BACKWARD_BLOCK`
+    positions, the block's contiguous K and V copies and their dK, dV ([Hkv, block, D] each,
+    in b), and the queries' dq of the block ([H, T, D]). Found on tiny qwen3_5 (P = 16,384,
+    pieces of 256): 24 MiB of live tensors at the replay peak that the blockwise model's
+    10 MiB did not hold (16 MiB with the previous block's dK, dV freed, as now)."""
+    B = min(FLASH_BACKWARD_BLOCK, keys)
+    return 4 * arch.kv_heads * B * arch.head_dim * b + arch.heads * queries * arch.head_dim * b
 
 
 def self_scores(arch: Arch, layer: LayerSpec, t: int, acc: int) -> float:

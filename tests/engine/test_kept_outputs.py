@@ -11,6 +11,7 @@ import pytest
 import torch
 
 import longstraw as ls
+import longstraw.ops.attention as attention
 import longstraw.ops.flash as flash
 from longstraw.errors import ConfigError
 from tests.reference import (
@@ -23,6 +24,7 @@ from tests.reference import (
     random_group,
     reference_grpo_loss,
     tiny_hybrid,
+    tiny_mla,
     tiny_model,
 )
 
@@ -31,8 +33,9 @@ from tests.reference import (
 def counted(monkeypatch):
     """Counts of FlashAttention forwards (attention computed with autograd) and of
     KeptAttention forwards (the kept output returned) while the block runs."""
-    counts = {"flash": 0, "kept": 0}
+    counts = {"flash": 0, "kept": 0, "kept_blockwise": 0}
     fwd, kept_fwd = flash.FlashAttention.forward, flash.KeptAttention.forward
+    blockwise_fwd = attention.KeptPrefixAttention.forward
 
     def flash_forward(ctx, *a):
         counts["flash"] += 1
@@ -42,6 +45,11 @@ def counted(monkeypatch):
         counts["kept"] += 1
         return kept_fwd(ctx, *a)
 
+    def blockwise_forward(ctx, *a):
+        counts["kept_blockwise"] += 1
+        return blockwise_fwd(ctx, *a)
+
+    monkeypatch.setattr(attention.KeptPrefixAttention, "forward", staticmethod(blockwise_forward))
     monkeypatch.setattr(flash.FlashAttention, "forward", staticmethod(flash_forward))
     monkeypatch.setattr(flash.KeptAttention, "forward", staticmethod(kept_forward))
     yield counts
@@ -81,6 +89,41 @@ def test_kept_outputs_give_the_full_sequence_gradient_without_a_second_attention
     heads, dv = model.config.num_attention_heads, model.config.head_dim
     assert result.metrics["kept_attention_bytes"] == layers * 20 * heads * (dv + 1) * 8  # o and lse, float64
     assert base.metrics["kept_attention_bytes"] == 0
+
+
+@pytest.mark.parametrize("family,overrides", [("qwen3", {}),
+                                              ("qwen2", dict(use_sliding_window=True, sliding_window=5,
+                                                             max_window_layers=1))])
+def test_kept_outputs_through_the_blockwise_kernel(family, overrides, monkeypatch):
+    """Without the fused kernels (CUDA's autograd path, sliding windows): the walk's attention
+    is `KeptPrefixAttention` from the kept outputs, and the gradient is the full sequence's."""
+    monkeypatch.setattr(flash, "FUSED_ENABLED", False)
+    model = float64_norms(tiny_model(family, **overrides))
+    group = random_group(97, 17, [3, 6], seed=13)  # prompt[:-1] = 16 tokens: chunks at 0, 4, 8, 12
+    _, want_engine, plain = _step(model, group, monkeypatch, chunk_size=4, attention_block_size=3)
+    result, got, kept = _step(model, group, monkeypatch, chunk_size=4, attention_block_size=3,
+                              keep_attention_outputs=True)
+    _, want = _full_sequence_reference(model, group)
+    assert_grads_close(got, want, 1e-9)
+    assert_grads_close(got, want_engine, 1e-12)
+    assert kept["kept_blockwise"] == model.config.num_hidden_layers * 4 and plain["kept_blockwise"] == 0
+    assert kept["kept"] == kept["flash"] == 0 and result.metrics["kept_attention_bytes"] > 0
+
+
+@pytest.mark.parametrize("family,overrides", [("deepseek_v3", {}), pytest.param("glm_moe_dsa", dict(index_topk=64),
+                                                                                  marks=pytest.mark.slow)])
+def test_kept_outputs_of_dense_mla_layers(family, overrides, monkeypatch):
+    """MLA over the latent (absorbed, so blockwise; GLM's DSA with a top-k above P, so every
+    query selects all it sees): the walk's attention is the kept latent output's, and the
+    gradient is the walk's that attends again (itself checked against HF: tests/models/test_mla.py)."""
+    model = tiny_mla(family, **overrides)
+    group = random_group(97, 17, [3, 6], seed=13)  # prompt[:-1] = 16 tokens: chunks at 0, 4, 8, 12
+    _, want, plain = _step(model, group, monkeypatch, chunk_size=4, attention_block_size=3)
+    result, got, kept = _step(model, group, monkeypatch, chunk_size=4, attention_block_size=3,
+                              keep_attention_outputs=True)
+    assert_grads_close(got, want, 1e-10)
+    assert kept["kept_blockwise"] == model.config.num_hidden_layers * 4 and plain["kept_blockwise"] == 0
+    assert result.metrics["kept_attention_bytes"] > 0
 
 
 @pytest.mark.slow

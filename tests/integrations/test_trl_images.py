@@ -48,14 +48,18 @@ class _Grads(trl.trainer.grpo_trainer.TrainerCallback):
         self.steps.append({n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None})
 
 
+def image_dataset():
+    """TRL's layout: conversational prompts and an `images` column (two screenshots each)."""
+    return datasets.Dataset.from_dict({"prompt": PROMPTS, "images": _images()})
+
+
 def _trainer(model, tmp_path, grads, **overrides):
     args = dict(output_dir=str(tmp_path / "out"), per_device_train_batch_size=4, gradient_accumulation_steps=2,
                 num_generations=4, max_completion_length=3, max_steps=1, optim="sgd", learning_rate=1.0,
                 lr_scheduler_type="constant", weight_decay=0.0, max_grad_norm=0.0, use_cpu=True, bf16=False,
                 report_to=[], save_strategy="no", logging_steps=1, seed=0, disable_dropout=True)
-    dataset = datasets.Dataset.from_dict({"prompt": PROMPTS, "images": _images()})
     return LongStrawGRPOTrainer(model=model, reward_funcs=_reward, args=trl.GRPOConfig(**{**args, **overrides}),
-                                train_dataset=dataset, processing_class=tiny_vlm_processor(), callbacks=[grads],
+                                train_dataset=image_dataset(), processing_class=tiny_vlm_processor(), callbacks=[grads],
                                 longstraw_config=EXACT)
 
 
@@ -143,3 +147,84 @@ def test_group_prompt_inputs_cuts_each_groups_images_out_of_the_batch():
     with pytest.raises(ConfigError, match="pixel_values_videos"):
         group_prompt_inputs(rows, images, dict(pixel_values=pixels, image_grid_thw=grid, mm_token_type_ids=types,
                                                pixel_values_videos=pixels), 2)
+
+
+# ----------------------------------------------------------------------------
+# with TRL's tools
+
+
+TOOL_TEMPLATE = (
+    "{%- macro text(c) -%}{%- if c is string -%}{{ c }}{%- else -%}{%- for p in c -%}"
+    "{%- if p['type'] == 'image' -%}<|vision_start|><|image_pad|><|vision_end|>"
+    "{%- elif p['type'] == 'text' -%}{{ ' ' + p['text'] + ' ' }}{%- endif -%}{%- endfor -%}{%- endif -%}"
+    "{%- endmacro -%}"
+    "{%- for m in messages -%}"
+    "{%- if m['role'] == 'user' -%}{{ '<user> ' }}{{ text(m['content']) }}{{ ' <eos> ' }}"
+    "{%- elif m['role'] == 'assistant' -%}{{ '<a> ' }}{%- if m['content'] -%}{{ text(m['content']) + ' ' }}{%- endif -%}"
+    "{%- for c in (m['tool_calls'] if m['tool_calls'] is defined and m['tool_calls'] else []) -%}"
+    "{{ '<tool_call> ' + (c['function'] | tojson(separators=(',', ':'))) + ' </tool_call> ' }}{%- endfor -%}"
+    "{{ '<eos> ' }}"
+    "{%- elif m['role'] == 'tool' -%}{{ '<tool> ' }}{{ text(m['content']) }}{{ ' </tool> ' }}"
+    "{%- endif -%}{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{ '<a>' }}{%- endif -%}"
+)
+"""`integrations.chat.CHAT_TEMPLATE` with content lists (TRL's VLM messages) and images."""
+
+
+def _tool_processor():
+    """The tiny VLM's offline processor over `tool_chat_tokenizer`'s words (ids < 4090) and
+    Qwen's vision tokens at 4090-4093, with `TOOL_TEMPLATE`."""
+    from longstraw.integrations.chat import tool_chat_tokenizer
+    from longstraw.tiny_vision import TinyVLMProcessor
+
+    tokenizer = tool_chat_tokenizer(4090)
+    tokenizer.add_special_tokens({"additional_special_tokens": ["<|image_pad|>", "<|video_pad|>", "<|vision_start|>",
+                                                                "<|vision_end|>"]})
+    tokenizer.chat_template = TOOL_TEMPLATE
+    assert tokenizer.convert_tokens_to_ids("<|image_pad|>") == 4090
+    return TinyVLMProcessor(image_processor=tiny_vlm_processor().image_processor, tokenizer=tokenizer,
+                            chat_template=TOOL_TEMPLATE)
+
+
+@pytest.mark.slow
+def test_tools_with_images_first_step_equals_engine_step(tmp_path):
+    """TRL's tool loop over prompts with two screenshots each (scripted completions with 0, 1
+    or 2 `lookup` calls, as tests/integrations/test_trl_tools.py): every continuation is
+    served from the prompt's one capture with its images; the first step (tool results
+    masked) equals `ls.Engine.step` on the processor's inputs."""
+    from tests.integrations.test_trl_tools import _patch_longstraw, lookup
+
+    model = tiny_vlm(dtype=torch.float64, **SMALL)
+    reference = copy.deepcopy(model)
+    grads, processor = _Grads(), _tool_processor()
+    args = dict(output_dir=str(tmp_path / "out"), per_device_train_batch_size=4, gradient_accumulation_steps=2,
+                num_generations=4, max_completion_length=24, max_tool_calling_iterations=2, max_steps=1,
+                optim="sgd", learning_rate=1.0, lr_scheduler_type="constant", weight_decay=0.0, max_grad_norm=0.0,
+                use_cpu=True, bf16=False, report_to=[], save_strategy="no", logging_steps=1, seed=0,
+                disable_dropout=True, loss_type="grpo")
+    trainer = LongStrawGRPOTrainer(model=model, reward_funcs=_reward, args=trl.GRPOConfig(**args),
+                                   train_dataset=image_dataset(), processing_class=processor, tools=[lookup],
+                                   callbacks=[grads], longstraw_config=EXACT)
+    seen = _patch_longstraw(trainer)
+    steps, tower = _record(trainer)
+    trainer.train()
+
+    assert len(seen["captures"]) == 2 and tower.count(False) == 4  # one capture per prompt, no second tower pass
+    assert any(n > 0 for n, _ in seen["generates"])  # continuations after tool results, from the held states
+    engine, groups = ls.Engine(reference, EXACT), []
+    for (group, _), prompt, images in zip(steps, PROMPTS, _images()):
+        messages = prepare_multimodal_messages(copy.deepcopy(prompt), images=images)
+        out = processor.apply_chat_template([messages], tools=[lookup], tokenize=True, add_generation_prompt=True,
+                                            return_dict=True, return_tensors="pt")
+        inputs = {k: out[k] for k in ("pixel_values", "image_grid_thw", "mm_token_type_ids")}
+        assert torch.equal(group.prompt, out["input_ids"][0])
+        assert any(not bool(m.all()) for m in group.loss_masks)  # tool results masked
+        groups.append(ls.Group(prompt=group.prompt, responses=group.responses, rewards=group.rewards,
+                               loss_masks=group.loss_masks, prompt_inputs=inputs))
+    totals = ls.BatchTotals.of(groups)
+    loss = sum(engine.step(g, trainer.longstraw_grpo, totals=totals).loss for g in groups)
+    want = {n: p.grad for n, p in reference.named_parameters() if p.grad is not None}
+    assert_loss_close([h["loss"] for h in trainer.state.log_history if "loss" in h][0], loss, 1e-9)
+    (got,) = grads.steps
+    assert set(got) == set(want) and any(want[n].abs().sum() > 0 for n in want if ".visual." in n)
+    assert_grads_close(got, want, 1e-9)
