@@ -12,10 +12,10 @@ from tests.docs_blocks import blocks, run_blocks
 
 DOCS = Path(__file__).resolve().parents[1] / "docs"
 PAGES = sorted(p.name for p in DOCS.glob("*.md") if blocks(p))
-SLOW = {"trl.md", "rehearse.md", "rollouts.md", "trees.md"}
+SLOW = {"trl.md", "rehearse.md", "rollouts.md", "trees.md", "vision.md"}
 """Pages whose blocks take more than a few seconds (a TRL run, a rehearsal on fake tensors,
-episodes and trees of generate + exact steps): -m slow. usage.md keeps generate + step in
-the default suite."""
+episodes, trees and images through generate + exact steps): -m slow. usage.md keeps
+generate + step, text and images, in the default suite."""
 
 
 def test_every_page_with_python_is_listed_and_each_mark_gives_a_reason():
