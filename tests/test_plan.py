@@ -410,7 +410,9 @@ def test_fla_kernel_needs_less_than_the_torch_path():
     torch_path = plan("qwen3.6-27b", prompt_tokens=1 << 20, gdn_kernel="torch", recompute_layers=False)
     fla = plan("qwen3.6-27b", prompt_tokens=1 << 20, gdn_kernel="fla", recompute_layers=False)
     assert fla["capture_working_bytes"] < torch_path["capture_working_bytes"]
-    assert fla["replay_working_bytes"] < torch_path["replay_working_bytes"]
+    # the torch kernel is a registered op: its graph keeps only its inputs, its backward recomputes the rest
+    graph = {k: r["breakdown"]["replay"]["graph_bytes_per_token"] for k, r in (("torch", torch_path), ("fla", fla))}
+    assert graph["torch"] < graph["fla"]
     assert fla["state_bytes_total"] == torch_path["state_bytes_total"]
     with pytest.raises(ConfigError, match="gdn_kernel"):
         plan(gdn_kernel="triton")
@@ -562,9 +564,11 @@ def test_layer_wise_recompute_shrinks_replay_for_one_more_forward(capsys):
               weight_dtype="nf4")
     off, on, auto = (plan("qwen3.6-27b", recompute_layers=v, **kw) for v in (False, True, None))
     assert not off["replay_recompute_layers"] and on["replay_recompute_layers"]
-    assert {k: v for k, v in auto.items() if k != "inputs"} == {k: v for k, v in on.items() if k != "inputs"}
+    # since the torch GDN kernel is a registered op whose graph keeps only its inputs (ops/registered.py),
+    # a piece's graph (42.9 GiB) is under twice what the step holds: auto does not recompute, and both fit
+    assert {k: v for k, v in auto.items() if k != "inputs"} == {k: v for k, v in off.items() if k != "inputs"}
     assert on["replay_working_bytes"] < off["replay_working_bytes"] / 5
-    assert not off["fits"] and on["fits"] and on["peak_bytes_per_rank"] <= 0.85 * 96 * 2**30
+    assert off["fits"] and on["fits"] and on["peak_bytes_per_rank"] <= 0.85 * 96 * 2**30
     s = resolve("qwen3.6-27b", PlanConfig(**kw))
     extra = forward_flops(s.arch, s.params, 8192, 2088960, lm_head=False, world=8)
     assert on["flops_replay_per_branch"] - off["flops_replay_per_branch"] == pytest.approx(extra)
