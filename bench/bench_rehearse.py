@@ -9,9 +9,14 @@ peak per phase is the live tensor bytes the step holds. The planner (`longstraw 
 estimates the same peak analytically; its static memory includes the optimizer state,
 which a rehearsal without `optimizer=True` does not hold, so the planner's figures are
 compared without it (peak - optimizer_bytes; a phase: static - optimizer + its working set).
-Each P runs in a fresh process (its own peak RSS).
+Each P runs in a fresh process (its own peak RSS). `--group G --response-tokens R`
+rehearse a smaller group (rows that isolate capture's growth with P; the paper's G = 8,
+R = 8,192 replay alone dispatches ~2M ops at 64 layers, see docs/rehearse.md). Each row
+records the ops the tracker saw (`ops`): a rehearsal's wall time is about ops x the cost
+of one fake dispatch.
 
     PYTHONPATH=. python bench/bench_rehearse.py 16384 65536
+    PYTHONPATH=. python bench/bench_rehearse.py --group 1 --response-tokens 2048 16384 65536
 """
 
 from __future__ import annotations
@@ -26,12 +31,12 @@ PRESET = "qwen3.6-27b"
 G, R, PIECE, CHUNK = 8, 8192, 2048, 4096
 
 
-def planner(P: int) -> dict:
+def planner(P: int, G: int = G, R: int = R) -> dict:
     from longstraw.plan.config import PlanConfig
     from longstraw.plan.estimate import estimate
 
     r = estimate(PRESET, PlanConfig(prompt_tokens=P, group=G, response_tokens=R, branch_chunk_size=PIECE,
-                                    chunk_size=CHUNK, mode="detached", gpus=1))
+                                    chunk_size=CHUNK, mode="detached", gpus=1, grads_during_capture=False))
     opt = r["optimizer_bytes"]
     phases = {k: v - opt for k, v in r["breakdown"]["phase_peak_bytes"].items()}  # static + working, less optimizer
     return {"peak_bytes_per_rank": r["peak_bytes_per_rank"] - opt, "phases": phases,
@@ -39,7 +44,7 @@ def planner(P: int) -> dict:
             "static_wo_optimizer": r["static_bytes_per_rank"] - opt, "optimizer_bytes": opt}
 
 
-def one(P: int) -> dict:
+def one(P: int, G: int = G, R: int = R) -> dict:
     import torch
     import transformers
 
@@ -53,18 +58,23 @@ def one(P: int) -> dict:
     t0 = time.perf_counter()
     r = ls.rehearse(hf, ls.ExecConfig(chunk_size=CHUNK, mode="detached", branch_chunk_size=PIECE), prompt_tokens=P,
                     group=G, response_tokens=R, device="cpu", dtype=torch.bfloat16)
-    return {"P": P, "rehearsal": r.as_dict(), "wall_s": time.perf_counter() - t0, "peak_rss_bytes": peak_rss_bytes(),
-            "planner": planner(P)}
+    return {"P": P, "G": G, "R": R, "piece": PIECE, "chunk": CHUNK, "rehearsal": r.as_dict(),
+            "wall_s": time.perf_counter() - t0, "peak_rss_bytes": peak_rss_bytes(), "planner": planner(P, G, R)}
 
 
 def main(argv: list[str]) -> None:
     if argv[:1] == ["--one"]:
-        print(json.dumps(one(int(argv[1]))))
+        print(json.dumps(one(*map(int, argv[1:4]))))
         return
+    g, r = G, R
+    while argv[:1] in (["--group"], ["--response-tokens"]):
+        g, r = (int(argv[1]), r) if argv[0] == "--group" else (g, int(argv[1]))
+        argv = argv[2:]
     gib = 2 ** 30
     print(f"{'P':>9} {'phase':>8} {'planner GiB':>12} {'rehearsal GiB':>14} {'ratio':>6} {'wall s':>7} {'RSS GiB':>8}")
     for P in map(int, argv):
-        out = subprocess.run([sys.executable, __file__, "--one", str(P)], capture_output=True, text=True, check=True)
+        out = subprocess.run([sys.executable, __file__, "--one", str(P), str(g), str(r)], capture_output=True,
+                             text=True, check=True)
         row = json.loads(out.stdout.strip().splitlines()[-1])
         with open(ROWS, "a") as f:
             f.write(json.dumps(row) + "\n")

@@ -8,8 +8,16 @@ Methods (`--methods`)
 * `exact`: the same with `mode="exact"` and `chunk_size=--exact-chunk-size` (default
   1024): the full-sequence gradient, by recomputing capture chunks in reverse. Its peak
   is one chunk's autograd graph, so the chunk must be well below P.
+* `exact_outputs`: exact mode with `keep_attention_outputs=True`: capture keeps each
+  attention layer's output and LSE, and the walk runs attention's backward from them
+  instead of attending over the prompt again.
 * `exact_kept`: exact mode with `keep_graph_bytes=--keep-graph-bytes` (default: all):
   capture keeps the chunks' graphs that fit and the reverse walk recomputes only the rest.
+* `exact_fit_pg`: exact mode with the `ExecConfig` that `ls.fit_config(model,
+  memory_budget=B, mode="exact", prompt_tokens=P, group=G, response_tokens=R)` returns, B =
+  Prefix Grouper's peak above the model measured earlier in the same invocation (the
+  median of its runs so far at this P and G: list `prefix_grouper` before it). "At equal
+  memory, faster": the search may spend B on kept capture graphs. It runs before the clock.
 * `exact_blockwise`: exact mode with the fused flash kernels off (`ops/flash.FUSED_ENABLED
   = False`): every attention through the blockwise torch kernel, as before the fused path.
 * `naive`: per branch, one full-sequence HF forward + backward over prompt + response
@@ -83,9 +91,9 @@ if REPO not in sys.path:
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from proc import code_info, cpu_model, machine_busy_s, mem_total, own_cpu_s, peak_rss, status_bytes  # noqa: E402  (torch-free)
 
-METHODS = ("detached", "exact", "exact_kept", "exact_blockwise", "naive", "batched", "prefix_grouper", "capture",
-           "hf_forward")
-LONGSTRAW_STEPS = ("detached", "exact", "exact_kept", "exact_blockwise")
+METHODS = ("detached", "exact", "exact_outputs", "exact_kept", "exact_fit_pg", "exact_blockwise", "naive", "batched", "prefix_grouper",
+           "capture", "hf_forward")
+LONGSTRAW_STEPS = ("detached", "exact", "exact_outputs", "exact_kept", "exact_fit_pg", "exact_blockwise")
 DENSE_FAMILIES = ("qwen3",)
 THREADS = int(os.environ.get("BENCH_THREADS", "2"))  # torch threads per worker (1: a core of its own beside another job)
 VOCAB = 4096
@@ -101,6 +109,8 @@ PLAN_MODEL = {"qwen3": "tiny-qwen3",
 
 
 def _exec_kwargs(args, method: str) -> dict:
+    if method == "exact_fit_pg":  # what fit_config chose (the worker fits before the clock starts)
+        return dict(args.fit_exec)
     exact = method.startswith("exact")
     kw = {"chunk_size": args.exact_chunk_size if exact else args.chunk_size,
           "attention_block_size": args.attention_block_size, "logits_chunk_size": args.logits_chunk_size,
@@ -109,6 +119,8 @@ def _exec_kwargs(args, method: str) -> dict:
         kw["mode"] = "exact"
     if method == "exact_kept":
         kw["keep_graph_bytes"] = args.keep_graph_bytes
+    if method == "exact_outputs":
+        kw["keep_attention_outputs"] = True
     return kw
 
 
@@ -216,6 +228,19 @@ def prefix_grouper_step(model, group, grpo):
     loss = _dapo_share(logps, group, grpo)
     loss.backward()
     return float(loss.detach()), {}
+
+
+def fit_exec(model, args) -> dict:
+    """exact_fit_pg: `fit_config(model, memory_budget=B, mode="exact")` at this run's P, G,
+    R, where B (`--fit-budget-bytes`) is Prefix Grouper's peak above the model measured
+    earlier in the same invocation; the chosen ExecConfig as keyword arguments."""
+    from dataclasses import fields
+
+    import longstraw as ls
+
+    cfg = ls.fit_config(model, memory_budget=int(args.fit_budget_bytes), prompt_tokens=args.worker_p,
+                        group=args.worker_g, response_tokens=args.response_tokens, mode="exact")
+    return {f.name: getattr(cfg, f.name) for f in fields(cfg)}
 
 
 def longstraw_step(model, group, grpo, exec_kwargs):
@@ -349,16 +374,17 @@ def plan_run(family: str, mode: str, P: int, G: int, R: int, exec_kwargs: dict, 
                      chunk_size=kw["chunk_size"], attention_block_size=kw["attention_block_size"],
                      logits_chunk_size=kw["logits_chunk_size"], branch_chunk_size=kw["branch_chunk_size"],
                      self_attention=self_attention, grads_during_capture=not first_group,
-                     keep_graph_bytes=kw.get("keep_graph_bytes", 0))
+                     keep_graph_bytes=kw.get("keep_graph_bytes", 0), recompute_layers=kw.get("recompute_layers"),
+                     keep_attention_outputs=kw.get("keep_attention_outputs", False))
     r = estimate(PLAN_MODEL[family], cfg)
     return r, r["peak_bytes_per_rank"] - r["param_bytes"] - r["optimizer_bytes"]
 
 
 def planner_prediction(args, method: str, params_model: int) -> dict:
     """The capacity planner's figures for this measurement (fp32, no optimizer)."""
-    if method not in ("detached", "exact", "exact_kept"):
+    if method not in ("detached", "exact", "exact_outputs", "exact_kept", "exact_fit_pg"):
         return {}
-    r, held = plan_run(args.family, "exact" if method == "exact_kept" else method, args.worker_p, args.worker_g, args.response_tokens,
+    r, held = plan_run(args.family, "detached" if method == "detached" else "exact", args.worker_p, args.worker_g, args.response_tokens,
                        _exec_kwargs(args, method), first_group=False, self_attention=args.plan_self_attention)
     return {"plan_peak_bytes": r["peak_bytes_per_rank"], "plan_param_bytes": r["param_bytes"],
             "plan_grad_bytes": r["grad_bytes"], "plan_optimizer_bytes": r["optimizer_bytes"],
@@ -383,6 +409,8 @@ def worker(args) -> dict:
     model = tiny_model(args.family, dtype=torch.float32)
     group = uniform_group(VOCAB, P, G, args.response_tokens, seed=0)
     dsa = _install_dsa_timers() if args.dsa_timing else None
+    if method == "exact_fit_pg":  # the planner's search runs before the clock starts
+        args.fit_exec = fit_exec(model, args)
     if args.warmup:  # fault in the code paths (file-backed pages) before the baseline; drop its grads
         run_method(method, model, uniform_group(VOCAB, min(P, 512), G, args.response_tokens, seed=1), args)
         for p in model.parameters():
@@ -423,7 +451,14 @@ def worker(args) -> dict:
     if method in LONGSTRAW_STEPS + ("capture",):
         kw = _exec_kwargs(args, method)
         row.update(chunk_size=kw["chunk_size"], attention_block_size=kw["attention_block_size"],
-                   logits_chunk_size=kw["logits_chunk_size"], branch_chunk_size=kw["branch_chunk_size"])
+                   logits_chunk_size=kw["logits_chunk_size"], branch_chunk_size=kw["branch_chunk_size"],
+                   keep_graph_bytes=kw.get("keep_graph_bytes", 0), recompute_layers=kw.get("recompute_layers"),
+                   keep_attention_outputs=kw.get("keep_attention_outputs", False))
+    if method == "exact_fit_pg":
+        row["fit_budget_bytes"] = int(args.fit_budget_bytes)
+        row["kept_chunks"] = metrics.get("kept_graph_chunks")
+    if method in LONGSTRAW_STEPS:
+        row["kept_attention_bytes"] = metrics.get("kept_attention_bytes")
     if args.family == "glm_moe_dsa":
         row["index_topk"] = TINY_CONFIGS["glm_moe_dsa"]["index_topk"]
     if dsa is not None:
@@ -556,12 +591,15 @@ def _worker_cmd(args, method, P, G, live=False) -> list[str]:
         cmd.append("--warmup")
     if live:
         cmd.append("--live-peak-worker")
+    if method == "exact_fit_pg":
+        cmd += ["--fit-budget-bytes", str(args.fit_budget_bytes)]
     return cmd
 
 
 CSV_FIELDS = [
     "tag", "family", "method", "P", "G", "R", "rep", "status", "note", "dtype", "chunk_size", "attention_block_size",
-    "logits_chunk_size", "branch_chunk_size", "rss_after_model", "peak_before_step", "peak_rss", "vm_hwm",
+    "logits_chunk_size", "branch_chunk_size", "keep_graph_bytes", "recompute_layers", "keep_attention_outputs",
+    "fit_budget_bytes", "kept_chunks", "kept_attention_bytes", "rss_after_model", "peak_before_step", "peak_rss", "vm_hwm",
     "peak_above_model", "live_tensor_peak", "baseline_hid_peak", "rss_file_growth", "rss_anon_retained",
     "step_time_s", "time_capture_s", "time_replay_s", "time_reverse_s", "state_bytes", "state_grad_bytes",
     "grad_bytes_allocated", "param_bytes", "loss", "cpu_time_s", "foreign_cpu_s", "loadavg_1m_before",
@@ -678,6 +716,86 @@ def aggregate(rows: list[dict]) -> list[dict]:
     return out
 
 
+def measure(args, info: dict, rows: list[dict], method: str, P: int, G: int, rep: int) -> bool:
+    """One measurement of `method` at (P, G) in a fresh worker (waiting for a quiet machine,
+    rerun when contended): its row appended to `--out` and to `rows`, a line printed.
+    False when it was skipped or failed (the driver then drops it from later rounds)."""
+    R = args.response_tokens
+    base = {"tag": args.tag, "family": args.family, "method": method, "P": P, "G": G, "R": R,
+            "rep": rep, "dtype": "float32", "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S"),
+            **{k: info[k] for k in ("cpu", "threads", "torch", "transformers", "git_rev",
+                                    "longstraw_dirty")}}
+    if method == "prefix_grouper" and args.family not in DENSE_FAMILIES:
+        row = {**base, "status": "not applicable",
+               "note": "prefix-grouper groups attention only; GDN/MLA layers are not supported"}
+        _append_csv(args.out, row)
+        rows.append(row)
+        print(f"  {method:14s} P={P:<6d} G={G:<2d} not applicable", flush=True)
+        return False
+    if method == "exact_fit_pg":  # the budget: Prefix Grouper's peak above the model, measured in this run
+        pg = [float(r["peak_above_model"]) for r in rows if r["method"] == "prefix_grouper" and r["P"] == P
+              and r["G"] == G and r["status"] == "ok"]
+        if not pg:
+            row = {**base, "status": "skipped", "note": "exact_fit_pg needs a prefix_grouper row of this P and G "
+                                                        "earlier in the same run (list prefix_grouper first)"}
+            _append_csv(args.out, row)
+            rows.append(row)
+            print(f"  {method:14s} P={P:<6d} G={G:<2d} skipped: {row['note']}", flush=True)
+            return False
+        args.fit_budget_bytes = int(_median(pg))
+    guess = predict(_read_csv(args.out) + rows, args.family, method, R, P, G)
+    if guess and (guess[0] > args.max_mem_gib * GIB or guess[1] > args.max_time_s):
+        row = {**base, "status": "skipped",
+               "note": f"predicted {guess[0] / GIB:.1f} GiB, {guess[1]:.0f} s (limits "
+                       f"{args.max_mem_gib:g} GiB, {args.max_time_s:g} s)"}
+        _append_csv(args.out, row)
+        rows.append(row)
+        print(f"  {method:14s} P={P:<6d} G={G:<2d} skipped: {row['note']}", flush=True)
+        return False
+    for attempt in range(1 + args.retry_contended):
+        waited, why = wait_for_quiet(args.wait_max_s)
+        status, out, err = run_worker(_worker_cmd(args, method, P, G), args.timeout_s,
+                                      int(args.kill_rss_gib * GIB))
+        row = {**base, "status": status, "waited_s": round(waited, 1), "note": why}
+        lines = [ln for ln in out.splitlines() if ln.startswith("{")]
+        if status == "ok" and lines:
+            row.update(json.loads(lines[-1]))
+        else:
+            tail = err.strip().splitlines()[-3:]
+            row["note"] = (why + " " + " | ".join(tail)).strip()[:500]
+            break
+        if row["foreign_cpu_s"] <= 0.1 * row["step_time_s"]:
+            break
+        row["note"] = (f"other processes used {row['foreign_cpu_s']:.1f} cpu-s during the step"
+                       + ("; rerun" if attempt < args.retry_contended else "; kept")).strip()
+        print(f"  {method:14s} P={P:<6d} G={G:<2d} [{rep}] contended ({row['note']})", flush=True)
+    if status == "ok" and args.live_peak:
+        wait_for_quiet(args.wait_max_s)
+        s2, out2, _ = run_worker(_worker_cmd(args, method, P, G, live=True), args.timeout_s,
+                                 int(args.kill_rss_gib * GIB))
+        l2 = [ln for ln in out2.splitlines() if ln.startswith("{")]
+        if s2 == "ok" and l2:
+            row["live_tensor_peak"] = json.loads(l2[-1])["live_tensor_peak"]
+    _append_csv(args.out, row)
+    rows.append(row)
+    if status == "ok":
+        extra = ""
+        if row.get("time_capture_s") is not None:
+            extra = (f" capture {float(row['time_capture_s']):.2f}s replay "
+                     f"{float(row['time_replay_s']):.2f}s")
+            if row.get("time_reverse_s"):
+                extra += f" reverse {float(row['time_reverse_s']):.2f}s"
+        if row.get("live_tensor_peak"):
+            extra += f" live {float(row['live_tensor_peak']) / MIB:.1f} MiB"
+        print(f"  {method:14s} P={P:<6d} G={G:<2d} [{rep}] peak above model "
+              f"{row['peak_above_model'] / MIB:8.1f} MiB  time {row['step_time_s']:8.2f} s{extra}"
+              f"  (other cpu {row['foreign_cpu_s']:.1f} s, waited {waited:.0f} s)", flush=True)
+        return True
+    print(f"  {method:14s} P={P:<6d} G={G:<2d} [{rep}] {status}: {row['note'][:300]}", flush=True)
+    return False
+
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -694,7 +812,7 @@ def main(argv=None) -> int:
     p.add_argument("--attention-block-size", type=int, default=1024)
     p.add_argument("--logits-chunk-size", type=int, default=1024)
     p.add_argument("--branch-chunk-size", type=int, default=None)
-    p.add_argument("--repeat", type=int, default=1, help="fresh processes per measurement (median peak, min time)")
+    p.add_argument("--repeat", type=int, default=1, help="rounds: every method once per round, alternating (median peak, min time)")
     p.add_argument("--out", default=os.path.join(REPO, "bench", "out", "step.csv"), help="CSV to append rows to")
     p.add_argument("--tag", default="", help="label stored in every row of this invocation")
     p.add_argument("--ratio-to", default="detached", help="method the printed ratios divide by")
@@ -719,6 +837,7 @@ def main(argv=None) -> int:
     p.add_argument("--worker-p", type=int, help=argparse.SUPPRESS)
     p.add_argument("--worker-g", type=int, help=argparse.SUPPRESS)
     p.add_argument("--grad-out", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--fit-budget-bytes", type=int, default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
 
     if args.worker:
@@ -737,73 +856,13 @@ def main(argv=None) -> int:
           f"(exact {args.exact_chunk_size}) | attention block {args.attention_block_size} | logits chunk "
           f"{args.logits_chunk_size} | branch chunk {args.branch_chunk_size} | repeat {args.repeat}", flush=True)
 
-    rows = []
+    rows, dead = [], set()  # dead: (P, G, method) skipped or failed, not rerun in later rounds
     for P in args.prompt_tokens:
         for G in args.groups:
-            for method in args.methods:
-                for rep in range(args.repeat):
-                    base = {"tag": args.tag, "family": args.family, "method": method, "P": P, "G": G, "R": R,
-                            "rep": rep, "dtype": "float32", "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S"),
-                            **{k: info[k] for k in ("cpu", "threads", "torch", "transformers", "git_rev",
-                                                    "longstraw_dirty")}}
-                    if method == "prefix_grouper" and args.family not in DENSE_FAMILIES:
-                        row = {**base, "status": "not applicable",
-                               "note": "prefix-grouper groups attention only; GDN/MLA layers are not supported"}
-                        _append_csv(args.out, row)
-                        rows.append(row)
-                        print(f"  {method:14s} P={P:<6d} G={G:<2d} not applicable", flush=True)
-                        continue
-                    guess = predict(_read_csv(args.out) + rows, args.family, method, R, P, G)
-                    if guess and (guess[0] > args.max_mem_gib * GIB or guess[1] > args.max_time_s):
-                        row = {**base, "status": "skipped",
-                               "note": f"predicted {guess[0] / GIB:.1f} GiB, {guess[1]:.0f} s (limits "
-                                       f"{args.max_mem_gib:g} GiB, {args.max_time_s:g} s)"}
-                        _append_csv(args.out, row)
-                        rows.append(row)
-                        print(f"  {method:14s} P={P:<6d} G={G:<2d} skipped: {row['note']}", flush=True)
-                        break
-                    for attempt in range(1 + args.retry_contended):
-                        waited, why = wait_for_quiet(args.wait_max_s)
-                        status, out, err = run_worker(_worker_cmd(args, method, P, G), args.timeout_s,
-                                                      int(args.kill_rss_gib * GIB))
-                        row = {**base, "status": status, "waited_s": round(waited, 1), "note": why}
-                        lines = [ln for ln in out.splitlines() if ln.startswith("{")]
-                        if status == "ok" and lines:
-                            row.update(json.loads(lines[-1]))
-                        else:
-                            tail = err.strip().splitlines()[-3:]
-                            row["note"] = (why + " " + " | ".join(tail)).strip()[:500]
-                            break
-                        if row["foreign_cpu_s"] <= 0.1 * row["step_time_s"]:
-                            break
-                        row["note"] = (f"other processes used {row['foreign_cpu_s']:.1f} cpu-s during the step"
-                                       + ("; rerun" if attempt < args.retry_contended else "; kept")).strip()
-                        print(f"  {method:14s} P={P:<6d} G={G:<2d} [{rep}] contended ({row['note']})", flush=True)
-                    if status == "ok" and args.live_peak:
-                        wait_for_quiet(args.wait_max_s)
-                        s2, out2, _ = run_worker(_worker_cmd(args, method, P, G, live=True), args.timeout_s,
-                                                 int(args.kill_rss_gib * GIB))
-                        l2 = [ln for ln in out2.splitlines() if ln.startswith("{")]
-                        if s2 == "ok" and l2:
-                            row["live_tensor_peak"] = json.loads(l2[-1])["live_tensor_peak"]
-                    _append_csv(args.out, row)
-                    rows.append(row)
-                    if status == "ok":
-                        extra = ""
-                        if row.get("time_capture_s") is not None:
-                            extra = (f" capture {float(row['time_capture_s']):.2f}s replay "
-                                     f"{float(row['time_replay_s']):.2f}s")
-                            if row.get("time_reverse_s"):
-                                extra += f" reverse {float(row['time_reverse_s']):.2f}s"
-                        if row.get("live_tensor_peak"):
-                            extra += f" live {float(row['live_tensor_peak']) / MIB:.1f} MiB"
-                        print(f"  {method:14s} P={P:<6d} G={G:<2d} [{rep}] peak above model "
-                              f"{row['peak_above_model'] / MIB:8.1f} MiB  time {row['step_time_s']:8.2f} s{extra}"
-                              f"  (other cpu {row['foreign_cpu_s']:.1f} s, waited {waited:.0f} s)", flush=True)
-                    else:
-                        print(f"  {method:14s} P={P:<6d} G={G:<2d} [{rep}] {status}: {row['note'][:300]}", flush=True)
-                        break
-
+            for rep in range(args.repeat):  # alternating rounds: every method once per round
+                for method in args.methods:
+                    if (P, G, method) not in dead and not measure(args, info, rows, method, P, G, rep):
+                        dead.add((P, G, method))
     agg = aggregate(rows)
     print()
     hdr = (f"{'method':14s} {'P':>7s} {'G':>3s} {'status':>8s} {'peak>model MiB':>15s} {'state MiB':>9s} "

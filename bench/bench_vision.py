@@ -20,7 +20,7 @@ of the DAPO loss, backward, free).
 
 Measurement (as bench/bench_step.py, simpler): each method runs in its own subprocess
 (`--worker`), torch.set_num_threads(BENCH_THREADS, default 1). The worker builds
-`longstraw.tiny.tiny_vlm()` (float32), the prompt (`screenshot_prompt`: N images of a
+`longstraw.tiny.tiny_vlm()` (float32), the prompt (`longstraw.tiny_vision.screenshot_prompt`: N images of a
 (1, 2a, 2b) grid, a * b = T, each between vision start / end tokens, text filling the
 rest) and G random responses of R tokens, reads RSS, runs the step (perf_counter), reads
 the peak RSS: `peak_above_model` = peak - RSS after building. `state_bytes` is the
@@ -47,35 +47,6 @@ FIELDS = ["method", "prompt_tokens", "images", "image_tokens", "group", "respons
           "threads"]
 
 
-def screenshot_prompt(prompt_tokens: int, images: int, image_tokens: int, *, seed: int = 0):
-    """(prompt [P], prompt_inputs) for the tiny VLM: `images` screenshots of `image_tokens`
-    tokens (grid (1, 2a, 2b) with a * b = image_tokens, a the largest divisor <= sqrt)
-    evenly spread, text tokens between them, text at the end."""
-    import torch
-
-    from longstraw.tiny import TINY_VISION, TINY_VLM_TOKENS
-
-    a = max(d for d in range(1, int(image_tokens ** 0.5) + 1) if image_tokens % d == 0)
-    b = image_tokens // a
-    text = prompt_tokens - images * (image_tokens + 2)
-    assert text >= images + 1, "the images (and their start / end tokens) do not fit in the prompt"
-    g = torch.Generator().manual_seed(seed)
-    per = text // (images + 1)
-    ids, types = [], []
-    for k in range(images + 1):
-        n = per if k < images else text - per * images
-        ids.append(torch.randint(0, 4000, (n,), generator=g))
-        types.append(torch.zeros(n, dtype=torch.long))
-        if k < images:
-            ids.append(torch.tensor([TINY_VLM_TOKENS["vision_start_token_id"]] + [TINY_VLM_TOKENS["image_token_id"]]
-                                    * image_tokens + [TINY_VLM_TOKENS["vision_end_token_id"]]))
-            types.append(torch.tensor([0] + [1] * image_tokens + [0]))
-    width = 3 * TINY_VISION["temporal_patch_size"] * TINY_VISION["patch_size"] ** 2
-    grid = torch.tensor([[1, 2 * a, 2 * b]] * images)
-    pixels = torch.randn(int(grid.prod(-1).sum()), width, generator=g)
-    return torch.cat(ids), dict(pixel_values=pixels, image_grid_thw=grid, mm_token_type_ids=torch.cat(types))
-
-
 def worker(args) -> dict:
     import time
 
@@ -85,6 +56,7 @@ def worker(args) -> dict:
     import longstraw as ls
     from longstraw.measure import peak_rss_bytes, rss_bytes, without_hf_kernel_fallback_warning
     from longstraw.tiny import tiny_vlm
+    from longstraw.tiny_vision import screenshot_prompt
     from tests.reference import reference_grpo_loss
     from tests.vision_reference import hf_vlm_full_logprobs
 

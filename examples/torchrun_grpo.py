@@ -6,7 +6,7 @@
 W processes form W / C data-parallel groups of C context-parallel ranks (`parallel.mesh`):
 the C ranks of a group run each prompt together (`ExecConfig(context_parallel=True)` on
 their process group), the groups take different prompts. The decoder layers are FSDP2
-(`fully_shard`) over the C ranks of a group (the ranks that run the same sequences, so
+(`parallel.sharding.shard_model`: each layer resharded after its forward) over the C ranks of a group (the ranks that run the same sequences, so
 their FSDP2 collectives pair up; in exact mode the divided reverse walk sums their
 partial gradients through FSDP2's own reduce-scatter, `parallel/fsdp.py`). Every group
 steps with the divisors of the whole global batch (`parallel.data.global_totals`), and
@@ -25,22 +25,24 @@ import argparse
 import json
 import os
 import shutil
+import time
 
 import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 import transformers
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-from torch.distributed.fsdp import fully_shard
 from tqdm import tqdm
 
 import longstraw as ls
 from longstraw.checkpoint import commit_step_dir, prune_step_dirs, read_marker, step_dir
 from longstraw.parallel.collectives import all_reduce_sum
 from longstraw.parallel.data import global_totals, process_group_view, reduce_gradients
-from longstraw.parallel.launch import collective_timeout, device_mesh, init_distributed, inject_signal, phase, restart_count
+from longstraw.parallel.launch import (collective_timeout, device_mesh, init_distributed, inject_delay, inject_signal, phase,
+                                      restart_count)
 from longstraw.parallel.nonfinite import DEFAULT_MAX_NONFINITE_STEPS, NonFiniteGuard, inject
 from longstraw.parallel.mesh import Mesh, mesh_groups
+from longstraw.parallel.sharding import shard_model
 from longstraw.tasks import KVRecall, Vocab
 from longstraw.tiny import tiny_model
 
@@ -159,8 +161,7 @@ def main(argv=None):
                                                                       num_filler=args.filler))
     model = build_model(args.model, task.vocab.size, args.prompt_tokens + 64, getattr(torch, args.dtype)).to(device)
     fsdp_mesh = device_mesh(device.type, (mesh.data, mesh.context), ("dp", "cp"))["cp"]  # the stated timeout
-    for layer in model.model.layers:  # FSDP2 per decoder layer over the group's C ranks; the rest replicated
-        fully_shard(layer, mesh=fsdp_mesh)
+    shard_model(model, fsdp_mesh)  # FSDP2 per decoder layer over the group's C ranks, resharded; the rest replicated
     engine = ls.Engine(model, ls.ExecConfig(mode=args.mode, chunk_size=args.chunk_size,
                                             context_parallel=mesh.context > 1),
                        process_group=groups.context_group)
@@ -170,11 +171,14 @@ def main(argv=None):
     target = resume_target(args.resume, args.checkpoint_dir)
     start = load(target, model, optimizer, guard) if target else 0
 
+    step_seconds = []  # each step's rollouts and update, wall time (in the final JSON line)
     bar = tqdm(range(start, args.steps), disable=rank != 0, desc=f"GRPO W={world} C={mesh.context}")
     for step in bar:
         inject_signal(step, rank)  # test hook (LONGSTRAW_FAULT kill@R:S / stop@R:S)
-        with phase(f"step {step}: rollouts and update"):
+        began = time.monotonic()
+        with phase(f"step {step}: rollouts and update"), inject_delay(model.model.layers, step, rank):  # slow@R:S
             loss, batch = grpo_step(engine, task, grpo, args, step, groups.dp, mesh.data, data)
+        step_seconds.append(round(time.monotonic() - began, 3))
         with phase(f"step {step}: gradient all-reduce and non-finite check"):
             reduce_gradients(model.parameters(), data)  # every group's share, summed: one process's gradient
             inject(model.parameters(), step, rank)  # test hook (LONGSTRAW_FAULT nan@R:S)
@@ -196,7 +200,8 @@ def main(argv=None):
         save(args.checkpoint_dir, model, optimizer, args.steps, guard, args.keep_checkpoints)
     if rank == 0:
         print(json.dumps({"steps": args.steps, "start": start, "restart_count": restart_count(),
-                          "skipped_nonfinite_steps": guard.total, "nonfinite_in_row": guard.in_row}), flush=True)
+                          "skipped_nonfinite_steps": guard.total, "nonfinite_in_row": guard.in_row,
+                          "step_seconds": step_seconds}), flush=True)
     if args.dump:
         full = {n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().cpu()
                 for n, p in model.named_parameters()}

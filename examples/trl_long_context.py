@@ -95,12 +95,17 @@ def main():
         longstraw_config=ls.ExecConfig(mode=args.mode, chunk_size=args.chunk_size))
     trainer.train()
 
-    print(f"\n{'step':>4} {'reward':>7} {'loss':>10} {'state MiB':>9} {'capture s':>9} {'generate s':>10} "
-          f"{'replay s':>8} {'peak MiB':>9}")
+    # on-policy GRPO's loss is about 0 by construction (advantages sum to 0 per group, ratio 1);
+    # the gradient norm beside it is what trains ("no update": every reward of the step's groups equal)
+    print(f"\n{'step':>4} {'reward':>7} {'loss':>10} {'grad norm':>9} {'state MiB':>9} {'capture s':>9} "
+          f"{'generate s':>10} {'replay s':>8} {'peak MiB':>9}")
     for h in trainer.state.log_history:
         if "reward" not in h:
             continue
-        print(f"{h['step']:>4} {h['reward']:>7.3f} {h['loss']:>10.3g} {h['longstraw/state_bytes'] / 2**20:>9.1f} "
+        skipped = h["longstraw/skipped_zero_advantage"] + h["longstraw/skipped_no_loss_tokens"]
+        norm = "no update" if skipped == h["longstraw/groups"] else f"{h.get('grad_norm', float('nan')):.3g}"
+        print(f"{h['step']:>4} {h['reward']:>7.3f} {h['loss']:>10.3g} {norm:>9} "
+              f"{h['longstraw/state_bytes'] / 2**20:>9.1f} "
               f"{h['longstraw/time_capture_s']:>9.2f} {h['longstraw/time_generate_s']:>10.2f} "
               f"{h['longstraw/time_replay_s']:>8.2f} {h['longstraw/peak_memory_bytes'] / 2**20:>9.0f}")
 

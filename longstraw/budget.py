@@ -17,17 +17,20 @@ as the planner's dict); plan/ stays torch-free.
 
 from __future__ import annotations
 
+import math
 from dataclasses import replace
 
 import torch
 
+from longstraw import fit_advice
 from longstraw.config import ExecConfig
 from longstraw.errors import ConfigError, DoesNotFitError
 from longstraw.ops import kernels
+from longstraw.ops.flash import fused_backward_kernel
 from longstraw.plan.arch import parse_bytes
 from longstraw.plan.config import PlanConfig
 from longstraw.plan.estimate import estimate
-from longstraw.plan.fit import exec_config, search
+from longstraw.plan.fit import exec_config, exec_config_text, search
 from longstraw.shapes import planner_config
 
 __all__ = ["fit_config", "parse_budget", "AUTO_RESERVE", "RUNTIME_RESERVE_BYTES", "RUNTIME_RESERVE_SHARE"]
@@ -46,7 +49,8 @@ model and its gradients was 10-16 MiB above the planner's figure at P = 8,192.""
 # ExecConfig fields the search sets, and the PlanConfig field each is
 _SEARCHABLE = {"mode": "mode", "chunk_size": "chunk_size", "branch_chunk_size": "branch_chunk_size",
                "recompute_layers": "recompute_layers", "offload_snapshots": "offload_snapshots",
-               "expert_parallel": "expert_parallel", "keep_graph_bytes": "keep_graph_bytes"}
+               "expert_parallel": "expert_parallel", "keep_graph_bytes": "keep_graph_bytes",
+               "keep_attention_outputs": "keep_attention_outputs"}
 _PLAN_ONLY = {"attention_block_size", "logits_chunk_size", "divide_capture", "divide_walk"}
 
 
@@ -135,27 +139,26 @@ def fit_config(model, *, memory_budget, prompt_tokens: int, group: int, response
         pinned |= {"offload_state"}
     if world < 2:
         pinned |= {"expert_parallel"}
+    if fused_backward_kernel(device.type, getattr(torch, dtype)) is None:  # kept attention outputs: measured
+        pinned |= {"keep_attention_outputs"}                             # on CPU's fused kernel only so far
     base = PlanConfig(prompt_tokens=prompt_tokens, group=group, response_tokens=response_tokens, mode=mode,
                       gpus=world, dtype=dtype, lora_rank=rank, lora_targets=targets, offload_state=offload,
                       gdn_kernel=gdn_kernel(device, dtype), reserve=0, **plan_fixed)
     cfg = planner_config(model)
     held = estimate(cfg, base)  # the model, its gradients and the optimizer: outside the budget
     outside = held["param_bytes"] + held["grad_bytes"] + held["optimizer_bytes"]
-    others = held_states * held_state_bytes(held)  # inside the budget, outside the step's plan
-    reserve = max(RUNTIME_RESERVE_BYTES, int(RUNTIME_RESERVE_SHARE * budget))
-    for _ in range(4):  # a held state's snapshots depend on the chunk the search picks: search again until settled
-        result = search(cfg, replace(base, gpu_memory=int(budget + outside - others), reserve=reserve), pinned)
-        if not (held_states and hasattr(result, "config")):
-            break
-        chosen_others = held_states * held_state_bytes(estimate(cfg, replace(result.config, reserve=reserve)))
-        if chosen_others <= others:
-            break
-        others = chosen_others
+    reserve = max(RUNTIME_RESERVE_BYTES, int(RUNTIME_RESERVE_SHARE * budget))  # _at's
+    result, others = _search_beside_held(cfg, base, pinned, budget, outside, held_states, held)
     if not hasattr(result, "config"):
         step = f"P={prompt_tokens:,}, G={group}, R={response_tokens:,}, mode={mode!r}"
         if held_states:
             step += f", {held_states} other prompt state(s) held ({int(others):,} B)"
-        raise DoesNotFitError(_does_not_fit(result, memory_budget, budget, outside - others, step, reserve))
+        what = _does_not_fit(result, memory_budget, budget, outside - others, step, reserve)
+        smallest = _smallest_budget(cfg, base, pinned, result.leanest["peak_bytes_per_rank"] - outside + others,
+                                    outside - others)
+        changes = _changes(cfg, base, pinned, set(fixed) & set(_SEARCHABLE), result, budget, outside - others)
+        raise DoesNotFitError(fit_advice.message(what, smallest, changes, "python"), what=what,
+                              smallest_budget=smallest, changes=changes)
     chosen = exec_config(result.config)  # state_device="cpu" where the search chose the offload
     chosen.pop("context_parallel")
     returned = ExecConfig(**{**chosen, **fixed})
@@ -164,6 +167,72 @@ def fit_config(model, *, memory_budget, prompt_tokens: int, group: int, response
         raise AssertionError(f"fit_config: the returned {returned} plans {int(again['peak_bytes_per_rank']):,} B, "
                              f"above the {int(budget + outside - others - reserve):,} B its search fitted")
     return returned
+
+
+def _search_beside_held(cfg, base: PlanConfig, pinned: set, budget: int, outside: float, held_states: int,
+                        held: dict):
+    """The search at `budget` beside `held_states` other prompt states (each `held_state_bytes`,
+    inside the budget, outside the step's plan). A held state's exact snapshots depend on the
+    chunk the search picks, so it searches again (at most 4 times) until the held bytes settle.
+    Returns (the search's result, the held bytes it was searched beside)."""
+    others = held_states * held_state_bytes(held)
+    for _ in range(4):
+        result = search(cfg, _at(base, budget, outside - others), pinned)
+        if not (held_states and hasattr(result, "config")):
+            break
+        chosen_others = held_states * held_state_bytes(estimate(cfg, replace(result.config, reserve=_at(
+            base, budget, 0).reserve)))
+        if chosen_others <= others:
+            break
+        others = chosen_others
+    return result, others
+
+
+def _at(base: PlanConfig, budget: int, outside: float) -> PlanConfig:
+    """`base` planned against `budget` above the model: the planner's memory holds `outside`
+    (the model, its gradients and optimizer, less other held states) and the runtime reserve."""
+    reserve = max(RUNTIME_RESERVE_BYTES, int(RUNTIME_RESERVE_SHARE * budget))
+    return replace(base, gpu_memory=int(budget + outside), reserve=reserve)
+
+
+def _smallest_budget(cfg, base: PlanConfig, pinned: set, need: float, outside: float) -> int:
+    """The least budget (bytes above the model) whose search fits: the leanest plan adds
+    `need`, and `_at` plans `budget + outside` less a reserve of max(16 MiB, 5%) of it.
+    Found on that arithmetic (the search's own test of its leanest plans), then checked by
+    one search."""
+    peak = need + outside
+
+    def fits(b: int) -> bool:
+        at = _at(base, b, outside)
+        return peak <= at.gpu_memory - at.reserve
+
+    b = max(math.ceil(need) + RUNTIME_RESERVE_BYTES, math.ceil(need / (1 - RUNTIME_RESERVE_SHARE)))
+    while not fits(b):
+        b += 1
+    while b > 1 and fits(b - 1):
+        b -= 1
+    if not hasattr(search(cfg, _at(base, b, outside), pinned), "config"):
+        raise AssertionError(f"fit_config: no fit at {b:,} B, where the leanest plan adds {int(need):,} B")
+    return b
+
+
+def _changes(cfg, base: PlanConfig, pinned: set, given: set, result, budget: int, outside: float) -> list:
+    """The changes that fit at this budget, in fit_config's terms (`DoesNotFitError.changes`):
+    the planner's smaller P and more ranks, and each field the caller pinned (`given`, and
+    an exact `mode`) that, set free, fits."""
+    out = []
+    for change in result.changes:
+        if "prompt_tokens" in change:
+            out.append({"prompt_tokens": change["prompt_tokens"]})
+        elif "gpus" in change:
+            out.append({"ranks": change["gpus"], "fsdp2": bool(change.get("shard_params")),
+                        "expert_parallel": bool(change.get("expert_parallel"))})
+    for name in sorted(given - {"mode"}) + (["mode"] if base.mode == "exact" else []):
+        freed = search(cfg, _at(replace(base, mode="detached") if name == "mode" else base, budget, outside),
+                       pinned - {name})
+        if hasattr(freed, "config"):
+            out.append({"unpin": name, "pinned": getattr(base, name), "value": getattr(freed.config, name)})
+    return out
 
 
 def held_state_bytes(plan: dict) -> float:
@@ -190,8 +259,8 @@ def _plan_fields(cfg: ExecConfig) -> dict:
 
 
 def _does_not_fit(result, memory_budget, budget: int, outside: float, step: str, reserve: int) -> str:
-    """The message: what the leanest plan adds above the model, its largest term, and the
-    planner's changes that would fit (more GPUs, a smaller P)."""
+    """What does not fit: what the leanest plan (as an ExecConfig) adds above the model and
+    its largest term (`DoesNotFitError.what`; the changes follow it, `fit_advice.message`)."""
     r = result.leanest
     phase = r["peak_phase"]
     terms = {"prompt state": r["state_bytes_on_gpu_per_rank"], "state gradients": r["state_grad_bytes_per_rank"],
@@ -199,8 +268,7 @@ def _does_not_fit(result, memory_budget, budget: int, outside: float, step: str,
              f"{phase} working set": r["peak_bytes_per_rank"] - r["static_bytes_per_rank"]}
     largest = max(terms, key=terms.get)
     adds = r["peak_bytes_per_rank"] - outside
-    hint = [s for s in result.suggestions if not s.startswith("--gpu ")]
+    lean = exec_config_text(result.leanest_config).split("  +")[0]  # FSDP2 is never searched here
     return (f"no ExecConfig fits memory_budget={memory_budget!r} ({budget:,} B above the model, less a runtime "
-            f"reserve of {reserve:,} B) for {step}: even "
-            f"the leanest setting adds {int(adds):,} B (peak during {phase}); binding term: {largest} "
-            f"{int(terms[largest]):,} B" + (f"; the planner finds a fit with {', '.join(hint)}" if hint else ""))
+            f"reserve of {reserve:,} B) for {step}: even the leanest setting, {lean}, adds {int(adds):,} B "
+            f"(peak during {phase}); binding term: {largest} {int(terms[largest]):,} B")

@@ -18,19 +18,15 @@ import dataclasses
 import inspect
 import json
 import sys
-import time
 
 from longstraw import defaults
-from longstraw.errors import LongStrawError
+from longstraw import fit_advice, quiet
+from longstraw.errors import ConfigError, DoesNotFitError, LongStrawError
 from longstraw.plan import PlanConfig, estimate, format_report
 
 # `longstraw plan` runs without torch (the planner needs none): the commands that load a
 # model import torch and the engine when they run, the one place in the package where
 # function-level imports of its own modules stand (tests/test_architecture.py allows it).
-
-
-def _mib(n: float) -> str:
-    return f"{n / 2**20:,.1f} MiB"
 
 
 def _init_torchrun():
@@ -43,88 +39,11 @@ def _init_torchrun():
     return init_distributed()
 
 
-def toy_reward(response, vocab_size: int) -> float:
-    """The demo's verifiable toy reward: the fraction of response tokens in the lower half
-    of the vocabulary (any policy can be pushed towards it; it only shows the loop)."""
-    return float((response < vocab_size // 2).double().mean()) if response.numel() else 0.0
-
-
 def demo(args) -> int:
-    import torch
+    """`longstraw demo` (longstraw/demo.py): one GRPO iteration on a tiny built-in model."""
+    from longstraw.demo import demo as run_demo
 
-    import longstraw as ls
-    from longstraw.measure import naive_bytes_per_token, peak_rss_bytes, rss_bytes
-    from longstraw.tiny import tiny_model
-
-    """One whole GRPO iteration on a tiny built-in model: generate G responses from one
-    capture of the prompt, score them with a toy reward, step on the same state, and take
-    an optimizer step."""
-    rank, device = _init_torchrun()
-    lead = rank in (None, 0)  # only one rank prints
-    torch.manual_seed(args.seed)
-    dtype = {"float32": torch.float32, "float64": torch.float64}[args.dtype]
-    model = tiny_model(args.family, dtype=dtype, seed=args.seed).to(device)
-    vocab = model.config.vocab_size
-    n_params = sum(p.numel() for p in model.parameters())
-    prompt = torch.randint(0, vocab, (args.prompt_tokens,), generator=torch.Generator().manual_seed(args.seed))
-    world = 1 if rank is None else torch.distributed.get_world_size()
-    if lead:
-        print(f"LongStraw demo: tiny {args.family} ({n_params / 1e6:.1f}M params, {args.dtype}), "
-              f"P={args.prompt_tokens:,}, G={args.group}, R<={args.response_tokens}, chunk={args.chunk_size}, "
-              f"mode={args.mode}" + (f", context-parallel over {world} ranks" if world > 1 else ""), file=sys.stderr)
-    config = ls.ExecConfig(chunk_size=args.chunk_size, mode=args.mode, branch_chunk_size=args.branch_chunk_size,
-                           progress=lead, context_parallel=world > 1)
-    engine = ls.Engine(model, config)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
-    rss_model = rss_bytes()
-    rollout = engine.generate(prompt, num_samples=args.group, max_new_tokens=args.response_tokens,
-                              temperature=1.0, generator=torch.Generator().manual_seed(args.seed))
-    peak_generate = peak_rss_bytes() - rss_model
-    rewards = torch.tensor([toy_reward(r, vocab) for r in rollout.responses])
-    group = ls.Group(prompt=prompt, responses=rollout.responses, rewards=rewards, old_logprobs=rollout.logprobs)
-    result = engine.step(group, ls.GRPOConfig(), state=rollout.state)  # no second capture
-    peak_above = peak_rss_bytes() - rss_model
-    grad_norm = torch.sqrt(sum((p.grad.double() ** 2).sum() for p in model.parameters() if p.grad is not None))
-    t0 = time.perf_counter()
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
-    time_optimizer = time.perf_counter() - t0
-    if not lead:
-        return 0
-    per_token = naive_bytes_per_token(model, vocab)
-    longest = max(int(r.numel()) for r in rollout.responses)
-    naive_branch = per_token * (args.prompt_tokens + longest)
-    m, g = result.metrics, rollout.metrics
-    rows = [
-        ("reward mean (toy: share of low token ids)", f"{float(rewards.mean()):.4f}"),
-        ("loss", f"{result.loss:.6f}"),
-        ("gradient norm", f"{float(grad_norm):.4e}"),
-        ("prompt state" + (" (this rank)" if world > 1 else ""), _mib(g["state_bytes"])),
-        ("branch state (G branches' own tokens)", _mib(g["branch_state_bytes"])),
-        ("peak RSS above model: generate", _mib(peak_generate)),
-        ("peak RSS above model: whole iteration", _mib(peak_above)),
-        ("time: capture (once, shared)", f"{g['time_capture_s']:.2f} s"),
-        ("time: generate (decode)", f"{g['time_generate_s']:.2f} s, {g['tokens_per_s']:,.0f} tokens/s"),
-        ("time: replay (all branches)", f"{m['time_replay_s']:.2f} s"),
-    ]
-    if args.mode == "exact":
-        rows += [("state gradient buffers", _mib(m["state_grad_bytes"])),
-                 ("time: reverse walk", f"{m['time_reverse_s']:.2f} s")]
-    rows += [
-        ("time: optimizer step", f"{time_optimizer:.2f} s"),
-        ("naive graph, one full sequence*", _mib(naive_branch)),
-        ("naive graph, G sequences batched*", _mib(naive_branch * args.group)),
-    ]
-    width = max(len(k) for k, _ in rows)
-    print()
-    for key, value in rows:
-        print(f"  {key:<{width}}  {value}")
-    print(f"\n  * naive = HF forward+backward over P+R tokens; activation bytes saved for backward, measured\n"
-          f"    at 256 and 512 tokens ({per_token / 1024:.1f} KiB/token) and extrapolated linearly.")
-    print(json.dumps({"loss": result.loss, "reward_mean": float(rewards.mean()), "peak_rss_above_model": peak_above,
-                      "peak_rss_generate": peak_generate, "naive_bytes_per_token": per_token,
-                      **{f"generate_{k}": v for k, v in g.items()}, **m}))
-    return 0
+    return run_demo(args)
 
 
 def _auto_on_off(value: str):
@@ -139,7 +58,7 @@ _PLAN_FIELDS = ("prompt_tokens", "group", "response_tokens", "mode", "gpus", "gp
                 "weight_dtype", "lora_rank", "lora_targets", "chunk_size", "branch_chunk_size", "attention_block_size",
                 "logits_chunk_size", "self_attention", "gdn_kernel", "grads_during_capture", "shard_params",
                 "expert_parallel", "offload_state", "host_bandwidth_gbs", "score_passes", "keep_graph_bytes",
-                "throughput_tflops", "recompute_layers", "divide_capture", "divide_walk", "tree", "offload_snapshots",
+                "keep_attention_outputs", "throughput_tflops", "recompute_layers", "divide_capture", "divide_walk", "tree", "offload_snapshots",
                 "gpu", "gpus_per_node", "intra_node_gbs", "inter_node_gbs", "data_parallel", "images", "image_tokens")
 
 
@@ -154,7 +73,9 @@ _SEARCHED_FLAGS = {"mode": "--mode", "branch_chunk_size": "--branch-chunk-size",
 def _pinned(argv) -> set:
     """The searched fields whose flag is on the command line (`--flag value` or `--flag=value`)."""
     given = {a.split("=", 1)[0] for a in argv if a.startswith("--")}
-    return {name for name, flag in _SEARCHED_FLAGS.items() if flag in given}
+    # kept attention outputs: measured on CPU only so far, so the GPU planner does not search
+    # them (`fit_config` does on CPU)
+    return {name for name, flag in _SEARCHED_FLAGS.items() if flag in given} | {"keep_attention_outputs"}
 
 
 def _sweep(args, config, argv) -> int:
@@ -173,13 +94,19 @@ def _sweep(args, config, argv) -> int:
 
 def plan(args, argv=()) -> int:
     if args.tree is None and (args.group is None or args.response_tokens is None):
-        raise SystemExit("longstraw plan: give --group and --response-tokens, or --tree (e.g. --tree 2048x1,256x8)")
+        raise ConfigError("longstraw plan: give --group and --response-tokens, or --tree (e.g. --tree 2048x1,256x8)")
     config = PlanConfig(**{name: getattr(args, name) for name in _PLAN_FIELDS})
     if args.sweep:
         return _sweep(args, config, argv)
     if not args.fit:
+        if args.rehearse:
+            from longstraw.rehearsal.against_plan import refuse_unrehearsed
+            refuse_unrehearsed(config)  # before any work
         report = estimate(args.model, config)
-        print(json.dumps(report) if args.json else format_report(report))
+        text = format_report(report)
+        if args.rehearse:
+            text += "\n\n" + _rehearse(args.model, config, report)
+        print(json.dumps(report) if args.json else text)
         return 0
     from longstraw.plan.fit import fit_report, format_fit, search
 
@@ -187,8 +114,24 @@ def plan(args, argv=()) -> int:
     entry = fit_report(result)
     report = estimate(args.model, result.config) if entry["fit"] else result.leanest
     report.update(entry)
-    print(json.dumps(report) if args.json else format_report(report) + "\n\n" + format_fit(result))
-    return 0 if entry["fit"] else 3
+    text = format_report(report) + "\n\n" + format_fit(result)
+    fits = entry["fit"]
+    if args.rehearse and fits:  # the chosen configuration, rehearsed: a choice whose rehearsal does not fit fails
+        text += "\n\n" + _rehearse(args.model, result.config, report)
+        fits = report["rehearsal"]["fits"]
+    print(json.dumps(report) if args.json else text)
+    return 0 if fits else 3
+
+
+def _rehearse(model, config: PlanConfig, report: dict) -> str:
+    """Rehearse the planned step (`--rehearse`): adds report["rehearsal"], returns its table.
+    It fits when its peak plus the optimizer state and the reserve is within the GPU memory."""
+    from longstraw.rehearsal.against_plan import comparison, format_comparison, rehearse_plan
+
+    entry = comparison(model, config, rehearse_plan(model, config))
+    entry["fits"] = entry["peak_bytes_per_rank"] + report["optimizer_bytes"] + config.reserve <= config.gpu_memory
+    report["rehearsal"] = entry
+    return format_comparison(entry) + ("" if entry["fits"] else "\n  the rehearsed peak does not fit")
 
 
 def _add_plan_parser(sub) -> None:
@@ -252,6 +195,9 @@ def _add_plan_parser(sub) -> None:
     p.add_argument("--keep-graph-bytes", default="0", help="exact mode: bytes of capture-chunk graphs kept instead "
                                                            "of recomputed, e.g. 2GiB (ExecConfig.keep_graph_bytes; "
                                                            "default 0: recompute every chunk)")
+    p.add_argument("--keep-attention-outputs", action="store_true",
+                   help="exact mode: capture keeps each full-attention layer's output and LSE, so the walk skips "
+                        "attention's forward over the prompt (ExecConfig.keep_attention_outputs)")
     p.add_argument("--score-passes", type=int, default=0, help="no-grad scoring forwards per branch (old/ref "
                                                                "log-probs) from the step's one captured state, "
                                                                "no second capture (the paper: 2; default 0)")
@@ -286,6 +232,10 @@ def _add_fit_flags(p) -> None:
                    "tower's parameters, the image rows the state keeps and the largest image's working set")
     p.add_argument("--image-tokens", type=int, default=0, help="merged tokens of the largest image (with --images)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
+    p.add_argument("--rehearse", action="store_true",
+                   help="also run the planned step (with --fit: the chosen one) on fake tensors (ls.rehearse, one "
+                        "rank, CPU branches) and print the planner's and the rehearsal's peak per phase side by side "
+                        "(JSON: \"rehearsal\"; docs/rehearse.md)")
 
 
 def train(args) -> int:
@@ -295,7 +245,10 @@ def train(args) -> int:
     values = {f.name: getattr(args, f.name) for f in dataclasses.fields(TrainConfig)}
     cfg = config_from_args(values, args.config)
     rank, _ = _init_torchrun()  # under torchrun: context parallelism over every rank, rank 0 writes the files
-    summary = run_training(cfg)
+    try:
+        summary = run_training(cfg)
+    except DoesNotFitError as exc:  # fit_config's changes, said as this command's flags
+        raise fit_advice.again(exc, "train", prefix=f"--memory-budget {cfg.memory_budget}: ") from None
     if rank in (None, 0):
         print(json.dumps(summary))
     return 0
@@ -414,6 +367,7 @@ def grpo(argv) -> int:
 
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
+    quiet.install()  # warnings that are not the user's to act on (quiet.py)
     if argv[:1] == ["grpo"]:  # TRL's own parser reads its flags
         try:
             return grpo(argv[1:])

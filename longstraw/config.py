@@ -98,6 +98,18 @@ class ExecConfig:
     against it, not the state or the weights. Applies to a step's own capture; a state
     reused from `generate` is walked by recomputation. See docs/exact.md."""
 
+    keep_attention_outputs: bool = defaults.KEEP_ATTENTION_OUTPUTS
+    """Exact mode: capture keeps what each attention layer's backward needs from its
+    forward, the output [H, Dv] and the log-sum-exp [H] per prompt position (model dtype
+    and float32 / float64), so the reverse walk recomputes only norms, projections and the
+    MLP and runs attention's backward from what was kept, without a second attention over
+    the prompt (`state/kept_outputs.py`). It costs H * (Dv + 1) numbers per position and
+    attention layer on the device, freed chunk by chunk as the walk passes. Applies to a
+    step's own capture and GQA / MQA attention layers (the fused flash kernel or the
+    blockwise one, sliding windows too: `ops/flash.keeps_outputs`); not yet to attention
+    sinks, MLA / DSA layers or a divided walk, which recompute attention as before. Same
+    result. See docs/exact.md."""
+
     state_device: str | None = None
     """Where the prompt state's per-token rows (K/V, MLA latents, DSA indexer keys and
     exact mode's gradients for them) live. None (or the model's own device): on the
@@ -154,6 +166,9 @@ class ExecConfig:
         if isinstance(self.keep_graph_bytes, bool) or not isinstance(self.keep_graph_bytes, int) \
                 or self.keep_graph_bytes < 0:
             raise ConfigError(f"ExecConfig.keep_graph_bytes must be an int >= 0, got {self.keep_graph_bytes!r}")
+        if not isinstance(self.keep_attention_outputs, bool):
+            raise ConfigError(f"ExecConfig.keep_attention_outputs must be True or False, got "
+                              f"{self.keep_attention_outputs!r}")
         if not isinstance(self.share_response_prefixes, bool):
             raise ConfigError(f"ExecConfig.share_response_prefixes must be True or False, got "
                               f"{self.share_response_prefixes!r}")
@@ -179,6 +194,10 @@ class ExecConfig:
                 raise ConfigError("ExecConfig.keep_graph_bytes > 0 keeps capture graphs that read the state on the "
                                   "device, which state_device=\"cpu\" does not hold; use keep_graph_bytes=0 or "
                                   "state_device=None")
+            if self.offloads_state() and self.keep_attention_outputs:
+                raise ConfigError("ExecConfig.keep_attention_outputs keeps per-position attention outputs on the "
+                                  "device, which state_device=\"cpu\" is meant to spare; use "
+                                  "keep_attention_outputs=False or state_device=None")
 
     def offloads_snapshots(self) -> bool:
         """Whether exact mode keeps its recurrent snapshots (but the latest) in host memory."""

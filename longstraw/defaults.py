@@ -30,6 +30,10 @@ DIVIDE_WALK = True
 KEEP_GRAPH_BYTES = 0
 """Exact mode: bytes of capture-chunk graphs kept instead of recomputed (0: recompute every chunk)."""
 
+KEEP_ATTENTION_OUTPUTS = False
+"""Exact mode: capture keeps each attention layer's output and log-sum-exp, so the reverse
+walk runs attention's backward without a second forward over the prompt."""
+
 SHARE_RESPONSE_PREFIXES = True
 """Compute the response tokens that several responses of a group share once (prefix trees)."""
 

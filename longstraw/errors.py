@@ -73,4 +73,19 @@ class NonFiniteError(LongStrawError, RuntimeError):
 
 class DoesNotFitError(LongStrawError, ValueError):
     """No configuration of the engine's options fits the memory budget (`fit_config`):
-    the message names the binding term and the changes that would fit."""
+    the message names the binding term, the smallest budget that fits and the other
+    changes that would fit, in the caller's terms (`fit_advice.py`).
+
+    Attributes:
+        what: what does not fit and its binding term (the message without the changes).
+        smallest_budget: the least `memory_budget` in bytes at which the search fits with
+            every pinned field kept (None: not computed).
+        changes: the other changes that fit, one dict each in `fit_config`'s terms
+            ({"prompt_tokens": 524288}, {"ranks": 4, "fsdp2": True, "expert_parallel":
+            False}, {"unpin": "chunk_size", "pinned": 4096, "value": 1024}).
+    """
+
+    def __init__(self, message: str, *, what: str | None = None, smallest_budget: int | None = None,
+                 changes=()):
+        super().__init__(message)
+        self.what, self.smallest_budget, self.changes = what or message, smallest_budget, list(changes)

@@ -28,7 +28,8 @@ shared; vocab 4096.
 `Qwen3_5ForConditionalGeneration`, with a 2-block vision tower (hidden 64, 4 heads,
 patches 16 x 16 over 2 frames, 2 x 2 spatial merge: a 512 x 512 screenshot is a
 (1, 32, 32) grid, 256 image tokens) and its merger; image / video / vision start / end
-ids 4090-4093 (`TINY_VLM_TOKENS`).
+ids 4090-4093 (`TINY_VLM_TOKENS`). Its processor (built offline), screenshots and ready
+prompt inputs are in `longstraw.tiny_vision`.
 """
 
 from __future__ import annotations
@@ -79,10 +80,12 @@ TINY_VISION = dict(depth=2, hidden_size=64, num_heads=4, intermediate_size=128, 
 TINY_VLM_TOKENS = dict(image_token_id=4090, video_token_id=4091, vision_start_token_id=4092, vision_end_token_id=4093)
 
 
-def tiny_vlm(*, dtype: torch.dtype = torch.float32, seed: int = 0, **vision):
+def tiny_vlm(*, dtype: torch.dtype = torch.float32, seed: int = 0, text: dict | None = None, **vision):
     """A stock HF `Qwen3_5ForConditionalGeneration` (`tiny_model("qwen3_5")`'s text model,
-    `TINY_VISION`'s tower) with random weights, in eval mode."""
-    text = {k: v for k, v in TINY_CONFIGS["qwen3_5"].items() if k != "model_type"}
+    `TINY_VISION`'s tower) with random weights, in eval mode. `text` / `vision`: overrides
+    of the text / vision config fields (the tower's `out_hidden_size` must stay the text
+    model's `hidden_size`)."""
+    text = {**{k: v for k, v in TINY_CONFIGS["qwen3_5"].items() if k != "model_type"}, **(text or {})}
     config = transformers.Qwen3_5Config(text_config=text, vision_config={**TINY_VISION, **vision}, **TINY_VLM_TOKENS)
     config._attn_implementation = "sdpa"
     config.text_config._attn_implementation = config.vision_config._attn_implementation = "sdpa"

@@ -1,4 +1,5 @@
-"""A small reference GRPO training loop: `longstraw train`, or `train(TrainConfig(...))`.
+"""A small reference GRPO training loop: `longstraw train`, or `train(TrainConfig(...))`
+(its configuration: `train_config.py`).
 
 It is a reference loop, not a framework. One iteration:
 
@@ -27,9 +28,13 @@ arm of one seed starts from the identical model.
 
 Each step appends one JSON line to `<out_dir>/log.jsonl` (rewards, loss, clip fraction,
 KL to the warm start, tokens/s, peak RSS, phase times; held-out accuracy every
-`eval_every` steps). `<out_dir>/checkpoint.pt` holds the model, the optimizer, the RNG
-states and the step; a resumed run continues the same curve (every random draw of a
-step comes from a generator seeded by (seed, step)).
+`eval_every` steps). A step that changed no weight says why (`no_update`); a run where most
+steps do warns once with what to change (`skips.SkipWatch`). Times keep the engine's
+meanings: `time_capture_s` is every capture of the step (the one inside `generate`
+included), `time_generate_s` the decoding, `time_rollout_s` the rollout phase's wall time.
+`<out_dir>/checkpoint.pt` holds the model, the optimizer, the RNG states and the step; a
+resumed run continues the same curve (every random draw of a step comes from a generator
+seeded by (seed, step)).
 """
 
 from __future__ import annotations
@@ -41,172 +46,25 @@ import os
 import sys
 import time
 from dataclasses import dataclass
-from typing import ClassVar
 
 import torch
 from tqdm.auto import tqdm
 
 from longstraw.checkpoint import append_log, load_checkpoint, truncate_log, write_atomic
 from longstraw.engine.engine import Engine
-from longstraw.config import LOSS_TYPES, GRPOConfig
-from longstraw.errors import ConfigError, NonFiniteError
+from longstraw.config import GRPOConfig
+from longstraw.errors import NonFiniteError
 from longstraw.group import BatchTotals, Group
 from longstraw.measure import peak_rss_bytes
 from longstraw.parallel.context import check_replicas
 from longstraw.parallel.launch import inject_signal, phase
 from longstraw.parallel.nonfinite import all_finite, inject
-from longstraw.tasks import KVRecall, ToolLookup, Vocab
+from longstraw.skips import TRAIN_ADVICE, SkipWatch, no_update_reason
+from longstraw.tasks import KVRecall, ToolLookup
 from longstraw.tasks.episodes import TASKS, episode_kwargs, evaluate
-from longstraw.train_budget import check_memory_budget, describe, engine_config
+from longstraw.train_budget import describe, engine_config
+from longstraw.train_config import ARMS, MODEL_PRESETS, TrainConfig, config_from_args
 from longstraw.warm import build_model, warm_model, warm_start
-
-ARMS = ("detached", "exact")
-
-# The CLI default's model, as data: a Qwen3-shaped dense model shrunk from
-# longstraw.tiny's preset so an RL step at P = 16K takes seconds on one CPU thread;
-# `vocab_size` is set from the task. 2 layers (the least that can do key -> value lookup:
-# a previous-token layer, then a matching layer), 2 query heads over 1 KV head. Its large
-# RoPE base (long-context models use 1e6 to 1e7; head_dim is only 16 here): the lookup is
-# by content, so at long P the model fails by dilution, not by rotary angles it never saw.
-MODEL_PRESETS = {
-    "dense": ("qwen3", dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=2,
-                            num_key_value_heads=1, head_dim=16,
-                            rope_parameters={"rope_type": "default", "rope_theta": 1e9})),
-}
-
-
-@dataclass(kw_only=True)
-class TrainConfig:
-    """Everything a run depends on. `longstraw train` exposes each field as a flag.
-    A subclass may widen `arms` and `presets` (bench/learning/arms.py does)."""
-
-    arms: ClassVar[tuple] = ARMS
-    presets: ClassVar[dict] = MODEL_PRESETS
-
-    # -- the task ---------------------------------------------------------------
-    task_name: str = "kv_recall"
-    """"kv_recall", or "tool_lookup" (an agent episode: read the record's id in the prompt,
-    call the lookup tool, answer; rollouts go through `environment=`). The flag is --task."""
-    prompt_tokens: int = 16384
-    """P of the RL prompts and of the held-out evaluation."""
-    num_facts: int = 4
-    """Key-value facts in the haystack."""
-    num_queries: int = 1
-    """Facts asked about; the answer is that many value tokens, then EOS."""
-    fact_region: float = 0.5
-    """Facts sit in the first fact_region of the haystack (every answer is >= (1-fr)*P back)."""
-    num_values: int = 8
-    """Size of the value set (chance accuracy for a well-formed guess: 1/num_values)."""
-    num_keys: int = 32
-    num_filler: int = 80
-    records: bool = True
-    """One record token per fact (a one-match lookup) instead of `FACT key value` (see tasks.Vocab)."""
-    num_answers: int = 8
-    """tool_lookup: the tool's answer tokens (>= num_values; chance for a blind answer: 1/num_answers)."""
-    task_seed: int = 0
-    """Selects the task's data streams (train and held-out are disjoint for any seed)."""
-
-    # -- the model ----------------------------------------------------------------
-    model: str = "dense"
-    """A preset of `presets`: "dense" (Qwen3-shaped; bench/learning adds "hybrid", Qwen3.6-shaped)."""
-    dtype: str = "float32"
-    model_seed: int = 0
-
-    # -- warm start (supervised, short context) -----------------------------------
-    warm_steps: int = 150
-    """Supervised steps before RL (0: RL from random weights)."""
-    warm_prompt_tokens: int = 512
-    """Longest warm-start prompt. The first 2/3 of the steps use warm_min_prompt_tokens
-    (where the lookup is learned fast); the rest cycle through 2x, 4x, .. up to this."""
-    warm_min_prompt_tokens: int = 64
-    warm_batch: int = 32
-    warm_lr: float = 3e-3
-    warm_cache: str | None = None
-    """Directory to cache warm-start weights in (keyed by the fields they depend on)."""
-
-    # -- RL -----------------------------------------------------------------------
-    arm: str = "exact"
-    """"detached" or "exact" (LongStraw modes; bench/learning adds "full", the HF full-sequence baseline)."""
-    steps: int = 40
-    group_size: int = 8
-    prompts_per_step: int = 1
-    """Groups per optimizer step (their losses are averaged with one BatchTotals)."""
-    lr: float = 1e-3
-    weight_decay: float = 0.0
-    grad_clip: float = 1.0
-    """Clip the global grad norm to this (0: off)."""
-    max_nonfinite_steps: int = 3
-    """A step whose gradient norm is NaN/inf skips its optimizer update (logged as
-    nonfinite_grad); this many such steps in a row stop the run with NonFiniteError."""
-    temperature: float = 1.0
-    """Sampling temperature (also the loss's temperature)."""
-    loss_type: str = "dapo"
-    epsilon: float = 0.2
-    beta: float = 0.0
-    """k3 KL weight to the warm-start policy (0: off; the KL is logged either way)."""
-    log_kl: bool = True
-    """Score the sampled responses under the warm-start model to log the KL (one more capture)."""
-    kl_prompts: int = 0
-    """Prompts per step whose samples the logged KL is estimated on (0: all of them). Each costs
-    one capture by the warm-start model; with beta > 0 every prompt is scored regardless."""
-    chunk_size: int | None = None
-    """Capture chunk (and exact mode's reverse-walk chunk); None: 1024, or with memory_budget the fit's."""
-    memory_budget: str | None = None
-    """Bytes one update step may add above the model and its gradients ("80GiB", "512MiB" or a
-    number): ls.fit_config picks the engine's ExecConfig for P, G and the task's response
-    length (a given chunk_size is kept), and the run stops before any work when nothing fits
-    (train_budget.py). None: no fit."""
-    seed: int = 0
-    """Seeds the sampling and the order of everything random in the loop."""
-
-    # -- evaluation, logging, checkpoints -------------------------------------------
-    eval_every: int = 10
-    eval_prompts: int = 32
-    """Held-out prompts (greedy decoding) per evaluation, at prompt_tokens."""
-    eval_split: str = "heldout"
-    """The split evaluated; "train" is for tuning pilots (never tune on held-out)."""
-    out_dir: str = "runs/train"
-    checkpoint_every: int = 10
-    resume: bool = True
-    """Continue from <out_dir>/checkpoint.pt when it exists."""
-    replica_check_every: int = 0
-    """Under torch.distributed, check every N optimizer steps that every rank holds bitwise
-    the same weights (`parallel.context.check_replicas`; 0: off; one process: nothing to compare)."""
-    threads: int = 0
-    """torch.set_num_threads (0: leave as is)."""
-    progress: bool = True
-
-    def __post_init__(self):
-        if self.task_name not in TASKS:
-            raise ConfigError(f"task must be one of {TASKS}, got {self.task_name!r}")
-        if self.arm not in self.arms:
-            raise ConfigError(f"arm must be one of {self.arms}, got {self.arm!r}")
-        if self.model not in self.presets:
-            raise ConfigError(f"model must be one of {sorted(self.presets)}, got {self.model!r}")
-        if self.loss_type not in LOSS_TYPES:  # here, not in GRPOConfig after the warm start
-            raise ConfigError(f"loss_type must be one of {LOSS_TYPES}, got {self.loss_type!r}")
-        if self.dtype not in ("float32", "float64"):
-            raise ConfigError(f"dtype must be float32 or float64, got {self.dtype!r}")
-        if self.replica_check_every < 0:
-            raise ConfigError(f"replica_check_every must be >= 0 (0: off), got {self.replica_check_every}")
-        if self.kl_prompts < 0:
-            raise ConfigError(f"kl_prompts must be >= 0, got {self.kl_prompts}")
-        for name in ("prompt_tokens", "steps", "group_size", "prompts_per_step", "eval_prompts", "eval_every",
-                     "checkpoint_every", "chunk_size", "max_nonfinite_steps"):
-            if getattr(self, name) is not None and getattr(self, name) < 1:
-                raise ConfigError(f"{name} must be >= 1, got {getattr(self, name)}")
-        check_memory_budget(self.memory_budget)
-
-    def task(self, prompt_tokens: int | None = None) -> KVRecall | ToolLookup:
-        vocab = Vocab(num_values=self.num_values, num_keys=self.num_keys, num_filler=self.num_filler,
-                      records=self.records)
-        if self.task_name == "tool_lookup":
-            return ToolLookup(prompt_tokens or self.prompt_tokens, num_facts=self.num_facts,
-                              fact_region=self.fact_region, vocab=vocab, num_answers=self.num_answers,
-                              seed=self.task_seed)
-        return KVRecall(prompt_tokens or self.prompt_tokens, num_facts=self.num_facts, num_queries=self.num_queries,
-                        fact_region=self.fact_region, vocab=vocab, seed=self.task_seed)
-
 
 # ----------------------------------------------------------------------------
 # evaluation
@@ -360,21 +218,6 @@ def _optimizer_step(run: Run, params: list) -> tuple[torch.Tensor, bool]:
     return grad_norm, finite
 
 
-def no_update_reason(record: dict, groups: int) -> str | None:
-    """Why a step's record changed no weight, in the words the progress bar and the log show
-    ("no update (equal rewards)", ...), or None when the step updated. `groups`: groups per step."""
-    if record["nonfinite_grad"]:
-        return "no update (non-finite gradient, skipped)"
-    equal, masked = record["skipped_zero_advantage"], record["skipped_no_loss_tokens"]
-    if equal + masked < groups:
-        return None  # at least one group had a gradient
-    if masked == 0:
-        return "no update (equal rewards)" if groups == 1 else f"no update (equal rewards in all {groups} groups)"
-    if equal == 0:
-        return "no update (no loss tokens: every response token masked)"
-    return "no update (equal rewards or no loss tokens in every group)"
-
-
 def _step(run: Run, step: int, update, params: list, rollout_fn) -> dict:
     """One RL step: rollouts, the reference's KL, the update, held-out evaluation; its
     log line is written and returned."""
@@ -388,6 +231,8 @@ def _step(run: Run, step: int, update, params: list, rollout_fn) -> dict:
     totals = BatchTotals.of(groups)
     metrics = [update(run, grp, ro.state, run.grpo, totals) for grp, ro in zip(groups, rollouts)]
     calls = sum(ro.metrics["environment_calls"] for ro in rollouts)
+    ro_capture = [ro.metrics["time_capture_s"] for ro in rollouts]
+    ro_decode = [ro.metrics["time_generate_s"] for ro in rollouts]
     del rollouts  # their prompt states: nothing after the update reads them (not the next capture)
     inject(params, step, _rank())  # test hook (LONGSTRAW_FAULT nan@R:S)
     with phase(f"step {step}: optimizer step"):
@@ -414,9 +259,12 @@ def _step(run: Run, step: int, update, params: list, rollout_fn) -> dict:
         "nonfinite_steps": run.nonfinite["total"], "skipped_nonfinite_steps": run.nonfinite["total"],
         "tokens_per_s": (cfg.prompts_per_step * cfg.prompt_tokens + resp_tokens) / (t_upd - t_start),
         "peak_rss_bytes": peak_rss_bytes(),
-        "time_generate_s": t_gen - t_start, "time_ref_s": t_ref - t_gen, "time_update_s": t_upd - t_ref,
+        "time_ref_s": t_ref - t_gen, "time_update_s": t_upd - t_ref,
         "time_eval_s": t_eval - t_upd, "time_step_s": t_eval - t_start,
-        **{k: sum(m.get(k, 0.0) for m in metrics) for k in ("time_capture_s", "time_replay_s", "time_reverse_s")},
+        # one meaning per name: capture is capture wherever it ran (inside generate, or again at the update)
+        "time_capture_s": sum(ro_capture) + sum(m.get("time_capture_s", 0.0) for m in metrics),
+        "time_generate_s": sum(ro_decode), "time_rollout_s": t_gen - t_start,  # decode; the whole rollout phase
+        **{k: sum(m.get(k, 0.0) for m in metrics) for k in ("time_replay_s", "time_reverse_s")},
         **ev,
     }
     record["no_update"] = no_update_reason(record, len(groups))  # None: the weights moved
@@ -460,6 +308,7 @@ def _train(cfg: TrainConfig, update, rollout_fn) -> dict:
     if cfg.progress:
         bar = tqdm(bar, desc=f"train {cfg.arm}", initial=run.start, total=cfg.steps)
     record: dict = {}
+    watch = SkipWatch("longstraw train", TRAIN_ADVICE, total=cfg.steps - run.start)  # warns once if most skip
     for step in bar:
         inject_signal(step, _rank())  # test hook (LONGSTRAW_FAULT kill@R:S / stop@R:S)
         record = _step(run, step, update, params, rollout_fn)
@@ -467,6 +316,8 @@ def _train(cfg: TrainConfig, update, rollout_fn) -> dict:
             ev = [v for k, v in record.items() if k.endswith("_accuracy")]
             shown = [f"reward={record['reward_mean']:.2f}"] + ([f"acc={ev[0]:.2f}"] if ev else [])
             bar.set_postfix_str(", ".join(shown + ([record["no_update"]] if record["no_update"] else [])))
+        if _rank() == 0:  # every rank holds the same record; one says it
+            watch.step(record["no_update"], reward_mean=record["reward_mean"])
         in_row = run.nonfinite["in_row"]
         if in_row >= cfg.max_nonfinite_steps:
             raise NonFiniteError(
@@ -477,22 +328,9 @@ def _train(cfg: TrainConfig, update, rollout_fn) -> dict:
             )
         if ((step + 1) % cfg.checkpoint_every == 0 or step + 1 == cfg.steps) and _rank() == 0:
             _save(run.ckpt_path, run.model, run.optimizer, step + 1, cfg, run.nonfinite)  # the replicas': rank 0's
+    if _rank() == 0:
+        watch.finish()
     return record
-
-
-def config_from_args(values: dict, config_file: str | None = None, cls: type = TrainConfig) -> TrainConfig:
-    """A TrainConfig (or subclass `cls`) from an optional JSON file, overridden by
-    explicit values."""
-    base = {}
-    if config_file:
-        with open(config_file) as f:
-            base = json.load(f)
-    known = {f.name for f in dataclasses.fields(cls)}
-    unknown = set(base) - known
-    if unknown:
-        raise ConfigError(f"unknown TrainConfig fields in {config_file}: {sorted(unknown)}")
-    base.update({k: v for k, v in values.items() if v is not None})
-    return cls(**base)
 
 
 __all__ = ["TrainConfig", "train", "warm_model", "load_checkpoint", "write_atomic", "warm_start", "build_model",

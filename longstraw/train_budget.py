@@ -22,28 +22,16 @@ state is still held.
 from __future__ import annotations
 
 import dataclasses
-from typing import TYPE_CHECKING
 
-import torch
-
-from longstraw.budget import fit_config, parse_budget
+from longstraw.budget import fit_config
 from longstraw.config import ExecConfig
-
-if TYPE_CHECKING:
-    from longstraw.train import TrainConfig
+from longstraw.train_config import TrainConfig, check_memory_budget
 
 __all__ = ["TRAIN_CHUNK_SIZE", "SHOWN", "check_memory_budget", "engine_config", "held_states_of", "describe"]
 
 TRAIN_CHUNK_SIZE = 1024
 """The loop's capture chunk (and exact mode's walk chunk) when neither `chunk_size` nor a
 budget chooses one."""
-
-
-def check_memory_budget(memory_budget) -> None:
-    """A `ConfigError` (a ValueError) naming the bad value, at TrainConfig construction:
-    the loop runs on CPU, so "auto" (free CUDA memory) is refused too."""
-    if memory_budget is not None:
-        parse_budget(memory_budget, torch.device("cpu"))
 
 
 def engine_config(cfg: TrainConfig, model, *, mode: str, context_parallel: bool) -> ExecConfig:

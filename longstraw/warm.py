@@ -9,17 +9,12 @@ import hashlib
 import json
 import os
 import time
-from typing import TYPE_CHECKING
 
 import torch
 
 from longstraw.checkpoint import write_atomic
 from longstraw.tiny import tiny_model
-
-if TYPE_CHECKING:
-    from longstraw.train import TrainConfig
-
-
+from longstraw.train_config import TrainConfig
 
 
 def build_model(cfg: TrainConfig):

@@ -175,13 +175,15 @@ def crash_one_rank(rank: int, world: int, init_file: str, flag_dir: str) -> None
 
 
 def run_fsdp(rank: int, world: int, init_file: str) -> None:
-    """Decoder layers wrapped with FSDP2 `fully_shard`: each rank's gradient shard equals
+    """Decoder layers wrapped with FSDP2 (`parallel.sharding.shard_model`: resharded after
+    every forward): each rank's gradient shard equals
     the matching slice of the single-process gradient (and the full tensor equals it), with
     the capture divided (each prompt token on one rank) and replicated, and exact mode's
     walk divided (FSDP2's reduce-scatter then sums the ranks' partial gradients; dense,
     hybrid, MoE hybrid and MLA) and replicated: no gradient is reduced twice or missed."""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
+
+    from longstraw.parallel.sharding import shard_model
 
     _init(rank, world, init_file)
     try:
@@ -195,9 +197,7 @@ def run_fsdp(rank: int, world: int, init_file: str) -> None:
                     model.zero_grad(set_to_none=True)
                     ls.Engine(model, ls.ExecConfig(mode=mode, **kw)).step(group)
                     want[mode] = grads_of(model)
-                mesh = init_device_mesh("cpu", (world,))
-                for layer in model.model.layers:
-                    fully_shard(layer, mesh=mesh)
+                shard_model(model, init_device_mesh("cpu", (world,)))  # resharded after every forward
                 sharded = 0
                 for mode, divide in (("detached", True), ("exact", True), ("detached", False), ("exact", False)):
                     model.zero_grad(set_to_none=True)
@@ -247,9 +247,9 @@ def run_fsdp_2d(rank: int, world: int, init_file: str) -> None:
     settling, and the walk's partials must not be divided by it. (Float64 on this mesh:
     the trainer's tests, tests/integrations/test_trl_distributed.py.)"""
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
 
     from longstraw.parallel.fsdp import fsdp_sum_factor, hold_replica_reductions
+    from longstraw.parallel.sharding import shard_model
 
     _init(rank, world, init_file)
     try:
@@ -264,9 +264,7 @@ def run_fsdp_2d(rank: int, world: int, init_file: str) -> None:
                 ls.Engine(model, ls.ExecConfig(mode=mode, **kw)).step(group)
                 want[mode] = grads_of(model)
             mesh = init_device_mesh("cpu", (1, world), mesh_dim_names=("dp", "cp"))
-            layers = list(model.model.layers)
-            for layer in layers:
-                fully_shard(layer, mesh=mesh)
+            layers = shard_model(model, mesh)
             hold_replica_reductions(layers)
             for layer in layers if sum_only else ():
                 layer.set_force_sum_reduction_for_comms(True)
@@ -962,5 +960,30 @@ def decode_merge_in_one_collective(rank: int, world: int, init_file: str) -> Non
                 setattr(dist, name, fn)
         per_step = (counts[1] - counts[0]) / 4  # four more decode steps
         assert per_step == 1 + attention_layers, (counts, per_step, attention_layers)
+    finally:
+        dist.destroy_process_group()
+
+
+def run_kept_outputs(rank: int, world: int, init_file: str) -> None:
+    """Exact mode with kept attention outputs (`ExecConfig.keep_attention_outputs`) under
+    context parallelism, capture and walk replicated (a divided walk attends for its own
+    rows and keeps none): capture keeps the outputs and LSEs merged across the ranks'
+    shards, the walk's attention backward runs from them; loss and every gradient equal
+    one process's walk that attends again."""
+    _init(rank, world, init_file)
+    try:
+        model = float64_norms(tiny_model("qwen3"))
+        group = random_group(97, 23, [5, 1, 7], seed=3)
+        exec_kw = dict(chunk_size=6, attention_block_size=4, shard_block_size=3, mode="exact")
+        model.zero_grad(set_to_none=True)
+        single = ls.Engine(model, ls.ExecConfig(**exec_kw)).step(group)
+        want = grads_of(model)
+        model.zero_grad(set_to_none=True)
+        engine = ls.Engine(model, ls.ExecConfig(context_parallel=True, divide_capture=False, divide_walk=False,
+                                                keep_attention_outputs=True, **exec_kw))
+        result = engine.step(group)
+        assert result.metrics["kept_attention_bytes"] > 0 and result.metrics["divided_walk"] == 0.0
+        assert abs(result.loss - single.loss) <= 1e-9 * abs(single.loss) + 1e-13
+        assert_grads_close(grads_of(model), want, FLOAT64)
     finally:
         dist.destroy_process_group()

@@ -1,7 +1,7 @@
 """The package's layout rules, read from the source (AST only; no torch import needed):
 
-1. no import cycle between longstraw's modules (function-level imports count: a lazy
-   import hides a cycle, it does not remove it);
+1. no import cycle between longstraw's modules (function-level and `if TYPE_CHECKING:`
+   imports count: a lazy or type-only import hides a cycle, it does not remove it);
 2. layers: ops/, state/ and parallel/deal.py never import models/ or engine/; parallel/
    never imports engine/; plan/ imports neither torch nor any longstraw module outside
    plan/ but the torch-free parallel/deal.py and defaults.py;
@@ -39,15 +39,6 @@ class Module:
     functions: list = field(default_factory=list)  # (qualified name, lines)
 
 
-def _type_checking_lines(tree) -> set:
-    out = set()
-    for node in ast.walk(tree):
-        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
-            for sub in node.body:
-                out.update(range(sub.lineno, sub.end_lineno + 1))
-    return out
-
-
 def read_package(root: str, package: str = "longstraw") -> dict[str, Module]:
     """Every module under `root` (the package directory), with its imports resolved to
     dotted names relative to the package, and its functions' lengths."""
@@ -64,7 +55,6 @@ def read_package(root: str, package: str = "longstraw") -> dict[str, Module]:
             mod = Module(name, path, len(src.splitlines()))
             here = name.split(".") if name else []
             pkg = here if f == "__init__.py" else here[:-1]
-            skip = _type_checking_lines(tree)
             lazy_lines = set()
             for node in ast.walk(tree):
                 if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
@@ -72,9 +62,7 @@ def read_package(root: str, package: str = "longstraw") -> dict[str, Module]:
                     for sub in ast.walk(node):
                         if isinstance(sub, (ast.Import, ast.ImportFrom)):
                             lazy_lines.add(sub.lineno)
-            for node in ast.walk(tree):
-                if node.lineno in skip if hasattr(node, "lineno") else False:
-                    continue
+            for node in ast.walk(tree):  # every import, `if TYPE_CHECKING:` ones too
                 lazy = getattr(node, "lineno", None) in lazy_lines
                 if isinstance(node, ast.ImportFrom):
                     if node.level:
@@ -239,3 +227,14 @@ def test_plan_may_not_import_torch(tmp_path):
     (root / "__init__.py").write_text("")
     (root / "plan" / "__init__.py").write_text("import torch\n")
     assert layer_violations(read_package(str(root), "pkg")) == ["plan imports torch"]
+
+
+def test_a_type_only_import_cycle_is_caught(tmp_path):
+    """`train` <-> `train_budget` was such a circle: an import under `if TYPE_CHECKING:`
+    runs for the type checker, and the two modules still cannot be read one without the other."""
+    root = tmp_path / "pkg"
+    root.mkdir()
+    (root / "__init__.py").write_text("")
+    (root / "a.py").write_text("from .b import x\n")
+    (root / "b.py").write_text("from typing import TYPE_CHECKING\n\nif TYPE_CHECKING:\n    from .a import A\n")
+    assert import_cycles(read_package(str(root), "pkg")) == [["a", "b", "a"]]

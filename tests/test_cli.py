@@ -79,8 +79,10 @@ def test_train_runs_the_agent_task_through_its_environment(tmp_path, capsys):
     """`longstraw train --task tool_lookup` trains on agent episodes: the log counts the
     tool calls its rollouts made through engine.generate(environment=)."""
     import json
+    import warnings
 
     from longstraw.cli import main
+    from longstraw.skips import NoUpdateWarning
 
     out = tmp_path / "run"
     flags = ["--task", "tool_lookup", "--prompt-tokens", "24", "--num-facts", "2", "--num-values", "2",
@@ -88,7 +90,10 @@ def test_train_runs_the_agent_task_through_its_environment(tmp_path, capsys):
              "--warm-min-prompt-tokens", "16", "--warm-prompt-tokens", "16", "--warm-batch", "8", "--warm-lr", "0.01",
              "--steps", "2", "--group-size", "4", "--eval-every", "2", "--eval-prompts", "2", "--chunk-size", "8",
              "--no-log-kl", "--no-progress", "--threads", "1", "--out-dir", str(out)]
-    assert main(["train", *flags]) == 0
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")  # as -W always: no warning but ours reaches the screen (quiet.py)
+        assert main(["train", *flags]) == 0
+    assert all(issubclass(w.category, NoUpdateWarning) for w in seen), [str(w.message) for w in seen]
     summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     log = [json.loads(line) for line in open(out / "log.jsonl")]
     assert json.load(open(out / "config.json"))["task_name"] == "tool_lookup"
@@ -155,6 +160,7 @@ def test_train_refuses_a_bad_loss_type_before_the_warm_start(tmp_path, capsys, m
 
     import longstraw.train as train_mod
     from longstraw.cli import main
+    from longstraw.errors import ConfigError
 
     monkeypatch.setattr(train_mod, "warm_model", lambda cfg: pytest.fail("the warm start ran"))
     with pytest.raises(SystemExit) as exc:
@@ -162,7 +168,7 @@ def test_train_refuses_a_bad_loss_type_before_the_warm_start(tmp_path, capsys, m
     err = capsys.readouterr().err.strip().splitlines()
     assert exc.value.code == 2 and len(err) == 1 and err[0].startswith("longstraw: ConfigError: "), err
     assert "ppo" in err[0] and "dapo" in err[0]
-    with pytest.raises(train_mod.ConfigError, match="loss_type"):
+    with pytest.raises(ConfigError, match="loss_type"):
         train_mod.TrainConfig(loss_type="ppo")  # from Python too, before any work
     assert not (tmp_path / "run").exists()
 

@@ -27,7 +27,8 @@ def planned_addition(model, cfg: ls.ExecConfig) -> float:
     """What the planner says `cfg`'s step adds above the model, gradients and optimizer."""
     r = estimate(planner_config(model), PlanConfig(
         dtype="float32", mode=cfg.mode, chunk_size=cfg.chunk_size, branch_chunk_size=cfg.branch_chunk_size,
-        recompute_layers=cfg.recompute_layers, keep_graph_bytes=cfg.keep_graph_bytes, **STEP))
+        recompute_layers=cfg.recompute_layers, keep_graph_bytes=cfg.keep_graph_bytes,
+        keep_attention_outputs=cfg.keep_attention_outputs, **STEP))
     return r["peak_bytes_per_rank"] - r["param_bytes"] - r["grad_bytes"] - r["optimizer_bytes"]
 
 
@@ -66,6 +67,23 @@ def test_nothing_fits_raises_before_any_work(model, monkeypatch):
         ls.fit_config(model, memory_budget=8 * MiB, **STEP)
     assert isinstance(err.value, LongStrawError)
     assert calls == [] and all(p.grad is None for p in model.parameters())
+
+
+def test_nothing_fits_gives_the_smallest_budget_and_changes_as_python(model):
+    """DoesNotFitError's smallest budget fits and one byte less does not; its changes are
+    fit_config / ExecConfig terms (no CLI flags), each of which fits at the given budget."""
+    step = dict(prompt_tokens=65536, group=4, response_tokens=256, mode="exact", chunk_size=4096)
+    with pytest.raises(ls.DoesNotFitError) as err:
+        ls.fit_config(model, memory_budget="400MiB", **step)
+    least, text = err.value.smallest_budget, str(err.value)
+    assert f"The smallest budget that fits: memory_budget={least} ({least / 2**30:.4g} GiB)" in text
+    assert not any(flag in text for flag in ("--gpus", "--prompt-tokens", "--chunk-size", "--memory-budget"))
+    assert "prompt_tokens=" in text and "no pinned chunk_size=4096" in text
+    assert isinstance(ls.fit_config(model, memory_budget=least, **step), ls.ExecConfig)
+    with pytest.raises(ls.DoesNotFitError):
+        ls.fit_config(model, memory_budget=least - 1, **step)
+    change = next(c for c in err.value.changes if "prompt_tokens" in c)
+    assert ls.fit_config(model, memory_budget="400MiB", **{**step, **change}).mode == "exact"
 
 
 def test_the_fitted_config_runs_a_step(model):
@@ -112,6 +130,34 @@ def test_the_offload_the_search_chose_on_cuda_is_returned(monkeypatch):
         return r["peak_bytes_per_rank"] - r["param_bytes"] - r["grad_bytes"] - r["optimizer_bytes"]
 
     assert adds(True) <= 2**30 < adds(False)  # the offload is what fits (planned 612 MiB vs 1,124 MiB)
+
+
+def test_exact_fit_keeps_attention_outputs_on_cpu_where_they_fit(model, monkeypatch):
+    """Kept attention outputs skip the walk's attention forward (planned faster): a budget
+    with room for them chooses them on CPU; pinned off they stay off; without torch's fused
+    CPU backward (CUDA: not measured there yet) they are not searched."""
+    roomy = ls.fit_config(model, memory_budget="1GiB", mode="exact", **STEP)
+    assert roomy.keep_attention_outputs is True
+    assert planned_addition(model, roomy) <= 1024 * MiB
+    off = ls.fit_config(model, memory_budget="1GiB", mode="exact", keep_attention_outputs=False, **STEP)
+    assert off.keep_attention_outputs is False
+    assert ls.fit_config(model, memory_budget="1GiB", mode="detached", **STEP).keep_attention_outputs is False
+    monkeypatch.setattr("longstraw.budget.fused_backward_kernel", lambda device_type, dtype: None)
+    assert ls.fit_config(model, memory_budget="1GiB", mode="exact", **STEP).keep_attention_outputs is False
+
+
+def test_a_fit_that_keeps_graphs_leaves_the_engine_slack_over_the_planned_graphs(model):
+    """The bench's exact_fit_pg budget (Prefix Grouper's measured peak, 1,365,000,000 B): the
+    plan keeps both 4,096-token chunks' graphs (365 MB each planned); the engine measured
+    over 370 MB and, given exactly the spare memory (740 MB), kept one. The fit now asks for
+    5% above the planned graphs, which plans the same chunks and peak."""
+    step = dict(prompt_tokens=8192, group=8, response_tokens=128)
+    cfg = ls.fit_config(model, memory_budget=1_365_000_000, mode="exact", **step)
+    r = estimate(planner_config(model), PlanConfig(
+        dtype="float32", mode="exact", chunk_size=cfg.chunk_size, keep_graph_bytes=cfg.keep_graph_bytes,
+        keep_attention_outputs=cfg.keep_attention_outputs, recompute_layers=cfg.recompute_layers, **step))
+    assert cfg.chunk_size == 4096 and r["kept_graph_chunks"] == 2
+    assert cfg.keep_graph_bytes >= int(1.05 * r["kept_graph_bytes"]) > 2 * 370e6
 
 
 class _Searched(Exception):

@@ -62,6 +62,26 @@ def test_nothing_fits_exits_3_naming_the_binding_term_and_a_change_that_fits(cap
     assert main(["plan", *args]) == 3 and "nothing fits" in capsys.readouterr().out
 
 
+def test_nothing_fits_names_the_smallest_gpu_memory_that_fits(capsys):
+    """The smallest --gpu-memory that fits (bytes, the reserve included): passed back it
+    fits, one byte less does not; the text report gives it in bytes and GiB."""
+    args = ["--model", "tiny-qwen3", "--prompt-tokens", "65536", "--group", "4", "--response-tokens", "256",
+            "--mode", "exact", "--chunk-size", "4096", "--reserve", "0", "--fit"]
+    code, r = run(capsys, [*args, "--gpu-memory", "64MiB"])
+    least = r["smallest_gpu_memory_bytes"]
+    assert code == 3 and least > 64 * 2**20
+    assert run(capsys, [*args, "--gpu-memory", str(least)])[0] == 0
+    assert run(capsys, [*args, "--gpu-memory", str(least - 1)])[0] == 3
+    assert main(["plan", *args, "--gpu-memory", "64MiB"]) == 3
+    assert f"smallest --gpu-memory that fits: {least} ({least / 2**30:.4g} GiB" in capsys.readouterr().out
+
+
+def test_plan_without_a_group_is_one_line_exit_2(capsys):
+    assert main(["plan", "--model", "tiny-qwen3", "--prompt-tokens", "1024"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("longstraw: ConfigError: ") and "--group" in err[0]
+
+
 def test_the_fit_is_the_fastest_of_a_brute_force_over_a_small_space():
     """On a small dense plan the search's choice equals the fastest fitting plan of the
     whole product of its options (pieces, chunks, recompute, offload, sharding)."""

@@ -6,21 +6,21 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+from tests.docs_blocks import blocks, python_blocks
+
 README = Path(__file__).resolve().parents[1] / "README.md"
-
-
-def python_blocks(text: str) -> list[str]:
-    """The bodies of the ```python fences of a Markdown text, in order."""
-    return re.findall(r"^```python\n(.*?)^```", text, re.S | re.M)
 
 
 def test_the_readme_is_a_front_page():
     assert len(README.read_text().splitlines()) <= 250
 
 
-def test_python_blocks_finds_each_fence():
-    text = "a\n```python\nx = 1\n```\n```bash\nls\n```\n```python\ny = 2\n```\n"
+def test_python_blocks_finds_each_fence_and_its_no_test_mark(tmp_path):
+    text = "a\n```python\nx = 1\n```\n```bash\nls\n```\n<!-- no-test: needs a GPU -->\n```python\ny = 2\n```\n"
     assert python_blocks(text) == ["x = 1\n", "y = 2\n"]
+    (tmp_path / "page.md").write_text(text)
+    assert [(b.body, b.line, b.skip) for b in blocks(tmp_path / "page.md")] == [("x = 1\n", 3, None),
+                                                                               ("y = 2\n", 10, "needs a GPU")]
 
 
 def test_every_python_block_of_the_readme_runs_as_pasted(capsys):

@@ -4,6 +4,7 @@ and its full-sequence baseline step has the exact-mode gradient."""
 import contextlib
 import json
 import os
+import warnings
 
 import pytest
 import torch
@@ -343,13 +344,29 @@ def test_a_step_with_equal_rewards_says_no_update(tmp_path, monkeypatch, capsys)
 
     from longstraw.tasks import KVRecall
 
+    import longstraw.train as loop
+    from longstraw.skips import NoUpdateWarning
+
+    captures = []  # the capture inside generate is the step's capture
+
+    def rollouts(run, step, gen):
+        out = loop._rollouts(run, step, gen)
+        captures.append(sum(ro.metrics["time_capture_s"] for ro in out[0]))
+        return out
+
     monkeypatch.setattr(KVRecall, "reward", lambda self, item, response: 1.0)
-    train(TrainConfig(**dict(TINY, arm="detached", steps=2, eval_every=100, progress=True, out_dir=str(tmp_path))))
+    with pytest.warns(NoUpdateWarning) as seen:  # every step skipped: one warning with what to change
+        train(TrainConfig(**dict(TINY, arm="detached", steps=2, eval_every=100, progress=True, out_dir=str(tmp_path))),
+              rollouts=rollouts)
     log = [r for r in _log(tmp_path) if r["step"] > 0]
     assert [r["no_update"] for r in log] == ["no update (equal rewards)"] * 2
     assert [r["skipped_zero_advantage"] for r in log] == [1.0, 1.0]
     assert "no update (equal rewards)" in capsys.readouterr().err
+    assert len(seen) == 1 and "2 of 2 steps" in str(seen[0].message) and "--warm-steps" in str(seen[0].message)
+    assert min(captures) > 0 and all(r["time_capture_s"] >= c for r, c in zip(log, captures, strict=True))
     turn = itertools.count()
     monkeypatch.setattr(KVRecall, "reward", lambda self, item, response: float(next(turn) % 2))  # 0, 1, 0, 1
-    train(TrainConfig(**dict(TINY, arm="detached", steps=2, eval_every=100, out_dir=str(tmp_path / "b"))))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", NoUpdateWarning)  # every step updated: no warning
+        train(TrainConfig(**dict(TINY, arm="detached", steps=2, eval_every=100, out_dir=str(tmp_path / "b"))))
     assert [r["no_update"] for r in _log(tmp_path / "b") if r["step"] > 0] == [None, None]

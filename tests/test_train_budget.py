@@ -82,5 +82,7 @@ def test_a_budget_nothing_fits_stops_before_any_work(tmp_path, capsys, monkeypat
     assert main(["train", *flags]) == 2
     err = capsys.readouterr().err
     assert "DoesNotFitError" in err and "memory_budget='20MiB'" in err and "binding term" in err
+    assert "The smallest budget that fits: --memory-budget " in err and " GiB)" in err  # this command's flags
+    assert "memory_budget=" not in err.split("The smallest budget")[1]
     assert calls == [] and not (tmp_path / "run").exists()  # no warm start, not even the out_dir
 

@@ -18,6 +18,7 @@ from longstraw.engine.inputs import check_inputs
 from longstraw.parallel.divided import divided_capture
 from longstraw.parallel.fsdp import fsdp_sum_factor
 from longstraw.phase import Phase
+from longstraw.state.kept_outputs import KeptOutputs
 from longstraw.state.offload import Stager
 from longstraw.state.prompt import PromptState, RecurrentState, Shard
 
@@ -30,8 +31,11 @@ def capture_chunks(engine, ids: torch.Tensor, start: int, states: list[PromptSta
     With `keep_graph_bytes` > 0 (exact mode; states[-1] already has its gradient
     buffers), the first chunk runs with autograd and its graph is measured
     (`kept_graphs.SavedBytes`); the last chunks whose graphs fit the budget then run
-    with autograd too, and their roots are kept in `states[-1].kept` for the walk."""
+    with autograd too, and their roots are kept in `states[-1].kept` for the walk. Not
+    under FSDP2 (the walk recomputes every chunk there)."""
     starts = list(range(0, ids.shape[0], size))
+    if engine.adapter.sharded_modules():  # FSDP2 frees a layer's weights after its forward: a kept graph's saved
+        keep_graph_bytes = 0  # weights would be gone by the walk; the walk recomputes the chunk (parallel.fsdp)
     keep: set[int] = set()
     for a in progress(starts, enabled=engine.config.progress, desc=desc, total=len(starts)):
         piece = ids[a : a + size]
@@ -49,7 +53,8 @@ def capture_chunks(engine, ids: torch.Tensor, start: int, states: list[PromptSta
 
 
 def capture(engine, prompt: torch.Tensor, *, exact: bool = False, keep_graph_bytes: int = 0,
-            rope_length: int | None = None, prompt_inputs: dict | None = None) -> PromptState:
+            rope_length: int | None = None, prompt_inputs: dict | None = None,
+            keep_attention_outputs: bool = False) -> PromptState:
     """The prompt state of prompt [P] (see `Engine.capture`)."""
     check_inputs(engine, prompt, prompt_inputs)
     ids = prompt[:-1].to(engine.adapter.device)  # (P-1,)
@@ -72,6 +77,8 @@ def capture(engine, prompt: torch.Tensor, *, exact: bool = False, keep_graph_byt
         divided_capture(engine.adapter, ids, state, shard, chunk_size=engine.config.chunk_size, exact=exact,
                         block_size=engine.config.attention_block_size)
     else:
+        if exact and keep_attention_outputs:  # the walk's attention backward reads them (`state/kept_outputs.py`)
+            state.outputs = KeptOutputs()
         capture_chunks(engine, ids, 0, [state], engine.config.chunk_size, "capture", keep_graph_bytes)
     stamp_state(state, engine, prompt, exact, prompt_inputs)
     return state

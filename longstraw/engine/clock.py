@@ -8,6 +8,8 @@ import time
 import torch
 from tqdm.auto import tqdm
 
+from longstraw.heartbeat import beat
+
 
 def clock(device: torch.device) -> float:
     """A phase timestamp: on CUDA, after the queued kernels finish (else the time of
@@ -19,10 +21,12 @@ def clock(device: torch.device) -> float:
 
 def progress(iterable, *, enabled: bool, desc: str | None, total: int):
     """One progress bar per phase; desc None: none (a branch's pieces run inside the
-    replay bar, so they get no bar of their own)."""
-    if not enabled or desc is None:
-        return iterable
-    return tqdm(iterable, desc=desc, total=total, leave=False)
+    replay bar, so they get no bar of their own). Each item beats (`longstraw.heartbeat`):
+    the loop moved on, progress for the launch watchdog."""
+    bar = iterable if not enabled or desc is None else tqdm(iterable, desc=desc, total=total, leave=False)
+    for item in bar:
+        beat()
+        yield item
 
 
 class ProgressCounter:

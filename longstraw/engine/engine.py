@@ -139,7 +139,8 @@ class Engine:
         return lambda iterable: progress(iterable, enabled=self.config.progress, desc=desc, total=len(iterable))
 
     def capture(self, prompt: torch.Tensor, *, exact: bool = False, keep_graph_bytes: int = 0,
-                rope_length: int | None = None, prompt_inputs: dict | None = None) -> PromptState:
+                rope_length: int | None = None, prompt_inputs: dict | None = None,
+                keep_attention_outputs: bool = False) -> PromptState:
         """Run prompt[:-1] ([P-1] tokens) in chunks under no_grad; return its state,
         stamped with its origin (`rollout.StateOrigin`). With `exact`, it keeps what the
         reverse walk needs (every chunk boundary, every sliding-window position); `step`
@@ -149,9 +150,11 @@ class Engine:
         response), whose RoPE frequencies every call against the state uses
         (`models/rope.py`). `prompt_inputs`: the prompt's images (`Group.prompt_inputs`),
         run through the model's vision tower once, whole, without grad; the state keeps
-        their embeddings and the prompt's M-RoPE positions and remembers the inputs."""
+        their embeddings and the prompt's M-RoPE positions and remembers the inputs.
+        `keep_attention_outputs` (with `exact`): it also keeps the attention layers'
+        outputs and LSEs for the reverse walk (`state/kept_outputs.py`)."""
         return capture(self, prompt, exact=exact, keep_graph_bytes=keep_graph_bytes, rope_length=rope_length,
-                       prompt_inputs=prompt_inputs)
+                       prompt_inputs=prompt_inputs, keep_attention_outputs=keep_attention_outputs)
 
     def divides_walk(self, state: PromptState) -> bool:
         """Whether exact mode's reverse walk over `state` runs divided under context
@@ -219,11 +222,7 @@ class Engine:
         tokens recomputes each decoder layer in backward: the replay rule
         (`recomputes_layers`) for its chunks of min(chunk_size, positions) tokens. A chunk
         then keeps only each layer's input [chunk, d], and the live graph holds one layer.
-        Not under FSDP2: a walk chunk's roots sit inside each layer (its state rows), so
-        backward can reach a layer's recompute before FSDP2's pre-backward hook has
-        gathered its weights (untested; the walk keeps the chunk's whole graph there)."""
-        if self.adapter.sharded_modules():
-            return False
+        Under FSDP2 too: a recompute gathers its layer first (`models/recompute.py`)."""
         return self.recomputes_layers(min(self.config.chunk_size, positions), state)
 
     def replay_branch(self, state: PromptState, prompt: torch.Tensor, response: torch.Tensor, piece_loss) -> None:
@@ -301,7 +300,8 @@ class Engine:
         """The prompt state for `group`: the one given (already checked) or a new capture."""
         if state is None:
             state = self.capture(group.prompt, exact=exact, keep_graph_bytes=self.config.keep_graph_bytes,
-                                 rope_length=sequence_length(group), prompt_inputs=group.prompt_inputs)
+                                 rope_length=sequence_length(group), prompt_inputs=group.prompt_inputs,
+                                 keep_attention_outputs=self.config.keep_attention_outputs)
             if exact and self.config.keep_graph_bytes > 0:
                 return state  # its gradient buffers were allocated before capture: kept graphs add into them
         if exact:
@@ -390,6 +390,7 @@ class Engine:
 
         with self.phase_hook("capture"):
             state = self._reuse_or_capture(group, state, exact)
+        metrics.kept_graph_chunks = float(len(state.kept))  # the walk pops them as it reaches them
         longest = max(int(r.numel()) for r in group.responses)  # replay's longest piece decides the metric
         metrics.recompute_layers = float(self.recomputes_layers(min(self.config.branch_chunk_size or longest, longest),
                                                                 state))
@@ -401,6 +402,9 @@ class Engine:
             mark()
             divided = exact and self.divides_walk(state)
             walk_rc = exact and self.walk_recomputes_layers(group.prompt.numel() - 1, state)
+            if divided:
+                state.outputs = None  # a divided walk attends for its own rows: it recomputes attention
+            metrics.kept_attention_bytes = float(state.outputs.nbytes()) if state.outputs is not None else 0.0
             with self.phase_hook("walk"):  # exact mode's reverse walk (nothing in detached mode)
                 if divided:  # each prompt token on one rank; the ranks' partial gradients summed once
                     with summed_walk_gradients(self.model, self.cp, self.adapter.sharded_modules()):
@@ -422,6 +426,7 @@ class Engine:
             metrics.state_grad_bytes = float(state.grad_nbytes())  # what the step held (released on return)
         finally:  # the walk spent dLoss/dState (or the step failed): a held state keeps only its rows
             state.release_grad_buffers()
+            state.outputs = None
         (t0, c0), (t1, c1), (t2, c2), (t3, c3), (t4, c4) = marks
         if state.offload is not None:  # since the capture, or since the reused state's last step
             moved = state.offload.stats

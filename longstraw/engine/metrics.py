@@ -53,6 +53,12 @@ class StepMetrics:
     walk_recompute_layers: float = 0.0
     """1 when exact mode's reverse walk recomputed each decoder layer in backward
     (`ExecConfig.recompute_layers`, decided for one walk chunk: `Engine.walk_recomputes_layers`)."""
+    kept_graph_chunks: float = 0.0
+    """Exact mode: capture chunks whose autograd graph capture kept (`ExecConfig.keep_graph_bytes`),
+    which the reverse walk backpropagated through without recomputing them."""
+    kept_attention_bytes: float = 0.0
+    """Exact mode with `ExecConfig.keep_attention_outputs`: bytes of the attention outputs and
+    LSEs capture kept for the reverse walk (`state/kept_outputs.py`), freed chunk by chunk."""
     state_bytes: float = 0.0
     state_grad_bytes: float = 0.0
     """What the step held in state gradients after its walk (released on return): the

@@ -22,6 +22,7 @@ decoding (temperature 0) under the unscaled distribution (temperature 1).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 
@@ -36,6 +37,7 @@ from longstraw.engine.logprobs import scaled_logits
 from longstraw.errors import ConfigError, StaleStateError, StateMismatchError
 from longstraw.group import check_token_ids
 from longstraw.models.rope import rotary_of
+from longstraw.models.vision import placeholder_ids
 from longstraw.parallel.fsdp import fsdp_sharded_parameters
 
 
@@ -80,6 +82,9 @@ class SamplingConfig:
     """Keep the k most likely tokens; 0 keeps all."""
     eos_token_id: int | list | None = None
     """Token id(s) that end a branch (kept as its last token)."""
+    suppressed_ids: tuple = ()
+    """Token ids never sampled, greedy included (`generate` sets a VLM's image / video
+    placeholders: responses are text). The returned log-probs stay the model's own."""
 
     def __post_init__(self):
         for name in ("num_samples", "max_new_tokens"):
@@ -211,6 +216,8 @@ def check_state(state, engine, prompt: torch.Tensor, total: int | None = None, i
 def sample_tokens(logits: torch.Tensor, config: SamplingConfig, generator: torch.Generator | None) -> torch.Tensor:
     """Next tokens [G] from logits [G, vocab]: argmax when temperature is 0, else a draw
     from softmax(logits / temperature) restricted to the top-k and the top-p nucleus."""
+    if config.suppressed_ids:  # (G, vocab): a VLM's placeholders can never be drawn
+        logits = logits.index_fill(-1, torch.tensor(config.suppressed_ids, device=logits.device), float("-inf"))
     if config.temperature == 0:
         return logits.argmax(dim=-1)
     scores = scaled_logits(logits, config.temperature)  # (G, vocab), float32 for half precision
@@ -262,6 +269,7 @@ def generate(engine, prompt: torch.Tensor, config: SamplingConfig, generator=Non
             check_state(state, engine, prompt, total=prompt.numel() + config.max_new_tokens, inputs=prompt_inputs)
 
     engine.agree_across_ranks(validate, fingerprint)
+    config = dataclasses.replace(config, suppressed_ids=placeholder_ids(engine.adapter.vision))
     t0 = clock(engine.adapter.device)
     if state is None:
         state = engine.capture(prompt, exact=engine.config.mode == "exact", prompt_inputs=prompt_inputs,

@@ -7,10 +7,8 @@ update run through LongStraw. A TRL user changes one class:
     trainer.train()
 
 What stays TRL's: the data loader and its RepeatSampler (each prompt num_generations
-times in a row), tokenisation (each distinct prompt once), reward functions, advantages
-(every `scale_rewards`), logging, checkpoints (save and resume; the model and optimizer
-state go through torch.distributed.checkpoint and load at any W: `trl_checkpoint.py`),
-the optimizer, scheduler and gradient clipping.
+times in a row), tokenisation (each distinct prompt once), rewards, advantages, logging,
+checkpoints (DCP, loadable at any W: `trl_checkpoint.py`), optimizer, scheduler, clipping.
 
 What LongStraw replaces, through three of GRPOTrainer's hooks:
 
@@ -25,8 +23,7 @@ What LongStraw replaces, through three of GRPOTrainer's hooks:
   log-probs (num_iterations > 1) and for the reference (beta > 0): `engine.score` per
   group, on the rollout's state while it is fresh. The reference is scored by a second
   engine over `ref_model`, or, with PEFT, on the model with the adapter disabled; its
-  weights differ from the rollout's, so that is a separate capture (the stale-state
-  check sees the adapter switch and refuses the rollout's state).
+  weights differ from the rollout's, so that is a separate capture.
 * `_prepare_inputs` / `training_step`: stock TRL shuffles rows and runs one batched
   full-sequence forward + backward per micro-step, whose graph grows with
   rows x (P + R). Here the generation batch stays whole prompt groups, dealt over the
@@ -36,24 +33,20 @@ What LongStraw replaces, through three of GRPOTrainer's hooks:
   the batch-wide divisors the summed gradient equals TRL's for "dapo", "grpo" and
   "dr_grpo", however the groups fall into micro-steps.
 
-Advantages are TRL's own (from `_generate_and_score_completions`, so "group", "batch"
-and "none" scaling all work); they reach the engine as the rewards with
-`scale_rewards="none"`. They are already centred per group, so the engine's centring
-changes nothing (beyond float rounding).
+Advantages are TRL's own (every `scale_rewards`); they reach the engine as the rewards
+with `scale_rewards="none"` (already centred, so the engine's centring changes nothing).
 
-Memory: every prompt of a generation batch keeps its state from generation until its
-update (`longstraw_keep_states=False` drops it and captures again at the update: one
-state alive at a time, one more capture per prompt; with tools the batch's states are
-held until the tool loop ends, since its continuations interleave the prompts).
+Memory: each prompt keeps its state until its update (`longstraw_keep_states=False`:
+dropped, captured again; with tools: until the tool loop ends). Screen: `trl_screen.py`.
 
-Many processes (`longstraw_context_parallel_size=C` under torchrun / accelerate launch):
-W processes form W / C data-parallel groups of C context-parallel ranks; what changes is
-in `trl_parallel.py` (data dealt per group, gathers over the groups, global divisors, the
-gradient sum, failures agreed across ranks) and docs/distributed.md; `longstraw_fsdp=True`
+Images (a processor as `processing_class`, TRL's `image` / `images` columns): each group's
+processor outputs become its `prompt_inputs` (`trl_images.py`), for generate, score, step.
+
+Many processes (`longstraw_context_parallel_size=C`): W / C data-parallel groups of C
+context-parallel ranks (`trl_parallel.py`, docs/distributed.md); `longstraw_fsdp=True`
 adds FSDP2 per decoder layer over each context-parallel group (`trl_fsdp.py`).
 
-Anything TRL offers that cannot run here is refused at construction with a
-`longstraw.ConfigError` naming the setting and the fix (`unsupported_settings`).
+TRL settings that cannot run here: a `ConfigError` at construction (`unsupported_settings`).
 """
 
 from __future__ import annotations
@@ -78,13 +71,16 @@ from longstraw.parallel.launch import collective_timeout, init_distributed  # on
 from longstraw.parallel.mesh import Mesh, mesh_groups
 from longstraw.parallel.nonfinite import DEFAULT_MAX_NONFINITE_STEPS, NonFiniteGuard
 from longstraw.integrations.trl_settings import LOSS_TYPES, unsupported_settings  # noqa: F401 (public here too)
+from longstraw.integrations.trl_settings import turn_off_activation_checkpointing
 from longstraw.parallel.data import agreed, global_totals, process_group_view, reduce_gradients, sampling_generator
 from longstraw.integrations.trl_parallel import (DataParallelView, check_mesh_settings, reduce_metrics,
                                                  seen_per_data_parallel_group)
-from longstraw.integrations.trl_fsdp import check_fsdp_settings, shard_decoder_layers, without_ddp
-from longstraw.integrations import trl_checkpoint
+from longstraw import quiet
+from longstraw.integrations import trl_checkpoint, trl_fsdp
 from longstraw.integrations.chat import token_id_tokenizer  # noqa: F401 (public here too)
 from longstraw.integrations.trl_budget import check_prompt_tokens, fitted_config, held_prompt_states
+from longstraw.integrations.trl_images import group_prompt_inputs  # images: each group's prompt_inputs
+from longstraw.integrations.trl_screen import ScreenCallback
 
 try:
     import trl
@@ -93,9 +89,11 @@ except ImportError as exc:  # pragma: no cover - depends on the environment
     raise ImportError("longstraw.integrations.trl needs TRL: pip install 'longstraw[trl]'") from exc
 
 logger = logging.getLogger(__name__)
+quiet.install()  # at import: a TRL script builds its GRPOConfig (and its FutureWarning) after this (quiet.py)
 
-WINDOW_KEYS = ("captures", "tool_continuations", "time_capture_s", "time_generate_s", "time_replay_s",
-               "time_reverse_s", "state_bytes", "state_grad_bytes", "peak_memory_bytes", "skipped_nonfinite_steps")
+SUMMED_KEYS = ("captures", "tool_continuations", "groups", "skipped_zero_advantage", "skipped_no_loss_tokens")
+WINDOW_KEYS = SUMMED_KEYS + ("time_capture_s", "time_generate_s", "time_replay_s", "time_reverse_s", "state_bytes",
+                             "state_grad_bytes", "peak_memory_bytes", "skipped_nonfinite_steps", "nonfinite_grad")
 """The `longstraw/...` metrics logged per optimizer step (every rank reduces the same keys)."""
 
 # ----------------------------------------------------------------------------
@@ -108,6 +106,7 @@ class _Pending:
 
     prompt: torch.Tensor  # [P]
     state: object  # the rollout's prompt state, or None once dropped
+    prompt_inputs: dict | None = None  # its images (trl_images.py), or None
     group: Group | None = None
 
 
@@ -173,6 +172,7 @@ class LongStrawGRPOTrainer(trl_checkpoint.TrainerCheckpoints, trl.GRPOTrainer):
                  longstraw_replica_check_every: int = 0, longstraw_context_parallel_size: int = 1,
                  longstraw_fsdp: bool = False, longstraw_max_nonfinite_steps: int = DEFAULT_MAX_NONFINITE_STEPS,
                  longstraw_memory_budget=None, longstraw_prompt_tokens: int | None = None, **kwargs):
+        quiet.install()  # again (a no-op unless filters were reset): what is not the user's to act on
         init_distributed()  # a no-op when the script (or accelerate, from `args`) initialized the group
         longstraw_config = ExecConfig() if longstraw_config is None else longstraw_config
         if not isinstance(longstraw_replica_check_every, int) or longstraw_replica_check_every < 0:
@@ -186,15 +186,10 @@ class LongStrawGRPOTrainer(trl_checkpoint.TrainerCheckpoints, trl.GRPOTrainer):
         bad = unsupported_settings(args, eval_dataset=eval_dataset, processing_class=processing_class,
                                    rollout_func=kwargs.get("rollout_func"), longstraw_config=longstraw_config)
         mesh = Mesh(world=args.world_size, context=longstraw_context_parallel_size)  # ConfigError unless C divides W
-        bad += check_mesh_settings(args, mesh) + check_fsdp_settings(longstraw_fsdp, mesh, optimizers)
+        bad += check_mesh_settings(args, mesh) + trl_fsdp.check_fsdp_settings(longstraw_fsdp, mesh, optimizers)
         if bad:
             raise ConfigError("LongStrawGRPOTrainer cannot run these TRL settings:\n  - " + "\n  - ".join(bad))
-        if args.gradient_checkpointing or getattr(args, "activation_checkpointing", False):
-            logger.warning("LongStrawGRPOTrainer: turning gradient_checkpointing off; LongStraw replays one branch "
-                           "(or one chunk) at a time and never holds a full-sequence graph")
-            args.gradient_checkpointing = False
-            if hasattr(args, "activation_checkpointing"):  # its newer name (transformers >= 5.x)
-                args.activation_checkpointing = False
+        turn_off_activation_checkpointing(args)
         if mesh.context > 1:  # TRL sized it for W processes; the C ranks of a group share its rows
             args.generation_batch_size = args.per_device_train_batch_size * mesh.data * args.steps_per_generation
 
@@ -210,8 +205,8 @@ class LongStrawGRPOTrainer(trl_checkpoint.TrainerCheckpoints, trl.GRPOTrainer):
         groups = mesh_groups(mesh, timeout=collective_timeout())
         self._nonfinite = NonFiniteGuard(max_in_row=longstraw_max_nonfinite_steps)
         if longstraw_fsdp:  # before the Trainer makes the optimizer (in train())
-            shard_decoder_layers(self.model, mesh, self.accelerator.device)
-            without_ddp(self.accelerator)
+            trl_fsdp.shard_decoder_layers(self.model, mesh, self.accelerator.device)
+            trl_fsdp.without_ddp(self.accelerator)
         self.longstraw_mesh = groups
         self.longstraw_memory_budget = longstraw_memory_budget  # with one, DoesNotFitError before any rollout
         longstraw_config, self.longstraw_prompt_tokens = fitted_config(
@@ -246,6 +241,8 @@ class LongStrawGRPOTrainer(trl_checkpoint.TrainerCheckpoints, trl.GRPOTrainer):
         self._pending: list[_Pending] = []
         self._in_tool_loop = False
         self._window = defaultdict(float)  # LongStraw metrics of the current optimizer step
+        self._screen = ScreenCallback(speaks=self.accelerator.is_main_process)  # trl_screen.py: skips, the loss note
+        self.add_callback(self._screen)
 
     # ------------------------------------------------------------------------
     # many processes: TRL's data and generation code sees the data-parallel groups
@@ -272,9 +269,8 @@ class LongStrawGRPOTrainer(trl_checkpoint.TrainerCheckpoints, trl.GRPOTrainer):
     # rollouts and scoring (called from TRL's _generate_and_score_completions)
 
     def _tokenize_prompts(self, prompts: list):
-        """TRL's, with each distinct plain-text prompt tokenised once: TRL's RepeatSampler
-        hands each prompt num_generations times in a row, and tokenising a long prompt is
-        O(P) work on every rank (P = 32,768, G = 4: 0.13 s of a 9.5 s step at W = 2;
+        """TRL's, with each distinct plain-text prompt tokenised once (TRL repeats each G times;
+        tokenising is O(P) per rank: 0.13 s of a 9.5 s step at P = 32,768, G = 4, W = 2;
         docs/distributed.md). Chat-template and multimodal prompts go to TRL unchanged."""
         distinct = list(dict.fromkeys(prompts)) if all(isinstance(p, str) for p in prompts) else prompts
         if len(distinct) == len(prompts):
@@ -286,16 +282,17 @@ class LongStrawGRPOTrainer(trl_checkpoint.TrainerCheckpoints, trl.GRPOTrainer):
     def _generate_single_turn(self, prompt_ids, images, multimodal_fields, num_generations, has_tool_images=False):
         """One `engine.generate` per prompt group (TRL repeats each prompt G times in a row);
         inside TRL's tool loop, each post-tool continuation from its prompt's held state."""
-        if images is not None or multimodal_fields or has_tool_images:
-            raise ConfigError("LongStrawGRPOTrainer takes text-only prompts")
+        if has_tool_images:
+            raise ConfigError("LongStrawGRPOTrainer: a tool returned an image; responses are text (docs/vision.md)")
         if self._in_tool_loop:  # as many calls as this rank's tool rounds: no agreement across ranks here
             return self._continue_after_tools(prompt_ids), None
-        return agreed(lambda: self._rollouts(prompt_ids, num_generations), self._world, "generation"), None
+        inputs = group_prompt_inputs(prompt_ids, images, multimodal_fields, num_generations)
+        return agreed(lambda: self._rollouts(prompt_ids, num_generations, inputs), self._world, "generation"), None
 
-    def _rollouts(self, prompt_ids, num_generations) -> list[list[int]]:
-        """One `engine.generate` per prompt group; the completions, row by row."""
+    def _rollouts(self, prompt_ids, num_generations, prompt_inputs) -> list[list[int]]:
+        """One `engine.generate` per prompt group (with its images); the completions, row by row."""
         completions, self._pending = [], []
-        for start in range(0, len(prompt_ids), num_generations):
+        for start, inputs in zip(range(0, len(prompt_ids), num_generations), prompt_inputs):
             rows = [list(r) for r in prompt_ids[start:start + num_generations]]
             if len(rows) != num_generations or any(r != rows[0] for r in rows):
                 raise RuntimeError("expected each prompt num_generations times in a row (TRL's RepeatSampler)")
@@ -304,10 +301,10 @@ class LongStrawGRPOTrainer(trl_checkpoint.TrainerCheckpoints, trl.GRPOTrainer):
             rollout = self.longstraw_engine.generate(
                 prompt, num_samples=num_generations, max_new_tokens=self.max_completion_length,
                 temperature=self.temperature, top_p=self.top_p, top_k=self.top_k or 0, eos_token_id=self.eos_token_ids,
-                generator=self._sampler(prompt))
+                generator=self._sampler(prompt), prompt_inputs=inputs)
             completions += [r.tolist() for r in rollout.responses]
             held = self.longstraw_keep_states or bool(self.tools)  # the tool loop continues from it
-            self._pending.append(_Pending(prompt, rollout.state if held else None))
+            self._pending.append(_Pending(prompt, rollout.state if held else None, inputs))
             m = rollout.metrics
             self._window["captures"] += 1
             self._window["time_capture_s"] += m["time_capture_s"]
@@ -344,26 +341,26 @@ class LongStrawGRPOTrainer(trl_checkpoint.TrainerCheckpoints, trl.GRPOTrainer):
             rollout = self.longstraw_engine.generate(
                 pending.prompt, num_samples=1, max_new_tokens=self.max_completion_length, temperature=self.temperature,
                 top_p=self.top_p, top_k=self.top_k or 0, eos_token_id=self.eos_token_ids, prefix=prefix,
-                state=pending.state, generator=self._sampler(torch.tensor(row, dtype=torch.long)))
+                state=pending.state, generator=self._sampler(torch.tensor(row, dtype=torch.long)),
+                prompt_inputs=pending.prompt_inputs)
             out.append(rollout.responses[0][prefix.numel():].tolist())
             self._window["tool_continuations"] += 1
             self._window["time_generate_s"] += rollout.metrics["time_generate_s"]
         return out
 
-    def _fresh_state(self, state, prompt):
-        """`state` if the policy engine can still reuse it for `prompt`, else None."""
-        if state is None:
-            return None
-        try:
-            check_state(state, self.longstraw_engine, prompt)
-        except StaleStateError:
-            return None
+    def _fresh_state(self, state, prompt, inputs):
+        """`state` if the policy engine can still reuse it for `prompt` (and its images), else None."""
+        if state is not None:
+            try:
+                check_state(state, self.longstraw_engine, prompt, inputs=inputs)
+            except StaleStateError:
+                return None
         return state
 
     def _get_per_token_logps_and_entropies(self, model, input_ids, attention_mask, logits_to_keep, batch_size=None,
                                            compute_entropy=False, compute_aux_loss=False, **multimodal):
-        """Old or reference log-probs [B, logits_to_keep] of the generation batch, per
-        group through `engine.score` (no full-sequence forward). TRL calls it under no_grad."""
+        """Old or reference log-probs [B, logits_to_keep] of the generation batch, per group
+        through `engine.score` with its images (no full-sequence forward). Under no_grad."""
         if torch.is_grad_enabled() or compute_entropy or compute_aux_loss:
             raise RuntimeError("LongStrawGRPOTrainer scores log-probs only under no_grad; the loss goes through "
                                "engine.step")
@@ -376,10 +373,10 @@ class LongStrawGRPOTrainer(trl_checkpoint.TrainerCheckpoints, trl.GRPOTrainer):
             rows = range(start, start + num_generations)
             prompt = input_ids[start, :split][attention_mask[start, :split].bool()]
             responses = [input_ids[i, split:][attention_mask[i, split:].bool()] for i in rows]
-            state = None if is_ref else self._fresh_state(self._pending[k].state, prompt)
+            state = None if is_ref else self._fresh_state(self._pending[k].state, prompt, self._pending[k].prompt_inputs)
             self._window["captures"] += state is None
-            logps = engine.score(Group(prompt=prompt, responses=responses, rewards=None), self.temperature,
-                                 state=state)
+            logps = engine.score(Group(prompt=prompt, responses=responses, rewards=None,
+                                       prompt_inputs=self._pending[k].prompt_inputs), self.temperature, state=state)
             if out is None:
                 out = torch.zeros(input_ids.shape[0], logits_to_keep, dtype=logps[0].dtype, device=input_ids.device)
             for i, lp in zip(rows, logps):
@@ -415,7 +412,7 @@ class LongStrawGRPOTrainer(trl_checkpoint.TrainerCheckpoints, trl.GRPOTrainer):
                 return [batch[key][i, : r.numel()] for i, r in zip(rows, responses)]
 
             tool_mask = per_row("tool_mask")  # TRL's: 0 at tool-result tokens (the update uses completion x tool)
-            pending.group = Group(prompt=pending.prompt, responses=responses,
+            pending.group = Group(prompt=pending.prompt, responses=responses, prompt_inputs=pending.prompt_inputs,
                                   loss_masks=None if tool_mask is None else [m.bool() for m in tool_mask],
                                   rewards=batch["advantages"][rows].detach().to("cpu", torch.float64),
                                   old_logprobs=per_row("old_per_token_logps"), ref_logprobs=per_row("ref_per_token_logps"))
@@ -429,12 +426,15 @@ class LongStrawGRPOTrainer(trl_checkpoint.TrainerCheckpoints, trl.GRPOTrainer):
         returns their summed loss and token-weighted sums (tokens, clipped, kl)."""
         loss = tokens = clipped = kl = 0.0
         for item in micro.items:
-            state = self._fresh_state(item.state, item.group.prompt)
+            state = self._fresh_state(item.state, item.group.prompt, item.prompt_inputs)
             item.state = None  # after this optimizer step it is stale; free it now
             result = self.longstraw_engine.step(item.group, self.longstraw_grpo, totals=micro.totals, state=state)
             m = result.metrics
             loss += result.loss
             skipped = m["skipped_zero_advantage"] > 0 or m["skipped_no_loss_tokens"] > 0
+            for key, value in (("groups", 1.0), ("skipped_zero_advantage", m["skipped_zero_advantage"]),
+                               ("skipped_no_loss_tokens", m["skipped_no_loss_tokens"])):  # what the screen counts
+                self._window[key] += value
             if state is None and not skipped:  # the rollout's state was dropped or stale: captured again
                 self._window["captures"] += 1
                 self._window["time_capture_s"] += m["time_capture_s"]
@@ -470,8 +470,9 @@ class LongStrawGRPOTrainer(trl_checkpoint.TrainerCheckpoints, trl.GRPOTrainer):
         if self._step % self.current_gradient_accumulation_steps == 0:
             # the last micro-step: every data-parallel group's gradient added up (their divisors are the global batch's)
             reduce_gradients(self.longstraw_engine.model.parameters(), self._data)
-            self._nonfinite.skip_if_nonfinite(self.longstraw_engine.model.parameters(), self.state.global_step,
-                                              rank=self.longstraw_mesh.rank, device=self.accelerator.device)
+            self._window["nonfinite_grad"] = float(self._nonfinite.skip_if_nonfinite(
+                self.longstraw_engine.model.parameters(), self.state.global_step, rank=self.longstraw_mesh.rank,
+                device=self.accelerator.device))
             self._window["skipped_nonfinite_steps"] = float(self._nonfinite.total)  # every rank skipped alike
             self._current_train_step_time += time.perf_counter() - start
             self._metrics["train"]["step_time"].append(self._current_train_step_time)
@@ -492,8 +493,8 @@ class LongStrawGRPOTrainer(trl_checkpoint.TrainerCheckpoints, trl.GRPOTrainer):
         if self._data is not None:  # captures added up over the groups, times and bytes their max
             for key in WINDOW_KEYS:
                 self._window.setdefault(key, 0.0)
-            self._window = defaultdict(float, reduce_metrics(self._window, ("captures", "tool_continuations"),
-                                                             self._data))
+            self._window = defaultdict(float, reduce_metrics(self._window, SUMMED_KEYS, self._data))
+        self._screen.step(self._window)  # most steps without an update: one warning
         for key, value in self._window.items():
             self._metrics["train"][f"longstraw/{key}"].append(float(value))
         self._window.clear()

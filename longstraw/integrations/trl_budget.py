@@ -26,6 +26,7 @@ import math
 
 from ..budget import fit_config
 from ..config import ExecConfig
+from longstraw import fit_advice
 from ..errors import ConfigError, DoesNotFitError
 from ..shapes import planner_config
 
@@ -89,9 +90,9 @@ def fitted_config(policy, config: ExecConfig, *, memory_budget, prompt_tokens: i
         fitted = fit_config(policy, memory_budget=memory_budget, prompt_tokens=prompt_tokens,
                             group=args.num_generations, response_tokens=args.max_completion_length, mode=mode,
                             held_states=held_states, process_group=process_group, **fixed)
-    except DoesNotFitError as exc:
-        raise DoesNotFitError(f"LongStrawGRPOTrainer(longstraw_memory_budget={memory_budget!r}): {exc}; or lower "
-                              "longstraw_prompt_tokens, num_generations or max_completion_length") from None
+    except DoesNotFitError as exc:  # its changes in the trainer's arguments
+        raise fit_advice.again(exc, "trl", prefix=f"LongStrawGRPOTrainer(longstraw_memory_budget={memory_budget!r}): ",
+                               suffix="; or lower longstraw_prompt_tokens, num_generations or max_completion_length") from None
     logger.info("LongStrawGRPOTrainer: memory budget %r at P = %d fits %s", memory_budget, prompt_tokens, fitted)
     return dataclasses.replace(fitted, context_parallel=False), prompt_tokens  # the trainer sets it per mesh
 

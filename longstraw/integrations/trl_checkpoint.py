@@ -36,6 +36,7 @@ import json
 import logging
 import os
 import re
+import shutil
 
 import torch
 import torch.distributed as dist
@@ -185,19 +186,45 @@ def whole_model_state(model) -> dict | None:
     return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
 
+def _checkpoint_folders(output_dir: str) -> list[tuple[int, str]]:
+    """(step, name) of every `checkpoint-N` folder of `output_dir`, newest first."""
+    if not os.path.isdir(output_dir):
+        return []
+    return sorted(((int(m.group(1)), n) for n in os.listdir(output_dir) if (m := _CHECKPOINT.match(n))
+                   and os.path.isdir(os.path.join(output_dir, n))), reverse=True)
+
+
+def is_complete(folder: str) -> bool:
+    """Whether a `checkpoint-N` folder was written whole (`COMPLETE_FILE`)."""
+    return os.path.exists(os.path.join(folder, COMPLETE_FILE))
+
+
 def last_complete_checkpoint(output_dir: str) -> str | None:
     """The newest `checkpoint-N` of `output_dir` that was written whole (`COMPLETE_FILE`),
-    or None when there is none yet: a first start. The Trainer writes a checkpoint folder
-    in place, so a kill inside a save leaves a newest folder that is partial; it is passed
-    over. Folders written before the marker existed (none marked at all): the newest one,
-    as the Trainer would pick."""
-    if not os.path.isdir(output_dir):
-        return None
-    found = sorted(((int(m.group(1)), n) for n in os.listdir(output_dir) if (m := _CHECKPOINT.match(n))
-                    and os.path.isdir(os.path.join(output_dir, n))), reverse=True)
-    complete = [n for _, n in found if os.path.exists(os.path.join(output_dir, n, COMPLETE_FILE))]
-    name = complete[0] if complete else (found[0][1] if found else None)
-    return None if name is None else os.path.join(output_dir, name)
+    or None when there is none: a first start. The Trainer writes a checkpoint folder in
+    place, so a kill inside a save leaves a newest folder that is partial; an unmarked
+    folder is never picked (one written before the marker existed: pass its path)."""
+    for _, name in _checkpoint_folders(output_dir):
+        if is_complete(os.path.join(output_dir, name)):
+            return os.path.join(output_dir, name)
+    return None
+
+
+def rotate_complete_checkpoints(output_dir: str, save_total_limit: int | None, best: str | None = None) -> None:
+    """`save_total_limit` after the marker (rank 0): the unmarked folders a killed save
+    left are removed, then the oldest complete ones beyond the limit, as the Trainer's
+    `rotate_checkpoints` would (the newest and `best` are kept). The Trainer's own rotation
+    ran inside its save, before the marker, so a kill there could leave no complete
+    checkpoint at all."""
+    if not save_total_limit or save_total_limit <= 0:
+        return
+    folders = [os.path.join(output_dir, name) for _, name in _checkpoint_folders(output_dir)]
+    complete = [f for f in folders if is_complete(f)]
+    keep = set(complete[:save_total_limit]) | ({os.path.normpath(best)} if best else set())
+    for folder in folders:
+        if os.path.normpath(folder) not in {os.path.normpath(k) for k in keep}:
+            logger.info("LongStrawGRPOTrainer: deleting %s (save_total_limit=%d)", folder, save_total_limit)
+            shutil.rmtree(folder, ignore_errors=True)
 
 
 class TrainerCheckpoints:
@@ -216,13 +243,22 @@ class TrainerCheckpoints:
                              ignore_keys_for_eval=ignore_keys_for_eval, **kwargs)
 
     def _save_checkpoint(self, model, trial) -> None:
-        """The Trainer's checkpoint, then (every rank done: a barrier) rank 0 marks it complete."""
-        super()._save_checkpoint(model, trial)
-        folder = os.path.join(self._get_output_dir(trial=trial), f"checkpoint-{self.state.global_step}")
+        """The Trainer's checkpoint with its rotation held back, then (every rank done: a
+        barrier) rank 0 marks it complete, and only then rotates (`save_total_limit`,
+        `rotate_complete_checkpoints`): a kill at any point leaves the last complete one."""
+        limit = self.args.save_total_limit
+        self.args.save_total_limit = None  # the Trainer's rotate_checkpoints returns at once
+        try:
+            super()._save_checkpoint(model, trial)
+        finally:
+            self.args.save_total_limit = limit
+        run_dir = self._get_output_dir(trial=trial)
+        folder = os.path.join(run_dir, f"checkpoint-{self.state.global_step}")
         if dist.is_available() and dist.is_initialized():
             dist.barrier()
         if _rank() == 0 and os.path.isdir(folder):
             write_atomic(os.path.join(folder, COMPLETE_FILE), lambda f: f.write(b"complete\n"))
+            rotate_complete_checkpoints(run_dir, limit, self.state.best_model_checkpoint)
 
     def _save_optimizer_and_scheduler(self, output_dir: str) -> None:
         """Every rank writes its part of the model and optimizer state (DCP); rank 0 the scheduler."""

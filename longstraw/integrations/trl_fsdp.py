@@ -1,5 +1,5 @@
 """FSDP2 under `LongStrawGRPOTrainer` (`longstraw_fsdp=True`): each decoder layer
-`fully_shard`-ed over the C ranks of its context-parallel group, on a 2-D (dp, cp) device
+`fully_shard`-ed (`parallel.sharding.shard_model`) over the C ranks of its context-parallel group, on a 2-D (dp, cp) device
 mesh, before the Trainer creates the optimizer. The contract is in docs/distributed.md.
 
 * The mesh. W ranks as (D = W / C data-parallel replicas) x (C context-parallel shards),
@@ -15,7 +15,8 @@ mesh, before the Trainer creates the optimizer. The contract is in docs/distribu
   parameter. Exact mode's divided walk sums its partial gradients through FSDP2's
   reduce-scatter on this mesh too (`fsdp_sum_factor`).
 * What stays replicated: the embeddings, final norm and lm_head (LongStraw calls them
-  directly, not through the ...ForCausalLM's forward, so the root is not wrapped), and
+  directly, not through the ...ForCausalLM's forward, so the root, wrapped by
+  `parallel.sharding.shard_model` for FSDP2's resharding, manages none of them), and
   everything outside the decoder layers.
 * C = 1 is refused: sharding over one rank is a no-op, and sharding over the data-parallel
   groups instead cannot pair FSDP2's per-call collectives (above). The one way to make
@@ -27,12 +28,10 @@ mesh, before the Trainer creates the optimizer. The contract is in docs/distribu
 from __future__ import annotations
 
 import torch
-from torch.distributed.fsdp import fully_shard
-
-from longstraw.models.base import unwrap_causal_lm
 from longstraw.parallel.fsdp import hold_replica_reductions
 from longstraw.parallel.launch import device_mesh
 from longstraw.parallel.mesh import Mesh
+from longstraw.parallel.sharding import decoder_layers, shard_model
 
 
 def check_fsdp_settings(fsdp, mesh: Mesh, optimizers) -> list[str]:
@@ -55,24 +54,15 @@ def check_fsdp_settings(fsdp, mesh: Mesh, optimizers) -> list[str]:
     return bad
 
 
-def decoder_layers(model) -> list:
-    """The decoder layers of a Hugging Face ...ForCausalLM (PEFT-wrapped too)."""
-    backbone = unwrap_causal_lm(model).model
-    if not hasattr(backbone, "layers") and hasattr(backbone, "language_model"):
-        backbone = backbone.language_model
-    return list(backbone.layers)
-
-
 def shard_decoder_layers(model, mesh: Mesh, device: torch.device) -> list:
-    """`fully_shard` each decoder layer of `model` on the 2-D (dp, cp) device mesh of
-    `mesh` (HSDP: sharded over the cp ranks, replicated over dp), its all-reduce across
+    """FSDP2 over the 2-D (dp, cp) device mesh of `mesh` (HSDP: each decoder layer sharded
+    over the cp ranks, replicated over dp; `parallel.sharding.shard_model`: resharded after
+    each forward, the ...ForCausalLM the root over no parameter), the all-reduce across
     replicas held for LongStraw's one sum per step (`hold_replica_reductions`). The mesh's
     groups wait `LONGSTRAW_COLLECTIVE_TIMEOUT` (`parallel.launch.device_mesh`), not torch's
     default. Every rank must call it, before the optimizer is made. Returns the sharded layers."""
     fsdp_mesh = device_mesh(device.type, (mesh.data, mesh.context), ("dp", "cp"))
-    layers = decoder_layers(model)
-    for layer in layers:
-        fully_shard(layer, mesh=fsdp_mesh)
+    layers = shard_model(model, fsdp_mesh)
     hold_replica_reductions(layers)
     return layers
 

@@ -5,9 +5,12 @@ raises them together as one `ConfigError`). Re-exported by `integrations/trl.py`
 
 from __future__ import annotations
 
-from transformers import ProcessorMixin
+import logging
+
 
 from longstraw.config import ExecConfig
+
+logger = logging.getLogger("longstraw.integrations.trl")
 
 LOSS_TYPES = ("dapo", "grpo", "dr_grpo")
 """TRL loss types LongStraw computes (same names and meanings as `longstraw.GRPOConfig`)."""
@@ -70,8 +73,20 @@ def unsupported_settings(args, *, eval_dataset=None, processing_class=None, roll
            "correction LongStraw does not apply; use tools= or environment_factory= for multi-turn rollouts")
     refuse(eval_dataset is not None or args.eval_strategy != "no",
            "evaluation (eval_dataset / eval_strategy) is not supported yet; set eval_strategy='no'")
-    refuse(isinstance(processing_class, ProcessorMixin), "multimodal processors are not supported (text only)")
     refuse(longstraw_config is not None and longstraw_config.context_parallel,
            "ExecConfig(context_parallel=True): the trainer sets up context parallelism itself; pass "
            "longstraw_context_parallel_size=C (ranks per prompt) and leave context_parallel=False")
     return bad
+
+
+def turn_off_activation_checkpointing(args) -> None:
+    """Set `args.gradient_checkpointing` (and its newer name `activation_checkpointing`) off:
+    LongStraw replays one branch (or one chunk) at a time and never holds a full-sequence
+    graph. TRL's GRPOConfig turns it on by default, so saying so is an info line, not a
+    warning: nothing for the user to change."""
+    if args.gradient_checkpointing or getattr(args, "activation_checkpointing", False):
+        logger.info("LongStrawGRPOTrainer: turning gradient_checkpointing off; LongStraw replays one branch (or one "
+                    "chunk) at a time and never holds a full-sequence graph")
+        args.gradient_checkpointing = False
+        if hasattr(args, "activation_checkpointing"):  # its newer name (transformers >= 5.x)
+            args.activation_checkpointing = False

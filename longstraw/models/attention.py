@@ -31,7 +31,7 @@ from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
 from longstraw.errors import UnsupportedModelError
 from longstraw.ops.attention import prefix_causal_attention
 from longstraw.ops.decode_attention import decode_attention
-from longstraw.ops.flash import merge_sink
+from longstraw.ops.flash import keeps_outputs, merge_sink
 from longstraw.parallel.attention import divided_causal_attention
 from longstraw.parallel.collectives import MergeAcrossRanks, all_reduce_sum, merge_gathered
 from longstraw.state.branch import BranchKV
@@ -83,10 +83,16 @@ def chunk_attention(module, query, key, value, call: AttentionCall, scale: float
         window = None  # the window covers every position so far: full attention
     assert kv.window in (sliding_window, window), f"layer {module.layer_idx}: state window {kv.window} != {window}"
     assert kv.end == call.start or call.phase is not Phase.CAPTURE, (kv.end, call.start)
+    keep, kept = kept_attention(call, module.layer_idx, query[0], value.shape[-1], window, sinks,
+                                sharded=kv.shard is not None)  # exact mode's kept outputs, or (False, None)
     out = prefix_causal_attention(
         query[0], key[0], value[0], prefixes=[layer.segment(until=call.start) for layer in layers],
         q_start=call.start, scale=scale, window=window, block_size=call.block_size, sinks=sinks,
+        return_lse=keep, kept=kept,
     )  # (H, T, Dv)
+    if keep:  # the walk's attention backward reads these instead of attending again
+        out, lse = out
+        call.states[-1].outputs.put(module.layer_idx, call.start, out, lse)
     if call.phase is Phase.CAPTURE:
         layers[-1].append(key[0], value[0])
         write_back(call.states, module.layer_idx)
@@ -96,6 +102,22 @@ def chunk_attention(module, query, key, value, call: AttentionCall, scale: float
         call.states[-1].seeds.append(((key[0], value[0]), read))
     out = restage_on_backward(out, call.states, module.layer_idx, call.start)
     return out.transpose(0, 1)[None], None
+
+
+def kept_attention(call: AttentionCall, layer: int, q: torch.Tensor, value_dim: int, window, sinks, *,
+                   sharded: bool) -> tuple[bool, tuple | None]:
+    """Exact mode's kept attention outputs (`state/kept_outputs.py`) for this call of layer
+    `layer` with queries q [H, T, D]: (keep, kept). keep: a capture chunk (no autograd)
+    whose output and LSE the walk can use (`flash.keeps_outputs`): ask for the LSE and put
+    both in the store. kept: in the prompt's walk, this chunk's (o, lse) from the store, or
+    None (the walk attends again)."""
+    store = call.states[-1].outputs
+    if store is None:
+        return False, None
+    keep = (call.phase is Phase.CAPTURE and not torch.is_grad_enabled()
+            and keeps_outputs(q, value_dim, window, sinks, sharded))
+    walk = call.phase is Phase.RECOMPUTE and len(call.states) == 1
+    return keep, (store.get(layer, call.start, q.shape[1]) if walk else None)
 
 
 def seed_reader(held, start: int, end: int, parts: int = 2, device=None, stager=None):

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from longstraw.errors import ModelStateError, UnsupportedModelError
+from longstraw.parallel.fsdp import manages_no_parameter
 from longstraw.state.branch import BranchState
 from longstraw.state.offload import settle
 from longstraw.state.prompt import PromptState
@@ -166,16 +167,18 @@ class Adapter:
         """Refuse what context parallelism cannot run exactly (override to add)."""
 
     def sharded_modules(self) -> list[nn.Module]:
-        """The model's modules wrapped with FSDP2 `fully_shard` (empty without FSDP2)."""
-        return [m for m in self.model.modules() if _is_fsdp_module(m)]
+        """The model's modules wrapped with FSDP2 `fully_shard` that manage parameters
+        (empty without FSDP2; not `parallel.sharding.shard_model`'s root, which manages none)."""
+        return [m for m in self.model.modules() if _is_fsdp_module(m) and not manages_no_parameter(m)]
 
     def check_runnable(self) -> None:
         """Refuse model states we cannot reproduce exactly; called before each step."""
-        if _is_fsdp_module(self.causal_lm):
+        if _is_fsdp_module(self.causal_lm) and not manages_no_parameter(self.causal_lm):
             raise UnsupportedModelError(
-                "the ...ForCausalLM itself is wrapped with FSDP2 fully_shard; LongStraw calls its decoder stack and "
-                "lm_head directly, so wrap the decoder layers only (fully_shard(layer) for each layer) and keep "
-                "the embeddings, final norm and lm_head replicated"
+                "the ...ForCausalLM itself is wrapped with FSDP2 fully_shard over its own parameters; LongStraw "
+                "calls its decoder stack and lm_head directly, so the root's hooks would never gather them. Use "
+                "longstraw.parallel.sharding.shard_model(model, mesh): the decoder layers sharded, the root over "
+                "no parameter (the embeddings, final norm and lm_head replicated)"
             )
         check_peft(self.model)  # an adapter may have been added or switched since construction
         if getattr(self.causal_lm, "is_activation_checkpointing", False):

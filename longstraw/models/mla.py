@@ -64,7 +64,7 @@ from longstraw.state.offload import restage_on_backward, staged_layers, stager_o
 from longstraw.state.prompt import HOST, IndexKeys, LatentKV, MLAState, PromptState
 from longstraw.tensors import KVSegment
 
-from .attention import seed_reader
+from .attention import kept_attention, seed_reader
 from .base import Adapter
 from .mla_decode import mla_decode, prompt_candidates
 from .peft_layers import check_affine, effective_affine
@@ -338,8 +338,14 @@ def _mla_chunk(module, spec, a: Absorbed, call, prev_indices):
                                   module.scaling)
     else:  # every query selects all it sees: dense (the indexer keys are still kept); a walk's self part divided
         segments = [layer.latent.segment(until=call.start) for layer in layers]
+        keep, kept = kept_attention(call, module.layer_idx, q_full, latent.shape[-1], None, None,
+                                    sharded=layers[-1].latent.shard is not None) if walk is None else (False, None)
         o_lat = prefix_causal_attention(q_full, k_new[None], latent[None], prefixes=segments, q_start=call.start,
-                                        scale=module.scaling, block_size=call.block_size, own_rows=own_rows)
+                                        scale=module.scaling, block_size=call.block_size, own_rows=own_rows,
+                                        return_lse=keep, kept=kept)
+        if keep:  # exact mode's kept attention outputs: the walk attends no more (`state/kept_outputs.py`)
+            o_lat, lse = o_lat
+            call.states[-1].outputs.put(module.layer_idx, call.start, o_lat, lse)
     if walk is not None:
         o_lat = walk.own_rows(o_lat)  # (H, t, R)
     out = _project_out(module, a, o_lat, call)

@@ -27,6 +27,11 @@ must see and must not do:
   prefetched them), so nothing more crosses.
 - Under context parallelism the recompute re-runs the layer's collectives inside
   backward: every rank backpropagates the same graph in the same order, so they meet.
+- Under FSDP2 (`parallel.sharding.shard_model`: layers resharded after forward) the
+  recompute calls the layer's own forward, not its hooks, and exact mode's walk can reach
+  it before FSDP2's pre-backward hook (the walk seeds each layer's own state rows): it
+  gathers the layer first (`parallel.fsdp.gather_for_recompute`); the layer's post-backward
+  hook reshards it as usual.
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ import dataclasses
 from torch.utils.checkpoint import checkpoint
 
 from longstraw.defaults import RECOMPUTE_GRAPH_SHARE, recompute_pays  # the rule, shared with the planner
+from longstraw.parallel.fsdp import gather_for_recompute
 
 from .routing import AttentionCall, forwards_replaced, routed
 
@@ -51,7 +57,9 @@ def recomputed_layers(adapter, call: AttentionCall):
     layers = list(adapter.backbone.layers)
     again = dataclasses.replace(call, recomputing=True)
 
-    def checkpointed(own):
+    def checkpointed(layer):
+        own = layer.forward
+
         def forward(*args, **kwargs):
             runs = []  # the first call is the forward itself (inside the run); any later one is a recompute
 
@@ -59,11 +67,12 @@ def recomputed_layers(adapter, call: AttentionCall):
                 runs.append(None)
                 if len(runs) == 1:
                     return own(*args, **kwargs)
+                gather_for_recompute(layer)  # FSDP2: backward may reach it before the layer's pre-backward hook
                 with adapter.routing(), routed(adapter.config, again):
                     return own(*args, **kwargs)
 
             return checkpoint(body, *args, use_reentrant=False, **kwargs)
         return forward
 
-    with forwards_replaced(layers, [checkpointed(layer.forward) for layer in layers]):
+    with forwards_replaced(layers, [checkpointed(layer) for layer in layers]):
         yield

@@ -44,6 +44,7 @@ from dataclasses import dataclass
 
 import torch
 
+from longstraw.heartbeat import beat
 from longstraw.parallel.chunks import Divided, DividedChunk
 from longstraw.phase import Phase
 from longstraw.state.branch import BranchState
@@ -194,4 +195,5 @@ def run_backbone(backbone, config, input_ids: torch.Tensor, call: AttentionCall)
             out = backbone(inputs_embeds=images.embed(backbone.get_input_embeddings(), ids, positions),
                            position_ids=images.rope_positions(positions), use_cache=False)
     hidden = out.last_hidden_state
+    beat()  # every layer ran (their FSDP2 all-gathers completed): progress for the launch watchdog
     return hidden[:, 0] if decode else hidden[0]

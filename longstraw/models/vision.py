@@ -240,6 +240,11 @@ def _check_token_types(tower: VisionTower, prompt: torch.Tensor, types: torch.Te
                                 "template's assistant header): the last prompt token starts every branch")
 
 
+def placeholder_ids(tower: VisionTower | None) -> tuple:
+    """The image and video placeholder ids `generate` never samples (none without a tower)."""
+    return () if tower is None else (tower.image_token_id, tower.video_token_id)
+
+
 def check_text_responses(tower: VisionTower | None, responses, what: str = "group.responses") -> None:
     """Refuse image or video placeholder tokens in responses: responses are text (an image
     mid-episode belongs in the next prompt)."""

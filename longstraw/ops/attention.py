@@ -23,12 +23,14 @@ Arithmetic is float32 for half/float32 inputs and float64 for float64 inputs.
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import torch
 
 from ..tensors import KVSegment, accumulation_dtype
 from . import flash
 from longstraw.parallel.collectives import GatherRows, MergeAcrossRanks, SumGradAcrossRanks
-from .flash import (FlashAttention, can_use_flash_autograd, empty_partial, fused_kernel, fused_takes, merge_partials,
+from .flash import (FlashAttention, KeptAttention, can_use_flash_autograd, empty_partial, fused_kernel, fused_takes, merge_partials,
                     merge_sink)
 
 
@@ -149,6 +151,60 @@ class PrefixAttention(torch.autograd.Function):
         return dq.to(q.dtype), dk, dv, None, None, None, None, None, None, None
 
 
+class KeptPrefixAttention(torch.autograd.Function):
+    """The blockwise kernel's twin of `flash.KeptAttention`: exact mode's walk with kept
+    attention outputs (`state/kept_outputs.py`) where the walk's attention is blockwise
+    (CUDA, sliding windows, torch without the fused CPU backward).
+
+    forward(rows [Hkv, M, D], k, v [Hkv, T, D] of the chunk, prefixes (unsharded
+    `KVSegment`s), q_pos [M], q_start, scale, window, block_size, kept = (o [H, T, Dv],
+    lse [H, T]) from capture) -> o [Hkv, M, Dv] in the accumulation dtype, without
+    attending. Backward: each part (the causal self part, every prefix segment) is
+    `PrefixAttention.backward` run with the GLOBAL o and lse (exp(s - lse) is already the
+    whole softmax's probability, so dS = P (dO v^T - rowsum(dO o)) per part, as in the
+    flash identity): dq summed over the parts, dk / dv of the chunk's own keys, and the
+    prefix's into the segments' sinks. Its naive twin: the blockwise walk that attends."""
+
+    @staticmethod
+    def forward(ctx, rows, k, v, prefixes, q_pos, q_start, scale, window, block_size, kept):
+        hkv, m, _ = rows.shape
+        acc = accumulation_dtype(rows.dtype)
+        out, lse = kept[0].reshape(hkv, m, -1).to(acc), kept[1].reshape(hkv, m).to(acc)
+        ctx.save_for_backward(rows, k, v, out, lse, q_pos)
+        ctx.prefixes, ctx.q_start, ctx.scale, ctx.window, ctx.block_size = prefixes, q_start, scale, window, block_size
+        return out.clone()
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_out):
+        rows, k, v, out, lse, q_pos = ctx.saved_tensors
+
+        def part(seg_k, seg_v, k_start, sink, causal):  # PrefixAttention's backward of one part
+            part_ctx = SimpleNamespace(saved_tensors=(rows, out, lse, q_pos), prefix=(seg_k, seg_v), sink=sink,
+                                       k_start=k_start, scale=ctx.scale, window=ctx.window,
+                                       block_size=ctx.block_size, causal=causal,
+                                       needs_input_grad=(True, causal, causal))
+            return PrefixAttention.backward(part_ctx, grad_out, None)[:3]
+
+        dq, dk, dv = part(k, v, ctx.q_start, None, True)
+        dq = dq.to(out.dtype)
+        for seg in ctx.prefixes:
+            dq += part(seg.k, seg.v, seg.key_start, seg.grad, False)[0].to(out.dtype)
+        return dq.to(rows.dtype), dk, dv, None, None, None, None, None, None, None
+
+
+def _kept_blockwise(rows, k, v, prefixes, q_pos, q_start: int, scale: float, window, block_size: int, kept,
+                    out_shape) -> torch.Tensor | None:
+    """The walk's attention from kept outputs through the blockwise kernel
+    (`KeptPrefixAttention`) -> [H, T, Dv] in the queries' dtype; None where it does not
+    apply (no autograd, or a context-parallel shard among the prefixes)."""
+    if not torch.is_grad_enabled() or any(seg.cp is not None for seg in prefixes):
+        return None
+    used = [seg for seg in prefixes if seg.k.shape[1] > 0]
+    out = KeptPrefixAttention.apply(rows, k, v, used, q_pos, q_start, scale, window, block_size, kept)
+    return out.reshape(out_shape).to(rows.dtype)
+
+
 
 
 def can_use_fused(q, k, v, prefixes: list[KVSegment], window) -> bool:
@@ -199,9 +255,20 @@ def _own_self_part(rows, k, v, q_start: int, own_rows, attend):
     return full[..., :-1], full[..., -1]
 
 
+def _fused_autograd(q, k, v, prefixes, q_start: int, scale: float, own_rows, kept):
+    """The fused kernel with autograd: `FlashAttention` -> [Hkv, g*T, Dv], or, with the walk's
+    kept (o, lse), `KeptAttention` (no forward, the same backward)."""
+    # a shard joins whenever any rank may hold rows before the queries (even if this one holds none)
+    used = [s for s in prefixes if (s.k.shape[1] > 0 if s.cp is None else q_start > s.start)]
+    if kept is not None and own_rows is None:  # the walk: capture's output, no attention again
+        return KeptAttention.apply(q, k, v, used, scale, flash.BACKWARD_BLOCK, kept)
+    return FlashAttention.apply(q, k, v, used, scale, flash.BACKWARD_BLOCK, own_rows)
+
+
 def prefix_causal_attention(q, k, v, *, prefixes: list[KVSegment], q_start: int, scale: float,
                             window: int | None = None, block_size: int = 1024, allow_fused: bool = True,
-                            own_rows=None, sinks: torch.Tensor | None = None, return_lse: bool = False):
+                            own_rows=None, sinks: torch.Tensor | None = None, return_lse: bool = False,
+                            kept: tuple | None = None):
     """Attention of T new tokens over earlier state segments plus themselves.
 
     Args:
@@ -211,11 +278,9 @@ def prefix_causal_attention(q, k, v, *, prefixes: list[KVSegment], q_start: int,
             replayed in pieces, also the earlier pieces). Empty segments are skipped.
             A segment with `cp` set holds only this rank's rows of a context-parallel
             shard: its partial attention is merged across ranks (`longstraw/parallel/collectives.py`).
-        scale: softmax scale. window: sliding window W or None.
-        block_size: prefix positions per block.
-        allow_fused: without autograd, use torch's fused flash kernel where one fits
-            (`fused_kernel`: CPU, or CUDA in half precision); False forces the
-            blockwise torch path.
+        scale: softmax scale. window: sliding window W or None. block_size: positions per block.
+        allow_fused: use torch's fused flash kernel where one fits (`fused_kernel`: CPU,
+            or CUDA in half precision); False forces the blockwise torch path.
         own_rows: context parallelism's divided walk, (index, cp) with index[s] the rows
             (LongTensor, increasing) of the T queries that rank s owns: this rank runs the
             causal self part for its own rows only and the ranks' partials are gathered,
@@ -225,6 +290,7 @@ def prefix_causal_attention(q, k, v, *, prefixes: list[KVSegment], q_start: int,
         sinks: [H] sink logits (gpt-oss; no value), merged once into the whole LSE
             (`flash.merge_sink`), with their gradient; the blockwise kernel runs then.
         return_lse: also return the LSE [H, T] (before any sink; accumulation dtype).
+        kept: the walk's (o [H, T, Dv], lse [H, T]) from capture: no forward (`KeptAttention`s).
 
     Returns:
         [H, T, Dv] attention output, in q's dtype (and the LSE with `return_lse`).
@@ -238,14 +304,14 @@ def prefix_causal_attention(q, k, v, *, prefixes: list[KVSegment], q_start: int,
     g = h // hkv
     needs_lse = sinks is not None or return_lse  # the fused autograd kernel returns no LSE
     if not needs_lse and allow_fused and torch.is_grad_enabled() and can_use_flash_autograd(q, k, v, prefixes, window):
-        # a shard joins whenever any rank may hold rows before the queries (even if this one holds none)
-        used = [s for s in prefixes if (s.k.shape[1] > 0 if s.cp is None else q_start > s.start)]
-        out = FlashAttention.apply(q, k, v, used, scale, flash.BACKWARD_BLOCK, own_rows)
-        return out.to(q.dtype).reshape(h, t, -1)
+        return _fused_autograd(q, k, v, prefixes, q_start, scale, own_rows, kept).to(q.dtype).reshape(h, t, -1)
     fused = allow_fused and own_rows is None and can_use_fused(q, k, v, prefixes, window)
     rows = q.reshape(hkv, g * t, d)  # (Hkv, M, D): head j*g+i -> kv head j
     k_pos = torch.arange(q_start, q_start + t, device=q.device)
     q_pos = k_pos.repeat(g)  # (M,)
+    if kept is not None and sinks is None and own_rows is None and not fused and (out := _kept_blockwise(
+            rows, k, v, prefixes, q_pos, q_start, scale, window, block_size, kept, (h, t, -1))) is not None:
+        return out
 
     def attend(rows_in, seg_k, seg_v, seg_start, grad, causal, q_pos=q_pos):
         if fused and seg_k.shape[1] == 0:  # an empty shard on this rank: contributes nothing

@@ -313,3 +313,41 @@ class FlashAttention(torch.autograd.Function):
             if seg.cp is not None:
                 dq += all_reduce_sum(part, seg.cp)
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None
+
+
+def keeps_outputs(q: torch.Tensor, value_dim: int, window: int | None, sinks, sharded: bool) -> bool:
+    """Whether a capture chunk's attention output and LSE can stand in for the reverse
+    walk's attention forward (`ExecConfig.keep_attention_outputs`), whose backward needs
+    only (q, k, v, o, lse): no sinks, and the walk's attention of these queries is either
+    `FlashAttention` (a fused forward and backward for q's device and dtype, no sliding
+    window: `KeptAttention`) or the blockwise kernel over an unsharded state
+    (`attention.KeptPrefixAttention`: sliding windows, CUDA)."""
+    if sinks is not None:
+        return False
+    fused = fused_takes(q, value_dim, window) and fused_backward_kernel(q.device.type, q.dtype) is not None
+    return fused or not sharded
+
+
+class KeptAttention(FlashAttention):
+    """`FlashAttention` whose forward is already done: exact mode's reverse walk with
+    kept attention outputs (`state/kept_outputs.py`).
+
+    forward(q [H, T, D], k [Hkv, T, D], v [Hkv, T, D], prefixes, scale, backward_block,
+    kept = (o [H, T, Dv], lse [H, T]) from capture) -> o [Hkv, M, Dv] (row layout, as
+    `FlashAttention`): no attention is computed, the kept output is returned (a copy) and
+    saved with q, k, v. The backward is `FlashAttention.backward` unchanged: the flash
+    backward of the self part and of each prefix segment with the global o and lse, dk /
+    dv of the prefix into the segments' sinks. Its naive twin is `FlashAttention` itself
+    (the walk that attends again)."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, prefixes, scale, backward_block, kept):
+        out, lse = kept
+        h, t, d = q.shape
+        hkv = k.shape[0]
+        assert out.shape[:2] == (h, t) and lse.shape == (h, t), (out.shape, lse.shape, q.shape)
+        out = out.reshape(hkv, (h // hkv) * t, -1).to(accumulation_dtype(q.dtype))  # a copy unless fp32/fp64
+        lse = lse.reshape(hkv, (h // hkv) * t)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.prefixes, ctx.scale, ctx.backward_block, ctx.own = prefixes, scale, backward_block, None
+        return out.clone()

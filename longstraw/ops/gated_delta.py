@@ -40,6 +40,7 @@ import torch.nn.functional as F
 
 from longstraw.ops import kernels
 from longstraw.ops.attention import accumulation_dtype
+from longstraw.ops.registered import register_chunk_op
 
 L2NORM_EPS = 1e-6
 
@@ -113,17 +114,28 @@ def chunk_gated_delta_rule(q, k, v, g, beta, initial_state=None, *, chunk_size: 
         return kernels.gdn_chunk(kernel, q, k, v, g, beta, initial_state, use_qk_l2norm)
 
     t, hv, dv = v.shape
-    dk = q.shape[2]
-    acc = torch.float64 if torch.float64 in (q.dtype, k.dtype, v.dtype) else accumulation_dtype(v.dtype)
+    acc = _acc(q, k, v)
     if initial_state is None:
-        state = torch.zeros(hv, dk, dv, dtype=acc, device=v.device)
-    else:
-        state = initial_state.to(acc)
+        initial_state = torch.zeros(hv, q.shape[2], dv, dtype=acc, device=v.device)
     if t == 0:
-        return v.new_zeros(0, hv, dv), state
+        return v.new_zeros(0, hv, dv), initial_state.to(acc)
+    return GDN_CHUNK_OP([q, k, v, g, beta, initial_state], chunk_size, use_qk_l2norm)
+
+
+def _acc(q, k, v) -> torch.dtype:
+    return torch.float64 if torch.float64 in (q.dtype, k.dtype, v.dtype) else accumulation_dtype(v.dtype)
+
+
+def _torch_chunk(q, k, v, g, beta, initial_state, *, chunk_size: int, flag: bool):
+    """The torch path of `chunk_gated_delta_rule` (T >= 1, a given initial state; `flag`:
+    use_qk_l2norm): the implementation of the registered op `longstraw::gdn_chunk`."""
+    t, hv, dv = v.shape
+    dk = q.shape[2]
+    acc = _acc(q, k, v)
+    state = initial_state.to(acc)
 
     q, k = q.to(acc), k.to(acc)
-    if use_qk_l2norm:
+    if flag:
         q, k = l2_normalize(q), l2_normalize(k)
     q = q * dk ** -0.5
     q, k = expand_kv_heads(q, hv), expand_kv_heads(k, hv)  # (T, Hv, Dk)
@@ -158,6 +170,15 @@ def chunk_gated_delta_rule(q, k, v, g, beta, initial_state=None, *, chunk_size: 
 
     out = torch.cat(outs, dim=1)[:, :t].movedim(1, 0)  # (T, Hv, Dv)
     return out.to(v.dtype), state
+
+
+def _fake_chunk(q, k, v, g, beta, initial_state, *, chunk_size: int, flag: bool):
+    """`longstraw::gdn_chunk`'s fake: out [T, Hv, Dv] in v's dtype, state [Hv, Dk, Dv] in acc."""
+    t, hv, dv = v.shape
+    return v.new_empty(t, hv, dv), v.new_empty(hv, q.shape[2], dv, dtype=_acc(q, k, v))
+
+
+GDN_CHUNK_OP = register_chunk_op("gdn_chunk", _torch_chunk, _fake_chunk)
 
 
 def gated_delta_step(q, k, v, g, beta, state, *, use_qk_l2norm: bool = True, allow_kernel: bool = True):

@@ -35,6 +35,7 @@ from longstraw.tensors import accumulation_dtype
 
 from . import kernels
 from .gated_delta import l2_normalize, to_chunks
+from .registered import register_chunk_op
 
 KDA_MAX_KERNEL_DK = 256  # fla's chunk_kda takes key head dims up to 256
 
@@ -82,12 +83,24 @@ def chunk_kda(q, k, v, g, beta, initial_state=None, *, chunk_size: int = 64, use
     if kernel is not None and q.shape[0]:
         return kernels.kda_chunk(kernel, q, k, v, g, beta, initial_state, use_qk_l2norm)
     t, h, dv = v.shape
-    dk = q.shape[2]
-    acc = torch.float64 if torch.float64 in (q.dtype, v.dtype) else accumulation_dtype(v.dtype)
-    state = v.new_zeros(h, dk, dv, dtype=acc) if initial_state is None else initial_state.to(acc)
+    acc = _acc(q, v)
+    state = v.new_zeros(h, q.shape[2], dv, dtype=acc) if initial_state is None else initial_state
     if t == 0:
-        return v.new_zeros(0, h, dv), state
-    q, k = _prepare(q, k, acc, use_qk_l2norm)
+        return v.new_zeros(0, h, dv), state.to(acc)
+    return KDA_CHUNK_OP([q, k, v, g, beta, state], chunk_size, use_qk_l2norm)
+
+
+def _acc(q, v) -> torch.dtype:
+    return torch.float64 if torch.float64 in (q.dtype, v.dtype) else accumulation_dtype(v.dtype)
+
+
+def _torch_chunk(q, k, v, g, beta, initial_state, *, chunk_size: int, flag: bool):
+    """The torch path of `chunk_kda` (T >= 1, a given initial state; `flag`: use_qk_l2norm):
+    the implementation of the registered op `longstraw::kda_chunk`."""
+    t, h, dv = v.shape
+    acc = _acc(q, v)
+    state = initial_state.to(acc)
+    q, k = _prepare(q, k, acc, flag)
     c = chunk_size
     n = -(-t // c)
     qc, kc, vc, gc = (to_chunks(x.to(acc), n, c) for x in (q, k, v, g))  # (H, K, C, D)
@@ -112,6 +125,15 @@ def chunk_kda(q, k, v, g, beta, initial_state=None, *, chunk_size: int = 64, use
         state = state * chunk_decay[:, i] + k_write[:, i].transpose(-1, -2) @ u  # (H, Dk, Dv)
     out = torch.cat(outs, dim=1)[:, :t].movedim(1, 0)  # (T, H, Dv)
     return out.to(v.dtype), state
+
+
+def _fake_chunk(q, k, v, g, beta, initial_state, *, chunk_size: int, flag: bool):
+    """`longstraw::kda_chunk`'s fake: out [T, H, Dv] in v's dtype, state [H, Dk, Dv] in acc."""
+    t, h, dv = v.shape
+    return v.new_empty(t, h, dv), v.new_empty(h, q.shape[2], dv, dtype=_acc(q, v))
+
+
+KDA_CHUNK_OP = register_chunk_op("kda_chunk", _torch_chunk, _fake_chunk)
 
 
 def kda_step(q, k, v, g, beta, state, *, use_qk_l2norm: bool = True, allow_kernel: bool = True):

@@ -38,6 +38,7 @@ from longstraw.tensors import accumulation_dtype
 from . import kernels
 from .kernels import heads_of_groups
 from .gated_delta import to_chunks
+from .registered import register_chunk_op
 
 
 def _acc(*xs) -> torch.dtype:
@@ -88,6 +89,15 @@ def chunk_ssd_scan(x, dt, a, b, c, initial_state=None, *, chunk_size: int = 64, 
         return x.new_zeros(0, h, p, dtype=acc), state
     if allow_kernel and (out := kernels.ssd_chunk(x, dt, a, b, c, initial_state, chunk_size)) is not None:
         return out
+    return SSD_CHUNK_OP([x, dt, a, b, c, state], chunk_size, False)
+
+
+def _torch_chunk(x, dt, a, b, c, initial_state, *, chunk_size: int, flag: bool):
+    """The torch path of `chunk_ssd_scan` (T >= 1, a given initial state; `flag` unused):
+    the implementation of the registered op `longstraw::ssd_chunk`."""
+    t, h, p = x.shape
+    acc = _acc(x, dt, b, initial_state)
+    state = initial_state.to(acc)
     dt = dt.to(acc)
     xs = x.to(acc) * dt[..., None]  # (T, H, P) dt_j x_j
     log_decay = dt * a.to(acc)  # (T, H)
@@ -110,6 +120,16 @@ def chunk_ssd_scan(x, dt, a, b, c, initial_state=None, *, chunk_size: int = 64, 
         state = state * chunk_decay[:, i] + written[:, i]  # (H, P, N)
     y = torch.cat(outs, dim=1)[:, :t].movedim(1, 0)  # (T, H, P)
     return y, state
+
+
+def _fake_chunk(x, dt, a, b, c, initial_state, *, chunk_size: int, flag: bool):
+    """`longstraw::ssd_chunk`'s fake: y [T, H, P] and state [H, P, N], both in acc."""
+    t, h, p = x.shape
+    acc = _acc(x, dt, b, initial_state)
+    return x.new_empty(t, h, p, dtype=acc), x.new_empty(h, p, b.shape[2], dtype=acc)
+
+
+SSD_CHUNK_OP = register_chunk_op("ssd_chunk", _torch_chunk, _fake_chunk)
 
 
 def ssd_step(x, dt, a, b, c, state):

@@ -10,7 +10,9 @@ Modules:
     attention.py    the divided capture's attention, MLA and DSA ops over every rank's shard
     divided.py      the divided capture driver and the divided reverse walk's chunks
     gradients.py    partial gradients summed over ranks; replicated gradients made the first rank's
-    fsdp.py         FSDP2's reduce-scatter set to sum a divided walk's partials (its private internals)
+    fsdp.py         FSDP2's reduce-scatter set to sum a divided walk's partials, a layer gathered
+                    when backward reads its weights early (its private internals)
+    sharding.py     `shard_model`: the one FSDP2 wrapping (layers resharded after forward, a root)
     experts.py      expert parallelism: each rank its slice of the MoE experts, the combines
                     (replicated tokens: all-reduce; divided: all-gather + reduce-scatter)
 

@@ -17,12 +17,15 @@ import torch
 import torch.distributed as dist
 
 from longstraw.errors import DistributedError
+from longstraw.heartbeat import beat
 from longstraw.tensors import nbytes
 
 
 def _collective(fn, cp, *args, **kwargs):
     try:
-        return fn(*args, group=cp.group, **kwargs)
+        out = fn(*args, group=cp.group, **kwargs)
+        beat()  # progress for the launch watchdog (`longstraw.heartbeat`)
+        return out
     except (RuntimeError, ValueError) as exc:  # gloo/NCCL errors, a dead peer's timeout included
         backend = getattr(cp, "backend", "?")
         raise DistributedError(

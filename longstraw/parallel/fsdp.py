@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 
+import torch
 import torch.distributed as dist
 
 from longstraw.errors import DistributedError
@@ -39,6 +40,86 @@ def _fsdp_groups(module):
     if groups is None or not all(hasattr(g, k) for g in groups for k in knobs):
         return None
     return groups
+
+
+def manages_no_parameter(module) -> bool:
+    """Whether `module` is an FSDP2 unit with no parameter group of its own (the root of
+    `parallel.sharding.shard_model`, over replicated embeddings, norm and lm_head)."""
+    state = getattr(module, "_get_fsdp_state", lambda: None)()
+    return state is not None and not getattr(state, "_fsdp_param_groups", [None])
+
+
+def initialize_root(root) -> None:
+    """FSDP2's lazy initialization of `root` (an FSDP2 unit), as its first forward would
+    run it: the units below become non-roots sharing its state (so they reshard after
+    forward and share one post-backward callback). LongStraw never runs the root's
+    forward, so without this the first layer to run would make itself a root."""
+    state = root._get_fsdp_state()
+    if getattr(state, "_is_root", None) is None:
+        state._lazy_init()
+
+
+def _storage_key(tensor) -> int | None:
+    """The tensor's StorageImpl (FSDP2 frees and refills a parameter's in place); None for
+    a tensor without one (a subclass, sparse)."""
+    try:
+        return tensor.untyped_storage()._cdata
+    except (RuntimeError, NotImplementedError, AttributeError, TypeError):
+        return None
+
+
+class _Gathered:
+    """A saved tensor that is (a view of) an FSDP2 unsharded parameter, and its module."""
+
+    __slots__ = ("tensor", "module")
+
+    def __init__(self, tensor, module):
+        self.tensor, self.module = tensor, module
+
+
+@contextlib.contextmanager
+def gathered_when_read(modules):
+    """Within the block (a forward with autograd), every tensor autograd saves that is
+    (a view of) an unsharded FSDP2 parameter of `modules` is marked, and backward gathers
+    that module's weights (`FSDPModule.unshard`, a no-op when they are gathered) before it
+    reads one. FSDP2 reshards a layer after its forward and gathers it again in its
+    pre-backward hook, which fires when the gradient reaches the layer's output; exact
+    mode's reverse walk seeds each layer's own state rows, so backward can enter a layer
+    (the last one: only so) before that hook fires, and would read freed weights. The
+    layer's post-backward hook (at its inputs) reshards it as usual. A no-op without
+    FSDP2 modules."""
+    owners = {}
+    for module in modules:
+        for group in _fsdp_groups(module) or ():
+            for param in getattr(group, "fsdp_params", ()):
+                full = getattr(param, "_unsharded_param", None)
+                if full is not None:
+                    owners[_storage_key(full)] = module
+    if not owners:
+        yield
+        return
+
+    def pack(tensor):
+        module = owners.get(_storage_key(tensor)) if isinstance(tensor, torch.Tensor) else None
+        return tensor if module is None else _Gathered(tensor, module)
+
+    def unpack(saved):
+        if isinstance(saved, _Gathered):
+            saved.module.unshard()
+            return saved.tensor
+        return saved
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+        yield
+
+
+def gather_for_recompute(module) -> None:
+    """Gather an FSDP2 module's weights before a layer-wise recompute runs its forward
+    inside backward (`models/recompute.py`): the recompute calls the layer's own forward,
+    not its hooks, and backward can reach it before FSDP2's pre-backward hook (see
+    `gathered_when_read`). A no-op for other modules or gathered ones."""
+    if _fsdp_groups(module):
+        module.unshard()
 
 
 def fsdp_sharded_parameters(model) -> dict:

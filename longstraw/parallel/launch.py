@@ -22,8 +22,11 @@ Timeouts. A collective waits at most `collective_timeout()` (LONGSTRAW_COLLECTIV
 seconds, default 600), not the process group's 30 minutes: it is passed to
 `init_process_group` and to every `new_group` of `parallel.mesh`, so gloo raises in the
 waiting rank. `phase(name)` turns that error into a `DistributedError` naming this rank,
-the phase and the timeout, and arms a watchdog thread: a phase that runs past twice the
-timeout (a collective that never returns, a stuck kernel) prints the same message and
+the phase and the timeout, and arms a watchdog thread that watches progress, not the
+phase's length: a phase may run as long as it needs while its collectives complete
+(`longstraw.heartbeat`: every LongStraw collective, every run of the decoder stack, every
+item of the engine's loops beats); when no beat came for twice the timeout (a collective
+that never returns, a stuck kernel) it prints the rank, the phase and the silence, and
 ends the process (exit code 70), so torchrun sees a failure instead of a hang.
 """
 
@@ -42,6 +45,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 from longstraw.errors import DistributedError, LongStrawError
+from longstraw.heartbeat import last_beat
 
 DEFAULT_COLLECTIVE_TIMEOUT_S = 600.0
 """Seconds a collective may wait for its peers (LONGSTRAW_COLLECTIVE_TIMEOUT overrides)."""
@@ -122,17 +126,16 @@ def device_mesh(device_type: str, shape: tuple[int, ...], names: tuple[str, ...]
 
 class _Watchdog:
     """One daemon thread per process: it checks the open phase twice a second and ends
-    the process when that phase has run past its deadline."""
+    the process when that phase made no progress (`longstraw.heartbeat`) for `limit_s`."""
 
     def __init__(self):
         self.lock = threading.Lock()
-        self.current: tuple[str, float, float] | None = None  # (phase, start, deadline)
+        self.current: tuple[str, float, float] | None = None  # (phase, start, limit_s)
         self.thread: threading.Thread | None = None
 
     def arm(self, name: str, limit_s: float) -> None:
         with self.lock:
-            now = time.monotonic()
-            self.current = (name, now, now + limit_s)
+            self.current = (name, time.monotonic(), limit_s)
             if self.thread is None:
                 self.thread = threading.Thread(target=self._watch, name="longstraw-watchdog", daemon=True)
                 self.thread.start()
@@ -141,16 +144,27 @@ class _Watchdog:
         with self.lock:
             self.current = None
 
+    def silent_for(self) -> tuple[str, float, float] | None:
+        """(phase, seconds since its last progress, seconds it has run) when the open
+        phase is past its limit without progress; else None."""
+        with self.lock:
+            current = self.current
+        if current is None:
+            return None
+        name, start, limit_s = current
+        now = time.monotonic()
+        silent = now - max(start, last_beat())
+        return (name, silent, now - start) if silent > limit_s else None
+
     def _watch(self) -> None:
         while True:
             time.sleep(0.5)
-            with self.lock:
-                current = self.current
-            if current is not None and time.monotonic() > current[2]:
-                name, start, _ = current
-                print(f"longstraw watchdog: rank {_rank()} stuck in phase {name!r} for "
-                      f"{time.monotonic() - start:.1f} s (past 2x LONGSTRAW_COLLECTIVE_TIMEOUT="
-                      f"{collective_timeout().total_seconds():g} s); ending the process", file=sys.stderr, flush=True)
+            stuck = self.silent_for()
+            if stuck is not None:
+                name, silent, ran = stuck
+                print(f"longstraw watchdog: rank {_rank()} stuck in phase {name!r}: no progress for {silent:.1f} s "
+                      f"(past 2x LONGSTRAW_COLLECTIVE_TIMEOUT={collective_timeout().total_seconds():g} s; the phase "
+                      f"ran {ran:.1f} s); ending the process", file=sys.stderr, flush=True)
                 os._exit(WATCHDOG_EXIT_CODE)
 
 
@@ -180,8 +194,9 @@ def phase(name: str):
     """Run a phase of a step (rollouts, update, gradient reduce, checkpoint): a collective
     error inside it (a peer that died or stopped past the timeout) is raised as a
     `DistributedError` naming this rank, the phase and the timeout; and the watchdog ends
-    the process if the phase outlives twice the timeout. Phases do not nest (the inner
-    one replaces the outer one's deadline until it ends). With LONGSTRAW_PHASE_FILE set,
+    the process if the phase makes no progress (`longstraw.heartbeat`) for twice the
+    timeout. It may run as long as it needs while it makes progress. Phases do not nest
+    (the inner one replaces the outer one's watch until it ends). With LONGSTRAW_PHASE_FILE set,
     the phase's name is written to `<that path>.rank<R>` as it starts (for benchmarks)."""
     timeout = collective_timeout().total_seconds()
     start = time.monotonic()
@@ -233,5 +248,23 @@ def inject_signal(step: int, rank: int, point: str = "step") -> None:
             os.kill(os.getpid(), sig)
 
 
+@contextlib.contextmanager
+def inject_delay(modules, step: int, rank: int):
+    """Test hook, on the first attempt only: within the block, with LONGSTRAW_FAULT
+    "slow@R:S", rank R's step S sleeps LONGSTRAW_FAULT_SLOW_S seconds (default 0.1) before
+    each forward of each of `modules` (the decoder layers): a long step that keeps making
+    progress (`longstraw.heartbeat`), for the watchdog's test."""
+    if restart_count() > 0 or (rank, step) not in faults("slow"):
+        yield
+        return
+    seconds = float(os.environ.get("LONGSTRAW_FAULT_SLOW_S", "0.1"))
+    handles = [m.register_forward_pre_hook(lambda *_: time.sleep(seconds)) for m in modules]
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+
+
 __all__ = ["DEFAULT_COLLECTIVE_TIMEOUT_S", "WATCHDOG_EXIT_CODE", "collective_timeout", "device_mesh", "faults", "init_distributed",
-           "inject_signal", "phase", "restart_count"]
+           "inject_delay", "inject_signal", "phase", "restart_count"]

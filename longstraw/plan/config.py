@@ -149,6 +149,14 @@ class PlanConfig:
     kept instead of recomputed. The planner keeps as many of the last chunks as fit at its
     estimate of one chunk's graph; they are alive from capture to the reverse walk."""
 
+    keep_attention_outputs: bool = defaults.KEEP_ATTENTION_OUTPUTS
+    """Exact mode (`ExecConfig.keep_attention_outputs`): capture keeps every attention
+    layer's output and LSE per prompt position (H * (Dv * b + acc) bytes per position and
+    layer, on the device, from capture until the walk passes each chunk), so the walk's
+    recomputed forward skips attention over the prompt (its backward runs from them). The
+    engine applies it on a replicated walk (not to MLA / DSA layers or attention sinks);
+    `fit_config` offers it on CPU only (not yet measured on a GPU), `--fit` never."""
+
     divide_capture: bool = defaults.DIVIDE_CAPTURE
     """Under context parallelism (W > 1), capture computes each prompt token on one rank
     (`ExecConfig.divide_capture`; every family, but not with kept graphs or an offloaded
@@ -256,6 +264,9 @@ class PlanConfig:
         self.gpu_memory = parse_bytes(self.gpu_memory)
         self.reserve = parse_bytes(self.reserve)
         self.keep_graph_bytes = parse_bytes(self.keep_graph_bytes)
+        if self.offload_state and self.keep_attention_outputs:
+            raise ConfigError("PlanConfig.offload_state with keep_attention_outputs: the engine refuses kept attention "
+                              "outputs with an offloaded state; drop one of the two")
         if self.offload_state and self.keep_graph_bytes:
             raise ConfigError("PlanConfig.offload_state with keep_graph_bytes: the engine refuses kept capture "
                               "graphs with an offloaded state (ExecConfig); drop one of them")

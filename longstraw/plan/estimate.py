@@ -54,7 +54,8 @@ def estimate(model, config: PlanConfig) -> dict:
     peak = plan_peak(s, state, weights, replay, capture, walk, offload, score, vision)
     timing = plan_time(s, divided=capture.divided, divided_walk=walk.divided, walk_chunk=walk.chunk,
                        held=replay.held, chunks=walk.chunks, kept_chunks=walk.kept_chunks, offload=offload.figures,
-                       recompute=replay.recompute, walk_recompute=walk.recompute)
+                       recompute=replay.recompute, walk_recompute=walk.recompute,
+                       kept_outputs=bool(walk.kept_outputs))
     if config.tree:  # each shared segment once, plus a forward per segment with children
         timing = tree_timing(s, timing)
     thr = timing.throughput

@@ -8,7 +8,8 @@ The space (each option the caller did not pin):
     parameter sharding (FSDP2), a replicated capture (`divide_capture=False`: chunked,
     where a divided capture holds a rank's share of each layer at once);
   * sizes: replay pieces (`branch_chunk_size`) and the capture chunk (`chunk_size`);
-  * exact mode's `keep_graph_bytes`, which spends spare memory to save recompute time;
+  * exact mode's `keep_attention_outputs` and `keep_graph_bytes`, which spend spare memory
+    to save the walk's attention forward and its whole recomputed forward;
   * `mode`, only when it is free (detached is always the faster).
 
 How (a few dozen `estimate` calls, not the product of every option): every combination of
@@ -18,7 +19,7 @@ peak falls with the pieces, but not with the chunk, since exact mode's recurrent
 grow as P / chunk); a combination none of whose leanest settings fits is dropped. The rest are taken fastest first; each is
 scanned from the largest pieces and chunk down to the first that fits, and the scan
 stops when the next combination's lower bound is no faster than the best fit found.
-Exact mode then tries to keep capture graphs in the memory left over.
+Exact mode then tries to keep attention outputs, and capture graphs in the memory left over.
 
 "Fastest" is the planner's `estimated_time_s` (compute + communication by the overlap
 rule of `comm.py`). Nothing fits: `NoFit` names the binding term (the leanest plan's peak
@@ -29,6 +30,7 @@ GPU preset with more memory.
 from __future__ import annotations
 
 import itertools
+import math
 from dataclasses import dataclass, field, replace
 
 from .arch import human_bytes, parse_bytes
@@ -38,7 +40,7 @@ from .estimate import estimate
 from .gpus import load_gpus
 
 SEARCHED = ("mode", "branch_chunk_size", "chunk_size", "recompute_layers", "offload_state", "offload_snapshots",
-            "expert_parallel", "shard_params", "keep_graph_bytes", "divide_capture")
+            "expert_parallel", "shard_params", "keep_graph_bytes", "keep_attention_outputs", "divide_capture")
 """The PlanConfig fields the search may set."""
 
 PIECES = (8192, 4096, 2048, 1024, 512, 256)
@@ -65,12 +67,28 @@ class Fit:
 
 @dataclass
 class NoFit:
-    """Nothing fits: the binding term and the smallest changes that would fit."""
+    """Nothing fits: the binding term and the smallest changes that would fit.
+
+    Fields:
+        binding: the leanest plan's peak phase and its largest term, as text.
+        suggestions: the changes that fit, as `longstraw plan` flags.
+        leanest: the leanest plan's `estimate` (the smallest peak the search can reach).
+        evaluated: plans estimated.
+        changes: the same changes as PlanConfig fields, one dict each ({"gpus": 4,
+            "shard_params": True}, {"prompt_tokens": 524288}, {"gpu": "h200"}), for callers
+            that say them in their own terms (`ls.fit_config`: ExecConfig fields).
+        leanest_config: the PlanConfig of `leanest`.
+        smallest_memory: the least `gpu_memory` (bytes, the reserve included) at which
+            the search fits, every pinned field kept.
+    """
 
     binding: str
     suggestions: list
     leanest: dict
     evaluated: int = 0
+    changes: list = field(default_factory=list)
+    leanest_config: PlanConfig | None = None
+    smallest_memory: int = 0
 
 
 def _budget(c: PlanConfig) -> int:
@@ -156,15 +174,41 @@ def search(model, base: PlanConfig, pinned=()) -> Fit | NoFit:
     if best is None:
         return _no_fit(model, base, pinned, plan, pieces, chunks)
     _, c, r = best
+    if c.mode == "exact" and not c.offload_state and "keep_attention_outputs" not in pinned:
+        outputs = replace(c, keep_attention_outputs=True)  # the walk without a second attention over the prompt
+        ro = plan(outputs)
+        if _fits(ro, budget) and ro["estimated_time_s"] < r["estimated_time_s"]:
+            c, r = outputs, ro
     if c.mode == "exact" and not c.offload_state and "keep_graph_bytes" not in pinned:
         spare = budget - r["peak_bytes_per_rank"]
         for share in (1.0, 0.5, 0.25):  # kept capture graphs in the memory left over
             kept = replace(c, keep_graph_bytes=int(spare * share) + c.keep_graph_bytes)
             rk = plan(kept)
             if _fits(rk, budget) and rk["estimated_time_s"] < r["estimated_time_s"]:
-                c, r = kept, rk
+                c, r = _with_slack(plan, kept, rk), rk
                 break
     return Fit(config=c, report=r, options=_option_costs(base, c, r, plan, pinned), evaluated=len(plan.memo))
+
+
+GRAPH_SLACK = 0.05
+"""A fit that keeps capture graphs sets `keep_graph_bytes` this share above the planned
+graphs' bytes where that plans the same kept chunks and peak: the engine keeps what fits
+its own measurement of a chunk's graph (chunk 0's saved tensors), which ran above the
+planner's figure (tiny qwen3, fp32, P = 8,192, chunk 4,096: over 370 MB measured, 365 MB
+planned), and a budget of exactly the planned bytes then kept one chunk fewer than planned
+(`bench/results/exact_outputs_fit_pg_dense_loaded.csv`). The runtime reserve covers the slack."""
+
+
+def _with_slack(plan, cfg: PlanConfig, r: dict) -> PlanConfig:
+    """`cfg` with `keep_graph_bytes` raised to (1 + GRAPH_SLACK) x its planned kept graphs,
+    where that plans the same kept chunks and the same peak; else `cfg`."""
+    n = r["kept_graph_chunks"]
+    if not n:
+        return cfg
+    slack = replace(cfg, keep_graph_bytes=max(cfg.keep_graph_bytes, int(r["kept_graph_bytes"] * (1 + GRAPH_SLACK))))
+    rs = plan(slack)
+    same = rs["kept_graph_chunks"] == n and rs["peak_bytes_per_rank"] == r["peak_bytes_per_rank"]
+    return slack if same else cfg
 
 
 def _leanest(plan, cfg: PlanConfig, pieces, chunks) -> tuple[PlanConfig, dict]:
@@ -221,7 +265,7 @@ def _no_fit(model, base: PlanConfig, pinned: set, plan, pieces, chunks) -> NoFit
         if not lean_combo or r["peak_bytes_per_rank"] < lean_combo["r"]["peak_bytes_per_rank"]:
             lean_combo = {"c": c, "r": r}
     lean, r = lean_combo["c"], lean_combo["r"]
-    budget, suggestions = _budget(base), []
+    budget, suggestions, changes = _budget(base), [], []
     w = base.gpus * 2
     spread = {k: True for k in ("shard_params",) if k not in pinned}  # more GPUs: weights shard over them too
     if "expert_parallel" not in pinned and _is_moe(model, base):
@@ -230,6 +274,7 @@ def _no_fit(model, base: PlanConfig, pinned: set, plan, pieces, chunks) -> NoFit
         try:
             if _fits(plan(replace(lean, gpus=w, **spread)), budget):
                 suggestions.append(f"--gpus {w}" + "".join(f" --{k.replace('_', '-')}" for k in spread))
+                changes.append({"gpus": w, **spread})
                 break
         except Exception:  # a config the planner refuses at this W
             pass
@@ -238,6 +283,7 @@ def _no_fit(model, base: PlanConfig, pinned: set, plan, pieces, chunks) -> NoFit
     while p >= 1024:  # a smaller prompt
         if _fits(plan(replace(lean, prompt_tokens=p)), budget):
             suggestions.append(f"--prompt-tokens {p} (P halved until it fits)")
+            changes.append({"prompt_tokens": p})
             break
         p //= 2
     for name, spec in sorted(load_gpus().items(), key=lambda kv: parse_bytes(kv[1].memory)):  # another GPU
@@ -246,7 +292,10 @@ def _no_fit(model, base: PlanConfig, pinned: set, plan, pieces, chunks) -> NoFit
             continue
         if _fits(plan(c), c.gpu_memory - c.reserve):
             suggestions.append(f"--gpu {name} ({human_bytes(c.gpu_memory)})")
-    return NoFit(binding=_binding(r), suggestions=suggestions, leanest=r, evaluated=len(plan.memo))
+            changes.append({"gpu": name})
+    smallest = math.ceil(r["peak_bytes_per_rank"]) + base.reserve  # the leanest plan fits from here on
+    return NoFit(binding=_binding(r), suggestions=suggestions, leanest=r, evaluated=len(plan.memo), changes=changes,
+                 leanest_config=lean, smallest_memory=smallest)
 
 
 # ----------------------------------------------------------------------------
@@ -270,6 +319,8 @@ def flags(c: PlanConfig) -> list[str]:
         out.append("--replicate-capture")
     if c.keep_graph_bytes:
         out += ["--keep-graph-bytes", str(c.keep_graph_bytes)]
+    if c.keep_attention_outputs:
+        out.append("--keep-attention-outputs")
     return out
 
 
@@ -281,7 +332,7 @@ def exec_config(c: PlanConfig) -> dict:
             "recompute_layers": c.recompute_layers, "offload_snapshots": c.offload_snapshots,
             "state_device": "cpu" if c.offload_state else None, "expert_parallel": c.expert_parallel,
             "context_parallel": c.gpus > 1, "keep_graph_bytes": c.keep_graph_bytes,
-            "divide_capture": c.divide_capture, "divide_walk": c.divide_walk}
+            "keep_attention_outputs": c.keep_attention_outputs, "divide_capture": c.divide_capture, "divide_walk": c.divide_walk}
 
 
 def exec_config_text(c: PlanConfig) -> str:
@@ -290,7 +341,8 @@ def exec_config_text(c: PlanConfig) -> str:
                "attention_block_size": d.ATTENTION_BLOCK_SIZE, "logits_chunk_size": d.LOGITS_CHUNK_SIZE,
                "recompute_layers": d.RECOMPUTE_LAYERS, "offload_snapshots": d.OFFLOAD_SNAPSHOTS,
                "state_device": None, "expert_parallel": False, "context_parallel": False,
-               "keep_graph_bytes": d.KEEP_GRAPH_BYTES, "divide_capture": d.DIVIDE_CAPTURE,
+               "keep_graph_bytes": d.KEEP_GRAPH_BYTES, "keep_attention_outputs": d.KEEP_ATTENTION_OUTPUTS,
+               "divide_capture": d.DIVIDE_CAPTURE,
                "divide_walk": d.DIVIDE_WALK}
     fields = ", ".join(f"{k}={v!r}" for k, v in exec_config(c).items() if v != default[k])
     return f"ExecConfig({fields})" + ("  + FSDP2 fully_shard of the decoder layers" if c.shard_params else "")
@@ -300,7 +352,7 @@ def fit_report(result: Fit | NoFit) -> dict:
     """The report's "fit" entry (or "fit": None with "binding" and "suggestions")."""
     if isinstance(result, NoFit):
         return {"fit": None, "binding": result.binding, "suggestions": result.suggestions,
-                "evaluated": result.evaluated}
+                "smallest_gpu_memory_bytes": result.smallest_memory, "evaluated": result.evaluated}
     c, r = result.config, result.report
     return {"fit": {"flags": flags(c), "exec_config": exec_config(c), "fsdp2": c.shard_params,
                     "peak_bytes_per_rank": int(r["peak_bytes_per_rank"]), "time_s": float(r["estimated_time_s"]),
@@ -310,7 +362,9 @@ def fit_report(result: Fit | NoFit) -> dict:
 def format_fit(result: Fit | NoFit) -> str:
     """The text report's fit section."""
     if isinstance(result, NoFit):
-        lines = ["  FIT: nothing fits", f"    binding: {result.binding}"]
+        lines = ["  FIT: nothing fits", f"    binding: {result.binding}",
+                 f"    smallest --gpu-memory that fits: {result.smallest_memory} ({result.smallest_memory / 2**30:.4g} "
+                 f"GiB, the --reserve included; every flag given kept)"]
         lines += [f"    would fit: {s}" for s in result.suggestions] or ["    no change tried fits"]
         return "\n".join(lines)
     c, r = result.config, result.report

@@ -382,6 +382,8 @@ class WalkPlan:
         recompute: each decoder layer recomputed in backward (`Engine.walk_recomputes_layers`).
         transient: the blockwise attention's backward transient of one chunk (a kept graph's
             backward holds it).
+        kept_outputs: `keep_attention_outputs`: the full-attention layers' outputs and LSEs
+            of the recomputed chunks, bytes (0 without; alive from capture to the walk).
     """
 
     working: float
@@ -394,6 +396,7 @@ class WalkPlan:
     comm: float
     recompute: bool = False
     transient: float = 0.0
+    kept_outputs: float = 0.0
 
 
 def _divided_walk_working(s: Basis, walk_chunk: int, graph_tok: float) -> float:
@@ -413,9 +416,9 @@ def plan_walk(s: Basis, capture: CapturePlan, graph_tok: float) -> WalkPlan:
     """Exact mode's recompute working set, kept graphs, and whether the walk is divided."""
     c, W, P, C, exact, params = s.config, s.W, s.P, capture.C, s.exact, s.params
     graph, transient = _autograd(s, C, s.p_rank)
-    # the engine's rule (Engine.walk_recomputes_layers): replay's, for chunks of min(C, P - 1); not under FSDP2
+    # the engine's rule (Engine.walk_recomputes_layers): replay's, for chunks of min(C, P - 1); FSDP2 too
     walk_graph = _autograd(s, min(C, P - 1), s.p_rank)[0]  # one undivided walk chunk's graph (the engine's yardstick)
-    recompute = exact and not c.shard_params and recompute_pays(c.recompute_layers, walk_graph,
+    recompute = exact and recompute_pays(c.recompute_layers, walk_graph,
                                                                  held_bytes(s, plan_state(s)), len(s.arch.layers))
     working = (walk_recompute_working(s, C, s.p_rank) if recompute else graph + transient) if exact else 0.0
     # exact mode's kept capture graphs (the last chunks that fit), alive from capture to their walk
@@ -438,15 +441,37 @@ def plan_walk(s: Basis, capture: CapturePlan, graph_tok: float) -> WalkPlan:
                       - (expert_elements(s.arch) if c.expert_parallel else 0))  # expert slices: never summed
         comm = divided_walk_traffic(s.cfg, positions=P - 1, world=W, block=c.attention_block_size,
                                     chunk_size=c.chunk_size, dtype=s.dtype, grad_bytes=grad_elems * s.b)
+    outputs = kept_output_bytes(s, (P - 1) - min(P - 1, kept * C)) if exact and not divided else 0.0
     return WalkPlan(working=working, chunks=chunks, chunk_graph=chunk_graph, kept_chunks=kept,
                     kept_bytes=kept * chunk_graph, divided=bool(divided), chunk=walk_chunk, comm=comm,
-                    recompute=recompute, transient=transient)
+                    recompute=recompute, transient=transient, kept_outputs=outputs)
+
+
+def kept_output_bytes(s: Basis, positions: int) -> float:
+    """`keep_attention_outputs`: bytes of the outputs (compute dtype) and LSEs [H]
+    (accumulation dtype) of `positions` recomputed prompt positions, per attention layer
+    ([H, Dv]; sliding-window ones too: exact mode keeps all their rows) and dense MLA layer
+    ([H, kv_lora_rank] over the latent: `kept_output_layers`). GDN layers and sparse DSA
+    attention keep none (their walk computes it again)."""
+    if not s.config.keep_attention_outputs:
+        return 0.0
+    a = s.arch
+    per = {"attention": a.heads * (a.head_dim * s.b + s.acc), "mla": a.heads * (a.kv_lora_rank * s.b + s.acc)}
+    return float(positions * sum(per[layer.mixer] for layer in kept_output_layers(a, s.P)))
+
+
+def kept_output_layers(arch: Arch, P: int) -> list[LayerSpec]:
+    """The layers whose attention outputs `keep_attention_outputs` keeps: GQA / MQA attention,
+    and MLA whose queries select every position they see (no DSA, or a top-k >= P)."""
+    return [layer for layer in arch.layers if layer.mixer == "attention"
+            or (layer.mixer == "mla" and (not layer.sparse or (arch.index_topk or 0) >= P))]
 
 
 def kept_chunks(s: Basis, C: int) -> int:
-    """Exact mode's kept capture graphs: the last chunks whose graphs fit `keep_graph_bytes`."""
+    """Exact mode's kept capture graphs: the last chunks whose graphs fit `keep_graph_bytes`
+    (none under FSDP2: the engine's capture keeps no graph there, `engine/capture.py`)."""
     c = s.config
-    if not (s.exact and c.keep_graph_bytes):
+    if not (s.exact and c.keep_graph_bytes) or c.shard_params:
         return 0
     return min(-(-max(s.P - 1, 1) // C), int(c.keep_graph_bytes // _autograd(s, C, s.p_rank)[0]))
 

@@ -42,7 +42,7 @@ def plan_peak(s: Basis, state: StatePlan, weights: WeightPlan, replay: ReplayPla
     the prompt (their tower, rows, and the largest image's working set, 'vision')."""
     c, w = s.config, weights
     static = (w.param_bytes + w.grad_bytes + w.optimizer_bytes + w.gathered + offload.state_gpu
-              + offload.state_grad_gpu + state.checkpoints + (vision.static if vision else 0.0))
+              + offload.state_grad_gpu + state.checkpoints + walk.kept_outputs + (vision.static if vision else 0.0))
     kept = walk.kept_bytes
     # what each phase holds beyond the static memory (capture may run before any gradient exists)
     # exact mode allocates the state gradients after capture (before it only to keep chunk graphs)

@@ -122,6 +122,7 @@ def _memory_keys(s: Basis, state: StatePlan, weights: WeightPlan, replay: Replay
         "chunk_graph_bytes": int(walk.chunk_graph) if exact else 0,
         "kept_graph_chunks": walk.kept_chunks,
         "kept_graph_bytes": int(walk.kept_bytes),
+        "kept_attention_bytes_per_rank": int(walk.kept_outputs),
         "recomputed_chunks": walk.chunks - walk.kept_chunks if exact else 0,
         "walk_recompute_layers": walk.recompute,
         "exact_snapshots": state.snapshots,
@@ -262,6 +263,8 @@ def format_report(r: dict) -> str:
         if r["kept_graph_chunks"]:
             rows.append((f"kept capture graphs ({r['kept_graph_chunks']} of "
                          f"{r['kept_graph_chunks'] + r['recomputed_chunks']} chunks)", hb(r["kept_graph_bytes"])))
+        if r["kept_attention_bytes_per_rank"]:
+            rows.append(("kept attention outputs and LSEs", hb(r["kept_attention_bytes_per_rank"])))
     if r["gathered_param_bytes"]:
         rows.append(("gathered weights (FSDP2, 2 layers)", hb(r["gathered_param_bytes"])))
     rows += [

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 from ..parallel.deal import Deal
 from .arch import BACKWARD_FACTOR, Arch, LayerSpec, ParamCount
 from .config import Basis
+from .memory import kept_output_layers
 
 def causal_pairs(n_q: int, prefix: int, limit: int | None) -> float:
     """Query-key pairs of n_q causal queries that follow `prefix` keys, each seeing at
@@ -37,6 +38,13 @@ def mixer_flops(arch: Arch, layer: LayerSpec, n_q: int, prefix: int) -> float:
     if layer.indexer:
         f += 2 * arch.index_heads * arch.index_dim * causal_pairs(n_q, prefix, None)
     return f
+
+def kept_attention_flops(arch: Arch, layer: LayerSpec, P: int) -> float:
+    """The forward FLOPs over the prompt that a kept attention output saves the walk: QK^T and
+    PV of the layer (MLA: over the latent, the indexer not run where every key is selected)."""
+    if layer.mixer == "attention":
+        return mixer_flops(arch, layer, P, 0)
+    return 2 * arch.heads * (2 * arch.kv_lora_rank + arch.rope_dim) * causal_pairs(P, 0, None)
 
 def forward_flops(arch: Arch, params: ParamCount, n_q: int, prefix: int, lm_head: bool, world: int = 1) -> float:
     """Forward FLOPs one rank runs: the token computation (projections, MLP/MoE, GDN,
@@ -115,14 +123,15 @@ class Timing:
 
 def plan_time(s: Basis, *, divided: bool, divided_walk: bool, walk_chunk: int, held: int, chunks: int,
               kept_chunks: int, offload: dict | None, recompute: bool = False,
-              walk_recompute: bool = False) -> Timing:
+              walk_recompute: bool = False, kept_outputs: bool = False) -> Timing:
     """The step's FLOPs and seconds on one rank. divided / divided_walk: capture / the
     exact walk is divided over the ranks (walk chunks of `walk_chunk` tokens); held:
     branch tokens held as a state while pieces are walked back; chunks / kept_chunks:
     capture chunks, and those whose graphs are kept (not recomputed); recompute: replay
     recomputes each decoder layer in backward (one more forward of the branch's layers,
     not of its lm_head); walk_recompute: so does the exact walk (one more forward of each
-    recomputed chunk)."""
+    recomputed chunk); kept_outputs: the walk's recomputed forwards skip the attention
+    layers' QK^T / PV (`keep_attention_outputs`; its backward is unchanged)."""
     c, arch, params, P, R, G, W = s.config, s.arch, s.params, s.P, s.R, s.G, s.W
     thr = c.throughput_tflops * 1e12
     flops_prompt = forward_flops(arch, params, P, 0, lm_head=False, world=W)  # one replicated prompt forward
@@ -139,7 +148,11 @@ def plan_time(s: Basis, *, divided: bool, divided_walk: bool, walk_chunk: int, h
         flops_exact_extra = (BACKWARD_FACTOR + 1 + again) * divided_walk_flops(arch, params, P, W, c.attention_block_size,
                                                                        walk_chunk)
     else:
-        flops_exact_extra = (BACKWARD_FACTOR + (1 + again) * (chunks - kept_chunks) / chunks) * flops_prompt
+        # kept attention outputs: the recomputed forwards skip full attention over the prompt
+        skipped = sum(kept_attention_flops(arch, layer, P) for layer in kept_output_layers(arch, P)) / W \
+            if kept_outputs else 0.0
+        flops_exact_extra = (BACKWARD_FACTOR * flops_prompt
+                             + (1 + again) * (chunks - kept_chunks) / chunks * (flops_prompt - skipped))
     t_detached = (flops_capture + G * flops_branch) / thr  # FLOPs of one rank (see forward_flops)
     t_exact = t_detached + flops_exact_extra / thr
     t_transfer = offload["traffic_bytes"] / (c.host_bandwidth_gbs * 1e9) if offload else 0.0

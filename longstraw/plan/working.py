@@ -37,9 +37,10 @@ def gdn_kernel_bytes_per_token(arch: Arch, b: int, kernel: str, *, graph: bool) 
     (8 x Hv x Dk); v chunked and W_v (2 x Hv x Dv); then the larger of two moments: the
     three [Hv, C, C] matrices per chunk (pair decay, the system, the intra-chunk scores)
     plus one temporary (4 x Hv x C), or the chunk outputs and their concatenation
-    (2 x Hv x Dv) with the three matrices. Its autograd graph keeps q/k/v, k*beta, both
-    solves' inputs and outputs, the read / write terms, the chunk values and the matrices
-    (~8 x Hv x Dk + 4 x Hv x Dv + 4 x Hv x C), plus one [Hv, Dk, Dv] state per chunk.
+    (2 x Hv x Dv) with the three matrices. The torch kernels are registered ops
+    (`ops/registered.py`) whose autograd keeps only their inputs: `graph=True` is 0, and
+    their backward recomputes the kernel under autograd (`torch_kernel_graph_bytes_per_token`,
+    counted by `recurrent_backward_bytes_per_token`).
     Check: tiny qwen3_5, one detached step at P = 4,096 in one chunk: planner 87.3 MB,
     live tensors 88.4 MB.
     'fla' (flash-linear-attention, bf16/fp16 on CUDA): q/k expanded, v, out, w, u in b,
@@ -47,14 +48,28 @@ def gdn_kernel_bytes_per_token(arch: Arch, b: int, kernel: str, *, graph: bool) 
     """
     hv, dk, dv, c = arch.gdn_v_heads, arch.gdn_k_dim, arch.gdn_v_dim, GDN_CHUNK
     states = hv * dk * dv * 4 / c
+    if kernel == "torch" and graph:
+        return 0.0
     if kernel == "torch" and arch.recurrent != "gdn":
-        return recurrent_kernel_bytes_per_token(arch, b, "graph" if graph else "nograd")
+        return recurrent_kernel_bytes_per_token(arch, b, "nograd")
     if kernel == "torch":
         acc = max(4, b)
-        if graph:
-            return (8 * hv * dk + 4 * hv * dv + 4 * hv * c) * acc + states
         return (8 * hv * dk + 2 * hv * dv + max(4 * hv * c, 2 * hv * dv + 3 * hv * c)) * acc
     return (4 * hv * dk + 3 * hv * dv) * b + hv * c * 4 + states
+
+
+def torch_kernel_graph_bytes_per_token(arch: Arch, b: int) -> float:
+    """What plain torch autograd keeps per token through one torch GDN / KDA / SSD kernel:
+    the graph the registered op's backward rebuilds when it recomputes the kernel.
+
+    GDN: q/k/v, k*beta, both solves' inputs and outputs, the read / write terms, the chunk
+    values and the matrices (~8 x Hv x Dk + 4 x Hv x Dv + 4 x Hv x C elements in acc),
+    plus one [Hv, Dk, Dv] state per chunk. KDA / SSD: `recurrent_kernel_bytes_per_token`'s
+    fitted "graph"."""
+    if arch.recurrent != "gdn":
+        return recurrent_kernel_bytes_per_token(arch, b, "graph")
+    hv, dk, dv, c = arch.gdn_v_heads, arch.gdn_k_dim, arch.gdn_v_dim, GDN_CHUNK
+    return (8 * hv * dk + 4 * hv * dv + 4 * hv * c) * max(4, b) + hv * dk * dv * 4 / c
 
 
 def recurrent_kernel_bytes_per_token(arch: Arch, b: int, moment: str) -> float:
@@ -88,11 +103,15 @@ def recurrent_kernel_bytes_per_token(arch: Arch, b: int, moment: str) -> float:
 
 
 def recurrent_backward_bytes_per_token(arch: Arch, layer: LayerSpec, b: int, gdn_kernel: str) -> float:
-    """The torch KDA / SSD kernel's backward peak above its graph, per token (0 for other
-    layers, GDN included, and for the fla kernels, whose backward is not modelled)."""
-    if layer.mixer != "gdn" or arch.recurrent == "gdn" or gdn_kernel != "torch":
+    """The torch GDN / KDA / SSD kernel's backward peak above the layer's graph, per token:
+    the registered op's backward recomputes the kernel under autograd (its whole graph,
+    `torch_kernel_graph_bytes_per_token`) and differentiates it (KDA / SSD: the fitted
+    "backward" moment above that graph; GDN: not measured, 0). 0 for other layers and for
+    the fla kernels, whose backward is not modelled."""
+    if layer.mixer != "gdn" or gdn_kernel != "torch":
         return 0.0
-    return recurrent_kernel_bytes_per_token(arch, b, "backward")
+    above = 0.0 if arch.recurrent == "gdn" else recurrent_kernel_bytes_per_token(arch, b, "backward")
+    return torch_kernel_graph_bytes_per_token(arch, b) + above
 
 
 def graph_bytes_per_token(arch: Arch, layer: LayerSpec, ab: int, gdn_kernel: str) -> float:
@@ -235,11 +254,20 @@ def autograd_pass(arch: Arch, tokens: int, keys: int, block: int, b: int, acc: i
     """(graph bytes, largest transient) of `tokens` queries run with autograd through all
     layers against `keys` held positions: the per-token graph, plus the dense self part's
     [heads, T, T] scores + probs per attention layer; the transient is one layer's
-    blockwise-attention backward (or the dense self part's backward)."""
+    blockwise-attention backward (or the dense self part's backward), or a torch recurrent
+    kernel's backward with the graph below it alive (layers in order: the backward frees
+    the later layers' graphs first)."""
     per_token = sum(graph_bytes_per_token(arch, l, b, gdn_kernel) for l in arch.layers) + 3 * arch.hidden * b
     graph = tokens * per_token
     attn = max(attention_working(arch, l, tokens, keys, block, acc, backward=True, b=b) for l in arch.layers)
-    attn = max(attn, tokens * max(recurrent_backward_bytes_per_token(arch, l, b, gdn_kernel) for l in arch.layers))
+    # a torch recurrent kernel's backward (recompute + backward, `ops/registered.py`) runs when the
+    # backward has freed the graph of the layers after it and of its own MLP
+    below = 0.0
+    for l in arch.layers:
+        below += tokens * graph_bytes_per_token(arch, l, b, gdn_kernel)
+        back = recurrent_backward_bytes_per_token(arch, l, b, gdn_kernel)
+        if back:
+            attn = max(attn, below - tokens * mlp_graph_bytes_per_token(arch, l, b) - graph + tokens * back)
     if dense_self:
         graph += sum(self_scores(arch, l, tokens, acc) for l in arch.layers)
         attn = max(attn, max(self_scores(arch, l, tokens, acc) for l in arch.layers))
@@ -270,7 +298,7 @@ def recompute_pass(arch: Arch, tokens: int, keys: int, block: int, b: int, acc: 
         mixer = g - tokens * mlp_graph_bytes_per_token(arch, layer, b) + attn
         if layer.mixer == "gdn":  # the chunked kernel's backward transient, with the layer's graph alive
             back = recurrent_backward_bytes_per_token(arch, layer, b, gdn_kernel)
-            if back:  # KDA / SSD: the MLP's backward ran first and freed its part of the graph
+            if back:  # the torch kernels: the MLP's backward ran first and freed its part of the graph
                 mixer = g - tokens * mlp_graph_bytes_per_token(arch, layer, b) + tokens * back
             else:
                 mixer = g + tokens * gdn_kernel_bytes_per_token(arch, b, gdn_kernel, graph=False)

@@ -27,6 +27,8 @@ class StepFigures:
     """FLOPs per phase (`torch.utils.flop_counter`'s formulas: matmuls, attention)."""
     host_syncs: int = 0
     """Reads of device data during the step (`longstraw.host.to_host`)."""
+    ops: int = 0
+    """Ops the tracker saw during the step (on fake tensors: what a rehearsal's time goes into)."""
 
 
 def measure_steps(engine, group, grpo, *, steps: int = 1, tracker: LiveBytes, optimizer=None) -> list[StepFigures]:
@@ -38,7 +40,7 @@ def measure_steps(engine, group, grpo, *, steps: int = 1, tracker: LiveBytes, op
     before, engine.phase_hook = engine.phase_hook, hook
     try:
         for _ in range(steps):
-            tracker.peak, tracker.phase_peaks, tracker.phase_flops = tracker.live, {}, {}
+            tracker.peak, tracker.phase_peaks, tracker.phase_flops, tracker.ops = tracker.live, {}, {}, 0
             HostSyncs.count = 0
             with tracker:
                 engine.step(group, grpo)
@@ -48,7 +50,7 @@ def measure_steps(engine, group, grpo, *, steps: int = 1, tracker: LiveBytes, op
             syncs = HostSyncs.count
             engine.model.zero_grad(set_to_none=True)
             out.append(StepFigures(peak_bytes=tracker.peak, phases=dict(tracker.phase_peaks), flops=dict(tracker.phase_flops),
-                                   host_syncs=syncs))
+                                   host_syncs=syncs, ops=tracker.ops))
     finally:
         engine.phase_hook = before
     return out

@@ -50,7 +50,8 @@ class Rehearsal:
         """The JSON form (`longstraw plan --rehearse`'s "rehearsal")."""
         return {"peak_bytes_per_rank": self.peak_bytes_per_rank, "phases": dict(self.phases),
                 "flops": dict(self.flops), "host_syncs": self.host_syncs, "wall_s": self.wall_s,
-                "device": self.device, "step_peaks": [s.peak_bytes for s in self.steps]}
+                "device": self.device, "step_peaks": [s.peak_bytes for s in self.steps],
+                "ops": [s.ops for s in self.steps]}
 
 
 def _default_device() -> str:
@@ -120,9 +121,10 @@ def rehearse(model, config: ExecConfig | None = None, *, prompt_tokens: int, gro
         raise ConfigError(f"rehearse: world_size={world_size} is not rehearsed yet; pass world_size=1")
     if generate:
         raise ConfigError("rehearse: generate=True is not rehearsed yet; pass generate=False")
-    if min(prompt_tokens - 2, group - 1, response_tokens - 1, steps - 1) < 0:
-        raise ConfigError(f"rehearse: need prompt_tokens >= 2, group >= 1, response_tokens >= 1 and steps >= 1; got "
-                          f"{prompt_tokens}, {group}, {response_tokens}, {steps}")
+    if min(prompt_tokens - 2, group - 2, response_tokens - 1, steps - 1) < 0:
+        raise ConfigError(f"rehearse: need prompt_tokens >= 2, group >= 2 (one response has zero advantage: the "
+                          f"engine skips the update, nothing would be rehearsed), response_tokens >= 1 and "
+                          f"steps >= 1; got {prompt_tokens}, {group}, {response_tokens}, {steps}")
     device = _default_device() if device is None else device
     if torch.device(device).type == "cuda" and not torch.backends.cuda.is_built():
         raise ConfigError("rehearse: device='cuda' needs a CUDA build of torch (autograd checks the device even on "

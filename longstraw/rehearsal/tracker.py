@@ -39,12 +39,14 @@ class LiveBytes(TorchDispatchMode):
         live: bytes alive now.  peak: the highest `live` since start.
         phase_peaks: {phase name: highest `live` while that phase was open}.
         phase_flops: {phase name: FLOPs of the ops run while it was open}.
+        ops: ops dispatched (prim metadata queries not counted): a rehearsal's cost.
     """
 
     def __init__(self, device_type: str = "cuda"):
         super().__init__()
         self.device_type = device_type
         self.live = 0
+        self.ops = 0
         self.peak = 0
         self.phase_peaks: dict[str, int] = {}
         self.phase_flops: dict[str, int] = {}
@@ -101,6 +103,9 @@ class LiveBytes(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
+        if func.namespace == "prim":  # prim.device / prim.layout: metadata queries, no tensor made
+            return out
+        self.ops += 1
         count = flop_registry.get(func._overloadpacket) if self._open else None
         if count is not None:
             flops = int(count(*args, **(kwargs or {}), out_val=out))

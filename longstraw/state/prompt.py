@@ -281,6 +281,10 @@ class PromptState:
         inputs: a prompt with images: its `state.vision.PromptImages` (the tower's
             embeddings and the M-RoPE positions every run against the state reads); None
             for a text prompt.
+        outputs: exact mode with `ExecConfig.keep_attention_outputs`: the attention
+            outputs and LSEs capture computed (`kept_outputs.KeptOutputs`), which the
+            reverse walk's attention backward reads instead of attending again; None: the
+            walk recomputes attention. Not part of `nbytes()`.
     """
 
     layers: list = field(default_factory=list)
@@ -292,6 +296,7 @@ class PromptState:
     offload: object = None
     rope_length: int | None = None
     inputs: object = None
+    outputs: object = None
 
     def _parts(self) -> list:
         return [s for s in self.layers if s is not None] + ([self.inputs] if self.inputs is not None else [])

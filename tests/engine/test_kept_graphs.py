@@ -43,6 +43,8 @@ def _step(model, group, keep, monkeypatch):
     monkeypatch.setattr(engine.adapter, "run", spy)
     model.zero_grad(set_to_none=True)
     result = engine.step(group)
+    chunks = -(-(group.prompt.numel() - 1) // 5)
+    assert result.metrics["kept_graph_chunks"] == chunks - len(recomputed)  # reported: walked without recompute
     return result.loss, grads_of(model), recomputed
 
 

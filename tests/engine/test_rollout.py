@@ -279,3 +279,28 @@ def test_bf16_rollout_logprobs_are_the_sampled_distribution_and_equal_score():
     scored = torch.stack(engine.score(group, 0.7, state=out.state))
     assert scored.dtype == torch.float32
     torch.testing.assert_close(scored, got, atol=0.25, rtol=0)
+
+
+@pytest.mark.parametrize("temperature", [pytest.param(0.0, marks=pytest.mark.slow), 1.0])
+def test_a_vlm_never_samples_its_image_or_video_placeholders(temperature):
+    """The tiny VLM's lm_head rows of the image and video placeholders are made to
+    dominate the first step's logits (20x the likeliest text token's row): greedy and
+    sampled responses still hold no placeholder (old code: the first token was one, and
+    `step` refused the group), the log-probs stay the model's own (= `score`), and the
+    group steps."""
+    from tests.vision_reference import IMAGE, VIDEO, image_prompt, tiny_vlm
+
+    model = tiny_vlm()
+    prompt, inputs = image_prompt([5, "img", 4])
+    with torch.no_grad():
+        top = int(model(input_ids=prompt[None], **{**inputs, "mm_token_type_ids": inputs["mm_token_type_ids"][None]}
+                        ).logits[0, -1].argmax())
+        model.lm_head.weight[IMAGE] = model.lm_head.weight[VIDEO] = 20 * model.lm_head.weight[top]
+    engine = ls.Engine(model, ls.ExecConfig(**EXEC))
+    rollout = engine.generate(prompt, num_samples=4, max_new_tokens=3, temperature=temperature, prompt_inputs=inputs,
+                              generator=torch.Generator().manual_seed(0))
+    assert not any(bool(((r == IMAGE) | (r == VIDEO)).any()) for r in rollout.responses)
+    group = ls.Group(prompt=prompt, responses=rollout.responses, rewards=torch.arange(4.0), prompt_inputs=inputs)
+    for got, want in zip(rollout.logprobs, engine.score(group, 1.0 if temperature == 0 else temperature)):
+        assert torch.allclose(got.double(), want, atol=1e-9)
+    engine.step(group, state=rollout.state)

@@ -255,3 +255,39 @@ def test_resume_true_starts_fresh_then_passes_over_a_partial_newest_checkpoint(o
                                                  settings=worker.CHECKPOINTED, resume=True, stop_after=2,
                                                  **ONE_PROMPT))
     _assert_resumed_on_the_curve(one_process["whole"]["params_at"][1], resumed, one_process["whole"])
+
+
+def test_a_kill_between_the_save_and_its_marker_keeps_the_last_complete_checkpoint(tmp_path, monkeypatch):
+    """`save_total_limit=1`: the Trainer's rotation used to run inside its save, before
+    LongStraw's barrier and marker, so a kill there left no complete checkpoint (and resume
+    took the newest unmarked one). Killed at step 2's marker (raised where it is written):
+    checkpoint-1 is still there and complete, resume picks it, never the unmarked
+    checkpoint-2; an uninterrupted save rotates after its marker."""
+    from longstraw.integrations import trl_checkpoint
+    from longstraw.integrations.trl_checkpoint import last_complete_checkpoint
+
+    class Killed(BaseException):
+        pass
+
+    marks = []
+    real = trl_checkpoint.write_atomic
+
+    def marker(path, write):
+        marks.append(path)
+        if len(marks) == 2:
+            raise Killed(path)  # the kill: after checkpoint-2's files, before its marker
+        return real(path, write)
+
+    monkeypatch.setattr(trl_checkpoint, "write_atomic", marker)
+    settings = dict(worker.CHECKPOINTED, save_total_limit=1)
+    with pytest.raises(Killed):
+        _float64(lambda: worker.record_run(CASE, str(tmp_path), steps=2, settings=settings, **ONE_PROMPT))
+    run = tmp_path / "run"
+    assert sorted(p.name for p in run.iterdir() if p.name.startswith("checkpoint-")) == ["checkpoint-1", "checkpoint-2"]
+    assert last_complete_checkpoint(str(run)) == str(run / "checkpoint-1")
+    monkeypatch.setattr(trl_checkpoint, "write_atomic", real)
+    (tmp_path / "run" / "checkpoint-1" / trl_checkpoint.COMPLETE_FILE).unlink()
+    assert last_complete_checkpoint(str(run)) is None  # no marked folder: a fresh start, not an unmarked one
+    whole = tmp_path / "whole"
+    _float64(lambda: worker.record_run(CASE, str(whole), steps=2, settings=settings, **ONE_PROMPT))
+    assert sorted(p.name for p in (whole / "run").iterdir() if p.name.startswith("checkpoint-")) == ["checkpoint-2"]

@@ -112,6 +112,20 @@ def test_tools_on_two_ranks_equal_one_process(tmp_path, float64_default, case, c
 
 
 @pytest.mark.slow
+def test_images_on_two_ranks_one_prompt_equal_one_process(tmp_path, float64_default):
+    """W = 2, C = 2 with images (the narrowed tiny VLM, two screenshots per prompt, exact):
+    each prompt's images dealt over both ranks for the tower, the divided walk's image-row
+    gradient summed; loss and every gradient, the tower's included, equal one process's."""
+    ranks = _spawn("images_exact", 2, 2, tmp_path / "ranks", 1)
+    want = worker.record_run("images_exact", str(tmp_path / "one"), data_groups=1)
+    assert any(".visual." in n and g.abs().sum() > 0 for n, g in want["grads"][0].items())
+    for record in ranks:
+        assert record["context"] == 2
+        assert record["divided_walks"] and all(w == 1.0 for w in record["divided_walks"])
+        _assert_equal_runs(record, want)
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("case", ["detached", "exact", "lora_beta"])
 def test_four_ranks_two_groups_of_two_equal_one_process(tmp_path, float64_default, case):
     _check(case, 4, 2, tmp_path)

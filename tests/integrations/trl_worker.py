@@ -37,6 +37,8 @@ CASES = {
     "tools": ("qwen3", dict(max_tool_calling_iterations=2, max_completion_length=24), dict(), False),
     "tools_exact": ("qwen3", dict(max_tool_calling_iterations=2, max_completion_length=24, loss_type="grpo"),
                     dict(mode="exact"), False),
+    # images (`test_trl_images.py`): the narrowed tiny VLM, its offline processor, two screenshots per prompt
+    "images_exact": ("vlm", dict(loss_type="grpo", max_completion_length=3), dict(mode="exact"), False),
 }
 
 
@@ -93,8 +95,18 @@ def make_trainer(case: str, out_dir: str, *, data_groups: int, context: int = 1,
     from tests.reference import float64_norms, tiny_model
 
     family, overrides, exec_kw, lora = CASES[case]
-    model = tiny_model(family)
-    float64_norms(model)
+    if family == "vlm":
+        from longstraw.tiny import tiny_vlm
+        from tests.integrations.test_trl_images import SMALL
+
+        from tests.reference import float64_hybrid_norms
+
+        # the gated norm's float32 silu rounds a row by where it falls in the batch: a divided
+        # capture and one process's chunk would agree only to ~1e-8
+        model = float64_hybrid_norms(tiny_vlm(dtype=torch.float64, **SMALL))
+    else:
+        model = tiny_model(family)
+        float64_norms(model)
     peft_config = None
     if lora:
         import peft
@@ -118,6 +130,11 @@ def make_trainer(case: str, out_dir: str, *, data_groups: int, context: int = 1,
 
         data = dict(train_dataset=_dataset(16), processing_class=tool_chat_tokenizer(VOCAB), tools=[lookup])
         model = _coin_model(model, data["processing_class"])
+    if case.startswith("images"):
+        from longstraw.tiny_vision import tiny_vlm_processor
+        from tests.integrations.test_trl_images import image_dataset
+
+        data = dict(train_dataset=image_dataset(), processing_class=tiny_vlm_processor())
     return LongStrawGRPOTrainer(
         model=copy.deepcopy(model), reward_funcs=[_reward], args=trl.GRPOConfig(**{**args, **overrides}),
         callbacks=list(callbacks), peft_config=peft_config, longstraw_config=config,

@@ -7,6 +7,10 @@ Modes:
               must raise DistributedError within LONGSTRAW_COLLECTIVE_TIMEOUT (it records
               the time to error and the message).
     watchdog  one rank, a phase that sleeps past twice the timeout: the watchdog ends it.
+    long      two ranks, a phase of 3.5x the timeout whose all-reduces (parallel.collectives)
+              keep completing: it must complete (the watchdog watches progress).
+    silent    one rank, a phase that beats for 1.5x the timeout, then sleeps: the watchdog
+              ends it twice the timeout after the last beat, not after the phase began.
     nan       a tiny Linear replicated on both ranks; LONGSTRAW_FAULT=nan@1:0 poisons rank
               1's gradient at step 0: both ranks skip (weights and AdamW state untouched),
               step 1 is finite and steps; then NaN steps in a row raise NonFiniteError.
@@ -24,7 +28,10 @@ import torch
 import torch.distributed as dist
 
 from longstraw.errors import DistributedError, NonFiniteError
-from longstraw.parallel.launch import init_distributed, phase
+from longstraw.heartbeat import beat
+from longstraw.parallel.collectives import all_reduce_sum
+from longstraw.parallel.data import process_group_view
+from longstraw.parallel.launch import collective_timeout, init_distributed, phase
 from longstraw.parallel.nonfinite import NonFiniteGuard
 
 
@@ -44,6 +51,31 @@ def _hang(rank: int) -> dict:
 
 def _watchdog() -> dict:
     with phase("a stuck kernel"):
+        time.sleep(60)  # never reached: os._exit from the watchdog thread
+    return {"raised": False}
+
+
+def _long() -> dict:
+    timeout = collective_timeout().total_seconds()
+    world = process_group_view(dist.group.WORLD)
+    start = time.monotonic()
+    calls = 0
+    with phase("a long update"):
+        while time.monotonic() - start < 3.5 * timeout:
+            all_reduce_sum(torch.ones(1, dtype=torch.float64), world)  # completes: progress
+            calls += 1
+            time.sleep(0.1)
+    return {"completed": True, "seconds": time.monotonic() - start, "calls": calls}
+
+
+def _silent() -> dict:
+    timeout = collective_timeout().total_seconds()
+    with phase("a kernel that stops"):
+        start = time.monotonic()
+        while time.monotonic() - start < 1.5 * timeout:
+            beat()
+            time.sleep(0.1)
+        print(f"last beat at {time.monotonic():.3f}", flush=True)
         time.sleep(60)  # never reached: os._exit from the watchdog thread
     return {"raised": False}
 
@@ -81,15 +113,19 @@ def _nan(rank: int) -> dict:
 
 def main() -> None:
     mode, out = sys.argv[1], sys.argv[2]
-    if mode == "watchdog":
-        result = _watchdog()
+    if mode in ("watchdog", "silent"):
+        result = _watchdog() if mode == "watchdog" else _silent()
         rank = 0
+    elif mode == "long":
+        rank, _ = init_distributed()
+        result = _long()
+        dist.barrier()
     else:
         rank, _ = init_distributed()
         result = _hang(rank) if mode == "hang" else _nan(rank)
     with open(f"{out}.rank{rank}.json", "w") as f:
         json.dump(result, f)
-    if mode == "nan":
+    if mode in ("nan", "long"):
         dist.destroy_process_group()
     sys.stdout.flush()
     os._exit(0)  # a hang test's rank 0 must not wait for its stopped peer at exit

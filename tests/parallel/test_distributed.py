@@ -153,3 +153,10 @@ def test_replicated_gradients_agree_and_diverged_weights_are_caught(tmp_path):
 @pytest.mark.parametrize("world", [2, 3])  # W = 2: bitwise equal to the two all-reduces
 def test_decode_merges_each_layer_in_one_collective(tmp_path, world):
     spawn(worker.decode_merge_in_one_collective, args=(world, str(tmp_path / "init")), nprocs=world, join=True)
+
+
+@pytest.mark.slow
+def test_kept_attention_outputs_under_context_parallelism_equal_single_process(tmp_path):
+    """W = 3, exact, replicated capture and walk with `keep_attention_outputs`
+    (`distributed_worker.run_kept_outputs`)."""
+    spawn(worker.run_kept_outputs, args=(3, str(tmp_path / "init")), nprocs=3, join=True)

@@ -4,6 +4,9 @@ set by hand; one worker process per rank, tests/parallel/launch_worker.py):
 * a rank stopped with SIGSTOP makes its peer raise a DistributedError naming the rank and
   the phase within LONGSTRAW_COLLECTIVE_TIMEOUT (3 s here), not the group's 30 minutes;
 * a phase stuck past twice the timeout is ended by the watchdog (exit code 70);
+* the watchdog watches progress: a phase of 3.5x the timeout whose collectives complete
+  runs to its end; one that stops making progress is ended twice the timeout after its
+  last progress;
 * a NaN gradient on rank 1 only makes both ranks skip the step (weights and AdamW state
   untouched), counted; N in a row raise NonFiniteError."""
 
@@ -83,6 +86,27 @@ def test_the_watchdog_ends_a_phase_stuck_past_twice_the_timeout(tmp_path):
     assert time.monotonic() - start < 20
 
 
+def test_a_phase_longer_than_twice_the_timeout_completes_while_its_collectives_do(tmp_path):
+    out = str(tmp_path / "long")
+    procs = _start("long", out, 2, LONGSTRAW_COLLECTIVE_TIMEOUT="1")
+    logs = _reap(procs, 60)
+    assert all(p.returncode == 0 for p in procs), ([p.returncode for p in procs], logs)  # 70: the watchdog ended it
+    for rank in (0, 1):
+        seen = _result(out, rank)
+        assert seen["completed"] and seen["seconds"] >= 3.5 and seen["calls"] > 5, seen
+
+
+@pytest.mark.slow  # 15 s on loaded cores; the fast case of the progress watch is the test above
+def test_the_watchdog_counts_from_the_last_progress_not_the_phase_start(tmp_path):
+    (proc,) = _start("silent", str(tmp_path / "silent"), 1, LONGSTRAW_COLLECTIVE_TIMEOUT="1")
+    (log,) = _reap([proc], 30)
+    ended = time.monotonic()
+    assert proc.returncode == WATCHDOG_EXIT_CODE, log
+    assert "rank ? stuck in phase 'a kernel that stops': no progress for 2." in log, log
+    last = float(log.split("last beat at ")[1].split()[0])
+    assert 2.0 <= ended - last <= 6.0, (ended - last, log)  # 2x the timeout after the last beat (+ the 0.5 s poll)
+
+
 def test_a_nan_on_one_rank_skips_the_step_on_every_rank(tmp_path):
     out = str(tmp_path / "nan")
     procs = _start("nan", out, 2, LONGSTRAW_FAULT="nan@1:0,nan@1:2,nan@1:3")
@@ -123,3 +147,36 @@ def test_a_phase_names_collective_failures_and_leaves_other_errors_alone():
     with pytest.raises(NonFiniteError):
         with phase("update"):
             raise NonFiniteError("3 steps in a row")
+
+
+def _template(timeout_s: int, fault: str, *args, slow_s: float = 0.1) -> subprocess.CompletedProcess:
+    """examples/torchrun_grpo.py under `torchrun --standalone --max-restarts 0` (W = 2, the
+    tests' TASK, exact mode) with LONGSTRAW_COLLECTIVE_TIMEOUT and LONGSTRAW_FAULT set."""
+    from tests.test_example_torchrun import TASK
+
+    env = {**os.environ, "PYTHONPATH": REPO, "OMP_NUM_THREADS": "1", "LONGSTRAW_FAULT": fault,
+           "LONGSTRAW_FAULT_SLOW_S": str(slow_s), "LONGSTRAW_COLLECTIVE_TIMEOUT": str(timeout_s)}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "--max-restarts",
+           "0", os.path.join(REPO, "examples", "torchrun_grpo.py"), *TASK, *args]
+    return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=400)
+
+
+@pytest.mark.slow  # a torchrun launch, 90 s on loaded cores
+def test_a_template_step_of_three_times_the_timeout_completes():
+    done = _template(3, "slow@0:0,slow@1:0", "--steps", "1")  # each layer forward of step 0 sleeps 0.1 s
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    (line,) = [json.loads(x) for x in done.stdout.splitlines() if x.startswith('{"')]
+    print(f"step 0: {line['step_seconds'][0]:.1f} s (LONGSTRAW_COLLECTIVE_TIMEOUT=3)")
+    assert line["step_seconds"][0] >= 3 * 3, line  # past the old per-phase limit of 2x the timeout, completed
+
+
+@pytest.mark.slow  # a torchrun launch, then torchrun's 30 s grace before it kills the stopped rank
+def test_a_sigstopped_template_rank_is_named_within_the_timeout():
+    done = _template(3, "stop@1:1", "--steps", "3")
+    log = done.stdout + done.stderr
+    assert done.returncode != 0, log[-3000:]
+    named = [x for x in log.splitlines() if "DistributedError: rank 0: phase 'step 1: rollouts and update' failed" in x]
+    assert named, log[-4000:]
+    seconds = float(named[0].split("failed after ")[1].split(" s")[0])
+    print(named[0])
+    assert 2.5 <= seconds <= 3 + 5, named[0]  # the stated timeout (+ start-up of the phase), not 2x, not 30 min

@@ -113,6 +113,8 @@ def test_rehearse_refuses_what_it_cannot_rehearse():
         ls.rehearse(config, prompt_tokens=P, group=G, response_tokens=R, world_size=2, device="cpu")
     with pytest.raises(ls.ConfigError, match="prompt_tokens >= 2"):
         ls.rehearse(config, prompt_tokens=1, group=G, response_tokens=R, device="cpu")
+    with pytest.raises(ls.ConfigError, match="group >= 2"):  # one response: no update, nothing rehearsed
+        ls.rehearse(config, prompt_tokens=P, group=1, response_tokens=R, device="cpu")
     if not torch.backends.cuda.is_built():
         with pytest.raises(ls.ConfigError, match="CUDA build"):
             ls.rehearse(config, prompt_tokens=P, group=G, response_tokens=R, device="cuda")

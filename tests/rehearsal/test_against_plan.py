@@ -1,0 +1,40 @@
+"""`longstraw plan ... --rehearse`: the planner's figures beside a rehearsal of the same step."""
+
+import json
+
+import pytest
+
+from longstraw.cli import main
+
+TINY = ["plan", "--model", "tiny-qwen3", "--prompt-tokens", "256", "--group", "2", "--response-tokens", "8",
+        "--chunk-size", "128", "--dtype", "fp32"]
+
+
+def test_plan_rehearse_prints_the_rehearsal_beside_the_planner(capsys):
+    assert main(TINY + ["--rehearse", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    reh = report["rehearsal"]
+    assert set(reh) >= {"peak_bytes_per_rank", "phases", "comm_bytes", "flops", "host_syncs"}
+    assert {"capture", "replay"} <= set(reh["phases"]) and reh["host_syncs"] == 3
+    assert reh["flops"]["capture"] > 0 and reh["comm_bytes"] == {}  # one rank: no collective
+    # the planner's step is the rehearsed one: first group, optimizer state off
+    planned = reh["planner"]
+    assert planned["peak_bytes_per_rank"] == max(planned["phases"].values())
+    assert planned["peak_bytes_per_rank"] <= report["peak_bytes_per_rank"] - report["optimizer_bytes"]
+    assert reh["ratio"]["peak_bytes_per_rank"] == pytest.approx(
+        reh["peak_bytes_per_rank"] / reh["planner"]["peak_bytes_per_rank"])
+    assert 0.8 < reh["ratio"]["peak_bytes_per_rank"] < 1.25, reh  # tiny qwen3: planner and rehearsal agree
+
+
+def test_plan_rehearse_refuses_what_it_cannot_rehearse_before_any_work(capsys):
+    assert main(TINY + ["--rehearse", "--gpus", "2", "--lora-rank", "4"]) == 2
+    err = capsys.readouterr().err
+    assert "--gpus > 1" in err and "--lora-rank" in err
+
+
+@pytest.mark.slow
+def test_plan_fit_rehearse_rehearses_the_chosen_configuration(capsys):
+    assert main(TINY + ["--rehearse", "--fit", "--gpu-memory", "8GiB", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["fit"] and report["rehearsal"]["fits"]
+    assert report["rehearsal"]["planner"]["phases"].keys() >= {"capture", "replay"}
