@@ -68,7 +68,7 @@ def test_planner_matches_live_tensors(family):
     assert abs(predicted / measured - 1) <= 0.15, (family, predicted, measured, plan["peak_phase"])
 
 
-@pytest.mark.parametrize("family,recompute", [("qwen3", False), ("qwen3", True),
+@pytest.mark.parametrize("family,recompute", [pytest.param("qwen3", False, marks=SLOW), ("qwen3", True),
                                               *(pytest.param(f, r, marks=SLOW) for f in ("qwen3_5", "glm_moe_dsa")
                                                 for r in (False, True))])
 def test_planner_matches_a_replay_bound_step_with_and_without_recompute(family, recompute):
