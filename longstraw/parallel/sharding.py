@@ -1,6 +1,6 @@
 """The one FSDP2 wrapping of a model that LongStraw runs: `shard_model`. The template
-(`examples/torchrun_grpo.py`), `longstraw train` and the TRL trainer
-(`integrations/trl_fsdp.py`) all call it.
+(`examples/torchrun_grpo.py`) and the TRL trainer (`integrations/trl_fsdp.py`) call it;
+`longstraw train` does not shard.
 
 What it does, and why each part:
 
@@ -19,7 +19,7 @@ So at most two layers are gathered at a time: one in every forward, the one in b
 and the one prefetched (what `plan/memory.py` counts). Where a backward enters a layer
 through tensors it made rather than through its output (exact mode's reverse walk seeds
 each layer's state rows), FSDP2's pre-backward hook on the output does not fire first;
-`parallel.fsdp.unshard_for_backward` gathers such a layer before its saved weights are read.
+`parallel.fsdp.gathered_when_read` gathers such a layer before its saved weights are read.
 """
 
 from __future__ import annotations
