@@ -147,7 +147,7 @@ def fit_config(model, *, memory_budget, prompt_tokens: int, group: int, response
     cfg = planner_config(model)
     held = estimate(cfg, base)  # the model, its gradients and the optimizer: outside the budget
     outside = held["param_bytes"] + held["grad_bytes"] + held["optimizer_bytes"]
-    reserve = max(RUNTIME_RESERVE_BYTES, int(RUNTIME_RESERVE_SHARE * budget))  # _at's
+    reserve = _reserve(budget)
     result, others = _search_beside_held(cfg, base, pinned, budget, outside, held_states, held)
     if not hasattr(result, "config"):
         step = f"P={prompt_tokens:,}, G={group}, R={response_tokens:,}, mode={mode!r}"
@@ -180,19 +180,22 @@ def _search_beside_held(cfg, base: PlanConfig, pinned: set, budget: int, outside
         result = search(cfg, _at(base, budget, outside - others), pinned)
         if not (held_states and hasattr(result, "config")):
             break
-        chosen_others = held_states * held_state_bytes(estimate(cfg, replace(result.config, reserve=_at(
-            base, budget, 0).reserve)))
+        chosen_others = held_states * held_state_bytes(estimate(cfg, replace(result.config, reserve=_reserve(budget))))
         if chosen_others <= others:
             break
         others = chosen_others
     return result, others
 
 
+def _reserve(budget: int) -> int:
+    """The runtime reserve the planner's peak must leave free of `budget`: max(16 MiB, 5%)."""
+    return max(RUNTIME_RESERVE_BYTES, int(RUNTIME_RESERVE_SHARE * budget))
+
+
 def _at(base: PlanConfig, budget: int, outside: float) -> PlanConfig:
     """`base` planned against `budget` above the model: the planner's memory holds `outside`
     (the model, its gradients and optimizer, less other held states) and the runtime reserve."""
-    reserve = max(RUNTIME_RESERVE_BYTES, int(RUNTIME_RESERVE_SHARE * budget))
-    return replace(base, gpu_memory=int(budget + outside), reserve=reserve)
+    return replace(base, gpu_memory=int(budget + outside), reserve=_reserve(budget))
 
 
 def _smallest_budget(cfg, base: PlanConfig, pinned: set, need: float, outside: float) -> int:
@@ -244,8 +247,8 @@ def held_state_bytes(plan: dict) -> float:
 
 def gdn_kernel(device: torch.device, dtype: str) -> str:
     """The GDN kernel the engine will run (`ops.kernels.pick`): flash-linear-attention's
-    ('fla') only on CUDA in bf16 / fp16 with fla importable, else the torch kernel."""
-    if device.type != "cuda" or dtype not in ("bfloat16", "float16"):
+    ('fla') only on CUDA in bf16 / fp16 (`kernels.suits`) with fla importable, else the torch kernel."""
+    if not kernels.suits(device.type, getattr(torch, dtype)):
         return "torch"
     return "fla" if kernels.load("chunk_gated_delta_rule") is not None else "torch"
 

@@ -20,6 +20,12 @@ def accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
+def accumulation_dtype_of(*tensors: torch.Tensor | None) -> torch.dtype:
+    """The dtype a computation over `tensors` accumulates in: float64 when any of them
+    (None skipped) is float64, else float32 (`accumulation_dtype` of each, joined)."""
+    return torch.float64 if any(t is not None and t.dtype == torch.float64 for t in tensors) else torch.float32
+
+
 def nbytes(*tensors: torch.Tensor | None) -> int:
     """Bytes of the elements of `tensors` (numel * element size, summed; None counts 0)."""
     return sum(t.numel() * t.element_size() for t in tensors if t is not None)

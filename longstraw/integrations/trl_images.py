@@ -18,6 +18,8 @@ exact mode pushes the walk's image-row gradient through it after the update.
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 
 from ..errors import ConfigError
@@ -58,7 +60,7 @@ def group_prompt_inputs(prompt_ids: list, images, fields: dict, num_generations:
     if grid.shape[0] != sum(counts) or pixels.shape[0] != int(grid.prod(-1).sum()):
         raise ConfigError(f"LongStrawGRPOTrainer: the processor gave {grid.shape[0]} image grids and "
                           f"{pixels.shape[0]} patch rows for {sum(counts)} images; expected one grid per image")
-    first_image = [sum(counts[:r]) for r in range(len(counts) + 1)]
+    first_image = [0, *itertools.accumulate(counts)]
     first_patch = torch.cat([grid.new_zeros(1), grid.prod(-1).cumsum(0)]).tolist()
     out = []
     for start in groups:

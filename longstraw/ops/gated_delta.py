@@ -39,7 +39,7 @@ import torch
 import torch.nn.functional as F
 
 from longstraw.ops import kernels
-from longstraw.ops.attention import accumulation_dtype
+from longstraw.tensors import accumulation_dtype_of
 from longstraw.ops.registered import register_chunk_op
 
 L2NORM_EPS = 1e-6
@@ -114,7 +114,7 @@ def chunk_gated_delta_rule(q, k, v, g, beta, initial_state=None, *, chunk_size: 
         return kernels.gdn_chunk(kernel, q, k, v, g, beta, initial_state, use_qk_l2norm)
 
     t, hv, dv = v.shape
-    acc = _acc(q, k, v)
+    acc = accumulation_dtype_of(q, k, v)
     if initial_state is None:
         initial_state = torch.zeros(hv, q.shape[2], dv, dtype=acc, device=v.device)
     if t == 0:
@@ -122,16 +122,12 @@ def chunk_gated_delta_rule(q, k, v, g, beta, initial_state=None, *, chunk_size: 
     return GDN_CHUNK_OP([q, k, v, g, beta, initial_state], chunk_size, use_qk_l2norm)
 
 
-def _acc(q, k, v) -> torch.dtype:
-    return torch.float64 if torch.float64 in (q.dtype, k.dtype, v.dtype) else accumulation_dtype(v.dtype)
-
-
 def _torch_chunk(q, k, v, g, beta, initial_state, *, chunk_size: int, flag: bool):
     """The torch path of `chunk_gated_delta_rule` (T >= 1, a given initial state; `flag`:
     use_qk_l2norm): the implementation of the registered op `longstraw::gdn_chunk`."""
     t, hv, dv = v.shape
     dk = q.shape[2]
-    acc = _acc(q, k, v)
+    acc = accumulation_dtype_of(q, k, v)
     state = initial_state.to(acc)
 
     q, k = q.to(acc), k.to(acc)
@@ -175,7 +171,7 @@ def _torch_chunk(q, k, v, g, beta, initial_state, *, chunk_size: int, flag: bool
 def _fake_chunk(q, k, v, g, beta, initial_state, *, chunk_size: int, flag: bool):
     """`longstraw::gdn_chunk`'s fake: out [T, Hv, Dv] in v's dtype, state [Hv, Dk, Dv] in acc."""
     t, hv, dv = v.shape
-    return v.new_empty(t, hv, dv), v.new_empty(hv, q.shape[2], dv, dtype=_acc(q, k, v))
+    return v.new_empty(t, hv, dv), v.new_empty(hv, q.shape[2], dv, dtype=accumulation_dtype_of(q, k, v))
 
 
 GDN_CHUNK_OP = register_chunk_op("gdn_chunk", _torch_chunk, _fake_chunk)
@@ -208,7 +204,7 @@ def gated_delta_step(q, k, v, g, beta, state, *, use_qk_l2norm: bool = True, all
     if allow_kernel and not kernels.needs_grad(q, k, v, g, beta, state):
         if (kernel := kernels.pick("fused_recurrent_gated_delta_rule", q, k, v)) is not None:
             return kernels.gdn_decode(kernel, q, k, v, g, beta, state, use_qk_l2norm)
-    acc = torch.float64 if torch.float64 in (q.dtype, v.dtype, state.dtype) else accumulation_dtype(v.dtype)
+    acc = accumulation_dtype_of(q, v, state)
     q, k = q.to(acc), k.to(acc)
     if use_qk_l2norm:
         q, k = l2_normalize(q), l2_normalize(k)

@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import torch
 
-from ..tensors import accumulation_dtype
+from ..tensors import accumulation_dtype_of
 from longstraw.parallel.collectives import recv_from, send_to
 from .gated_delta import chunk_gated_delta_rule
 
@@ -50,7 +50,7 @@ def gated_delta_transition(q, k, v, g, beta, *, use_qk_l2norm: bool = True, chun
     """
     t, hv, dv = v.shape
     dk = q.shape[-1]
-    acc = torch.float64 if torch.float64 in (q.dtype, k.dtype, v.dtype) else accumulation_dtype(v.dtype)
+    acc = accumulation_dtype_of(q, k, v)
     eye = torch.eye(dk, dtype=acc, device=v.device).expand(hv, dk, dk)
     start = torch.cat([eye, torch.zeros(hv, dk, dv, dtype=acc, device=v.device)], dim=-1)  # (Hv, Dk, Dk+Dv)
     values = torch.cat([torch.zeros(t, hv, dk, dtype=acc, device=v.device), v.to(acc)], dim=-1)  # (T, Hv, Dk+Dv)

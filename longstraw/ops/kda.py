@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import torch
 
-from longstraw.tensors import accumulation_dtype
+from longstraw.tensors import accumulation_dtype_of
 
 from . import kernels
 from .gated_delta import l2_normalize, to_chunks
@@ -83,22 +83,18 @@ def chunk_kda(q, k, v, g, beta, initial_state=None, *, chunk_size: int = 64, use
     if kernel is not None and q.shape[0]:
         return kernels.kda_chunk(kernel, q, k, v, g, beta, initial_state, use_qk_l2norm)
     t, h, dv = v.shape
-    acc = _acc(q, v)
+    acc = accumulation_dtype_of(q, v)
     state = v.new_zeros(h, q.shape[2], dv, dtype=acc) if initial_state is None else initial_state
     if t == 0:
         return v.new_zeros(0, h, dv), state.to(acc)
     return KDA_CHUNK_OP([q, k, v, g, beta, state], chunk_size, use_qk_l2norm)
 
 
-def _acc(q, v) -> torch.dtype:
-    return torch.float64 if torch.float64 in (q.dtype, v.dtype) else accumulation_dtype(v.dtype)
-
-
 def _torch_chunk(q, k, v, g, beta, initial_state, *, chunk_size: int, flag: bool):
     """The torch path of `chunk_kda` (T >= 1, a given initial state; `flag`: use_qk_l2norm):
     the implementation of the registered op `longstraw::kda_chunk`."""
     t, h, dv = v.shape
-    acc = _acc(q, v)
+    acc = accumulation_dtype_of(q, v)
     state = initial_state.to(acc)
     q, k = _prepare(q, k, acc, flag)
     c = chunk_size
@@ -130,7 +126,7 @@ def _torch_chunk(q, k, v, g, beta, initial_state, *, chunk_size: int, flag: bool
 def _fake_chunk(q, k, v, g, beta, initial_state, *, chunk_size: int, flag: bool):
     """`longstraw::kda_chunk`'s fake: out [T, H, Dv] in v's dtype, state [H, Dk, Dv] in acc."""
     t, h, dv = v.shape
-    return v.new_empty(t, h, dv), v.new_empty(h, q.shape[2], dv, dtype=_acc(q, v))
+    return v.new_empty(t, h, dv), v.new_empty(h, q.shape[2], dv, dtype=accumulation_dtype_of(q, v))
 
 
 KDA_CHUNK_OP = register_chunk_op("kda_chunk", _torch_chunk, _fake_chunk)
@@ -152,7 +148,7 @@ def kda_step(q, k, v, g, beta, state, *, use_qk_l2norm: bool = True, allow_kerne
     if allow_kernel and not kernels.needs_grad(q, k, v, g, beta, state):
         if (kernel := kernels.pick("fused_recurrent_kda", q, k, v)) is not None:
             return kernels.kda_decode(kernel, q, k, v, g, beta, state, use_qk_l2norm)
-    acc = torch.float64 if torch.float64 in (q.dtype, v.dtype, state.dtype) else accumulation_dtype(v.dtype)
+    acc = accumulation_dtype_of(q, v, state)
     q, k = _prepare(q, k, acc, use_qk_l2norm)
     state = state.to(acc) * g.to(acc).exp()[..., None]  # decay each key channel
     delta = (v.to(acc) - torch.einsum("bhk,bhkv->bhv", k, state)) * beta.to(acc)[..., None]
@@ -177,7 +173,7 @@ def kda_transition(q, k, v, g, beta, *, chunk_size: int = 64, use_qk_l2norm: boo
     """
     t, h, dv = v.shape
     dk = q.shape[-1]
-    acc = torch.float64 if torch.float64 in (q.dtype, v.dtype) else accumulation_dtype(v.dtype)
+    acc = accumulation_dtype_of(q, v)
     eye = torch.eye(dk, dtype=acc, device=v.device).expand(h, dk, dk)
     start = torch.cat([eye, torch.zeros(h, dk, dv, dtype=acc, device=v.device)], dim=-1)  # (H, Dk, Dk + Dv)
     values = torch.cat([torch.zeros(t, h, dk, dtype=acc, device=v.device), v.to(acc)], dim=-1)  # (T, H, Dk + Dv)

@@ -92,12 +92,18 @@ def forced():
         _forced -= 1
 
 
-def kernel_tensors(*tensors: torch.Tensor) -> bool:
-    """True when every tensor is on CUDA in half precision: the inputs LongStraw sends
-    to the kernels. With `forcing()`: float32 or half on any device."""
+def suits(device_type: str, dtype: torch.dtype) -> bool:
+    """True when a tensor on `device_type` in `dtype` is one LongStraw sends to the
+    kernels: on CUDA in half precision. With `forcing()`: float32 or half on any device.
+    The planner's kernel choice asks the same (`budget.gdn_kernel`)."""
     if forcing():
-        return all(t.dtype in HALF or t.dtype == torch.float32 for t in tensors)
-    return all(t.is_cuda and t.dtype in HALF for t in tensors)
+        return dtype in HALF or dtype == torch.float32
+    return device_type == "cuda" and dtype in HALF
+
+
+def kernel_tensors(*tensors: torch.Tensor) -> bool:
+    """True when every tensor `suits` the kernels (on CUDA in half precision, or forced)."""
+    return all(suits(t.device.type, t.dtype) for t in tensors)
 
 
 def pick(name: str, *tensors: torch.Tensor):

@@ -33,17 +33,12 @@ from __future__ import annotations
 
 import torch
 
-from longstraw.tensors import accumulation_dtype
+from longstraw.tensors import accumulation_dtype_of
 
 from . import kernels
 from .kernels import heads_of_groups
 from .gated_delta import to_chunks
 from .registered import register_chunk_op
-
-
-def _acc(*xs) -> torch.dtype:
-    return torch.float64 if any(x is not None and x.dtype == torch.float64 for x in xs) \
-        else accumulation_dtype(xs[0].dtype)
 
 
 def _check(x, dt, a, b, c, state, batch: bool):
@@ -82,7 +77,7 @@ def chunk_ssd_scan(x, dt, a, b, c, initial_state=None, *, chunk_size: int = 64, 
     """
     _check(x, dt, a, b, c, initial_state, batch=False)
     t, h, p = x.shape
-    acc = _acc(x, dt, b, initial_state)
+    acc = accumulation_dtype_of(x, dt, b, initial_state)
     n_state = b.shape[2]
     state = x.new_zeros(h, p, n_state, dtype=acc) if initial_state is None else initial_state.to(acc)
     if t == 0:
@@ -96,7 +91,7 @@ def _torch_chunk(x, dt, a, b, c, initial_state, *, chunk_size: int, flag: bool):
     """The torch path of `chunk_ssd_scan` (T >= 1, a given initial state; `flag` unused):
     the implementation of the registered op `longstraw::ssd_chunk`."""
     t, h, p = x.shape
-    acc = _acc(x, dt, b, initial_state)
+    acc = accumulation_dtype_of(x, dt, b, initial_state)
     state = initial_state.to(acc)
     dt = dt.to(acc)
     xs = x.to(acc) * dt[..., None]  # (T, H, P) dt_j x_j
@@ -125,7 +120,7 @@ def _torch_chunk(x, dt, a, b, c, initial_state, *, chunk_size: int, flag: bool):
 def _fake_chunk(x, dt, a, b, c, initial_state, *, chunk_size: int, flag: bool):
     """`longstraw::ssd_chunk`'s fake: y [T, H, P] and state [H, P, N], both in acc."""
     t, h, p = x.shape
-    acc = _acc(x, dt, b, initial_state)
+    acc = accumulation_dtype_of(x, dt, b, initial_state)
     return x.new_empty(t, h, p, dtype=acc), x.new_empty(h, p, b.shape[2], dtype=acc)
 
 
@@ -145,7 +140,7 @@ def ssd_step(x, dt, a, b, c, state):
     """
     _check(x, dt, a, b, c, state, batch=True)
     h = x.shape[1]
-    acc = _acc(x, dt, b, state)
+    acc = accumulation_dtype_of(x, dt, b, state)
     dt = dt.to(acc)
     b, c = heads_of_groups(b.to(acc), h), heads_of_groups(c.to(acc), h)  # (B, H, N)
     decay = (dt * a.to(acc)).exp()[..., None, None]  # (B, H, 1, 1)
