@@ -119,7 +119,8 @@ def walk_recompute_working(s, tokens: int, keys: int) -> float:
     (tests/test_plan_live.py)."""
     a = s.arch
     kept, moment, _ = recompute_pass(a, tokens, keys, s.config.attention_block_size, s.b, s.acc,
-                                     s.config.self_attention != "flash", s.config.gdn_kernel)
+                                     s.config.self_attention != "flash", s.config.gdn_kernel,
+                                     last_output_reached=False, mlp_backward=True)  # no loss on the prompt's tokens
     last = a.layers[-1]
     path = own_state_path_bytes_per_token(a, last)
     whole = graph_bytes_per_token(a, last, s.b, s.config.gdn_kernel)

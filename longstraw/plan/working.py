@@ -307,7 +307,7 @@ def autograd_pass(arch: Arch, tokens: int, keys: int, block: int, b: int, acc: i
 
 
 def recompute_pass(arch: Arch, tokens: int, keys: int, block: int, b: int, acc: int, dense_self: bool,
-                   gdn_kernel: str):
+                   gdn_kernel: str, last_output_reached: bool = True, mlp_backward: bool = False):
     """(kept, layer moment, layer graph) bytes of `tokens` queries run with autograd, each
     decoder layer recomputed in backward (`models/recompute.py`).
 
@@ -320,13 +320,25 @@ def recompute_pass(arch: Arch, tokens: int, keys: int, block: int, b: int, acc: 
     no-grad figure). Layer graph: the largest layer's graph. Dense self part: a layer's
     [heads, T, T] scores join both. Check (one detached step, P = 512, R = 1,024 in one
     piece, logits chunk 256, fp32; planner / live tensors): tiny qwen3 1.04, qwen3_5
-    1.08, glm_moe_dsa 1.07 (`tests/test_plan_live.py`)."""
+    1.08, glm_moe_dsa 1.07 (`tests/test_plan_live.py`).
+
+    `last_output_reached=False` (exact mode's reverse walk: no loss on the prompt's own
+    tokens): the last layer's output reaches no root, so its attention / MLA backward never
+    runs (only its own K/V or latent rows, and a recurrent layer's state, are roots): its
+    moment is its graph, without the attention transient. Found on tiny qwen3_5, whose one
+    attention layer is the last: the walk's live peak held no attention tiles, and the
+    planner was 1.22x it. `mlp_backward=True` adds a dense MLP's backward moment (the
+    layer's graph and three [T, intermediate] gradients in acc: d(act*up), d act, d up) for
+    every layer whose output is reached; that walk's live peak was there (tiny qwen3_5:
+    [2048, 768] float32 gradients of the MLP products). Only the walk passes it (the replay's
+    figure was checked without it)."""
     kept = tokens * (len(arch.layers) + 3 + 1) * arch.hidden * b
     moment = graph = 0.0
-    for layer in arch.layers:
+    for i, layer in enumerate(arch.layers):
         g = tokens * graph_bytes_per_token(arch, layer, b, gdn_kernel)
         g += self_scores(arch, layer, tokens, acc) if dense_self else 0.0
-        attn = attention_working(arch, layer, tokens, keys, block, acc, backward=True, b=b)
+        unreached = not last_output_reached and i == len(arch.layers) - 1 and layer.mixer in ("attention", "mla")
+        attn = 0.0 if unreached else attention_working(arch, layer, tokens, keys, block, acc, backward=True, b=b)
         mixer = g - tokens * mlp_graph_bytes_per_token(arch, layer, b) + attn
         if layer.mixer == "gdn":  # the chunked kernel's backward transient, with the layer's graph alive
             back = recurrent_backward_bytes_per_token(arch, layer, b, gdn_kernel)
@@ -334,6 +346,8 @@ def recompute_pass(arch: Arch, tokens: int, keys: int, block: int, b: int, acc: 
                 mixer = g - tokens * mlp_graph_bytes_per_token(arch, layer, b) + tokens * back
             else:
                 mixer = g + tokens * gdn_kernel_bytes_per_token(arch, b, gdn_kernel, graph=False)
+        if mlp_backward and layer.mlp == "dense" and not (not last_output_reached and i == len(arch.layers) - 1):
+            mixer = max(mixer, g + 3 * tokens * arch.intermediate * acc)
         moment, graph = max(moment, g, mixer), max(graph, g)
     return kept, moment, graph
 
