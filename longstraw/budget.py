@@ -92,7 +92,8 @@ def _lora(model) -> tuple[int | None, str]:
 
 
 def fit_config(model, *, memory_budget, prompt_tokens: int, group: int, response_tokens: int,
-               mode: str = "detached", held_states: int = 0, process_group=None, **fixed) -> ExecConfig:
+               mode: str = "detached", held_states: int = 0, generate: bool = False, process_group=None,
+               **fixed) -> ExecConfig:
     """The fastest `ExecConfig` whose step fits `memory_budget` above the loaded model.
 
     Args:
@@ -108,6 +109,10 @@ def fit_config(model, *, memory_budget, prompt_tokens: int, group: int, response
             keeps a generation batch's states until their updates): each adds the
             planner's state bytes per rank, and in exact mode its recurrent snapshots on
             the device, to what the budget holds (`held_state_bytes`). Default 0.
+        generate: the responses are sampled by `Engine.generate` (G branches decoding
+            together from the prompt state, `plan/generate.py`): its phase must fit too.
+            `longstraw train` and the TRL trainer pass True. Default False (a step of
+            given responses).
         process_group: with `context_parallel=True`, the ranks that share the prompt (as
             `Engine(process_group=)`); None: the default group.
         **fixed: ExecConfig fields to pin (e.g. `branch_chunk_size=2048`,
@@ -123,6 +128,8 @@ def fit_config(model, *, memory_budget, prompt_tokens: int, group: int, response
     """
     if not isinstance(held_states, int) or held_states < 0:
         raise ConfigError(f"fit_config: held_states must be an int >= 0, got {held_states!r}")
+    if not isinstance(generate, bool):
+        raise ConfigError(f"fit_config: generate must be True or False, got {generate!r}")
     unknown = set(fixed) - set(ExecConfig.__dataclass_fields__)
     if unknown:
         raise ConfigError(f"fit_config: unknown ExecConfig field(s) {sorted(unknown)}")
@@ -143,14 +150,14 @@ def fit_config(model, *, memory_budget, prompt_tokens: int, group: int, response
         pinned |= {"keep_attention_outputs"}                             # on CPU's fused kernel only so far
     base = PlanConfig(prompt_tokens=prompt_tokens, group=group, response_tokens=response_tokens, mode=mode,
                       gpus=world, dtype=dtype, lora_rank=rank, lora_targets=targets, offload_state=offload,
-                      gdn_kernel=gdn_kernel(device, dtype), reserve=0, **plan_fixed)
+                      gdn_kernel=gdn_kernel(device, dtype), reserve=0, generate=generate, **plan_fixed)
     cfg = planner_config(model)
     held = estimate(cfg, base)  # the model, its gradients and the optimizer: outside the budget
     outside = held["param_bytes"] + held["grad_bytes"] + held["optimizer_bytes"]
     reserve = _reserve(budget)
     result, others = _search_beside_held(cfg, base, pinned, budget, outside, held_states, held)
     if not hasattr(result, "config"):
-        step = f"P={prompt_tokens:,}, G={group}, R={response_tokens:,}, mode={mode!r}"
+        step = f"P={prompt_tokens:,}, G={group}, R={response_tokens:,}, mode={mode!r}" + (", generated" if generate else "")
         if held_states:
             step += f", {held_states} other prompt state(s) held ({int(others):,} B)"
         what = _does_not_fit(result, memory_budget, budget, outside - others, step, reserve)

@@ -204,6 +204,14 @@ class PlanConfig:
     image_tokens: int = 0
     """Merged tokens of the largest image (HF's t * h * w / merge^2): each image counts this many."""
 
+    generate: bool = False
+    """The step's responses are sampled by `Engine.generate` from the state the step then
+    reuses (`step(group, state=rollout.state)`, as `longstraw train` and the TRL trainer
+    do): adds the 'generate' phase, the G branches decoding together (their own state for
+    R + 1 positions, the logits and sampling temporaries, `plan/generate.py`). The search
+    then offers no kept capture graphs or attention outputs (generate's capture keeps
+    neither, so a step reusing its state has none)."""
+
     tree: object = None
     """A prefix tree of the responses (`plan/tree.py`): levels [(segment_tokens, fan_out), ...]
     below the prompt, e.g. [(2048, 1), (256, 8)] (8 responses share 2,048 tokens, then 256
@@ -241,6 +249,8 @@ class PlanConfig:
         if self.offload_snapshots is not None and not isinstance(self.offload_snapshots, bool):
             raise ConfigError(f"PlanConfig.offload_snapshots must be True, False or None, got "
                               f"{self.offload_snapshots!r}")
+        if not isinstance(self.generate, bool):
+            raise ConfigError(f"PlanConfig.generate must be True or False, got {self.generate!r}")
         if isinstance(self.score_passes, bool) or not isinstance(self.score_passes, int) or self.score_passes < 0:
             raise ConfigError(f"PlanConfig.score_passes must be an int >= 0, got {self.score_passes!r}")
         if not (isinstance(self.host_bandwidth_gbs, (int, float)) and math.isfinite(self.host_bandwidth_gbs)

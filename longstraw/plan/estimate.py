@@ -23,6 +23,7 @@ from .comm import plan_comm
 from .timing import plan_time
 from .tree_cost import plan_tree_replay, tree_report, tree_timing
 from .vision import plan_vision, vision_report
+from .generate import generate_report, plan_generate
 
 
 def walk_chunk_count(s, walk) -> int:
@@ -51,7 +52,8 @@ def estimate(model, config: PlanConfig) -> dict:
     score = score_working(s)
     offload = plan_offload(s, state, replay, capture)
     vision = plan_vision(s)
-    peak = plan_peak(s, state, weights, replay, capture, walk, offload, score, vision)
+    generate = plan_generate(s)
+    peak = plan_peak(s, state, weights, replay, capture, walk, offload, score, vision, generate)
     timing = plan_time(s, divided=capture.divided, divided_walk=walk.divided, walk_chunk=walk.chunk,
                        held=replay.held, chunks=walk.chunks, kept_chunks=walk.kept_chunks, offload=offload.figures,
                        recompute=replay.recompute, walk_recompute=walk.recompute,
@@ -69,6 +71,7 @@ def estimate(model, config: PlanConfig) -> dict:
                      offload_bytes=offload.figures["traffic_bytes"] if offload.figures else 0.0)
     report = build_report(s, state, weights, replay, capture, walk, offload, score, peak, timing)
     report.update(vision_report(vision))
+    report.update(generate_report(generate))
     if vision is not None:
         report["assumptions"] += list(vision.assumptions)
     report["comm"] = comm.as_dict()

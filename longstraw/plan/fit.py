@@ -174,12 +174,14 @@ def search(model, base: PlanConfig, pinned=()) -> Fit | NoFit:
     if best is None:
         return _no_fit(model, base, pinned, plan, pieces, chunks)
     _, c, r = best
-    if c.mode == "exact" and not c.offload_state and "keep_attention_outputs" not in pinned:
+    # kept attention outputs and capture graphs: not with generate, whose capture (the state the
+    # step reuses) keeps neither
+    if c.mode == "exact" and not c.offload_state and not c.generate and "keep_attention_outputs" not in pinned:
         outputs = replace(c, keep_attention_outputs=True)  # the walk without a second attention over the prompt
         ro = plan(outputs)
         if _fits(ro, budget) and ro["estimated_time_s"] < r["estimated_time_s"]:
             c, r = outputs, ro
-    if c.mode == "exact" and not c.offload_state and "keep_graph_bytes" not in pinned:
+    if c.mode == "exact" and not c.offload_state and not c.generate and "keep_graph_bytes" not in pinned:
         spare = budget - r["peak_bytes_per_rank"]
         for share in (1.0, 0.5, 0.25):  # kept capture graphs in the memory left over
             kept = replace(c, keep_graph_bytes=int(spare * share) + c.keep_graph_bytes)
