@@ -92,8 +92,8 @@ def _lora(model) -> tuple[int | None, str]:
 
 
 def fit_config(model, *, memory_budget, prompt_tokens: int, group: int, response_tokens: int,
-               mode: str = "detached", held_states: int = 0, generate: bool = False, process_group=None,
-               **fixed) -> ExecConfig:
+               mode: str = "detached", held_states: int = 0, generate: bool = False, images: int = 0,
+               image_tokens: int = 0, prompt_inputs: dict | None = None, process_group=None, **fixed) -> ExecConfig:
     """The fastest `ExecConfig` whose step fits `memory_budget` above the loaded model.
 
     Args:
@@ -113,6 +113,12 @@ def fit_config(model, *, memory_budget, prompt_tokens: int, group: int, response
             together from the prompt state, `plan/generate.py`): its phase must fit too.
             `longstraw train` and the TRL trainer pass True. Default False (a step of
             given responses).
+        images / image_tokens: a VLM's prompt images (Qwen3.5 / 3.6): N images of at most T
+            merged tokens each (HF's t * h * w / merge^2). Their rows, exact mode's row
+            gradient and one image's tower pass are planned (`plan/vision.py`); the
+            tower's weights, gradients and Adam state are the model's (outside the budget).
+        prompt_inputs: instead of images / image_tokens, the prompt's inputs as
+            `Group.prompt_inputs` (their `image_grid_thw` gives N and the largest T).
         process_group: with `context_parallel=True`, the ranks that share the prompt (as
             `Engine(process_group=)`); None: the default group.
         **fixed: ExecConfig fields to pin (e.g. `branch_chunk_size=2048`,
@@ -133,6 +139,7 @@ def fit_config(model, *, memory_budget, prompt_tokens: int, group: int, response
     unknown = set(fixed) - set(ExecConfig.__dataclass_fields__)
     if unknown:
         raise ConfigError(f"fit_config: unknown ExecConfig field(s) {sorted(unknown)}")
+    images, image_tokens = _images(model, images, image_tokens, prompt_inputs)
     device, dtype = _device_and_dtype(model)
     budget = parse_budget(memory_budget, device)
     cp = bool(fixed.get("context_parallel", False))
@@ -150,14 +157,19 @@ def fit_config(model, *, memory_budget, prompt_tokens: int, group: int, response
         pinned |= {"keep_attention_outputs"}                             # on CPU's fused kernel only so far
     base = PlanConfig(prompt_tokens=prompt_tokens, group=group, response_tokens=response_tokens, mode=mode,
                       gpus=world, dtype=dtype, lora_rank=rank, lora_targets=targets, offload_state=offload,
-                      gdn_kernel=gdn_kernel(device, dtype), reserve=0, generate=generate, **plan_fixed)
+                      gdn_kernel=gdn_kernel(device, dtype), reserve=0, generate=generate, images=images,
+                      image_tokens=image_tokens, **plan_fixed)
     cfg = planner_config(model)
     held = estimate(cfg, base)  # the model, its gradients and the optimizer: outside the budget
-    outside = held["param_bytes"] + held["grad_bytes"] + held["optimizer_bytes"]
+    # (and a VLM tower's weights, gradients and Adam state: the vision static less the image rows)
+    outside = (held["param_bytes"] + held["grad_bytes"] + held["optimizer_bytes"] + held["vision_static_bytes"]
+               - held["vision_rows_bytes"])
     reserve = _reserve(budget)
     result, others = _search_beside_held(cfg, base, pinned, budget, outside, held_states, held)
     if not hasattr(result, "config"):
         step = f"P={prompt_tokens:,}, G={group}, R={response_tokens:,}, mode={mode!r}" + (", generated" if generate else "")
+        if images:
+            step += f", {images} image(s) of <= {image_tokens:,} tokens"
         if held_states:
             step += f", {held_states} other prompt state(s) held ({int(others):,} B)"
         what = _does_not_fit(result, memory_budget, budget, outside - others, step, reserve)
@@ -174,6 +186,29 @@ def fit_config(model, *, memory_budget, prompt_tokens: int, group: int, response
         raise AssertionError(f"fit_config: the returned {returned} plans {int(again['peak_bytes_per_rank']):,} B, "
                              f"above the {int(budget + outside - others - reserve):,} B its search fitted")
     return returned
+
+
+def _images(model, images: int, image_tokens: int, prompt_inputs: dict | None) -> tuple[int, int]:
+    """(N images, the largest one's merged tokens) of `fit_config`'s image arguments:
+    given, or from `prompt_inputs["image_grid_thw"]` ([N, 3] of (t, h, w) patches) and the
+    model's `vision_config.spatial_merge_size`."""
+    for name, value in (("images", images), ("image_tokens", image_tokens)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ConfigError(f"fit_config: {name} must be an int >= 0, got {value!r}")
+    if prompt_inputs is None or prompt_inputs.get("image_grid_thw") is None:
+        if prompt_inputs is not None and prompt_inputs.get("pixel_values") is not None:
+            raise ConfigError("fit_config: prompt_inputs has pixel_values but no image_grid_thw (HF's processor "
+                              "returns both)")
+        return images, image_tokens
+    if images or image_tokens:
+        raise ConfigError("fit_config: give prompt_inputs or images / image_tokens, not both")
+    vision = getattr(getattr(model, "config", None), "vision_config", None)
+    if vision is None:
+        raise ConfigError(f"fit_config: prompt_inputs has images, but {type(model).__name__} has no vision_config "
+                          "(images run on Qwen3.5 / 3.6 ...ForConditionalGeneration models)")
+    grid = torch.as_tensor(prompt_inputs["image_grid_thw"]).reshape(-1, 3)
+    tokens = (grid.prod(-1) // int(vision.spatial_merge_size) ** 2).tolist()
+    return len(tokens), int(max(tokens, default=0))
 
 
 def _search_beside_held(cfg, base: PlanConfig, pinned: set, budget: int, outside: float, held_states: int,

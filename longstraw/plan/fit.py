@@ -282,7 +282,7 @@ def _no_fit(model, base: PlanConfig, pinned: set, plan, pieces, chunks) -> NoFit
             pass
         w *= 2
     p = base.prompt_tokens // 2
-    while p >= 1024:  # a smaller prompt
+    while p >= 1024 and p > lean.images * (lean.image_tokens + 2):  # a smaller prompt (that holds its images)
         if _fits(plan(replace(lean, prompt_tokens=p)), budget):
             suggestions.append(f"--prompt-tokens {p} (P halved until it fits)")
             changes.append({"prompt_tokens": p})
