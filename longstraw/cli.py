@@ -66,7 +66,7 @@ _SEARCHED_FLAGS = {"mode": "--mode", "branch_chunk_size": "--branch-chunk-size",
                    "recompute_layers": "--recompute-layers", "offload_state": "--offload-state",
                    "offload_snapshots": "--offload-snapshots", "expert_parallel": "--expert-parallel",
                    "shard_params": "--shard-params", "keep_graph_bytes": "--keep-graph-bytes",
-                   "divide_capture": "--replicate-capture"}
+                   "divide_capture": "--replicate-capture", "divide_walk": "--replicate-walk"}
 """The flags of the fields `--fit` searches: one given on the command line pins its field."""
 
 

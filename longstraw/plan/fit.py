@@ -6,8 +6,10 @@ The space (each option the caller did not pin):
   * memory savers that cost time: layer-wise recompute (replay and the exact walk), state
     offload (`state_device="cpu"`), exact mode's snapshots on host, expert parallelism,
     parameter sharding (FSDP2), a replicated capture (`divide_capture=False`: chunked,
-    where a divided capture holds a rank's share of each layer at once);
-  * sizes: replay pieces (`branch_chunk_size`) and the capture chunk (`chunk_size`);
+    where a divided capture holds a rank's share of each layer at once), a replicated
+    exact walk (`divide_walk=False`: no gathered rows of the chunk's other ranks);
+  * sizes: replay pieces (`branch_chunk_size`) and the capture chunk (`chunk_size`,
+    512 to 16,384: exact mode's recurrent snapshots shrink as P / chunk);
   * exact mode's `keep_attention_outputs` and `keep_graph_bytes`, which spend spare memory
     to save the walk's attention forward and its whole recomputed forward;
   * `mode`, only when it is free (detached is always the faster).
@@ -40,11 +42,25 @@ from .estimate import estimate
 from .gpus import load_gpus
 
 SEARCHED = ("mode", "branch_chunk_size", "chunk_size", "recompute_layers", "offload_state", "offload_snapshots",
-            "expert_parallel", "shard_params", "keep_graph_bytes", "keep_attention_outputs", "divide_capture")
+            "expert_parallel", "shard_params", "keep_graph_bytes", "keep_attention_outputs", "divide_capture",
+            "divide_walk")
 """The PlanConfig fields the search may set."""
 
 PIECES = (8192, 4096, 2048, 1024, 512, 256)
-CHUNKS = (4096, 2048, 1024, 512)
+CHUNKS = (16384, 8192, 4096, 2048, 1024, 512)
+USUAL_CHUNK_MAX = 4096
+"""The search scans chunks up to this (and the given one) first, largest first: a larger
+capture chunk does not make the planner's step faster and holds a larger working set.
+Exact mode then tries the larger ones of `CHUNKS`, smallest first, where none of those
+fits: its recurrent snapshots shrink as P / chunk. Detached mode never (no snapshots)."""
+
+
+def chunks_of(c: PlanConfig, chunks: list) -> list:
+    """The chunks of `chunks` the search scans for configuration `c`, in scan order."""
+    usual = [ch for ch in chunks if ch <= USUAL_CHUNK_MAX or ch == c.chunk_size]
+    if c.mode != "exact":
+        return usual or chunks
+    return usual + sorted(set(chunks) - set(usual))
 
 
 @dataclass
@@ -117,9 +133,12 @@ def _savers(model, base: PlanConfig, pinned: set) -> list[dict]:
         choices["shard_params"] = [False, True]
     if "divide_capture" not in pinned and base.gpus >= 2:  # a divided capture holds a rank's share of a
         choices["divide_capture"] = [True, False]           # layer at once: at 10M tokens more than a chunk
+    if "divide_walk" not in pinned and base.gpus >= 2 and exact_ok:  # a replicated walk holds no gathered rows
+        choices["divide_walk"] = [True, False]
     names = list(choices)
     combos = [dict(zip(names, values)) for values in itertools.product(*(choices[n] for n in names))]
-    return [c for c in combos if not (c.get("mode", base.mode) == "detached" and c.get("offload_snapshots"))]
+    return [c for c in combos if not (c.get("mode", base.mode) == "detached"
+                                      and (c.get("offload_snapshots") or c.get("divide_walk") is False))]
 
 
 class _Planner:
@@ -153,10 +172,11 @@ def search(model, base: PlanConfig, pinned=()) -> Fit | NoFit:
         cfg = replace(base, **combo)
         if cfg.offload_state and cfg.keep_graph_bytes:
             continue
+        mine = chunks_of(cfg, chunks)
         if not any(_fits(plan(replace(cfg, branch_chunk_size=pieces[-1], chunk_size=ch)), budget)
-                   for ch in reversed(chunks)):  # the smallest chunk first: usually the leanest
+                   for ch in reversed(mine)):  # the smallest chunk first: usually the leanest
             continue
-        fast = plan(replace(cfg, branch_chunk_size=pieces[0], chunk_size=chunks[0]))
+        fast = plan(replace(cfg, branch_chunk_size=pieces[0], chunk_size=mine[0]))
         candidates.append((fast["estimated_time_s"], combo))
     candidates.sort(key=lambda x: x[0])
     best = None  # (time, config, report)
@@ -164,7 +184,7 @@ def search(model, base: PlanConfig, pinned=()) -> Fit | NoFit:
         if best is not None and bound >= best[0]:
             break
         cfg = replace(base, **combo)
-        for p, ch in itertools.product(pieces, chunks):
+        for p, ch in itertools.product(pieces, chunks_of(cfg, chunks)):
             c = replace(cfg, branch_chunk_size=p, chunk_size=ch)
             r = plan(c)
             if _fits(r, budget):
@@ -216,7 +236,7 @@ def _with_slack(plan, cfg: PlanConfig, r: dict) -> PlanConfig:
 def _leanest(plan, cfg: PlanConfig, pieces, chunks) -> tuple[PlanConfig, dict]:
     """`cfg` at its smallest pieces and the chunk of the smallest peak, and its plan."""
     leanest = None
-    for ch in chunks:
+    for ch in chunks_of(cfg, chunks):
         c = replace(cfg, branch_chunk_size=pieces[-1], chunk_size=ch)
         r = plan(c)
         if leanest is None or r["peak_bytes_per_rank"] < leanest[1]["peak_bytes_per_rank"]:
@@ -319,6 +339,8 @@ def flags(c: PlanConfig) -> list[str]:
                                     ("shard_params", "--shard-params")) if getattr(c, name)]
     if not c.divide_capture:
         out.append("--replicate-capture")
+    if not c.divide_walk and c.mode == "exact":
+        out.append("--replicate-walk")
     if c.keep_graph_bytes:
         out += ["--keep-graph-bytes", str(c.keep_graph_bytes)]
     if c.keep_attention_outputs:
