@@ -51,7 +51,7 @@ _SEARCHABLE = {"mode": "mode", "chunk_size": "chunk_size", "branch_chunk_size": 
                "recompute_layers": "recompute_layers", "offload_snapshots": "offload_snapshots",
                "expert_parallel": "expert_parallel", "keep_graph_bytes": "keep_graph_bytes",
                "keep_attention_outputs": "keep_attention_outputs"}
-_PLAN_ONLY = {"attention_block_size", "logits_chunk_size", "divide_capture", "divide_walk"}
+_PLAN_ONLY = {"attention_block_size", "logits_chunk_size", "divide_capture", "divide_walk", "shard_block_size"}
 
 
 def parse_budget(memory_budget, device: torch.device) -> int:

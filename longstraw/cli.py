@@ -59,7 +59,8 @@ _PLAN_FIELDS = ("prompt_tokens", "group", "response_tokens", "mode", "gpus", "gp
                 "logits_chunk_size", "self_attention", "gdn_kernel", "grads_during_capture", "shard_params",
                 "expert_parallel", "offload_state", "host_bandwidth_gbs", "score_passes", "keep_graph_bytes",
                 "keep_attention_outputs", "throughput_tflops", "recompute_layers", "divide_capture", "divide_walk", "tree", "offload_snapshots",
-                "gpu", "gpus_per_node", "intra_node_gbs", "inter_node_gbs", "data_parallel", "images", "image_tokens", "generate")
+                "gpu", "gpus_per_node", "intra_node_gbs", "inter_node_gbs", "data_parallel", "images", "image_tokens", "generate",
+                "shard_block_size")
 
 
 _SEARCHED_FLAGS = {"mode": "--mode", "branch_chunk_size": "--branch-chunk-size", "chunk_size": "--chunk-size",
@@ -231,6 +232,9 @@ def _add_fit_flags(p) -> None:
     p.add_argument("--images", type=int, default=0, help="images in the prompt (Qwen3.5 / 3.6): adds the vision "
                    "tower's parameters, the image rows the state keeps and the largest image's working set")
     p.add_argument("--image-tokens", type=int, default=0, help="merged tokens of the largest image (with --images)")
+    p.add_argument("--shard-block-size", type=int, default=None, help="context parallelism: positions per "
+                   "round-robin block of the state's deal over the ranks (ExecConfig.shard_block_size; default: "
+                   "--attention-block-size)")
     p.add_argument("--generate", action="store_true", help="the responses are sampled by Engine.generate from the "
                    "state the step reuses (longstraw train, the TRL trainer): adds the 'generate' phase, the G branches "
                    "decoding together (plan/generate.py)")

@@ -89,6 +89,12 @@ class PlanConfig:
     where a piece's graph would exceed twice the weights + gradients + state the step
     holds anyway; `--fit` turns it on where the budget needs it)."""
 
+    shard_block_size: int | None = None
+    """Context parallelism: prompt positions per round-robin block of the deal
+    (`ExecConfig.shard_block_size`): which rank owns a position, the fullest rank's share,
+    whether every rank owns a block (a divided capture or walk), and the divided passes'
+    traffic. None: `attention_block_size` (as the engine)."""
+
     logits_chunk_size: int = defaults.LOGITS_CHUNK_SIZE
     """Response tokens per lm_head + log-softmax chunk (ExecConfig)."""
 
@@ -240,7 +246,7 @@ class PlanConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ConfigError(f"PlanConfig.{name} must be a positive int, got {value!r}")
-        for name in ("lora_rank", "branch_chunk_size"):
+        for name in ("lora_rank", "branch_chunk_size", "shard_block_size"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise ConfigError(f"PlanConfig.{name} must be a positive int or None, got {value!r}")
@@ -345,6 +351,12 @@ class Basis:
         return self.config.mode == "exact"
 
     @property
+    def block(self) -> int:
+        """Positions per block of the deal over the ranks (`PlanConfig.shard_block_size`,
+        else the attention block, as the engine's `rank_shard`)."""
+        return self.deal.block
+
+    @property
     def every_rank_owns(self) -> bool:
         """Every rank holds a position of the P - 1 captured ones (the engine's condition
         for dividing capture or the walk)."""
@@ -371,7 +383,7 @@ def resolve(model, config: PlanConfig) -> Basis:
                           "the Qwen3.5 / 3.6 families (docs/vision.md)")
     if c.gpus > 1:
         arch = replace(arch, context_ranks=c.gpus)
-    deal = Deal(c.gpus, c.attention_block_size)
+    deal = Deal(c.gpus, c.shard_block_size or c.attention_block_size)
     return Basis(name=name, cfg=cfg, preset=preset, arch=arch, config=c,
                  params=count_parameters(arch, c.lora_rank, c.lora_targets), dtype=dtype, wdt=wdt, b=b,
                  acc=8 if dtype == "float64" else 4, rb=max(4, b), P=c.prompt_tokens, R=c.response_tokens,

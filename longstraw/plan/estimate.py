@@ -31,7 +31,7 @@ def walk_chunk_count(s, walk) -> int:
     short last chunk in which some rank owns no block joins the one before), else P - 1 in
     chunks of `walk.chunk`."""
     if walk.divided:
-        return len(walk_chunk_bounds(s.P - 1, s.config.chunk_size, s.W, s.config.attention_block_size,
+        return len(walk_chunk_bounds(s.P - 1, s.config.chunk_size, s.W, s.block,
                                      bool(s.arch.count(mixer="gdn"))))
     return -(-max(s.P - 1, 1) // walk.chunk)
 

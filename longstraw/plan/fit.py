@@ -343,6 +343,8 @@ def flags(c: PlanConfig) -> list[str]:
         out.append("--replicate-walk")
     if c.keep_graph_bytes:
         out += ["--keep-graph-bytes", str(c.keep_graph_bytes)]
+    if c.shard_block_size is not None:
+        out += ["--shard-block-size", str(c.shard_block_size)]
     if c.keep_attention_outputs:
         out.append("--keep-attention-outputs")
     return out
@@ -356,7 +358,8 @@ def exec_config(c: PlanConfig) -> dict:
             "recompute_layers": c.recompute_layers, "offload_snapshots": c.offload_snapshots,
             "state_device": "cpu" if c.offload_state else None, "expert_parallel": c.expert_parallel,
             "context_parallel": c.gpus > 1, "keep_graph_bytes": c.keep_graph_bytes,
-            "keep_attention_outputs": c.keep_attention_outputs, "divide_capture": c.divide_capture, "divide_walk": c.divide_walk}
+            "keep_attention_outputs": c.keep_attention_outputs, "divide_capture": c.divide_capture, "divide_walk": c.divide_walk,
+            "shard_block_size": c.shard_block_size}
 
 
 def exec_config_text(c: PlanConfig) -> str:
@@ -367,7 +370,7 @@ def exec_config_text(c: PlanConfig) -> str:
                "state_device": None, "expert_parallel": False, "context_parallel": False,
                "keep_graph_bytes": d.KEEP_GRAPH_BYTES, "keep_attention_outputs": d.KEEP_ATTENTION_OUTPUTS,
                "divide_capture": d.DIVIDE_CAPTURE,
-               "divide_walk": d.DIVIDE_WALK}
+               "divide_walk": d.DIVIDE_WALK, "shard_block_size": None}
     fields = ", ".join(f"{k}={v!r}" for k, v in exec_config(c).items() if v != default[k])
     return f"ExecConfig({fields})" + ("  + FSDP2 fully_shard of the decoder layers" if c.shard_params else "")
 

@@ -99,7 +99,7 @@ def walk_starts_of(s: Basis) -> int:
     c = s.config
     C = min(c.chunk_size, s.P)
     return walk_starts(s.P - 1, c.chunk_size, divided=walk_is_divided(s, kept_chunks(s, C)), world=s.W,
-                       block=c.attention_block_size, at_chunks=bool(s.arch.count(mixer="gdn")),
+                       block=s.block, at_chunks=bool(s.arch.count(mixer="gdn")),
                        kept_chunks=kept_chunks(s, C))
 
 
@@ -362,7 +362,7 @@ def plan_capture(s: Basis) -> CapturePlan:
         working = max(working, _divided_working(s.arch, s.p_rank, C, s.b, s.acc))
         if c.expert_parallel:  # an MoE piece holds every rank's gathered tokens (plan/experts.py)
             working = max(working, divided_moe_working(s.arch, min(C, s.p_rank), W, s.b))
-        comm = divided_capture_traffic(s.cfg, positions=P - 1, world=W, block=c.attention_block_size,
+        comm = divided_capture_traffic(s.cfg, positions=P - 1, world=W, block=s.block,
                                        chunk_size=c.chunk_size, dtype=s.dtype, exact=s.exact)
     return CapturePlan(C=C, divided=divided, working=working, comm=comm)
 
@@ -428,7 +428,7 @@ def plan_walk(s: Basis, capture: CapturePlan, graph_tok: float) -> WalkPlan:
     divided = walk_is_divided(s, kept)
     walk_chunk, comm = C, 0.0
     if divided:
-        walk_chunk = walk_chunk_tokens(P - 1, c.chunk_size, W, c.attention_block_size,
+        walk_chunk = walk_chunk_tokens(P - 1, c.chunk_size, W, s.block,
                                        bool(s.arch.count(mixer="gdn")))
         working = (divided_walk_recompute_working(
             s, walk_chunk, s.deal.fullest(walk_chunk),
@@ -439,7 +439,7 @@ def plan_walk(s: Basis, capture: CapturePlan, graph_tok: float) -> WalkPlan:
         grad_elems = (params.lora if c.lora_rank else whole_elements(s.arch, params) if c.shard_params
                       else params.total - indexer_parameters(s.arch)
                       - (expert_elements(s.arch) if c.expert_parallel else 0))  # expert slices: never summed
-        comm = divided_walk_traffic(s.cfg, positions=P - 1, world=W, block=c.attention_block_size,
+        comm = divided_walk_traffic(s.cfg, positions=P - 1, world=W, block=s.block,
                                     chunk_size=c.chunk_size, dtype=s.dtype, grad_bytes=grad_elems * s.b)
     outputs = kept_output_bytes(s, (P - 1) - min(P - 1, kept * C)) if exact and not divided else 0.0
     return WalkPlan(working=working, chunks=chunks, chunk_graph=chunk_graph, kept_chunks=kept,

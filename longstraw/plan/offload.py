@@ -176,7 +176,7 @@ def plan_offload(s: Basis, state: StatePlan, replay: ReplayPlan, capture: Captur
                            assumptions=())
     T = replay.T
     figures = offload_plan(s.arch, b=b, acc=acc, exact=exact, prompt=s.P, chunk=c.chunk_size, world=s.W,
-                           block=c.attention_block_size, group=s.G, pieces=-(-s.R // T),
+                           block=s.block, group=s.G, pieces=-(-s.R // T),
                            held_pieces=replay.held // T, score_passes=c.score_passes,
                            divided_capture=capture.divided, decode_steps=s.R if c.generate else 0)
     line = (f"offload: {figures['staged_layers']} layers' per-token rows (+ exact mode's gradient rows) in host "
