@@ -1,5 +1,6 @@
 """`plan/fit.py`'s search against an exhaustive one (issue 43): over random models, steps,
-budgets and pins, the returned config planned again fits, and when "nothing fits" is
+budgets and pins (with a generate phase, images, a replicated walk and chunks above 4,096 among
+them), the returned config planned again fits, and when "nothing fits" is
 returned no point of the (small) space the search covers fits. Torch-free."""
 
 import itertools
@@ -17,14 +18,17 @@ FREE = ("recompute_layers", "offload_state", "offload_snapshots", "shard_params"
 
 
 def _case(seed: int):
-    rng = random.Random(seed)
+    rng, extra = random.Random(seed), random.Random(1000 + seed)
     model = MODELS[seed % len(MODELS)]
     hybrid_exact = model == "qwen3.6-27b" and seed % 2  # exact snapshots, which grow as P / chunk
     base = PlanConfig(prompt_tokens=1048576 if hybrid_exact else rng.choice((65536, 262144, 1048576)),
                       group=rng.choice((2, 8)), response_tokens=rng.choice((512, 1024, 2048)),
                       gpus=rng.choice((1, 2, 4)), mode="exact" if hybrid_exact else rng.choice(("detached", "exact")),
-                      lora_rank=rng.choice((None, 16)), reserve=0)
-    pinned = {"mode"} | set(rng.sample(FREE, 5))  # two on/off options free: the product stays small
+                      lora_rank=rng.choice((None, 16)), reserve=0,
+                      # a rollout phase and (the hybrid) images, from their own draws: the other draws stay the seed's
+                      generate=extra.choice((False, True)),
+                      **(dict(images=8, image_tokens=1024) if model == "qwen3.6-27b" and extra.random() < 0.5 else {}))
+    pinned = {"mode"} | set(rng.sample(FREE, 4))  # three on/off options free: the product stays small
     for name in pinned - {"mode"}:
         values = {"recompute_layers": (False, True), "offload_state": (False, True), "shard_params": (False, True),
                   "divide_capture": (True,), "expert_parallel": (False,), "divide_walk": (True, False),
