@@ -19,11 +19,12 @@ What the engine holds while it decodes (`engine/episode.run_episodes`,
     decode step    one layer's no-grad moment for G tokens over the prompt and the
                    branch's own rows (`working.nograd_layer_bytes`), a GDN layer's stepped
                    decayed state, its write (the outer product) and the new state (3 x G x the
-                   layer's state, acc: `ops/gated_delta.gated_delta_step`'s torch form), then
+                   layer's state, acc: `ops/gated_delta.gated_delta_step`'s torch form; a DSA
+                   layer's top-k latent rows gathered once, `_shared_value_rows`), then
                    lm_head's [G, V] output
 
 The phase's working set is the branch state + the held logits + the larger of sampling
-and a decode step. Measured on tiny qwen3 and qwen3_5 (`tests/test_plan_generate.py`:
+and a decode step. Measured on tiny qwen3, qwen3_5 and glm_moe_dsa (`tests/test_plan_generate.py`:
 `LiveBytes` over the engine's "generate" phase hook).
 
 Kept capture graphs and attention outputs are still planned when set: a step that
@@ -39,6 +40,7 @@ from dataclasses import dataclass
 
 from .config import Basis
 from .memory import state_sizes
+from .arch import SPARSE_QUERY_BLOCK
 from .working import nograd_layer_bytes
 
 
@@ -74,10 +76,25 @@ def plan_generate(s: Basis) -> GeneratePlan | None:
     fused = c.self_attention != "dense"
     recurrent = a.gdn_v_heads * a.gdn_k_dim * a.gdn_v_dim * max(acc, s.rb) if a.count(mixer="gdn") else 0
     layer = max(nograd_layer_bytes(a, l, G, keys, c.attention_block_size, acc, b, c.gdn_kernel, fused=fused)
-                + (3 * G * recurrent if l.mixer == "gdn" else 0) for l in a.layers)
+                + (3 * G * recurrent if l.mixer == "gdn" else 0) - _shared_value_rows(a, l, G, keys, acc)
+                for l in a.layers)
     decode = layer + G * a.vocab * b
     return GeneratePlan(branch_state=branch, logits=logits, sampling=sampling, decode=decode,
                         working=branch + logits + max(sampling, decode))
+
+
+def _shared_value_rows(a, layer, G: int, keys: int, acc: int) -> float:
+    """What a DSA layer's decode holds less than `nograd_layer_bytes` plans for G queries:
+    that plans the gathered top-k rows of a block of queries as a key and a value block
+    ([qb, K, 2 kv_lora_rank + rope], `working.attention_working`); decode gathers all G
+    branches' rows once and reads the value as a view of them
+    (`ops/decode_attention.gathered_partial`: [G, K, kv_lora_rank + rope]). Found on tiny
+    glm_moe_dsa (P = 256, G = 8): 655 KB of gathered rows alive at the decode peak, 1.18 MB
+    planned before. Negative where G exceeds the query block."""
+    if layer.mixer != "mla" or not layer.sparse:
+        return 0.0
+    K, kl, r = min(a.index_topk, keys + G), a.kv_lora_rank, a.rope_dim
+    return (min(G, SPARSE_QUERY_BLOCK) * (2 * kl + r) - G * (kl + r)) * K * acc
 
 
 def generate_report(g: GeneratePlan | None) -> dict:
