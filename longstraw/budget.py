@@ -132,13 +132,7 @@ def fit_config(model, *, memory_budget, prompt_tokens: int, group: int, response
             changes that would fit. Raised before any work: the model is not run.
         ConfigError: a bad budget, `held_states` < 0 or an unknown field in `fixed`.
     """
-    if not isinstance(held_states, int) or held_states < 0:
-        raise ConfigError(f"fit_config: held_states must be an int >= 0, got {held_states!r}")
-    if not isinstance(generate, bool):
-        raise ConfigError(f"fit_config: generate must be True or False, got {generate!r}")
-    unknown = set(fixed) - set(ExecConfig.__dataclass_fields__)
-    if unknown:
-        raise ConfigError(f"fit_config: unknown ExecConfig field(s) {sorted(unknown)}")
+    _check_arguments(held_states, generate, fixed)
     images, image_tokens = _images(model, images, image_tokens, prompt_inputs)
     device, dtype = _device_and_dtype(model)
     budget = parse_budget(memory_budget, device)
@@ -148,31 +142,19 @@ def fit_config(model, *, memory_budget, prompt_tokens: int, group: int, response
     plan_fixed = {_SEARCHABLE[k]: v for k, v in fixed.items() if k in _SEARCHABLE}
     plan_fixed.update({k: v for k, v in fixed.items() if k in _PLAN_ONLY})
     offload = fixed.get("state_device") is not None and torch.device(fixed["state_device"]).type == "cpu"
-    pinned = set(plan_fixed) | {"mode", "shard_params"}  # FSDP2 is the caller's wrapping, not an ExecConfig field
-    if device.type == "cpu" or "state_device" in fixed:  # on CPU, host offload saves nothing
-        pinned |= {"offload_state"}
-    if world < 2:
-        pinned |= {"expert_parallel"}
-    if fused_backward_kernel(device.type, getattr(torch, dtype)) is None:  # kept attention outputs: measured
-        pinned |= {"keep_attention_outputs"}                             # on CPU's fused kernel only so far
+    pinned = _pinned(plan_fixed, fixed, device, dtype, world)
     base = PlanConfig(prompt_tokens=prompt_tokens, group=group, response_tokens=response_tokens, mode=mode,
                       gpus=world, dtype=dtype, lora_rank=rank, lora_targets=targets, offload_state=offload,
                       gdn_kernel=gdn_kernel(device, dtype), reserve=0, generate=generate, images=images,
                       image_tokens=image_tokens, **plan_fixed)
     cfg = planner_config(model)
-    held = estimate(cfg, base)  # the model, its gradients and the optimizer: outside the budget
-    # (and a VLM tower's weights, gradients and Adam state: the vision static less the image rows)
-    outside = (held["param_bytes"] + held["grad_bytes"] + held["optimizer_bytes"] + held["vision_static_bytes"]
-               - held["vision_rows_bytes"])
+    held = estimate(cfg, base)
+    outside = _model_bytes(held)
     reserve = _reserve(budget)
     result, others = _search_beside_held(cfg, base, pinned, budget, outside, held_states, held)
     if not hasattr(result, "config"):
-        step = f"P={prompt_tokens:,}, G={group}, R={response_tokens:,}, mode={mode!r}" + (", generated" if generate else "")
-        if images:
-            step += f", {images} image(s) of <= {image_tokens:,} tokens"
-        if held_states:
-            step += f", {held_states} other prompt state(s) held ({int(others):,} B)"
-        what = _does_not_fit(result, memory_budget, budget, outside - others, step, reserve)
+        what = _does_not_fit(result, memory_budget, budget, outside - others, _step_text(base, held_states, others),
+                             reserve)
         smallest = _smallest_budget(cfg, base, pinned, result.leanest["peak_bytes_per_rank"] - outside + others,
                                     outside - others)
         changes = _changes(cfg, base, pinned, set(fixed) & set(_SEARCHABLE), result, budget, outside - others)
@@ -186,6 +168,49 @@ def fit_config(model, *, memory_budget, prompt_tokens: int, group: int, response
         raise AssertionError(f"fit_config: the returned {returned} plans {int(again['peak_bytes_per_rank']):,} B, "
                              f"above the {int(budget + outside - others - reserve):,} B its search fitted")
     return returned
+
+
+def _pinned(plan_fixed: dict, fixed: dict, device: torch.device, dtype: str, world: int) -> set:
+    """The planner fields the search keeps: the caller's, the mode, and what the engine
+    here cannot use."""
+    pinned = set(plan_fixed) | {"mode", "shard_params"}  # FSDP2 is the caller's wrapping, not an ExecConfig field
+    if device.type == "cpu" or "state_device" in fixed:  # on CPU, host offload saves nothing
+        pinned |= {"offload_state"}
+    if world < 2:
+        pinned |= {"expert_parallel"}
+    if fused_backward_kernel(device.type, getattr(torch, dtype)) is None:  # kept attention outputs: measured
+        pinned |= {"keep_attention_outputs"}                             # on CPU's fused kernel only so far
+    return pinned
+
+
+def _check_arguments(held_states, generate, fixed: dict) -> None:
+    """`ConfigError` for `fit_config`'s bad `held_states`, `generate` or unknown fields."""
+    if not isinstance(held_states, int) or held_states < 0:
+        raise ConfigError(f"fit_config: held_states must be an int >= 0, got {held_states!r}")
+    if not isinstance(generate, bool):
+        raise ConfigError(f"fit_config: generate must be True or False, got {generate!r}")
+    unknown = set(fixed) - set(ExecConfig.__dataclass_fields__)
+    if unknown:
+        raise ConfigError(f"fit_config: unknown ExecConfig field(s) {sorted(unknown)}")
+
+
+def _model_bytes(plan: dict) -> float:
+    """What the planner's peak holds that the budget does not: the model's weights, their
+    gradients and the optimizer state, a VLM tower's included (its vision static less the
+    image rows, which the step adds)."""
+    return (plan["param_bytes"] + plan["grad_bytes"] + plan["optimizer_bytes"] + plan["vision_static_bytes"]
+            - plan["vision_rows_bytes"])
+
+
+def _step_text(base: PlanConfig, held_states: int, others: float) -> str:
+    """The step `DoesNotFitError` names: P, G, R, the mode, a rollout, images, held states."""
+    step = f"P={base.prompt_tokens:,}, G={base.group}, R={base.response_tokens:,}, mode={base.mode!r}"
+    step += ", generated" if base.generate else ""
+    if base.images:
+        step += f", {base.images} image(s) of <= {base.image_tokens:,} tokens"
+    if held_states:
+        step += f", {held_states} other prompt state(s) held ({int(others):,} B)"
+    return step
 
 
 def _images(model, images: int, image_tokens: int, prompt_inputs: dict | None) -> tuple[int, int]:
