@@ -130,7 +130,8 @@ def fit_config(model, *, memory_budget, prompt_tokens: int, group: int, response
     Raises:
         DoesNotFitError: nothing fits; the message names the binding term and the
             changes that would fit. Raised before any work: the model is not run.
-        ConfigError: a bad budget, `held_states` < 0 or an unknown field in `fixed`.
+        ConfigError: a bad budget, `held_states` < 0, a non-bool `generate`, bad image
+            arguments (negative, both forms, images on a text model) or an unknown field in `fixed`.
     """
     _check_arguments(held_states, generate, fixed)
     images, image_tokens = _images(model, images, image_tokens, prompt_inputs)
