@@ -27,17 +27,18 @@ import sys
 from dataclasses import dataclass, field
 
 import datasets
-from transformers import AutoConfig, AutoProcessor
+from transformers import AutoConfig
 from trl import DatasetMixtureConfig, GRPOConfig, ModelConfig, TrlParser, get_dataset, get_peft_config
 from trl import get_quantization_config
 from trl.data_utils import is_conversational
 from trl.rewards import accuracy_reward, get_soft_overlong_punishment, reasoning_accuracy_reward, think_format_reward
 from trl.scripts.grpo import GRPOScriptArguments
 
-from longstraw import defaults
+from longstraw import defaults, grpo_images
 from longstraw.config import ExecConfig
 from longstraw.errors import ConfigError
 from longstraw.integrations.trl import LongStrawGRPOTrainer
+from longstraw.integrations.vlm_processor import load_processor
 from longstraw.parallel.nonfinite import DEFAULT_MAX_NONFINITE_STEPS
 
 DATA_FILE_BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
@@ -244,25 +245,26 @@ def load_reward_funcs(specs, columns) -> list:
 
 
 def load_processing_class(model_args, training_args):
-    """The processor TRL's trainer would load for the model (left padding and truncation)."""
+    """The processor TRL's trainer would load for the model (left padding and truncation):
+    a Qwen3.5 / 3.6 VLM's images and tokenizer without the video processor, a text model's
+    tokenizer (`integrations/vlm_processor.py`)."""
     try:
-        return AutoProcessor.from_pretrained(model_args.model_name_or_path, revision=model_args.model_revision,
-                                             truncation_side="left", padding_side="left",
-                                             trust_remote_code=training_args.trust_remote_code)
+        return load_processor(model_args.model_name_or_path, revision=model_args.model_revision,
+                              trust_remote_code=training_args.trust_remote_code, truncation_side="left",
+                              padding_side="left")
     except Exception as exc:
-        raise ConfigError(f"--model_name_or_path {model_args.model_name_or_path}: cannot load its tokenizer "
-                          f"({type(exc).__name__}: {exc})") from None
+        raise ConfigError(f"--model_name_or_path {model_args.model_name_or_path}: cannot load its tokenizer or "
+                          f"processor ({type(exc).__name__}: {exc})") from None
 
 
-def max_positions(model_args, training_args) -> int | None:
-    """The model's `max_position_embeddings` from its config (the text model's for a VLM)."""
+def model_config(model_args, training_args):
+    """The model's config (`config.json`), without its weights."""
     try:
-        config = AutoConfig.from_pretrained(model_args.model_name_or_path, revision=model_args.model_revision,
-                                            trust_remote_code=training_args.trust_remote_code)
+        return AutoConfig.from_pretrained(model_args.model_name_or_path, revision=model_args.model_revision,
+                                          trust_remote_code=training_args.trust_remote_code)
     except Exception as exc:
         raise ConfigError(f"--model_name_or_path {model_args.model_name_or_path}: cannot load its config "
                           f"({type(exc).__name__}: {exc})") from None
-    return getattr(config.get_text_config(), "max_position_embeddings", None)
 
 
 def prompt_lengths(train, tokenizer, training_args) -> list[int]:
@@ -326,15 +328,21 @@ def check_inputs(script_args, training_args, model_args, dataset_args) -> Prepar
     reward_funcs = load_reward_funcs(script_args.reward_funcs, train.column_names)
     if script_args.reward_model_name_or_path:
         reward_funcs.insert(0, script_args.reward_model_name_or_path)
+    config = model_config(model_args, training_args)
     processing_class = load_processing_class(model_args, training_args)
-    longest = None
-    if not script_args.dataset_streaming:
+    column = grpo_images.image_column(train)
+    if script_args.dataset_streaming:  # rows are read as training reaches them: nothing to check ahead
+        return Prepared(train, reward_funcs, processing_class, None)
+    if column is not None:
+        train, lengths = grpo_images.image_dataset(train, column, processing_class, config.model_type,
+                                                   training_args.chat_template_kwargs)
+    else:
         tokenizer = getattr(processing_class, "tokenizer", processing_class)
         lengths = prompt_lengths(train, processing_class if hasattr(processing_class, "apply_chat_template")
                                  else tokenizer, training_args)
-        check_prompt_lengths(lengths, max_positions(model_args, training_args), training_args.max_completion_length)
-        longest = max(lengths)
-    return Prepared(train, reward_funcs, processing_class, longest)
+    check_prompt_lengths(lengths, getattr(config.get_text_config(), "max_position_embeddings", None),
+                         training_args.max_completion_length)
+    return Prepared(train, reward_funcs, processing_class, max(lengths))
 
 
 def build_trainer(script_args, training_args, model_args, dataset_args, longstraw_args, prepared: Prepared = None):
