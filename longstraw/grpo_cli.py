@@ -161,7 +161,8 @@ def train_split(dataset, split: str):
         raise ConfigError(f"the dataset has no 'prompt' column (its columns: {columns}); rename the column holding "
                           "the prompts to 'prompt' (a string, or a list of chat messages)")
     if hasattr(train, "__len__") and len(train) == 0:
-        raise ConfigError(f"the dataset's {split!r} split is empty: nothing to train on")
+        raise ConfigError(f"the dataset's {split!r} split is empty: nothing to train on; add rows (one prompt per "
+                          "row), or pass the split that holds them with --dataset_train_split")
     return train
 
 
@@ -188,7 +189,8 @@ def _import_reward(spec: str):
     try:
         if where.endswith(".py"):
             if not os.path.isfile(where):
-                raise ConfigError(f"--reward_funcs {spec}: no such file {where}")
+                raise ConfigError(f"--reward_funcs {spec}: no such file {where}; give the reward file's path "
+                                  "(absolute, or relative to where the command runs)")
             module_spec = importlib.util.spec_from_file_location(f"longstraw_reward_{abs(hash(where))}", where)
             module = importlib.util.module_from_spec(module_spec)
             module_spec.loader.exec_module(module)
@@ -198,9 +200,11 @@ def _import_reward(spec: str):
     except ConfigError:
         raise
     except Exception as exc:
-        raise ConfigError(f"--reward_funcs {spec}: importing {where} failed ({type(exc).__name__}: {exc})") from None
+        raise ConfigError(f"--reward_funcs {spec}: importing {where} failed ({type(exc).__name__}: {exc}); fix that "
+                          "error in the module (or install what it imports)") from None
     if not hasattr(module, name):
-        raise ConfigError(f"--reward_funcs {spec}: {where} has no {name!r}")
+        functions = sorted(n for n, v in vars(module).items() if callable(v) and not n.startswith("_"))
+        raise ConfigError(f"--reward_funcs {spec}: {where} has no {name!r}; its functions: {functions}")
     return getattr(module, name)
 
 

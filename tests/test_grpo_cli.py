@@ -126,14 +126,19 @@ def test_bad_inputs_are_one_line_errors_before_the_model_loads(workspace, capsys
     assert "no 'prompt' column" in _error(capsys, _flags(ws, data="noprompt.jsonl"))
     assert "['question']" in _error(capsys, _flags(ws, data="noprompt.jsonl"))
     assert "empty" in _error(capsys, _flags(ws, data="empty.jsonl"))
+    (ws / "empty_split").mkdir()
+    datasets.DatasetDict(train=datasets.Dataset.from_dict({"prompt": ["2 3"]}).filter(lambda e: False)).save_to_disk(ws / "empty_split" / "d")
+    err = _error(capsys, _flags(ws, data="empty_split/d"))
+    assert "'train' split is empty" in err and "add rows" in err and "--dataset_train_split" in err
     err = _error(capsys, _flags(ws, data="long.jsonl"))
     assert "prompt 1 (the longest) has 70 tokens" in err and "max_position_embeddings=64" in err
     assert "1 of 3" in err
-    assert "has no 'missing'" in _error(capsys, _flags(ws, reward="missing"))
+    err = _error(capsys, _flags(ws, reward="missing"))
+    assert "has no 'missing'; its functions: ['bad_signature', 'even_tokens', 'uses_answer']" in err
     assert "wrong signature" in _error(capsys, _flags(ws, reward="bad_signature"))
     (ws / "broken.py").write_text("import not_a_module_anywhere\n")
     err = _error(capsys, _flags(ws, spec=f"{ws / 'broken.py'}:f"))
-    assert "importing" in err and "not_a_module_anywhere" in err
+    assert "importing" in err and "not_a_module_anywhere" in err and "fix that error" in err
     assert "no_such_module" in _error(capsys, _flags(ws, spec="no_such_module:f"))
     assert "not one of TRL's" in _error(capsys, _flags(ws, spec="no_colon_or_dot"))
     err = _error(capsys, _flags(ws, "--not_a_flag", "3"))
