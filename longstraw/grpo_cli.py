@@ -135,6 +135,9 @@ def load_local_or_hub_dataset(name: str, config: str | None = None, streaming: b
             suffix = os.path.splitext(name)[1].lower()
             if suffix not in DATA_FILE_BUILDERS:
                 raise ConfigError(f"--dataset_name {name}: a file must end in one of {sorted(DATA_FILE_BUILDERS)}")
+            if _blank(name):
+                raise ConfigError(f"--dataset_name {name}: the file is empty: nothing to train on; add rows (one "
+                                  "prompt per row)")
             return datasets.load_dataset(DATA_FILE_BUILDERS[suffix], data_files=name, streaming=streaming)
         if os.path.isdir(name) and any(os.path.exists(os.path.join(name, f))
                                        for f in ("dataset_dict.json", "state.json", "dataset_info.json")):
@@ -148,6 +151,14 @@ def load_local_or_hub_dataset(name: str, config: str | None = None, streaming: b
         raise
     except Exception as exc:  # datasets raises many kinds; the user needs the name and the reason
         raise ConfigError(f"--dataset_name {name}: cannot load it ({type(exc).__name__}: {exc})") from None
+
+
+def _blank(path: str) -> bool:
+    """Whether the file holds nothing but whitespace (`datasets` fails on it with a bare StopIteration)."""
+    if os.path.getsize(path) > 4096:
+        return False
+    with open(path, "rb") as f:
+        return not f.read().strip()
 
 
 def train_split(dataset, split: str):
@@ -286,8 +297,9 @@ def prompt_lengths(train, tokenizer, training_args) -> list[int]:
     return lengths
 
 
-def check_prompt_lengths(lengths, positions: int | None, max_completion_length: int) -> None:
-    """A `ConfigError` naming the longest prompt when it plus the completion runs past the positions."""
+def check_prompt_lengths(lengths, positions: int | None, max_completion_length: int, *, images: bool = False) -> None:
+    """A `ConfigError` naming the longest prompt when it plus the completion runs past the
+    positions (`images`: the lengths count each image at its tokens)."""
     if positions is None or not lengths:
         return
     longest = max(range(len(lengths)), key=lengths.__getitem__)
@@ -296,7 +308,8 @@ def check_prompt_lengths(lengths, positions: int | None, max_completion_length: 
         raise ConfigError(f"prompt {longest} (the longest) has {lengths[longest]:,} tokens; with "
                           f"max_completion_length={max_completion_length} it runs past the model's "
                           f"max_position_embeddings={positions:,} ({too_long} of {len(lengths)} prompts do); drop or "
-                          f"shorten those prompts, or lower --max_completion_length")
+                          f"shorten those prompts{' (each image counts at its tokens: fewer or smaller images)' if images else ''}, "
+                          "or lower --max_completion_length")
 
 
 # ----------------------------------------------------------------------------
@@ -345,7 +358,7 @@ def check_inputs(script_args, training_args, model_args, dataset_args) -> Prepar
         lengths = prompt_lengths(train, processing_class if hasattr(processing_class, "apply_chat_template")
                                  else tokenizer, training_args)
     check_prompt_lengths(lengths, getattr(config.get_text_config(), "max_position_embeddings", None),
-                         training_args.max_completion_length)
+                         training_args.max_completion_length, images=column is not None)
     return Prepared(train, reward_funcs, processing_class, max(lengths))
 
 

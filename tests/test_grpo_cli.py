@@ -125,7 +125,7 @@ def test_bad_inputs_are_one_line_errors_before_the_model_loads(workspace, capsys
                                           for p in ["2 3", " ".join(["5"] * 70), "4 4 4"]))
     assert "no 'prompt' column" in _error(capsys, _flags(ws, data="noprompt.jsonl"))
     assert "['question']" in _error(capsys, _flags(ws, data="noprompt.jsonl"))
-    assert "empty" in _error(capsys, _flags(ws, data="empty.jsonl"))
+    assert "the file is empty: nothing to train on; add rows" in _error(capsys, _flags(ws, data="empty.jsonl"))
     (ws / "empty_split").mkdir()
     datasets.DatasetDict(train=datasets.Dataset.from_dict({"prompt": ["2 3"]}).filter(lambda e: False)).save_to_disk(ws / "empty_split" / "d")
     err = _error(capsys, _flags(ws, data="empty_split/d"))

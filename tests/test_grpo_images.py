@@ -128,6 +128,7 @@ def test_bad_image_inputs_are_one_line_errors_before_the_model_loads(vlm_workspa
     _write(ws / "long.jsonl", [rows[0], {**rows[1], "images": [str(big)] * 5}])
     err = _error(capsys, _flags(ws, data="long.jsonl"))
     assert "prompt 1 (the longest) has 137 tokens" in err and f"max_position_embeddings={POSITIONS}" in err
+    assert "each image counts at its tokens" in err
 
     tiny_model("qwen3", dtype=torch.float32).save_pretrained(ws / "text_model")  # a text model: no images
     token_id_tokenizer(97, eos_token_id=1).save_pretrained(ws / "text_model")
