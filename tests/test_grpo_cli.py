@@ -98,6 +98,22 @@ def test_yaml_config_and_longstraw_flags_reach_the_trainer(workspace, tmp_path):
     assert trainer.longstraw_engine.config.chunk_size == 4
 
 
+def test_memory_budget_flag_fits_the_engine_for_the_longest_prompt(workspace):
+    """--longstraw_memory_budget reaches the trainer's `fit_config`, for the dataset's
+    longest prompt (9 tokens) unless --longstraw_prompt_tokens says otherwise."""
+    trainer = grpo_cli.build_trainer(*grpo_cli.parse(_flags(workspace, "--longstraw_memory_budget", "4GiB")[1:]))
+    assert trainer.longstraw_memory_budget == "4GiB" and trainer.longstraw_prompt_tokens == 9
+    argv = _flags(workspace, "--longstraw_memory_budget", "4GiB", "--longstraw_prompt_tokens", "40")[1:]
+    assert grpo_cli.build_trainer(*grpo_cli.parse(argv)).longstraw_prompt_tokens == 40
+
+
+def test_trl_reward_names_are_trl_functions():
+    from trl.rewards import accuracy_reward, think_format_reward
+
+    assert grpo_cli.load_reward_funcs(["think_format_reward", "accuracy_reward"], ["prompt", "solution"]) == [
+        think_format_reward, accuracy_reward]
+
+
 def test_peft_flags_build_a_lora_model(workspace):
     argv = _flags(workspace, "--use_peft", "--lora_r", "4", "--lora_target_modules", "q_proj", "v_proj")[1:]
     trainer = grpo_cli.build_trainer(*grpo_cli.parse(argv))
@@ -256,7 +272,8 @@ def test_token_id_tokenizer_keeps_numbers_that_contain_the_eos_digits(tmp_path):
 @pytest.mark.slow
 def test_torchrun_two_ranks_context_parallel(workspace):
     """`torchrun --nproc-per-node 2 -m longstraw.cli grpo ... --longstraw_context_parallel_size 2`
-    (gloo, CPU): one prompt over both ranks, 3 steps, a from_pretrained-able output_dir."""
+    (gloo, CPU): one prompt over both ranks, 3 steps, a from_pretrained-able output_dir
+    whose weights moved; a second launch resumes checkpoint-3 and continues at step 4."""
     import os
     import socket
     import subprocess
@@ -266,12 +283,20 @@ def test_torchrun_two_ranks_context_parallel(workspace):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    flags = _flags(workspace, "--longstraw_context_parallel_size", "2", "--save_strategy", "no")[1:]
-    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-                          "--master-addr", "127.0.0.1", "--master-port", str(port), "-m", "longstraw.cli", "grpo",
-                          *flags], env={**os.environ, "PYTHONPATH": repo, "HF_HUB_OFFLINE": "1"},
-                         capture_output=True, text=True, timeout=900)
-    assert run.returncode == 0, run.stderr[-4000:]
+    def torchrun(*extra, steps):
+        flags = _flags(workspace, "--longstraw_context_parallel_size", "2", *extra, steps=steps)[1:]
+        run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                              "--master-addr", "127.0.0.1", "--master-port", str(port), "-m", "longstraw.cli", "grpo",
+                              *flags], env={**os.environ, "PYTHONPATH": repo, "HF_HUB_OFFLINE": "1"},
+                             capture_output=True, text=True, timeout=900)
+        assert run.returncode == 0, run.stderr[-4000:]
+
+    torchrun(steps=3)
     before = AutoModelForCausalLM.from_pretrained(workspace / "model").state_dict()
     after = AutoModelForCausalLM.from_pretrained(workspace / "out").state_dict()
     assert any(not torch.equal(p, before[n]) for n, p in after.items())
+    assert _state(workspace / "out" / "checkpoint-3")["global_step"] == 3
+    torchrun("--resume_from_checkpoint", str(workspace / "out" / "checkpoint-3"), steps=4)
+    state = _state(workspace / "out" / "checkpoint-4")
+    assert state["global_step"] == 4
+    assert [h["step"] for h in state["log_history"] if "loss" in h] == [1, 2, 3, 4]
