@@ -297,6 +297,15 @@ def prompt_lengths(train, tokenizer, training_args) -> list[int]:
     return lengths
 
 
+def check_chat_template(train, processing_class, model_name: str) -> None:
+    """A `ConfigError` when the prompts are chat messages and the tokenizer has no chat template."""
+    first = next(iter(train), None)
+    if first is not None and is_conversational(first) and not getattr(processing_class, "chat_template", None):
+        raise ConfigError(f"the prompts are chat messages, but the tokenizer in {model_name} has no chat template: "
+                          "save one with it (tokenizer.chat_template = '...'; tokenizer.save_pretrained(folder)), or "
+                          "write the prompts as text")
+
+
 def check_prompt_lengths(lengths, positions: int | None, max_completion_length: int, *, images: bool = False) -> None:
     """A `ConfigError` naming the longest prompt when it plus the completion runs past the
     positions (`images`: the lengths count each image at its tokens)."""
@@ -348,6 +357,7 @@ def check_inputs(script_args, training_args, model_args, dataset_args) -> Prepar
     config = model_config(model_args, training_args)
     processing_class = load_processing_class(model_args, training_args)
     column = grpo_images.image_column(train)
+    check_chat_template(train, processing_class, model_args.model_name_or_path)
     if script_args.dataset_streaming:  # rows are read as training reaches them: nothing to check ahead
         return Prepared(train, reward_funcs, processing_class, None)
     if column is not None:

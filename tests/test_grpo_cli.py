@@ -164,6 +164,21 @@ def test_bad_inputs_are_one_line_errors_before_the_model_loads(workspace, capsys
     assert "longstraw: ConfigError: LongStrawGRPOTrainer cannot run" in capsys.readouterr().err
 
 
+def test_chat_prompts_need_a_chat_template_and_are_measured_with_it(workspace, capsys):
+    from longstraw.integrations.chat import tool_chat_tokenizer
+
+    ws = workspace
+    chats = [[{"role": "user", "content": "2 3 4"}], [{"role": "user", "content": "5 6 7 8 9"}]]
+    (ws / "chat.jsonl").write_text("".join(json.dumps({"prompt": c}) + "\n" for c in chats))
+    err = _error(capsys, _flags(ws, data="chat.jsonl"))
+    assert "the prompts are chat messages, but the tokenizer" in err and "has no chat template" in err
+    tokenizer = tool_chat_tokenizer(VOCAB)
+    tokenizer.save_pretrained(ws / "model")
+    checked = grpo_cli.check_inputs(*grpo_cli.parse(_flags(ws, data="chat.jsonl")[1:])[:4])
+    rendered = tokenizer.apply_chat_template(chats[1], add_generation_prompt=True, tokenize=True, return_dict=True)
+    assert checked.longest_prompt == len(rendered["input_ids"]) > 5  # the template's tokens counted
+
+
 def test_reward_signature_check():
     columns = ["prompt", "answer"]
     grpo_cli.check_reward_signature("ok", lambda completions, answer, **kw: None, columns)
