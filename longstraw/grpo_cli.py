@@ -12,9 +12,12 @@ differ from TRL's (`CLI_DEFAULTS`): bf16=False, disable_dropout=True, lora_dropo
 
 Before any model is loaded (`check_inputs`), a `ConfigError` (exit 2) for: an unknown
 flag, a dataset that does not load or is empty, a missing `prompt` column, a reward
-function that does not import or cannot take TRL's keywords, a prompt that with
-`max_completion_length` runs past the model's positions (the longest one's index and
-length). Reading the config and the tokenizer is all it loads for that.
+function that does not import or cannot take TRL's keywords, chat prompts without a chat
+template, a prompt that with `max_completion_length` runs past the model's positions (the
+longest one's index and length), and for an `image` / `images` column the checks of
+`grpo_images.py` (an image that does not open, a text model, text prompts). Reading the
+config, the tokenizer or processor (`integrations/vlm_processor.py`: a Qwen3.5 / 3.6 VLM's
+without torchvision) and the dataset is all it loads for that.
 """
 
 from __future__ import annotations
