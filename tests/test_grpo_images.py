@@ -134,3 +134,28 @@ def test_bad_image_inputs_are_one_line_errors_before_the_model_loads(vlm_workspa
     token_id_tokenizer(97, eos_token_id=1).save_pretrained(ws / "text_model")
     err = _error(capsys, _flags(ws, model="text_model"))
     assert "'images' column" in err and "model_type 'qwen3'" in err and "runs no images" in err
+
+
+def test_one_image_column_and_parquet_images_are_read_as_trl_reads_them(vlm_workspace):
+    """`image` (one per row, None: a text row) from JSONL paths, and `images` stored in a
+    Parquet file as `datasets.Image` bytes: checked and measured, then PIL images in the rows."""
+    from longstraw import grpo_cli
+
+    ws = vlm_workspace
+    rows = [json.loads(line) for line in (ws / "data.jsonl").read_text().splitlines()]
+    _write(ws / "one.jsonl", [{"prompt": rows[0]["prompt"], "image": rows[0]["images"][0]},
+                              {"prompt": rows[1]["prompt"], "image": None}])
+    checked = grpo_cli.check_inputs(*grpo_cli.parse(_flags(ws, data="one.jsonl")[1:])[:4])
+    assert checked.longest_prompt == 2 + 8 + 3 + 3  # "12 7 3": one 64 x 96 screenshot, 6 tokens between start and end
+    assert checked.train_dataset[0]["image"].size == (96, 64) and checked.train_dataset[1]["image"] is None
+
+    datasets = pytest.importorskip("datasets")
+    from PIL import Image
+
+    pil = [[Image.open(path).convert("RGB") for path in r["images"]] for r in rows]  # PIL images: stored as bytes
+    datasets.Dataset.from_dict({"prompt": [r["prompt"] for r in rows], "images": pil}).to_parquet(ws / "shots.parquet")
+    for shot in ws.glob("shot*.png"):
+        shot.unlink()  # the Parquet file holds the images' bytes
+    checked = grpo_cli.check_inputs(*grpo_cli.parse(_flags(ws, data="shots.parquet")[1:])[:4])
+    assert checked.longest_prompt == 2 + 2 * 8 + 3 + 3
+    assert [image.size for image in checked.train_dataset[1]["images"]] == [(96, 64), (96, 64)]
