@@ -122,6 +122,21 @@ def _init(rank: int, world: int, init_file: str) -> None:
     torch.set_num_threads(1)
 
 
+def on_one_rank_each(thunks: list) -> list:
+    """`[f() for f in thunks]` on every rank, each f run on one rank only (thunk i on rank
+    i % W) and its result all-gathered (pickled: losses, gradient dicts, tensors): the
+    single-process references every rank compares its context-parallel result with, at
+    1/W of the cost of every rank computing all of them (which had been more than half of
+    a rank's time). Each f must build what it needs (seeded models, groups): a result must
+    not depend on which rank computed it."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    mine = {i: f() for i, f in enumerate(thunks) if i % world == rank}
+    parts = [None] * world
+    dist.all_gather_object(parts, mine)
+    merged = {i: result for part in parts for i, result in part.items()}
+    return [merged[i] for i in range(len(thunks))]
+
+
 def run_cases(rank: int, world: int, init_file: str, cases: list[str], modes: list[str]) -> None:
     _init(rank, world, init_file)
     try:
@@ -592,6 +607,38 @@ WALK_GEOMETRY_REPEATS = {("dense", 22, 3, 6, None), ("hybrid", 22, 3, 6, None), 
 divide, walk chunks of one cycle and of several): `every_geometry=False` skips them."""
 
 
+def _walk_case(case: tuple, _, context_parallel: bool) -> tuple:
+    """One divided-walk case of `run_divided_walk`: two exact steps of one engine (`.grad`
+    accumulating over both), with the embedding frozen at prompt length 23; returns the
+    losses, the gradients and each step's `divided_walk` metric."""
+    name, prompt_len, block, chunk, pieces = case
+    model = CASES[name]()
+    if prompt_len == 23:
+        model.model.embed_tokens.weight.requires_grad_(False)
+    groups = [random_group(97, prompt_len, lens, seed=s) for lens, s in (([4, 2, 5], 5), ([3, 1], 6))]
+    kw = dict(chunk_size=chunk, attention_block_size=3, shard_block_size=block, mode="exact",
+              branch_chunk_size=pieces)
+    with _kept_internals(name, model):
+        model.zero_grad(set_to_none=True)
+        engine = ls.Engine(model, ls.ExecConfig(context_parallel=context_parallel, **kw))
+        results = [engine.step(group) for group in groups]
+    return [r.loss for r in results], grads_of(model), [r.metrics["divided_walk"] for r in results]
+
+
+def _one_step_case(name: str, divide_walk: bool | None, context_parallel: bool) -> tuple:
+    """One exact step of CASES[name] at P = 22 in blocks of 3 (`divide_walk` None: the
+    default), as `_walk_case` returns it."""
+    model = CASES[name]()
+    group = random_group(97, 22, [4, 2], seed=5)
+    kw = dict(chunk_size=6, attention_block_size=3, shard_block_size=3, mode="exact")
+    if context_parallel:
+        kw.update(context_parallel=True, **({} if divide_walk is None else dict(divide_walk=divide_walk)))
+    with _kept_internals(name, model):
+        model.zero_grad(set_to_none=True)
+        result = ls.Engine(model, ls.ExecConfig(**kw)).step(group)
+    return [result.loss], grads_of(model), [result.metrics["divided_walk"]]
+
+
 def run_divided_walk(rank: int, world: int, init_file: str, every_geometry: bool = True) -> None:
     """Exact mode's divided reverse walk (dense, GDN hybrid, MLA, DSA): each prompt token
     recomputed and backpropagated on the rank that owns its block, the ranks' partial
@@ -625,37 +672,19 @@ def run_divided_walk(rank: int, world: int, init_file: str, every_geometry: bool
             for a, b in bounds:  # every rank owns a position of every chunk; hybrids cut at capture chunks
                 assert len({k % world for k in range(a // block, (b - 1) // block + 1)}) == world, bounds
                 assert name not in HYBRIDS or a % chunk == 0, bounds
-            model = CASES[name]()
-            if prompt_len == 23:
-                model.model.embed_tokens.weight.requires_grad_(False)
-            first, second = (random_group(97, prompt_len, lens, seed=s) for lens, s in (([4, 2, 5], 5), ([3, 1], 6)))
-            kw = dict(chunk_size=chunk, attention_block_size=3, shard_block_size=block, mode="exact",
-                      branch_chunk_size=pieces)
-            with _kept_internals(name, model):
-                model.zero_grad(set_to_none=True)
-                engine = ls.Engine(model, ls.ExecConfig(**kw))
-                want = [engine.step(first).loss, engine.step(second).loss]  # .grad accumulates over both
-                grads = grads_of(model)
-                model.zero_grad(set_to_none=True)
-                engine = ls.Engine(model, ls.ExecConfig(context_parallel=True, **kw))
-                got = [engine.step(first), engine.step(second)]
-            for r, w in zip(got, want):
-                assert r.metrics["divided_walk"] == 1.0, (name, prompt_len, r.metrics["divided_walk"])
-                assert abs(r.loss - w) <= 1e-9 * abs(w) + 1e-13, (name, prompt_len, r.loss, w)
-            assert_grads_close(grads_of(model), grads, 1e-9)
-        # MoE routing of a rank's own rows (GLM-5 DSA with MoE layers; routers in float64)
-        model = CASES["glm_sparse"]()
-        group = random_group(97, 22, [4, 2], seed=5)
-        kw = dict(chunk_size=6, attention_block_size=3, shard_block_size=3, mode="exact")
-        with _kept_internals("glm_sparse", model):
-            model.zero_grad(set_to_none=True)
-            want = ls.Engine(model, ls.ExecConfig(**kw)).step(group)
-            grads = grads_of(model)
-            model.zero_grad(set_to_none=True)
-            got = ls.Engine(model, ls.ExecConfig(context_parallel=True, **kw)).step(group)
-        assert got.metrics["divided_walk"] == 1.0
-        assert abs(got.loss - want.loss) <= 1e-9 * abs(want.loss) + 1e-13
-        assert_grads_close(grads_of(model), grads, _bound("glm_sparse"))
+        # MoE routing of a rank's own rows (GLM-5 DSA with MoE layers; routers in float64);
+        # switched off, and a family whose walk is not divided: replicated, same result
+        steps = [(_walk_case, case, True) for case in cases] + [(_one_step_case, "glm_sparse", None)]
+        steps += [(_one_step_case, name, False) for name in ("dense", "hybrid", "glm_sparse")]
+        want = on_one_rank_each([lambda f=f, case=case, switch=switch: f(case, switch, False)
+                                 for f, case, switch in steps])
+        for (f, case, switch), (want_losses, want_grads, _) in zip(steps, want):
+            losses, got_grads, divided = f(case, switch, True)
+            name = case if isinstance(case, str) else case[0]
+            assert divided == [float(switch is not False)] * len(losses), (case, switch, divided)
+            for r, w in zip(losses, want_losses):
+                assert abs(r - w) <= 1e-9 * abs(w) + 1e-13, (case, switch, r, w)
+            assert_grads_close(got_grads, want_grads, 1e-9 if f is _walk_case else _bound(name))
         # a rollout's state, stepped in exact mode: the walk over it is divided too
         model = tiny_model("qwen3")
         kw = dict(chunk_size=5, attention_block_size=3, shard_block_size=2, mode="exact")
@@ -671,20 +700,6 @@ def run_divided_walk(rank: int, world: int, init_file: str, every_geometry: bool
         assert got.metrics["divided_walk"] == 1.0
         assert abs(got.loss - want.loss) <= 1e-9 * abs(want.loss) + 1e-13
         assert_grads_close(grads_of(model), grads, 1e-9)
-        # switched off, and a family whose walk is not divided: replicated, same result
-        for name, switch in (("dense", False), ("hybrid", False), ("glm_sparse", False)):
-            model = CASES[name]()
-            group = random_group(97, 22, [4, 2], seed=5)
-            kw = dict(chunk_size=6, attention_block_size=3, shard_block_size=3, mode="exact")
-            with _kept_internals(name, model):
-                model.zero_grad(set_to_none=True)
-                want = ls.Engine(model, ls.ExecConfig(**kw)).step(group)
-                grads = grads_of(model)
-                model.zero_grad(set_to_none=True)
-                got = ls.Engine(model, ls.ExecConfig(context_parallel=True, divide_walk=switch, **kw)).step(group)
-            assert got.metrics["divided_walk"] == 0.0, name
-            assert abs(got.loss - want.loss) <= 1e-9 * abs(want.loss) + 1e-13, name
-            assert_grads_close(grads_of(model), grads, _bound(name))
     finally:
         dist.destroy_process_group()
 
