@@ -140,30 +140,37 @@ def on_one_rank_each(thunks: list) -> list:
 def run_cases(rank: int, world: int, init_file: str, cases: list[str], modes: list[str]) -> None:
     _init(rank, world, init_file)
     try:
-        for name in cases:
-            if name == "planner":
-                check_planner(world)
-                continue
-            model = CASES[name]()
-            group = random_group(97, 23, [5, 1, 7], seed=3)
-            for mode in modes:
-                exec_kw = dict(chunk_size=6, attention_block_size=4, shard_block_size=3, mode=mode)
-                with _kept_internals(name, model):
-                    model.zero_grad(set_to_none=True)
-                    single = ls.Engine(model, ls.ExecConfig(**exec_kw)).step(group)
-                    want = grads_of(model)
-                    model.zero_grad(set_to_none=True)
-                    engine = ls.Engine(model, ls.ExecConfig(context_parallel=True, **exec_kw))
-                    result = engine.step(group)
-                    got = grads_of(model)
-                assert abs(result.loss - single.loss) <= 1e-9 * abs(single.loss) + 1e-13, (name, mode)
-                assert_grads_close(got, want, _bound(name))
-                # each rank holds ~1/W of the per-token state (within one block of 3 positions)
-                mine = _per_token_bytes(engine.capture(group.prompt))
-                total = _per_token_bytes(ls.Engine(model, ls.ExecConfig(**exec_kw)).capture(group.prompt))
-                assert abs(mine - total / world) <= total / (group.prompt.numel() - 1) * 3, (name, mine, total)
+        if "planner" in cases:
+            check_planner(world)
+        models: dict = {}
+        steps = [(name, mode) for name in cases if name != "planner" for mode in modes]
+        want = on_one_rank_each([lambda n=name, m=mode: _case_step(models, n, m, False) for name, mode in steps])
+        for (name, mode), (want_loss, want_grads, total) in zip(steps, want):
+            loss, grads, mine = _case_step(models, name, mode, True)
+            assert abs(loss - want_loss) <= 1e-9 * abs(want_loss) + 1e-13, (name, mode)
+            assert_grads_close(grads, want_grads, _bound(name))
+            # each rank holds ~1/W of the per-token state (within one block of 3 positions)
+            assert abs(mine - total / world) <= total / (CASE_PROMPT - 1) * 3, (name, mine, total)
     finally:
         dist.destroy_process_group()
+
+
+CASE_PROMPT = 23
+"""`run_cases`' prompt length."""
+
+
+def _case_step(models: dict, name: str, mode: str, context_parallel: bool) -> tuple:
+    """One step of CASES[name] (built once per process, kept in `models`) in `mode`, blocks
+    of 3 positions: the loss, every .grad, and the per-token state bytes of a capture."""
+    model = _model_of(models, name)
+    group = random_group(97, CASE_PROMPT, [5, 1, 7], seed=3)
+    engine = ls.Engine(model, ls.ExecConfig(context_parallel=context_parallel, chunk_size=6, attention_block_size=4,
+                                            shard_block_size=3, mode=mode))
+    with _kept_internals(name, model):
+        model.zero_grad(set_to_none=True)
+        result = engine.step(group)
+        grads = grads_of(model)
+    return result.loss, grads, _per_token_bytes(engine.capture(group.prompt))
 
 
 def _per_token_bytes(state) -> int:
@@ -353,29 +360,35 @@ def run_generate(rank: int, world: int, init_file: str, cases: list[str]) -> Non
     (sharded) state equals a single-process step."""
     _init(rank, world, init_file)
     try:
-        prompt = random_group(97, 23, [1], seed=3).prompt
-        for name in cases:
-            model = CASES[name]()
-            exec_kw = dict(chunk_size=6, attention_block_size=4, shard_block_size=3)
-            with float64_throughout(model):
-                single = ls.Engine(model, ls.ExecConfig(**exec_kw)).generate(
-                    prompt, num_samples=3, max_new_tokens=5, generator=torch.Generator().manual_seed(7))
-                engine = ls.Engine(model, ls.ExecConfig(context_parallel=True, **exec_kw))
-                rollout = engine.generate(prompt, num_samples=3, max_new_tokens=5,
-                                          generator=torch.Generator().manual_seed(7))
-                for a, b, la, lb in zip(single.responses, rollout.responses, single.logprobs, rollout.logprobs):
-                    assert torch.equal(a, b), (name, a, b)
-                    assert (la - lb).abs().max() <= 1e-9, (name, la, lb)
-                group = ls.Group(prompt=prompt, responses=rollout.responses, rewards=torch.tensor([1.0, 0.0, 0.5]))
-                model.zero_grad(set_to_none=True)
-                want = ls.Engine(model, ls.ExecConfig(**exec_kw)).step(group)
-                grads = grads_of(model)
-                model.zero_grad(set_to_none=True)
-                got = engine.step(group, state=rollout.state)
-                assert abs(got.loss - want.loss) <= 1e-9 * abs(want.loss) + 1e-13, name
-                assert_grads_close(grads_of(model), grads, 1e-9)
+        models: dict = {}
+        want = on_one_rank_each([lambda n=name: _generate_then_step(models, n, False) for name in cases])
+        for name, (responses, logprobs, loss, grads) in zip(cases, want):
+            got = _generate_then_step(models, name, True)
+            for a, b, la, lb in zip(responses, got[0], logprobs, got[1]):
+                assert torch.equal(a, b), (name, a, b)
+                assert (la - lb).abs().max() <= 1e-9, (name, la, lb)
+            assert abs(got[2] - loss) <= 1e-9 * abs(loss) + 1e-13, name
+            assert_grads_close(got[3], grads, 1e-9)
     finally:
         dist.destroy_process_group()
+
+
+def _generate_then_step(models: dict, name: str, context_parallel: bool) -> tuple:
+    """`run_generate`'s rollout of CASES[name] (3 samples, 5 new tokens, seed 7), then a
+    step of its responses (over the rollout's state under context parallelism; in one
+    process a step from scratch, the reference): responses, log-probs, loss, every .grad."""
+    model = _model_of(models, name)
+    prompt = random_group(97, 23, [1], seed=3).prompt
+    engine = ls.Engine(model, ls.ExecConfig(context_parallel=context_parallel, chunk_size=6, attention_block_size=4,
+                                            shard_block_size=3))
+    with float64_throughout(model):
+        rollout = engine.generate(prompt, num_samples=3, max_new_tokens=5, generator=torch.Generator().manual_seed(7))
+        group = ls.Group(prompt=prompt, responses=rollout.responses, rewards=torch.tensor([1.0, 0.0, 0.5]))
+        model.zero_grad(set_to_none=True)
+        loss = engine.step(group, state=rollout.state if context_parallel else None).loss  # one process: afresh
+    return rollout.responses, rollout.logprobs, loss, grads_of(model)
+
+
 def _episode_env(branch: int, response: torch.Tensor) -> torch.Tensor:
     """Deterministic: 2 + branch observation tokens made from the response so far."""
     base = int(response.sum()) + 7 * branch
@@ -553,29 +566,45 @@ def run_divided(rank: int, world: int, init_file: str) -> None:
                  ("hybrid", 9, 5, 3), ("mla", 22, 4, 6), ("glm_sparse", 21, 3, 6), ("dsv32_sparse", 22, 4, 6)]
         if world == 3:  # Qwen3-Next's grouped projection layout and Qwen3.5's MoE, once (the default W)
             cases += [("next", 22, 4, 6), ("hybrid_moe", 16, 3, 4)]
-        for name, prompt_len, block, chunk in cases:
-            model = CASES[name]()
-            group = random_group(97, prompt_len, [4, 2], seed=5)
+        models: dict = {}
+        steps = [(case, mode) for case in cases for mode in ("detached", "exact")]
+        want = on_one_rank_each([lambda c=case, m=mode: _divided_step(models, c, m, False) for case, mode in steps])
+        for (case, mode), (want_loss, _, want_grads) in zip(steps, want):
+            name, prompt_len, block, chunk = case
+            loss, divided_capture, grads = _divided_step(models, case, mode, True)
+            # 8 positions in blocks of 5 leave rank 2 of 3 without a block: replicated capture
+            assert divided_capture == float(prompt_len - 1 > (world - 1) * block), name
+            assert abs(loss - want_loss) <= 1e-9 * abs(want_loss) + 1e-13, (name, mode)
+            assert_grads_close(grads, want_grads, _bound(name))
+            model, prompt = _model_of(models, name), random_group(97, prompt_len, [4, 2], seed=5).prompt
+            kw = dict(chunk_size=chunk, attention_block_size=3, shard_block_size=block, mode=mode)
             with _kept_internals(name, model):
-                for mode in ("detached", "exact"):
-                    kw = dict(chunk_size=chunk, attention_block_size=3, shard_block_size=block, mode=mode)
-                    model.zero_grad(set_to_none=True)
-                    want = ls.Engine(model, ls.ExecConfig(**kw)).step(group)
-                    grads = grads_of(model)
-                    model.zero_grad(set_to_none=True)
-                    got = ls.Engine(model, ls.ExecConfig(context_parallel=True, **kw)).step(group)
-                    # 8 positions in blocks of 5 leave rank 2 of 3 without a block: replicated capture
-                    assert got.metrics["divided_capture"] == float(prompt_len - 1 > (world - 1) * block), name
-                    assert abs(got.loss - want.loss) <= 1e-9 * abs(want.loss) + 1e-13, (name, mode)
-                    assert_grads_close(grads_of(model), grads,
-                                       _bound(name))
-                    divided = ls.Engine(model, ls.ExecConfig(context_parallel=True, **kw)).capture(
-                        group.prompt, exact=mode == "exact")
-                    replicated = ls.Engine(model, ls.ExecConfig(context_parallel=True, divide_capture=False,
-                                                                **kw)).capture(group.prompt, exact=mode == "exact")
-                    _assert_same_state(divided, replicated)
+                divided = ls.Engine(model, ls.ExecConfig(context_parallel=True, **kw)).capture(
+                    prompt, exact=mode == "exact")
+                replicated = ls.Engine(model, ls.ExecConfig(context_parallel=True, divide_capture=False,
+                                                            **kw)).capture(prompt, exact=mode == "exact")
+            _assert_same_state(divided, replicated)
     finally:
         dist.destroy_process_group()
+
+
+def _model_of(models: dict, name: str):
+    """CASES[name](), built once per process and kept in `models`."""
+    if name not in models:
+        models[name] = CASES[name]()
+    return models[name]
+
+
+def _divided_step(models: dict, case: tuple, mode: str, context_parallel: bool) -> tuple:
+    """One step of a `run_divided` case: the loss, the `divided_capture` metric, every .grad."""
+    name, prompt_len, block, chunk = case
+    model = _model_of(models, name)
+    group = random_group(97, prompt_len, [4, 2], seed=5)
+    kw = dict(chunk_size=chunk, attention_block_size=3, shard_block_size=block, mode=mode)
+    with _kept_internals(name, model):
+        model.zero_grad(set_to_none=True)
+        result = ls.Engine(model, ls.ExecConfig(context_parallel=context_parallel, **kw)).step(group)
+        return result.loss, result.metrics["divided_capture"], grads_of(model)
 
 
 def _assert_same_state(a, b) -> None:
@@ -894,28 +923,38 @@ def run_trees(rank: int, world: int, init_file: str) -> None:
     equals the single-process one."""
     _init(rank, world, init_file)
     try:
-        for name, rel in TREE_CASES.items():
-            model = CASES[name]() if name == "hybrid" else float64_norms(CASES[name]())
-            group = tree_group(["ABD", "ABE", "LC", "L", "AC"], prompt_len=23)
-            for mode in ("detached", "exact"):
-                kw = dict(chunk_size=6, attention_block_size=4, shard_block_size=3, mode=mode)
-                with float64_throughout(model):
-                    runs = {}
-                    for key, extra in (("cp", dict(context_parallel=True)), ("one", {}),
-                                       ("flat", dict(share_response_prefixes=False))):
-                        model.zero_grad(set_to_none=True)
-                        engine = ls.Engine(model, ls.ExecConfig(**kw, **extra))
-                        runs[key] = (engine.step(group).loss, grads_of(model), engine.score(group))
-                (loss, got, scores), (one_loss, one, one_scores), (flat_loss, flat, _) = runs["cp"], runs["one"], \
-                    runs["flat"]
-                assert abs(loss - one_loss) <= 1e-9 * abs(one_loss) + 1e-13, (name, mode)
-                assert_grads_close(got, one, FLOAT64)
-                assert abs(loss - flat_loss) <= rel * abs(flat_loss) + 1e-13, (name, mode)
-                assert_grads_close(got, flat, rel)
-                for s, o in zip(scores, one_scores):
-                    torch.testing.assert_close(s, o, rtol=1e-9, atol=1e-12)
+        models: dict = {}
+        steps = [(name, mode) for name in TREE_CASES for mode in ("detached", "exact")]
+        refs = on_one_rank_each([lambda n=name, m=mode, k=key: _tree_run(models, n, m, k)
+                                 for name, mode in steps for key in ("one", "flat")])
+        for i, (name, mode) in enumerate(steps):
+            rel = TREE_CASES[name]
+            (loss, got, scores), (one_loss, one, one_scores), (flat_loss, flat, _) = (
+                _tree_run(models, name, mode, "cp"), *refs[2 * i:2 * i + 2])
+            assert abs(loss - one_loss) <= 1e-9 * abs(one_loss) + 1e-13, (name, mode)
+            assert_grads_close(got, one, FLOAT64)
+            assert abs(loss - flat_loss) <= rel * abs(flat_loss) + 1e-13, (name, mode)
+            assert_grads_close(got, flat, rel)
+            for s, o in zip(scores, one_scores):
+                torch.testing.assert_close(s, o, rtol=1e-9, atol=1e-12)
     finally:
         dist.destroy_process_group()
+
+
+def _tree_run(models: dict, name: str, mode: str, key: str) -> tuple:
+    """One `run_trees` step of CASES[name] (built once per process): "cp" the tree step
+    under context parallelism, "one" in one process, "flat" one process without prefix
+    sharing; its loss, every .grad and the group's scores."""
+    if name not in models:
+        models[name] = CASES[name]() if name == "hybrid" else float64_norms(CASES[name]())
+    model = models[name]
+    group = tree_group(["ABD", "ABE", "LC", "L", "AC"], prompt_len=23)
+    extra = {"cp": dict(context_parallel=True), "one": {}, "flat": dict(share_response_prefixes=False)}[key]
+    with float64_throughout(model):
+        model.zero_grad(set_to_none=True)
+        engine = ls.Engine(model, ls.ExecConfig(chunk_size=6, attention_block_size=4, shard_block_size=3, mode=mode,
+                                                **extra))
+        return engine.step(group).loss, grads_of(model), engine.score(group)
 
 
 def decode_merge_in_one_collective(rank: int, world: int, init_file: str) -> None:
