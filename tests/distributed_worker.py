@@ -209,16 +209,15 @@ def run_fsdp(rank: int, world: int, init_file: str) -> None:
 
     _init(rank, world, init_file)
     try:
-        for name in ("dense", "hybrid", "hybrid_moe", "mla_mlp"):
+        names, kw = ("dense", "hybrid", "hybrid_moe", "mla_mlp"), dict(chunk_size=6, attention_block_size=4,
+                                                                        shard_block_size=3)
+        refs = on_one_rank_each([lambda n=name, m=mode: _one_process_grads(n, m, kw)
+                                 for name in names for mode in ("detached", "exact")])
+        for i, name in enumerate(names):
             model = CASES[name]()
             group = random_group(97, 23, [5, 3], seed=3)
-            kw = dict(chunk_size=6, attention_block_size=4, shard_block_size=3)
             with float64_throughout(model):
-                want = {}
-                for mode in ("detached", "exact"):
-                    model.zero_grad(set_to_none=True)
-                    ls.Engine(model, ls.ExecConfig(mode=mode, **kw)).step(group)
-                    want[mode] = grads_of(model)
+                want = dict(zip(("detached", "exact"), refs[2 * i:2 * i + 2]))
                 shard_model(model, init_device_mesh("cpu", (world,)))  # resharded after every forward
                 sharded = 0
                 for mode, divide in (("detached", True), ("exact", True), ("detached", False), ("exact", False)):
@@ -257,6 +256,14 @@ def run_fsdp(rank: int, world: int, init_file: str) -> None:
         dist.barrier()  # FSDP2's gloo reduce-scatters are finished on every rank before teardown
     finally:
         dist.destroy_process_group()
+
+
+def _one_process_grads(name: str, mode: str, kw: dict) -> dict:
+    """Every .grad of one single-process step of a fresh CASES[name] in `mode` (`run_fsdp`'s group)."""
+    model = CASES[name]()
+    with float64_throughout(model):
+        ls.Engine(model, ls.ExecConfig(mode=mode, **kw)).step(random_group(97, 23, [5, 3], seed=3))
+    return grads_of(model)
 
 
 def run_fsdp_2d(rank: int, world: int, init_file: str) -> None:
