@@ -327,38 +327,49 @@ def run_windowed(rank: int, world: int, init_file: str, families: list[str]) -> 
     _init(rank, world, init_file)
     try:
         group = random_group(97, 17, [5, 1, 7], seed=3)
-        for name in families:
-            model = tiny_family(name)
-            assert "sliding_attention" in model.config.layer_types and model.config.sliding_window == 5, name
-            with float64_internals():
-                for mode in ("detached", "exact"):
-                    exec_kw = dict(chunk_size=4, attention_block_size=2, shard_block_size=3, mode=mode)
-                    one, cp = (ls.Engine(model, ls.ExecConfig(context_parallel=c, **exec_kw)) for c in (False, True))
-                    model.zero_grad(set_to_none=True)
-                    single = one.step(group)
-                    want = grads_of(model)
-                    model.zero_grad(set_to_none=True)
-                    result = cp.step(group)
-                    assert abs(result.loss - single.loss) <= 1e-9 * abs(single.loss) + 1e-13, (name, mode)
-                    assert_grads_close(grads_of(model), want, 1e-9)
-                with torch.no_grad():
-                    chunked = ls.Engine(model, ls.ExecConfig(context_parallel=True, divide_capture=False,
-                                                             **{**exec_kw, "mode": "detached"}))  # chunked capture
-                    for a, b, c in zip(cp.score(group), one.score(group), chunked.score(group)):
-                        assert (a - b).abs().max() <= 1e-9 and (c - b).abs().max() <= 1e-9, (name, a, b, c)
-                    state = cp.capture(group.prompt)  # detached: sliding layers trimmed on every rank
-                    for kind, kv in zip(model.config.layer_types, state.layers):
-                        held = torch.tensor([kv.length])
-                        dist.all_reduce(held)
-                        assert int(held) == (4 if kind == "sliding_attention" else 16), (name, kind, int(held))
-                    want_g = one.generate(group.prompt, num_samples=2, max_new_tokens=7, temperature=0)
-                    got_g = cp.generate(group.prompt, num_samples=2, max_new_tokens=7, temperature=0)
-                for a, b in zip(got_g.responses, want_g.responses):
-                    assert torch.equal(a, b), (name, a, b)
-                for a, b in zip(got_g.logprobs, want_g.logprobs):
-                    assert (a - b).abs().max() <= 1e-9, (name, a, b)
+        refs = on_one_rank_each([lambda n=name: _windowed_run(n, group, False) for name in families])
+        for name, want in zip(families, refs):
+            got, model = _windowed_run(name, group, True), tiny_family(name)
+            for mode in ("detached", "exact"):
+                (loss, grads), (want_loss, want_grads) = got[mode], want[mode]
+                assert abs(loss - want_loss) <= 1e-9 * abs(want_loss) + 1e-13, (name, mode)
+                assert_grads_close(grads, want_grads, 1e-9)
+            exec_kw = dict(context_parallel=True, chunk_size=4, attention_block_size=2, shard_block_size=3)
+            with float64_internals(), torch.no_grad():
+                chunked = ls.Engine(model, ls.ExecConfig(divide_capture=False, mode="detached", **exec_kw))
+                for a, b, c in zip(got["scores"], want["scores"], chunked.score(group)):
+                    assert (a - b).abs().max() <= 1e-9 and (c - b).abs().max() <= 1e-9, (name, a, b, c)
+                state = ls.Engine(model, ls.ExecConfig(mode="exact", **exec_kw)).capture(group.prompt)  # detached
+                for kind, kv in zip(model.config.layer_types, state.layers):  # sliding layers trimmed on every rank
+                    held = torch.tensor([kv.length])
+                    dist.all_reduce(held)
+                    assert int(held) == (4 if kind == "sliding_attention" else 16), (name, kind, int(held))
+            for a, b in zip(got["responses"], want["responses"]):
+                assert torch.equal(a, b), (name, a, b)
+            for a, b in zip(got["logprobs"], want["logprobs"]):
+                assert (a - b).abs().max() <= 1e-9, (name, a, b)
     finally:
         dist.destroy_process_group()
+
+
+def _windowed_run(name: str, group, context_parallel: bool) -> dict:
+    """`run_windowed`'s runs of tiny_family(name), with or without context parallelism:
+    each mode's step (loss, every .grad), then the exact-mode engine's score and greedy
+    generate (7 new tokens, past the window)."""
+    model = tiny_family(name)
+    assert "sliding_attention" in model.config.layer_types and model.config.sliding_window == 5, name
+    out = {}
+    with float64_internals():
+        for mode in ("detached", "exact"):
+            engine = ls.Engine(model, ls.ExecConfig(context_parallel=context_parallel, chunk_size=4,
+                                                    attention_block_size=2, shard_block_size=3, mode=mode))
+            model.zero_grad(set_to_none=True)
+            out[mode] = engine.step(group).loss, grads_of(model)
+        with torch.no_grad():  # the exact-mode engine's score and greedy generate
+            out["scores"] = engine.score(group)
+            greedy = engine.generate(group.prompt, num_samples=2, max_new_tokens=7, temperature=0)
+    out["responses"], out["logprobs"] = greedy.responses, greedy.logprobs
+    return out
 
 
 def run_generate(rank: int, world: int, init_file: str, cases: list[str]) -> None:
