@@ -419,29 +419,39 @@ def run_episode(rank: int, world: int, init_file: str, cases: list[str]) -> None
     process token for token, log-probs to 1e-9, masks and turns identical."""
     _init(rank, world, init_file)
     try:
-        prompt = random_group(97, 23, [1], seed=3).prompt
-        exec_kw = dict(chunk_size=6, attention_block_size=4, shard_block_size=3)
-        prefix = torch.tensor([11, 3, 50, 8])
-        for name in cases:
-            model = CASES[name]()
-            with float64_throughout(model):
-                engines = [ls.Engine(model, ls.ExecConfig(context_parallel=cp, **exec_kw)) for cp in (False, True)]
-                eos = int(engines[0].generate(prompt, num_samples=1, max_new_tokens=3, temperature=0).responses[0][-1])
-                kw = dict(num_samples=3, max_new_tokens=16, temperature=0, eos_token_id=eos)
-                single, sharded = (e.generate(prompt, environment=_episode_env, max_turns=2, **kw) for e in engines)
-                assert sum(sharded.turns) >= 3, (name, sharded.turns)  # the environment was called
-                forks = [e.generate(prompt, prefix=prefix, prefix_loss_mask=torch.tensor([True, False, True, True]),
-                                    state=ro.state, environment=_episode_env, max_turns=1, **kw)
-                         for e, ro in ((engines[0], single), (engines[1], sharded))]
-                for want, got in ((single, sharded), tuple(forks)):
-                    assert want.turns == got.turns, (name, want.turns, got.turns)
-                    for a, b, la, lb, ma, mb in zip(want.responses, got.responses, want.logprobs, got.logprobs,
-                                                    want.loss_masks, got.loss_masks):
-                        assert torch.equal(a, b), (name, rank, a.tolist(), b.tolist())
-                        assert torch.equal(ma, mb), (name, rank, ma.tolist(), mb.tolist())
-                        assert (la - lb).abs().max() <= 1e-9, (name, rank, la, lb)
+        refs = on_one_rank_each([lambda n=name: _episodes(n, False) for name in cases])
+        for name, (want_runs, eos) in zip(cases, refs):
+            got_runs, _ = _episodes(name, True, eos)
+            assert sum(got_runs[0]["turns"]) >= 3, (name, got_runs[0]["turns"])  # the environment was called
+            for want, got in zip(want_runs, got_runs):  # the episodes, then their forks with prefix=
+                assert want["turns"] == got["turns"], (name, want["turns"], got["turns"])
+                for a, b, la, lb, ma, mb in zip(want["responses"], got["responses"], want["logprobs"],
+                                                got["logprobs"], want["loss_masks"], got["loss_masks"]):
+                    assert torch.equal(a, b), (name, rank, a.tolist(), b.tolist())
+                    assert torch.equal(ma, mb), (name, rank, ma.tolist(), mb.tolist())
+                    assert (la - lb).abs().max() <= 1e-9, (name, rank, la, lb)
     finally:
         dist.destroy_process_group()
+
+
+def _episodes(name: str, context_parallel: bool, eos: int | None = None) -> tuple[list[dict], int]:
+    """`run_episode`'s greedy episodes of CASES[name] (2 turns), then forks of them with
+    `prefix=` from the rollout's state (1 turn): each one's responses, log-probs, loss
+    masks and turns; and the eos token (the third greedy token, found if not given)."""
+    model = CASES[name]()
+    prompt = random_group(97, 23, [1], seed=3).prompt
+    engine = ls.Engine(model, ls.ExecConfig(context_parallel=context_parallel, chunk_size=6, attention_block_size=4,
+                                            shard_block_size=3))
+    with float64_throughout(model):
+        if eos is None:
+            eos = int(engine.generate(prompt, num_samples=1, max_new_tokens=3, temperature=0).responses[0][-1])
+        kw = dict(num_samples=3, max_new_tokens=16, temperature=0, eos_token_id=eos)
+        episodes = engine.generate(prompt, environment=_episode_env, max_turns=2, **kw)
+        forks = engine.generate(prompt, prefix=torch.tensor([11, 3, 50, 8]), state=episodes.state,
+                                prefix_loss_mask=torch.tensor([True, False, True, True]), environment=_episode_env,
+                                max_turns=1, **kw)
+    return [dict(responses=r.responses, logprobs=r.logprobs, loss_masks=r.loss_masks, turns=r.turns)
+            for r in (episodes, forks)], eos
 
 
 def bad_group_on_one_rank(rank: int, world: int, init_file: str, flag_dir: str) -> None:
