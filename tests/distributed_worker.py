@@ -538,7 +538,9 @@ def check_planner(world: int) -> None:
         for mode in ("detached", "exact"):
             engine = ls.Engine(model, ls.ExecConfig(context_parallel=True, chunk_size=7, attention_block_size=3,
                                                     mode=mode))
+            Traffic.received = 0
             held = [int(x) for x in all_gather_ints(engine.capture(prompt, exact=mode == "exact").nbytes())]
+            received = max(all_gather_ints(Traffic.received))  # (all_gather_ints: torch's own, not counted)
             plan = estimate(model.config.to_dict(), PlanConfig(
                 prompt_tokens=40, group=1, response_tokens=3, gpus=world, chunk_size=7, attention_block_size=3,
                 mode=mode, dtype="float64"))
@@ -546,9 +548,6 @@ def check_planner(world: int) -> None:
             assert max(held) == held[0] == want, (name, mode, held, plan["state_bytes_per_rank"],
                                                   plan["exact_checkpoint_bytes_per_rank"])
             # the bytes the busiest rank receives in the (divided) capture: as the planner predicts
-            Traffic.received = 0
-            engine.capture(prompt, exact=mode == "exact")
-            received = max(all_gather_ints(Traffic.received))
             predicted = divided_capture_traffic(model.config.to_dict(), positions=40, world=world, block=3,
                                                 chunk_size=7, dtype="float64", exact=mode == "exact")
             assert plan["divided_capture"] and received > 0
