@@ -255,7 +255,7 @@ def plan_replay(s: Basis, state: StatePlan) -> ReplayPlan:
     held = (R - 1) // T * T if T < R else 0  # branch tokens held as a state while pieces are walked back
     # under CP a rank's queries read its own shard of the prompt (plus the branch's held pieces)
     graph, attn = _autograd(s, T, s.p_rank + held)
-    logits = min(T, c.logits_chunk_size) * arch.vocab * (b + 3 * 4) + T * arch.hidden * b + head_grad_transient(s)
+    logits = min(T, c.logits_chunk_size) * arch.vocab * (b + 3 * 4) + T * arch.hidden * b + head_grad_transient(s, T)
     # the earlier pieces' state (and the recurrent state at each piece start), with grad buffers
     branch_state = 2 * (st["per_token"] * held + held // T * (st["recurrent_fixed"] + st["conv_tail_fixed"]))
     working = graph + max(attn, logits)
@@ -268,16 +268,24 @@ def plan_replay(s: Basis, state: StatePlan) -> ReplayPlan:
                       logits=logits, branch_state=branch_state, working=working + branch_state)
 
 
-def head_grad_transient(s: Basis) -> float:
+def head_grad_transient(s: Basis, tokens: int | None = None) -> float:
     """Bytes of lm_head's weight gradient computed apart (an mm over the logits chunk's
     rows) before autograd adds it into the existing `.grad`: full training, once a
     gradient exists (every branch after the first, or a later group of a batch); the
     tied embedding when lm_head is tied. Found on tiny qwen3 (one layer, vocab 4,096):
-    a [4096, 256] fp32 mm output alive at the replay peak (4 MiB), not planned before."""
+    a [4096, 256] fp32 mm output alive at the replay peak (4 MiB), not planned before.
+
+    A piece of `tokens` tokens runs lm_head in ceil(tokens / logits_chunk_size) chunks
+    (`engine/logprobs.py`): autograd's input buffer of the weight holds the first chunk's
+    gradient while the next chunk's is computed, so two are alive at once where there are
+    two chunks or more. Found by rehearsing Qwen3.6-27B (pieces of 2,048, chunks of 1,024):
+    four [248320, 5120] bf16 tensors made in the walk alive at the replay peak (the two
+    gradients and two transients), 2.37 GB more than one transient planned."""
     c = s.config
     if c.lora_rank or (s.G < 2 and c.tree is None and not c.grads_during_capture):
         return 0.0
-    return (s.params.lm_head or s.params.embedding) * s.b
+    chunks = 1 if tokens is None else -(-tokens // c.logits_chunk_size)
+    return min(2, chunks) * (s.params.lm_head or s.params.embedding) * s.b
 
 
 def held_bytes(s: Basis, state: StatePlan) -> float:
