@@ -139,11 +139,13 @@ def fit_config(model, *, memory_budget, prompt_tokens: int, group: int, response
         pinned |= {"offload_state"}
     if world < 2:
         pinned |= {"expert_parallel"}
-    if fused_backward_kernel(device.type, getattr(torch, dtype)) is None:  # kept attention outputs: measured
-        pinned |= {"keep_attention_outputs"}                             # on CPU's fused kernel only so far
+    fused = fused_backward_kernel(device.type, getattr(torch, dtype)) is not None
+    if not fused:  # kept attention outputs: measured on CPU's fused kernel only so far
+        pinned |= {"keep_attention_outputs"}
+    plan_fixed.setdefault("keep_attention_outputs", False)  # the search starts without them and offers them
     base = PlanConfig(prompt_tokens=prompt_tokens, group=group, response_tokens=response_tokens, mode=mode,
                       gpus=world, dtype=dtype, lora_rank=rank, lora_targets=targets, offload_state=offload,
-                      gdn_kernel=gdn_kernel(device, dtype), reserve=0, **plan_fixed)
+                      gdn_kernel=gdn_kernel(device, dtype), fused_backward=fused, reserve=0, **plan_fixed)
     cfg = planner_config(model)
     held = estimate(cfg, base)  # the model, its gradients and the optimizer: outside the budget
     outside = held["param_bytes"] + held["grad_bytes"] + held["optimizer_bytes"]
