@@ -144,10 +144,12 @@ def fit_config(model, *, memory_budget, prompt_tokens: int, group: int, response
     plan_fixed.update({k: v for k, v in fixed.items() if k in _PLAN_ONLY})
     offload = fixed.get("state_device") is not None and torch.device(fixed["state_device"]).type == "cpu"
     pinned = _pinned(plan_fixed, fixed, device, dtype, world)
+    fused = fused_backward_kernel(device.type, getattr(torch, dtype)) is not None
+    plan_fixed.setdefault("keep_attention_outputs", False)  # the search starts without them and offers them
     base = PlanConfig(prompt_tokens=prompt_tokens, group=group, response_tokens=response_tokens, mode=mode,
                       gpus=world, dtype=dtype, lora_rank=rank, lora_targets=targets, offload_state=offload,
-                      gdn_kernel=gdn_kernel(device, dtype), reserve=0, generate=generate, images=images,
-                      image_tokens=image_tokens, **plan_fixed)
+                      gdn_kernel=gdn_kernel(device, dtype), fused_backward=fused, reserve=0, generate=generate,
+                      images=images, image_tokens=image_tokens, **plan_fixed)
     cfg = planner_config(model)
     held = estimate(cfg, base)
     outside = _model_bytes(held)

@@ -196,9 +196,10 @@ def _add_plan_parser(sub) -> None:
     p.add_argument("--keep-graph-bytes", default="0", help="exact mode: bytes of capture-chunk graphs kept instead "
                                                            "of recomputed, e.g. 2GiB (ExecConfig.keep_graph_bytes; "
                                                            "default 0: recompute every chunk)")
-    p.add_argument("--keep-attention-outputs", action="store_true",
+    p.add_argument("--keep-attention-outputs", action="store_true", default=None,
                    help="exact mode: capture keeps each full-attention layer's output and LSE, so the walk skips "
-                        "attention's forward over the prompt (ExecConfig.keep_attention_outputs)")
+                        "attention's forward over the prompt (ExecConfig.keep_attention_outputs; default: the "
+                        "engine's rule, which on a GPU keeps none)")
     p.add_argument("--score-passes", type=int, default=0, help="no-grad scoring forwards per branch (old/ref "
                                                                "log-probs) from the step's one captured state, "
                                                                "no second capture (the paper: 2; default 0)")

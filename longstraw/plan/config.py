@@ -155,13 +155,20 @@ class PlanConfig:
     kept instead of recomputed. The planner keeps as many of the last chunks as fit at its
     estimate of one chunk's graph; they are alive from capture to the reverse walk."""
 
-    keep_attention_outputs: bool = defaults.KEEP_ATTENTION_OUTPUTS
+    keep_attention_outputs: bool | None = defaults.KEEP_ATTENTION_OUTPUTS
     """Exact mode (`ExecConfig.keep_attention_outputs`): capture keeps every attention
     layer's output and LSE per prompt position (H * (Dv * b + acc) bytes per position and
     layer, on the device, from capture until the walk passes each chunk), so the walk's
     recomputed forward skips attention over the prompt (its backward runs from them). The
     engine applies it on a replicated walk (not to MLA / DSA layers or attention sinks);
-    `fit_config` offers it on CPU only (not yet measured on a GPU), `--fit` never."""
+    `fit_config` offers it on CPU only (not yet measured on a GPU), `--fit` never. None:
+    the engine's rule (`defaults.keeps_attention_outputs`, with `fused_backward`)."""
+
+    fused_backward: bool = False
+    """The device runs torch's fused flash-attention backward (`ops/flash.fused_backward_kernel`:
+    CPU today; a GPU's walk runs the blockwise one). The engine's default for
+    `keep_attention_outputs` (None) keeps the outputs only there; `fit_config` sets it
+    from the model's device."""
 
     divide_capture: bool = defaults.DIVIDE_CAPTURE
     """Under context parallelism (W > 1), capture computes each prompt token on one rank

@@ -18,7 +18,7 @@ from .arch import DTYPE_BYTES, QUANT_BYTES, Arch, LayerSpec, indexer_parameters
 from .config import Basis
 from .experts import divided_moe_working, expert_elements, expert_parallel_weights
 from .traffic import divided_capture_traffic, divided_walk_traffic
-from ..defaults import offloads_snapshots, recompute_pays
+from ..defaults import keeps_attention_outputs, offloads_snapshots, recompute_pays
 from .snapshots import (divided_walk_recompute_working, snapshot_grad_bytes, snapshot_plan, walk_recompute_working,
                         walk_starts)
 from .working import autograd_pass, graph_bytes_per_token, nograd_layer_bytes, recompute_pass
@@ -461,11 +461,35 @@ def kept_output_bytes(s: Basis, positions: int) -> float:
     ([H, Dv]; sliding-window ones too: exact mode keeps all their rows) and dense MLA layer
     ([H, kv_lora_rank] over the latent: `kept_output_layers`). GDN layers and sparse DSA
     attention keep none (their walk computes it again)."""
-    if not s.config.keep_attention_outputs:
+    if not keeps_outputs(s):
         return 0.0
-    a = s.arch
-    per = {"attention": a.heads * (a.head_dim * s.b + s.acc), "mla": a.heads * (a.kv_lora_rank * s.b + s.acc)}
-    return float(positions * sum(per[layer.mixer] for layer in kept_output_layers(a, s.P)))
+    return float(positions * kept_output_bytes_per_token(s.arch, s.b, s.acc, s.P))
+
+
+def keeps_outputs(s: Basis) -> bool:
+    """`keep_attention_outputs` resolved by the engine's rule (`defaults.keeps_attention_outputs`):
+    None keeps them only where the device runs the fused backward (`PlanConfig.fused_backward`)."""
+    a, c = s.arch, s.config
+    return keeps_attention_outputs(c.keep_attention_outputs, exact=s.exact, offload_state=c.offload_state,
+                                   parallel=s.W > 1, fused_backward=c.fused_backward,
+                                   output_bytes=kept_output_bytes_per_token(a, s.b, s.acc, s.P),
+                                   state_bytes=exact_state_bytes_per_token(a, s.b, s.acc, s.rb, s.P))
+
+
+def kept_output_bytes_per_token(arch: Arch, b: int, acc: int, P: int) -> float:
+    """Bytes `keep_attention_outputs` keeps per prompt position: H * (Dv * b + acc) per
+    kept layer (`kept_output_layers`; MLA: Dv = kv_lora_rank). b: compute dtype bytes; acc:
+    the LSE's (accumulation dtype)."""
+    per = {"attention": arch.heads * (arch.head_dim * b + acc), "mla": arch.heads * (arch.kv_lora_rank * b + acc)}
+    return float(sum(per[layer.mixer] for layer in kept_output_layers(arch, P)))
+
+
+def exact_state_bytes_per_token(arch: Arch, b: int, acc: int, rb: int, P: int) -> float:
+    """Bytes exact mode holds per prompt position for the state: its per-token rows
+    (`state_sizes`, sliding windows kept whole) and their gradients in the accumulation
+    dtype (as `plan_state`). The yardstick of the kept-outputs rule."""
+    per = state_sizes(arch, b, rb, P, keep_windows=True)["per_token"]
+    return float(per + per * acc // b)
 
 
 def kept_output_layers(arch: Arch, P: int) -> list[LayerSpec]:
