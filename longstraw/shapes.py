@@ -12,7 +12,7 @@ torch-side objects meet it.
 from __future__ import annotations
 
 from longstraw.plan.arch import Arch, architecture
-from longstraw.plan.memory import exact_state_bytes_per_token, kept_output_bytes_per_token
+from longstraw.plan.kept_outputs import exact_state_bytes_per_token, kept_output_bytes_per_token
 from longstraw.plan.working import graph_bytes_per_token as _layer_graph_bytes
 
 __all__ = ["planner_config", "planner_arch", "graph_bytes_per_token", "model_held_bytes", "FALLBACK_GRAPH_HIDDENS",

@@ -39,7 +39,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .config import Basis
-from .memory import state_sizes
+from .state_sizes import state_sizes
 from .arch import SPARSE_QUERY_BLOCK
 from .working import nograd_layer_bytes
 

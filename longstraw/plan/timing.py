@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from ..parallel.deal import Deal
 from .arch import BACKWARD_FACTOR, Arch, LayerSpec, ParamCount
 from .config import Basis
-from .memory import kept_output_layers
+from .kept_outputs import kept_output_layers
 
 def causal_pairs(n_q: int, prefix: int, limit: int | None) -> float:
     """Query-key pairs of n_q causal queries that follow `prefix` keys, each seeing at
