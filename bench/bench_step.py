@@ -8,15 +8,20 @@ Methods (`--methods`)
 * `exact`: the same with `mode="exact"` and `chunk_size=--exact-chunk-size` (default
   1024): the full-sequence gradient, by recomputing capture chunks in reverse. Its peak
   is one chunk's autograd graph, so the chunk must be well below P.
+  Its `keep_attention_outputs` is the default (None): on CPU's fused kernel it keeps the
+  outputs (`defaults.keeps_attention_outputs`; `kept_attention_bytes` > 0 in the row).
 * `exact_outputs`: exact mode with `keep_attention_outputs=True`: capture keeps each
   attention layer's output and LSE, and the walk runs attention's backward from them
   instead of attending over the prompt again.
+* `exact_recompute`: exact mode with `keep_attention_outputs=False`: the walk attends over
+  the prompt again (the default before the kept outputs were).
 * `exact_kept`: exact mode with `keep_graph_bytes=--keep-graph-bytes` (default: all):
   capture keeps the chunks' graphs that fit and the reverse walk recomputes only the rest.
 * `exact_fit_pg`: exact mode with the `ExecConfig` that `ls.fit_config(model,
   memory_budget=B, mode="exact", prompt_tokens=P, group=G, response_tokens=R)` returns, B =
   Prefix Grouper's peak above the model measured earlier in the same invocation (the
-  median of its runs so far at this P and G: list `prefix_grouper` before it). "At equal
+  median of its runs so far at this P and G: list `prefix_grouper` before it), or that of
+  `--fit-budget-from` (e.g. `batched`, for the families Prefix Grouper does not run). "At equal
   memory, faster": the search may spend B on kept capture graphs. It runs before the clock.
 * `exact_blockwise`: exact mode with the fused flash kernels off (`ops/flash.FUSED_ENABLED
   = False`): every attention through the blockwise torch kernel, as before the fused path.
@@ -91,9 +96,9 @@ if REPO not in sys.path:
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from proc import code_info, cpu_model, machine_busy_s, mem_total, own_cpu_s, peak_rss, status_bytes  # noqa: E402  (torch-free)
 
-METHODS = ("detached", "exact", "exact_outputs", "exact_kept", "exact_fit_pg", "exact_blockwise", "naive", "batched", "prefix_grouper",
+METHODS = ("detached", "exact", "exact_outputs", "exact_recompute", "exact_kept", "exact_fit_pg", "exact_blockwise", "naive", "batched", "prefix_grouper",
            "capture", "hf_forward")
-LONGSTRAW_STEPS = ("detached", "exact", "exact_outputs", "exact_kept", "exact_fit_pg", "exact_blockwise")
+LONGSTRAW_STEPS = ("detached", "exact", "exact_outputs", "exact_recompute", "exact_kept", "exact_fit_pg", "exact_blockwise")
 DENSE_FAMILIES = ("qwen3",)
 THREADS = int(os.environ.get("BENCH_THREADS", "2"))  # torch threads per worker (1: a core of its own beside another job)
 VOCAB = 4096
@@ -119,8 +124,8 @@ def _exec_kwargs(args, method: str) -> dict:
         kw["mode"] = "exact"
     if method == "exact_kept":
         kw["keep_graph_bytes"] = args.keep_graph_bytes
-    if method == "exact_outputs":
-        kw["keep_attention_outputs"] = True
+    if method in ("exact_outputs", "exact_recompute"):
+        kw["keep_attention_outputs"] = method == "exact_outputs"
     return kw
 
 
@@ -375,14 +380,14 @@ def plan_run(family: str, mode: str, P: int, G: int, R: int, exec_kwargs: dict, 
                      logits_chunk_size=kw["logits_chunk_size"], branch_chunk_size=kw["branch_chunk_size"],
                      self_attention=self_attention, grads_during_capture=not first_group,
                      keep_graph_bytes=kw.get("keep_graph_bytes", 0), recompute_layers=kw.get("recompute_layers"),
-                     keep_attention_outputs=kw.get("keep_attention_outputs", False))
+                     keep_attention_outputs=kw.get("keep_attention_outputs"), fused_backward=True)  # CPU's kernel
     r = estimate(PLAN_MODEL[family], cfg)
     return r, r["peak_bytes_per_rank"] - r["param_bytes"] - r["optimizer_bytes"]
 
 
 def planner_prediction(args, method: str, params_model: int) -> dict:
     """The capacity planner's figures for this measurement (fp32, no optimizer)."""
-    if method not in ("detached", "exact", "exact_outputs", "exact_kept", "exact_fit_pg"):
+    if method not in ("detached", "exact", "exact_outputs", "exact_recompute", "exact_kept", "exact_fit_pg"):
         return {}
     r, held = plan_run(args.family, "detached" if method == "detached" else "exact", args.worker_p, args.worker_g, args.response_tokens,
                        _exec_kwargs(args, method), first_group=False, self_attention=args.plan_self_attention)
@@ -453,7 +458,7 @@ def worker(args) -> dict:
         row.update(chunk_size=kw["chunk_size"], attention_block_size=kw["attention_block_size"],
                    logits_chunk_size=kw["logits_chunk_size"], branch_chunk_size=kw["branch_chunk_size"],
                    keep_graph_bytes=kw.get("keep_graph_bytes", 0), recompute_layers=kw.get("recompute_layers"),
-                   keep_attention_outputs=kw.get("keep_attention_outputs", False))
+                   keep_attention_outputs=kw.get("keep_attention_outputs"))
     if method == "exact_fit_pg":
         row["fit_budget_bytes"] = int(args.fit_budget_bytes)
         row["kept_chunks"] = metrics.get("kept_graph_chunks")
@@ -733,11 +738,11 @@ def measure(args, info: dict, rows: list[dict], method: str, P: int, G: int, rep
         print(f"  {method:14s} P={P:<6d} G={G:<2d} not applicable", flush=True)
         return False
     if method == "exact_fit_pg":  # the budget: Prefix Grouper's peak above the model, measured in this run
-        pg = [float(r["peak_above_model"]) for r in rows if r["method"] == "prefix_grouper" and r["P"] == P
+        pg = [float(r["peak_above_model"]) for r in rows if r["method"] == args.fit_budget_from and r["P"] == P
               and r["G"] == G and r["status"] == "ok"]
         if not pg:
-            row = {**base, "status": "skipped", "note": "exact_fit_pg needs a prefix_grouper row of this P and G "
-                                                        "earlier in the same run (list prefix_grouper first)"}
+            row = {**base, "status": "skipped", "note": f"exact_fit_pg needs a {args.fit_budget_from} row of this P "
+                                                        f"and G earlier in the same run (list it first)"}
             _append_csv(args.out, row)
             rows.append(row)
             print(f"  {method:14s} P={P:<6d} G={G:<2d} skipped: {row['note']}", flush=True)
@@ -837,6 +842,8 @@ def main(argv=None) -> int:
     p.add_argument("--worker-p", type=int, help=argparse.SUPPRESS)
     p.add_argument("--worker-g", type=int, help=argparse.SUPPRESS)
     p.add_argument("--grad-out", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--fit-budget-from", default="prefix_grouper", choices=METHODS,
+                   help="exact_fit_pg's budget: this method's peak above the model, measured earlier in the run")
     p.add_argument("--fit-budget-bytes", type=int, default=None, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
 

@@ -98,7 +98,7 @@ class ExecConfig:
     against it, not the state or the weights. Applies to a step's own capture; a state
     reused from `generate` is walked by recomputation. See docs/exact.md."""
 
-    keep_attention_outputs: bool = defaults.KEEP_ATTENTION_OUTPUTS
+    keep_attention_outputs: bool | None = defaults.KEEP_ATTENTION_OUTPUTS
     """Exact mode: capture keeps what each attention layer's backward needs from its
     forward, the output [H, Dv] and the log-sum-exp [H] per prompt position (model dtype
     and float32 / float64), so the reverse walk recomputes only norms, projections and the
@@ -108,7 +108,11 @@ class ExecConfig:
     step's own capture and GQA / MQA attention layers (the fused flash kernel or the
     blockwise one, sliding windows too: `ops/flash.keeps_outputs`); not yet to attention
     sinks, MLA / DSA layers or a divided walk, which recompute attention as before. Same
-    result. See docs/exact.md."""
+    result. None (the default): on where it was measured to pay and costs little memory
+    (`defaults.keeps_attention_outputs`): the state on the device, no context parallelism,
+    torch's fused flash backward for the model's device and dtype (CPU), and the outputs
+    at most `defaults.KEPT_OUTPUTS_SHARE` (1) times the state's rows and gradients per
+    prompt position; `step` reports the choice as `kept_attention_bytes`. See docs/exact.md."""
 
     state_device: str | None = None
     """Where the prompt state's per-token rows (K/V, MLA latents, DSA indexer keys and
@@ -166,8 +170,8 @@ class ExecConfig:
         if isinstance(self.keep_graph_bytes, bool) or not isinstance(self.keep_graph_bytes, int) \
                 or self.keep_graph_bytes < 0:
             raise ConfigError(f"ExecConfig.keep_graph_bytes must be an int >= 0, got {self.keep_graph_bytes!r}")
-        if not isinstance(self.keep_attention_outputs, bool):
-            raise ConfigError(f"ExecConfig.keep_attention_outputs must be True or False, got "
+        if self.keep_attention_outputs is not None and not isinstance(self.keep_attention_outputs, bool):
+            raise ConfigError(f"ExecConfig.keep_attention_outputs must be True, False or None (where it pays), got "
                               f"{self.keep_attention_outputs!r}")
         if not isinstance(self.share_response_prefixes, bool):
             raise ConfigError(f"ExecConfig.share_response_prefixes must be True or False, got "

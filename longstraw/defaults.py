@@ -30,9 +30,38 @@ DIVIDE_WALK = True
 KEEP_GRAPH_BYTES = 0
 """Exact mode: bytes of capture-chunk graphs kept instead of recomputed (0: recompute every chunk)."""
 
-KEEP_ATTENTION_OUTPUTS = False
+KEEP_ATTENTION_OUTPUTS = None
 """Exact mode: capture keeps each attention layer's output and log-sum-exp, so the reverse
-walk runs attention's backward without a second forward over the prompt."""
+walk runs attention's backward without a second forward over the prompt. None: where
+it pays and costs little memory (`keeps_attention_outputs`)."""
+
+KEPT_OUTPUTS_SHARE = 1.0
+"""`keep_attention_outputs=None` keeps the outputs exactly when they take at most this many
+times the bytes per prompt position that exact mode holds anyway for the state (its rows
+and their gradients): at most doubling what the prompt costs per position. GQA with g
+query heads per kv head keeps about g / 4 of that (Qwen3's g = 2 to 8: 0.5 to 2)."""
+
+
+def keeps_attention_outputs(setting: bool | None, *, exact: bool, offload_state: bool, parallel: bool,
+                            fused_backward: bool, output_bytes: float, state_bytes: float) -> bool:
+    """Whether exact mode's capture keeps the attention outputs for the reverse walk: the
+    engine's and the planner's one rule (kept here, torch-free, beside its constant).
+
+    `setting` is `keep_attention_outputs`: True / False as given (in exact mode). None: on
+    exactly when the state is on the device (`offload_state` False), the walk is not
+    divided over ranks (`parallel` False: context parallelism, whose divided walk attends
+    again), the fused flash backward kernel runs attention's backward (`fused_backward`:
+    torch's CPU kernel, where the kept walk was measured faster; the planner plans GPUs,
+    whose backward is the blockwise one, so it passes False), and the outputs' bytes per
+    prompt position (`output_bytes`) are at most `KEPT_OUTPUTS_SHARE` times the state's
+    rows and gradients per position (`state_bytes`). The price is that memory; the gain is
+    one attention forward over the whole prompt in the walk."""
+    if not exact:
+        return False
+    if setting is not None:
+        return bool(setting)
+    return (not offload_state and not parallel and fused_backward and output_bytes > 0
+            and output_bytes <= KEPT_OUTPUTS_SHARE * state_bytes)
 
 SHARE_RESPONSE_PREFIXES = True
 """Compute the response tokens that several responses of a group share once (prefix trees)."""

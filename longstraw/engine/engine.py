@@ -44,6 +44,7 @@ import torch
 from torch import nn
 
 from longstraw.config import ExecConfig, GRPOConfig
+from longstraw.defaults import keeps_attention_outputs
 from longstraw.engine import grpo as G
 from longstraw.engine.capture import capture, divides_capture, divides_walk, rank_shard
 from longstraw.engine.clock import clock, progress
@@ -62,7 +63,8 @@ from longstraw.group import BatchTotals, Group, StepResult
 from longstraw.models import adapter_for
 from longstraw.models.placement import check_placement
 from longstraw.models.recompute import recompute_pays
-from longstraw.shapes import graph_bytes_per_token, model_held_bytes
+from longstraw.ops.flash import fused_backward_kernel
+from longstraw.shapes import graph_bytes_per_token, kept_output_bytes_per_position, model_held_bytes
 from longstraw.parallel.collectives import Traffic
 from longstraw.models.experts import shard_experts
 from longstraw.parallel.context import ContextParallel
@@ -211,6 +213,22 @@ class Engine:
             self._graph_per_token = graph_bytes_per_token(self.model, layers)
         return recompute_pays(None, piece_tokens * self._graph_per_token, self.held_bytes(state), layers)
 
+    def keeps_attention_outputs(self, prompt_tokens: int, exact: bool) -> bool:
+        """Whether a step's capture of a `prompt_tokens` prompt keeps the attention outputs
+        for the reverse walk (`ExecConfig.keep_attention_outputs`; None:
+        `defaults.keeps_attention_outputs` with this model's per-position bytes and whether
+        torch's fused flash backward runs on its device and dtype)."""
+        setting = self.config.keep_attention_outputs
+        if setting is not None or not exact:
+            return keeps_attention_outputs(setting, exact=exact, offload_state=False, parallel=False,
+                                           fused_backward=False, output_bytes=0.0, state_bytes=0.0)
+        output_bytes, state_bytes = kept_output_bytes_per_position(self.model, prompt_tokens)
+        dtype = next((p.dtype for p in self.model.parameters() if p.is_floating_point()), torch.float32)
+        return keeps_attention_outputs(None, exact=True, offload_state=self.config.offloads_state(),
+                                       parallel=self.cp is not None,
+                                       fused_backward=fused_backward_kernel(self.adapter.device.type, dtype) is not None,
+                                       output_bytes=output_bytes, state_bytes=state_bytes)
+
     def held_bytes(self, state: PromptState | None = None) -> int:
         """What a step holds on this rank anyway, the default recompute rule's yardstick:
         the weights, the gradients of what is trained, and `state` (its rows, snapshots
@@ -301,7 +319,7 @@ class Engine:
         if state is None:
             state = self.capture(group.prompt, exact=exact, keep_graph_bytes=self.config.keep_graph_bytes,
                                  rope_length=sequence_length(group), prompt_inputs=group.prompt_inputs,
-                                 keep_attention_outputs=self.config.keep_attention_outputs)
+                                 keep_attention_outputs=self.keeps_attention_outputs(group.prompt.shape[0], exact))
             if exact and self.config.keep_graph_bytes > 0:
                 return state  # its gradient buffers were allocated before capture: kept graphs add into them
         if exact:

@@ -16,6 +16,8 @@ from dataclasses import dataclass
 from ..parallel.deal import walk_chunk_tokens
 from .arch import DTYPE_BYTES, QUANT_BYTES, Arch, LayerSpec, indexer_parameters
 from .config import Basis
+from .kept_outputs import kept_output_bytes
+from .state_sizes import state_sizes
 from .experts import divided_moe_working, expert_elements, expert_parallel_weights
 from .traffic import divided_capture_traffic, divided_walk_traffic
 from ..defaults import offloads_snapshots, recompute_pays
@@ -26,29 +28,6 @@ from .working import autograd_pass, graph_bytes_per_token, nograd_layer_bytes, r
 # ----------------------------------------------------------------------------
 # the prompt state
 
-
-def state_sizes(arch: Arch, b: int, rb: int, prompt: int, layers=None, keep_windows: bool = False) -> dict:
-    """Per-token and constant state bytes by kind, over `layers` (default: all).
-    b: state dtype bytes; rb: recurrent state bytes. keep_windows: sliding-window layers
-    keep every position (exact mode: the reverse walk recomputes every chunk)."""
-    s = {"attention_kv_per_token": 0, "mla_latent_per_token": 0, "indexer_keys_per_token": 0,
-         "window_kv_fixed": 0, "recurrent_fixed": 0, "conv_tail_fixed": 0}
-    kv = arch.kv_heads * 2 * arch.head_dim * b  # K and V per position
-    for layer in arch.layers if layers is None else layers:
-        if layer.mixer == "attention":
-            if layer.window is None or keep_windows:
-                s["attention_kv_per_token"] += kv
-            else:
-                s["window_kv_fixed"] += min(layer.window - 1, prompt) * kv
-        elif layer.mixer == "gdn":
-            s["recurrent_fixed"] += arch.gdn_v_heads * arch.gdn_k_dim * arch.gdn_v_dim * rb
-            s["conv_tail_fixed"] += arch.conv_dim * (arch.gdn_kernel - 1) * b
-        else:
-            s["mla_latent_per_token"] += (arch.kv_lora_rank + arch.rope_dim) * b
-            s["indexer_keys_per_token"] += arch.index_dim * b if layer.indexer else 0
-    s["per_token"] = s["attention_kv_per_token"] + s["mla_latent_per_token"] + s["indexer_keys_per_token"]
-    s["fixed"] = s["window_kv_fixed"] + s["recurrent_fixed"] + s["conv_tail_fixed"]
-    return s
 
 @dataclass(frozen=True)
 class StatePlan:
@@ -99,7 +78,7 @@ def walk_starts_of(s: Basis) -> int:
     c = s.config
     C = min(c.chunk_size, s.P)
     return walk_starts(s.P - 1, c.chunk_size, divided=walk_is_divided(s, kept_chunks(s, C)), world=s.W,
-                       block=c.attention_block_size, at_chunks=bool(s.arch.count(mixer="gdn")),
+                       block=s.block, at_chunks=bool(s.arch.count(mixer="gdn")),
                        kept_chunks=kept_chunks(s, C))
 
 
@@ -370,7 +349,7 @@ def plan_capture(s: Basis) -> CapturePlan:
         working = max(working, _divided_working(s.arch, s.p_rank, C, s.b, s.acc))
         if c.expert_parallel:  # an MoE piece holds every rank's gathered tokens (plan/experts.py)
             working = max(working, divided_moe_working(s.arch, min(C, s.p_rank), W, s.b))
-        comm = divided_capture_traffic(s.cfg, positions=P - 1, world=W, block=c.attention_block_size,
+        comm = divided_capture_traffic(s.cfg, positions=P - 1, world=W, block=s.block,
                                        chunk_size=c.chunk_size, dtype=s.dtype, exact=s.exact)
     return CapturePlan(C=C, divided=divided, working=working, comm=comm)
 
@@ -436,7 +415,7 @@ def plan_walk(s: Basis, capture: CapturePlan, graph_tok: float) -> WalkPlan:
     divided = walk_is_divided(s, kept)
     walk_chunk, comm = C, 0.0
     if divided:
-        walk_chunk = walk_chunk_tokens(P - 1, c.chunk_size, W, c.attention_block_size,
+        walk_chunk = walk_chunk_tokens(P - 1, c.chunk_size, W, s.block,
                                        bool(s.arch.count(mixer="gdn")))
         working = (divided_walk_recompute_working(
             s, walk_chunk, s.deal.fullest(walk_chunk),
@@ -447,32 +426,12 @@ def plan_walk(s: Basis, capture: CapturePlan, graph_tok: float) -> WalkPlan:
         grad_elems = (params.lora if c.lora_rank else whole_elements(s.arch, params) if c.shard_params
                       else params.total - indexer_parameters(s.arch)
                       - (expert_elements(s.arch) if c.expert_parallel else 0))  # expert slices: never summed
-        comm = divided_walk_traffic(s.cfg, positions=P - 1, world=W, block=c.attention_block_size,
+        comm = divided_walk_traffic(s.cfg, positions=P - 1, world=W, block=s.block,
                                     chunk_size=c.chunk_size, dtype=s.dtype, grad_bytes=grad_elems * s.b)
     outputs = kept_output_bytes(s, (P - 1) - min(P - 1, kept * C)) if exact and not divided else 0.0
     return WalkPlan(working=working, chunks=chunks, chunk_graph=chunk_graph, kept_chunks=kept,
                     kept_bytes=kept * chunk_graph, divided=bool(divided), chunk=walk_chunk, comm=comm,
                     recompute=recompute, transient=transient, kept_outputs=outputs)
-
-
-def kept_output_bytes(s: Basis, positions: int) -> float:
-    """`keep_attention_outputs`: bytes of the outputs (compute dtype) and LSEs [H]
-    (accumulation dtype) of `positions` recomputed prompt positions, per attention layer
-    ([H, Dv]; sliding-window ones too: exact mode keeps all their rows) and dense MLA layer
-    ([H, kv_lora_rank] over the latent: `kept_output_layers`). GDN layers and sparse DSA
-    attention keep none (their walk computes it again)."""
-    if not s.config.keep_attention_outputs:
-        return 0.0
-    a = s.arch
-    per = {"attention": a.heads * (a.head_dim * s.b + s.acc), "mla": a.heads * (a.kv_lora_rank * s.b + s.acc)}
-    return float(positions * sum(per[layer.mixer] for layer in kept_output_layers(a, s.P)))
-
-
-def kept_output_layers(arch: Arch, P: int) -> list[LayerSpec]:
-    """The layers whose attention outputs `keep_attention_outputs` keeps: GQA / MQA attention,
-    and MLA whose queries select every position they see (no DSA, or a top-k >= P)."""
-    return [layer for layer in arch.layers if layer.mixer == "attention"
-            or (layer.mixer == "mla" and (not layer.sparse or (arch.index_topk or 0) >= P))]
 
 
 def kept_chunks(s: Basis, C: int) -> int:

@@ -76,7 +76,7 @@ def test_kept_outputs_give_the_full_sequence_gradient_without_a_second_attention
     model = float64_norms(tiny_model("qwen3"))
     group = random_group(97, 21, [5, 1, 8], seed=11)  # prompt[:-1] = 20 tokens: chunks at 0, 6, 12, 18
     kw = dict(chunk_size=6, attention_block_size=4, recompute_layers=recompute_layers)
-    base, want_engine, plain = _step(model, group, monkeypatch, **kw)
+    base, want_engine, plain = _step(model, group, monkeypatch, keep_attention_outputs=False, **kw)
     result, got, kept = _step(model, group, monkeypatch, keep_attention_outputs=True, **kw)
     loss, want = _full_sequence_reference(model, group)
     assert_loss_close(result.loss, loss)
@@ -100,7 +100,8 @@ def test_kept_outputs_through_the_blockwise_kernel(family, overrides, monkeypatc
     monkeypatch.setattr(flash, "FUSED_ENABLED", False)
     model = float64_norms(tiny_model(family, **overrides))
     group = random_group(97, 17, [3, 6], seed=13)  # prompt[:-1] = 16 tokens: chunks at 0, 4, 8, 12
-    _, want_engine, plain = _step(model, group, monkeypatch, chunk_size=4, attention_block_size=3)
+    _, want_engine, plain = _step(model, group, monkeypatch, chunk_size=4, attention_block_size=3,
+                                  keep_attention_outputs=False)
     result, got, kept = _step(model, group, monkeypatch, chunk_size=4, attention_block_size=3,
                               keep_attention_outputs=True)
     _, want = _full_sequence_reference(model, group)
@@ -118,7 +119,8 @@ def test_kept_outputs_of_dense_mla_layers(family, overrides, monkeypatch):
     gradient is the walk's that attends again (itself checked against HF: tests/models/test_mla.py)."""
     model = tiny_mla(family, **overrides)
     group = random_group(97, 17, [3, 6], seed=13)  # prompt[:-1] = 16 tokens: chunks at 0, 4, 8, 12
-    _, want, plain = _step(model, group, monkeypatch, chunk_size=4, attention_block_size=3)
+    _, want, plain = _step(model, group, monkeypatch, chunk_size=4, attention_block_size=3,
+                           keep_attention_outputs=False)
     result, got, kept = _step(model, group, monkeypatch, chunk_size=4, attention_block_size=3,
                               keep_attention_outputs=True)
     assert_grads_close(got, want, 1e-10)
@@ -131,7 +133,8 @@ def test_kept_outputs_in_a_hybrid_model_keep_its_attention_layers(monkeypatch):
     model = tiny_hybrid("qwen3_5")  # GDN layers and one full-attention layer
     group = random_group(97, 18, [4, 7], seed=3)
     with float64_hybrid(model):
-        _, want, plain = _step(model, group, monkeypatch, chunk_size=5, attention_block_size=4)
+        _, want, plain = _step(model, group, monkeypatch, chunk_size=5, attention_block_size=4,
+                               keep_attention_outputs=False)
         result, got, kept = _step(model, group, monkeypatch, chunk_size=5, attention_block_size=4,
                                   keep_attention_outputs=True)
     assert_grads_close(got, want, 1e-10)
@@ -142,7 +145,7 @@ def test_kept_outputs_in_a_hybrid_model_keep_its_attention_layers(monkeypatch):
 def test_kept_outputs_with_kept_graphs_keep_only_the_recomputed_chunks(monkeypatch):
     model = float64_norms(tiny_model("qwen3"))
     group = random_group(97, 21, [5, 3], seed=2)
-    _, want, _ = _step(model, group, monkeypatch, chunk_size=6)
+    _, want, _ = _step(model, group, monkeypatch, chunk_size=6, keep_attention_outputs=False)
     result, got, kept = _step(model, group, monkeypatch, chunk_size=6, keep_graph_bytes=1 << 40,
                               keep_attention_outputs=True)
     assert_grads_close(got, want, 1e-12)
@@ -151,7 +154,7 @@ def test_kept_outputs_with_kept_graphs_keep_only_the_recomputed_chunks(monkeypat
 
 
 def test_keep_attention_outputs_is_validated():
-    with pytest.raises(ConfigError, match="keep_attention_outputs must be True or False"):
+    with pytest.raises(ConfigError, match="keep_attention_outputs must be True, False or None"):
         ls.ExecConfig(mode="exact", keep_attention_outputs=1)
     with pytest.raises(ConfigError, match="keep_attention_outputs=False or state_device=None"):
         ls.ExecConfig(mode="exact", keep_attention_outputs=True, state_device="cpu")
@@ -162,3 +165,45 @@ def test_a_state_from_capture_alone_keeps_no_outputs():
     engine = ls.Engine(model, ls.ExecConfig(mode="exact", chunk_size=4, keep_attention_outputs=True))
     assert engine.capture(torch.arange(9)).outputs is None  # only a step's own capture keeps them
     assert engine.capture(torch.arange(9), exact=True, keep_attention_outputs=True).outputs.nbytes() > 0
+
+
+def test_exact_mode_keeps_the_outputs_by_default_where_the_fused_backward_runs(monkeypatch):
+    """`keep_attention_outputs=None` (the default) on CPU's fused kernel: the step's walk runs
+    from kept outputs, with the gradient of the walk that attends again (float64)."""
+    model = float64_norms(tiny_model("qwen3"))
+    group = random_group(97, 21, [5, 1, 8], seed=11)  # prompt[:-1] = 20 tokens: chunks at 0, 6, 12, 18
+    assert ls.ExecConfig().keep_attention_outputs is None
+    _, want, plain = _step(model, group, monkeypatch, chunk_size=6, keep_attention_outputs=False)
+    result, got, auto = _step(model, group, monkeypatch, chunk_size=6)
+    assert_grads_close(got, want, 1e-12)
+    assert auto["kept"] == model.config.num_hidden_layers * 4 and plain["kept"] == 0
+    assert result.metrics["kept_attention_bytes"] > 0
+
+
+def test_the_default_keeps_no_outputs_off_the_fused_kernel_or_above_the_share(monkeypatch):
+    """None keeps none where the walk's backward is the blockwise kernel (a GPU's), nor where the
+    outputs per position exceed `KEPT_OUTPUTS_SHARE` times the state's rows and gradients."""
+    from longstraw import defaults
+
+    model = float64_norms(tiny_model("qwen3"))
+    group = random_group(97, 13, [3, 2], seed=5)
+    monkeypatch.setattr(flash, "FUSED_ENABLED", False)
+    result, _, counts = _step(model, group, monkeypatch, chunk_size=4)
+    assert result.metrics["kept_attention_bytes"] == 0 and counts["kept_blockwise"] == 0
+    monkeypatch.setattr(flash, "FUSED_ENABLED", True)
+    monkeypatch.setattr(defaults, "KEPT_OUTPUTS_SHARE", 0.1)  # tiny qwen3 keeps ~0.5 of its state per position
+    result, _, counts = _step(model, group, monkeypatch, chunk_size=4)
+    assert result.metrics["kept_attention_bytes"] == 0 and counts["kept"] == 0
+
+
+def test_the_kept_outputs_rule():
+    from longstraw.defaults import keeps_attention_outputs as rule
+
+    on = dict(exact=True, offload_state=False, parallel=False, fused_backward=True, output_bytes=10.0, state_bytes=20.0)
+    assert rule(None, **on)
+    assert not rule(None, **{**on, "exact": False}) and not rule(True, **{**on, "exact": False})
+    for fact in ("offload_state", "parallel"):
+        assert not rule(None, **{**on, fact: True})
+    assert not rule(None, **{**on, "fused_backward": False}) and rule(True, **{**on, "fused_backward": False})
+    assert rule(None, **{**on, "output_bytes": 20.0}) and not rule(None, **{**on, "output_bytes": 21.0})
+    assert not rule(None, **{**on, "output_bytes": 0.0}) and not rule(False, **on)
