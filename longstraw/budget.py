@@ -51,7 +51,7 @@ _SEARCHABLE = {"mode": "mode", "chunk_size": "chunk_size", "branch_chunk_size": 
                "recompute_layers": "recompute_layers", "offload_snapshots": "offload_snapshots",
                "expert_parallel": "expert_parallel", "keep_graph_bytes": "keep_graph_bytes",
                "keep_attention_outputs": "keep_attention_outputs"}
-_PLAN_ONLY = {"attention_block_size", "logits_chunk_size", "divide_capture", "divide_walk"}
+_PLAN_ONLY = {"attention_block_size", "logits_chunk_size", "divide_capture", "divide_walk", "shard_block_size"}
 
 
 def parse_budget(memory_budget, device: torch.device) -> int:
@@ -92,7 +92,8 @@ def _lora(model) -> tuple[int | None, str]:
 
 
 def fit_config(model, *, memory_budget, prompt_tokens: int, group: int, response_tokens: int,
-               mode: str = "detached", held_states: int = 0, process_group=None, **fixed) -> ExecConfig:
+               mode: str = "detached", held_states: int = 0, generate: bool = False, images: int = 0,
+               image_tokens: int = 0, prompt_inputs: dict | None = None, process_group=None, **fixed) -> ExecConfig:
     """The fastest `ExecConfig` whose step fits `memory_budget` above the loaded model.
 
     Args:
@@ -108,6 +109,16 @@ def fit_config(model, *, memory_budget, prompt_tokens: int, group: int, response
             keeps a generation batch's states until their updates): each adds the
             planner's state bytes per rank, and in exact mode its recurrent snapshots on
             the device, to what the budget holds (`held_state_bytes`). Default 0.
+        generate: the responses are sampled by `Engine.generate` (G branches decoding
+            together from the prompt state, `plan/generate.py`): its phase must fit too.
+            `longstraw train` and the TRL trainer pass True. Default False (a step of
+            given responses).
+        images / image_tokens: a VLM's prompt images (Qwen3.5 / 3.6): N images of at most T
+            merged tokens each (HF's t * h * w / merge^2). Their rows, exact mode's row
+            gradient and one image's tower pass are planned (`plan/vision.py`); the
+            tower's weights, gradients and Adam state are the model's (outside the budget).
+        prompt_inputs: instead of images / image_tokens, the prompt's inputs as
+            `Group.prompt_inputs` (their `image_grid_thw` gives N and the largest T).
         process_group: with `context_parallel=True`, the ranks that share the prompt (as
             `Engine(process_group=)`); None: the default group.
         **fixed: ExecConfig fields to pin (e.g. `branch_chunk_size=2048`,
@@ -119,13 +130,11 @@ def fit_config(model, *, memory_budget, prompt_tokens: int, group: int, response
     Raises:
         DoesNotFitError: nothing fits; the message names the binding term and the
             changes that would fit. Raised before any work: the model is not run.
-        ConfigError: a bad budget, `held_states` < 0 or an unknown field in `fixed`.
+        ConfigError: a bad budget, `held_states` < 0, a non-bool `generate`, bad image
+            arguments (negative, both forms, images on a text model) or an unknown field in `fixed`.
     """
-    if not isinstance(held_states, int) or held_states < 0:
-        raise ConfigError(f"fit_config: held_states must be an int >= 0, got {held_states!r}")
-    unknown = set(fixed) - set(ExecConfig.__dataclass_fields__)
-    if unknown:
-        raise ConfigError(f"fit_config: unknown ExecConfig field(s) {sorted(unknown)}")
+    _check_arguments(held_states, generate, fixed)
+    images, image_tokens = _images(model, images, image_tokens, prompt_inputs)
     device, dtype = _device_and_dtype(model)
     budget = parse_budget(memory_budget, device)
     cp = bool(fixed.get("context_parallel", False))
@@ -134,28 +143,21 @@ def fit_config(model, *, memory_budget, prompt_tokens: int, group: int, response
     plan_fixed = {_SEARCHABLE[k]: v for k, v in fixed.items() if k in _SEARCHABLE}
     plan_fixed.update({k: v for k, v in fixed.items() if k in _PLAN_ONLY})
     offload = fixed.get("state_device") is not None and torch.device(fixed["state_device"]).type == "cpu"
-    pinned = set(plan_fixed) | {"mode", "shard_params"}  # FSDP2 is the caller's wrapping, not an ExecConfig field
-    if device.type == "cpu" or "state_device" in fixed:  # on CPU, host offload saves nothing
-        pinned |= {"offload_state"}
-    if world < 2:
-        pinned |= {"expert_parallel"}
+    pinned = _pinned(plan_fixed, fixed, device, dtype, world)
     fused = fused_backward_kernel(device.type, getattr(torch, dtype)) is not None
-    if not fused:  # kept attention outputs: measured on CPU's fused kernel only so far
-        pinned |= {"keep_attention_outputs"}
     plan_fixed.setdefault("keep_attention_outputs", False)  # the search starts without them and offers them
     base = PlanConfig(prompt_tokens=prompt_tokens, group=group, response_tokens=response_tokens, mode=mode,
                       gpus=world, dtype=dtype, lora_rank=rank, lora_targets=targets, offload_state=offload,
-                      gdn_kernel=gdn_kernel(device, dtype), fused_backward=fused, reserve=0, **plan_fixed)
+                      gdn_kernel=gdn_kernel(device, dtype), fused_backward=fused, reserve=0, generate=generate,
+                      images=images, image_tokens=image_tokens, **plan_fixed)
     cfg = planner_config(model)
-    held = estimate(cfg, base)  # the model, its gradients and the optimizer: outside the budget
-    outside = held["param_bytes"] + held["grad_bytes"] + held["optimizer_bytes"]
+    held = estimate(cfg, base)
+    outside = _model_bytes(held)
     reserve = _reserve(budget)
     result, others = _search_beside_held(cfg, base, pinned, budget, outside, held_states, held)
     if not hasattr(result, "config"):
-        step = f"P={prompt_tokens:,}, G={group}, R={response_tokens:,}, mode={mode!r}"
-        if held_states:
-            step += f", {held_states} other prompt state(s) held ({int(others):,} B)"
-        what = _does_not_fit(result, memory_budget, budget, outside - others, step, reserve)
+        what = _does_not_fit(result, memory_budget, budget, outside - others, _step_text(base, held_states, others),
+                             reserve)
         smallest = _smallest_budget(cfg, base, pinned, result.leanest["peak_bytes_per_rank"] - outside + others,
                                     outside - others)
         changes = _changes(cfg, base, pinned, set(fixed) & set(_SEARCHABLE), result, budget, outside - others)
@@ -169,6 +171,72 @@ def fit_config(model, *, memory_budget, prompt_tokens: int, group: int, response
         raise AssertionError(f"fit_config: the returned {returned} plans {int(again['peak_bytes_per_rank']):,} B, "
                              f"above the {int(budget + outside - others - reserve):,} B its search fitted")
     return returned
+
+
+def _pinned(plan_fixed: dict, fixed: dict, device: torch.device, dtype: str, world: int) -> set:
+    """The planner fields the search keeps: the caller's, the mode, and what the engine
+    here cannot use."""
+    pinned = set(plan_fixed) | {"mode", "shard_params"}  # FSDP2 is the caller's wrapping, not an ExecConfig field
+    if device.type == "cpu" or "state_device" in fixed:  # on CPU, host offload saves nothing
+        pinned |= {"offload_state"}
+    if world < 2:
+        pinned |= {"expert_parallel"}
+    if fused_backward_kernel(device.type, getattr(torch, dtype)) is None:  # kept attention outputs: measured
+        pinned |= {"keep_attention_outputs"}                             # on CPU's fused kernel only so far
+    return pinned
+
+
+def _check_arguments(held_states, generate, fixed: dict) -> None:
+    """`ConfigError` for `fit_config`'s bad `held_states`, `generate` or unknown fields."""
+    if not isinstance(held_states, int) or held_states < 0:
+        raise ConfigError(f"fit_config: held_states must be an int >= 0, got {held_states!r}")
+    if not isinstance(generate, bool):
+        raise ConfigError(f"fit_config: generate must be True or False, got {generate!r}")
+    unknown = set(fixed) - set(ExecConfig.__dataclass_fields__)
+    if unknown:
+        raise ConfigError(f"fit_config: unknown ExecConfig field(s) {sorted(unknown)}")
+
+
+def _model_bytes(plan: dict) -> float:
+    """What the planner's peak holds that the budget does not: the model's weights, their
+    gradients and the optimizer state, a VLM tower's included (its vision static less the
+    image rows, which the step adds)."""
+    return (plan["param_bytes"] + plan["grad_bytes"] + plan["optimizer_bytes"] + plan["vision_static_bytes"]
+            - plan["vision_rows_bytes"])
+
+
+def _step_text(base: PlanConfig, held_states: int, others: float) -> str:
+    """The step `DoesNotFitError` names: P, G, R, the mode, a rollout, images, held states."""
+    step = f"P={base.prompt_tokens:,}, G={base.group}, R={base.response_tokens:,}, mode={base.mode!r}"
+    step += ", generated" if base.generate else ""
+    if base.images:
+        step += f", {base.images} image(s) of <= {base.image_tokens:,} tokens"
+    if held_states:
+        step += f", {held_states} other prompt state(s) held ({int(others):,} B)"
+    return step
+
+
+def _images(model, images: int, image_tokens: int, prompt_inputs: dict | None) -> tuple[int, int]:
+    """(N images, the largest one's merged tokens) of `fit_config`'s image arguments:
+    given, or from `prompt_inputs["image_grid_thw"]` ([N, 3] of (t, h, w) patches) and the
+    model's `vision_config.spatial_merge_size`."""
+    for name, value in (("images", images), ("image_tokens", image_tokens)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ConfigError(f"fit_config: {name} must be an int >= 0, got {value!r}")
+    if prompt_inputs is None or prompt_inputs.get("image_grid_thw") is None:
+        if prompt_inputs is not None and prompt_inputs.get("pixel_values") is not None:
+            raise ConfigError("fit_config: prompt_inputs has pixel_values but no image_grid_thw (HF's processor "
+                              "returns both)")
+        return images, image_tokens
+    if images or image_tokens:
+        raise ConfigError("fit_config: give prompt_inputs or images / image_tokens, not both")
+    vision = getattr(getattr(model, "config", None), "vision_config", None)
+    if vision is None:
+        raise ConfigError(f"fit_config: prompt_inputs has images, but {type(model).__name__} has no vision_config "
+                          "(images run on Qwen3.5 / 3.6 ...ForConditionalGeneration models)")
+    grid = torch.as_tensor(prompt_inputs["image_grid_thw"]).reshape(-1, 3)
+    tokens = (grid.prod(-1) // int(vision.spatial_merge_size) ** 2).tolist()
+    return len(tokens), int(max(tokens, default=0))
 
 
 def _search_beside_held(cfg, base: PlanConfig, pinned: set, budget: int, outside: float, held_states: int,

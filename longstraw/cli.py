@@ -59,14 +59,15 @@ _PLAN_FIELDS = ("prompt_tokens", "group", "response_tokens", "mode", "gpus", "gp
                 "logits_chunk_size", "self_attention", "gdn_kernel", "grads_during_capture", "shard_params",
                 "expert_parallel", "offload_state", "host_bandwidth_gbs", "score_passes", "keep_graph_bytes",
                 "keep_attention_outputs", "throughput_tflops", "recompute_layers", "divide_capture", "divide_walk", "tree", "offload_snapshots",
-                "gpu", "gpus_per_node", "intra_node_gbs", "inter_node_gbs", "data_parallel", "images", "image_tokens")
+                "gpu", "gpus_per_node", "intra_node_gbs", "inter_node_gbs", "data_parallel", "images", "image_tokens", "generate",
+                "shard_block_size")
 
 
 _SEARCHED_FLAGS = {"mode": "--mode", "branch_chunk_size": "--branch-chunk-size", "chunk_size": "--chunk-size",
                    "recompute_layers": "--recompute-layers", "offload_state": "--offload-state",
                    "offload_snapshots": "--offload-snapshots", "expert_parallel": "--expert-parallel",
                    "shard_params": "--shard-params", "keep_graph_bytes": "--keep-graph-bytes",
-                   "divide_capture": "--replicate-capture"}
+                   "divide_capture": "--replicate-capture", "divide_walk": "--replicate-walk"}
 """The flags of the fields `--fit` searches: one given on the command line pins its field."""
 
 
@@ -232,6 +233,12 @@ def _add_fit_flags(p) -> None:
     p.add_argument("--images", type=int, default=0, help="images in the prompt (Qwen3.5 / 3.6): adds the vision "
                    "tower's parameters, the image rows the state keeps and the largest image's working set")
     p.add_argument("--image-tokens", type=int, default=0, help="merged tokens of the largest image (with --images)")
+    p.add_argument("--shard-block-size", type=int, default=None, help="context parallelism: positions per "
+                   "round-robin block of the state's deal over the ranks (ExecConfig.shard_block_size; default: "
+                   "--attention-block-size)")
+    p.add_argument("--generate", action="store_true", help="the responses are sampled by Engine.generate from the "
+                   "state the step reuses (longstraw train, the TRL trainer): adds the 'generate' phase, the G branches "
+                   "decoding together (plan/generate.py)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     p.add_argument("--rehearse", action="store_true",
                    help="also run the planned step (with --fit: the chosen one) on fake tensors (ls.rehearse, one "

@@ -12,9 +12,12 @@ differ from TRL's (`CLI_DEFAULTS`): bf16=False, disable_dropout=True, lora_dropo
 
 Before any model is loaded (`check_inputs`), a `ConfigError` (exit 2) for: an unknown
 flag, a dataset that does not load or is empty, a missing `prompt` column, a reward
-function that does not import or cannot take TRL's keywords, a prompt that with
-`max_completion_length` runs past the model's positions (the longest one's index and
-length). Reading the config and the tokenizer is all it loads for that.
+function that does not import or cannot take TRL's keywords, chat prompts without a chat
+template, a prompt that with `max_completion_length` runs past the model's positions (the
+longest one's index and length), and for an `image` / `images` column the checks of
+`grpo_images.py` (an image that does not open, a text model, text prompts). Reading the
+config, the tokenizer or processor (`integrations/vlm_processor.py`: a Qwen3.5 / 3.6 VLM's
+without torchvision) and the dataset is all it loads for that.
 """
 
 from __future__ import annotations
@@ -27,17 +30,18 @@ import sys
 from dataclasses import dataclass, field
 
 import datasets
-from transformers import AutoConfig, AutoProcessor
+from transformers import AutoConfig
 from trl import DatasetMixtureConfig, GRPOConfig, ModelConfig, TrlParser, get_dataset, get_peft_config
 from trl import get_quantization_config
 from trl.data_utils import is_conversational
 from trl.rewards import accuracy_reward, get_soft_overlong_punishment, reasoning_accuracy_reward, think_format_reward
 from trl.scripts.grpo import GRPOScriptArguments
 
-from longstraw import defaults
+from longstraw import defaults, grpo_images
 from longstraw.config import ExecConfig
 from longstraw.errors import ConfigError
 from longstraw.integrations.trl import LongStrawGRPOTrainer
+from longstraw.integrations.vlm_processor import load_processor
 from longstraw.parallel.nonfinite import DEFAULT_MAX_NONFINITE_STEPS
 
 DATA_FILE_BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
@@ -134,6 +138,9 @@ def load_local_or_hub_dataset(name: str, config: str | None = None, streaming: b
             suffix = os.path.splitext(name)[1].lower()
             if suffix not in DATA_FILE_BUILDERS:
                 raise ConfigError(f"--dataset_name {name}: a file must end in one of {sorted(DATA_FILE_BUILDERS)}")
+            if _blank(name):
+                raise ConfigError(f"--dataset_name {name}: the file is empty: nothing to train on; add rows (one "
+                                  "prompt per row)")
             return datasets.load_dataset(DATA_FILE_BUILDERS[suffix], data_files=name, streaming=streaming)
         if os.path.isdir(name) and any(os.path.exists(os.path.join(name, f))
                                        for f in ("dataset_dict.json", "state.json", "dataset_info.json")):
@@ -149,6 +156,14 @@ def load_local_or_hub_dataset(name: str, config: str | None = None, streaming: b
         raise ConfigError(f"--dataset_name {name}: cannot load it ({type(exc).__name__}: {exc})") from None
 
 
+def _blank(path: str) -> bool:
+    """Whether the file holds nothing but whitespace (`datasets` fails on it with a bare StopIteration)."""
+    if os.path.getsize(path) > 4096:
+        return False
+    with open(path, "rb") as f:
+        return not f.read().strip()
+
+
 def train_split(dataset, split: str):
     """The training split, checked: it exists, is not empty, and has a "prompt" column."""
     if split not in dataset:
@@ -160,7 +175,8 @@ def train_split(dataset, split: str):
         raise ConfigError(f"the dataset has no 'prompt' column (its columns: {columns}); rename the column holding "
                           "the prompts to 'prompt' (a string, or a list of chat messages)")
     if hasattr(train, "__len__") and len(train) == 0:
-        raise ConfigError(f"the dataset's {split!r} split is empty: nothing to train on")
+        raise ConfigError(f"the dataset's {split!r} split is empty: nothing to train on; add rows (one prompt per "
+                          "row), or pass the split that holds them with --dataset_train_split")
     return train
 
 
@@ -187,7 +203,8 @@ def _import_reward(spec: str):
     try:
         if where.endswith(".py"):
             if not os.path.isfile(where):
-                raise ConfigError(f"--reward_funcs {spec}: no such file {where}")
+                raise ConfigError(f"--reward_funcs {spec}: no such file {where}; give the reward file's path "
+                                  "(absolute, or relative to where the command runs)")
             module_spec = importlib.util.spec_from_file_location(f"longstraw_reward_{abs(hash(where))}", where)
             module = importlib.util.module_from_spec(module_spec)
             module_spec.loader.exec_module(module)
@@ -197,9 +214,11 @@ def _import_reward(spec: str):
     except ConfigError:
         raise
     except Exception as exc:
-        raise ConfigError(f"--reward_funcs {spec}: importing {where} failed ({type(exc).__name__}: {exc})") from None
+        raise ConfigError(f"--reward_funcs {spec}: importing {where} failed ({type(exc).__name__}: {exc}); fix that "
+                          "error in the module (or install what it imports)") from None
     if not hasattr(module, name):
-        raise ConfigError(f"--reward_funcs {spec}: {where} has no {name!r}")
+        functions = sorted(n for n, v in vars(module).items() if callable(v) and not n.startswith("_"))
+        raise ConfigError(f"--reward_funcs {spec}: {where} has no {name!r}; its functions: {functions}")
     return getattr(module, name)
 
 
@@ -244,25 +263,26 @@ def load_reward_funcs(specs, columns) -> list:
 
 
 def load_processing_class(model_args, training_args):
-    """The processor TRL's trainer would load for the model (left padding and truncation)."""
+    """The processor TRL's trainer would load for the model (left padding and truncation):
+    a Qwen3.5 / 3.6 VLM's images and tokenizer without the video processor, a text model's
+    tokenizer (`integrations/vlm_processor.py`)."""
     try:
-        return AutoProcessor.from_pretrained(model_args.model_name_or_path, revision=model_args.model_revision,
-                                             truncation_side="left", padding_side="left",
-                                             trust_remote_code=training_args.trust_remote_code)
+        return load_processor(model_args.model_name_or_path, revision=model_args.model_revision,
+                              trust_remote_code=training_args.trust_remote_code, truncation_side="left",
+                              padding_side="left")
     except Exception as exc:
-        raise ConfigError(f"--model_name_or_path {model_args.model_name_or_path}: cannot load its tokenizer "
-                          f"({type(exc).__name__}: {exc})") from None
+        raise ConfigError(f"--model_name_or_path {model_args.model_name_or_path}: cannot load its tokenizer or "
+                          f"processor ({type(exc).__name__}: {exc})") from None
 
 
-def max_positions(model_args, training_args) -> int | None:
-    """The model's `max_position_embeddings` from its config (the text model's for a VLM)."""
+def model_config(model_args, training_args):
+    """The model's config (`config.json`), without its weights."""
     try:
-        config = AutoConfig.from_pretrained(model_args.model_name_or_path, revision=model_args.model_revision,
-                                            trust_remote_code=training_args.trust_remote_code)
+        return AutoConfig.from_pretrained(model_args.model_name_or_path, revision=model_args.model_revision,
+                                          trust_remote_code=training_args.trust_remote_code)
     except Exception as exc:
         raise ConfigError(f"--model_name_or_path {model_args.model_name_or_path}: cannot load its config "
                           f"({type(exc).__name__}: {exc})") from None
-    return getattr(config.get_text_config(), "max_position_embeddings", None)
 
 
 def prompt_lengths(train, tokenizer, training_args) -> list[int]:
@@ -280,8 +300,18 @@ def prompt_lengths(train, tokenizer, training_args) -> list[int]:
     return lengths
 
 
-def check_prompt_lengths(lengths, positions: int | None, max_completion_length: int) -> None:
-    """A `ConfigError` naming the longest prompt when it plus the completion runs past the positions."""
+def check_chat_template(train, processing_class, model_name: str) -> None:
+    """A `ConfigError` when the prompts are chat messages and the tokenizer has no chat template."""
+    first = next(iter(train), None)
+    if first is not None and is_conversational(first) and not getattr(processing_class, "chat_template", None):
+        raise ConfigError(f"the prompts are chat messages, but the tokenizer in {model_name} has no chat template: "
+                          "save one with it (tokenizer.chat_template = '...'; tokenizer.save_pretrained(folder)), or "
+                          "write the prompts as text")
+
+
+def check_prompt_lengths(lengths, positions: int | None, max_completion_length: int, *, images: bool = False) -> None:
+    """A `ConfigError` naming the longest prompt when it plus the completion runs past the
+    positions (`images`: the lengths count each image at its tokens)."""
     if positions is None or not lengths:
         return
     longest = max(range(len(lengths)), key=lengths.__getitem__)
@@ -290,7 +320,8 @@ def check_prompt_lengths(lengths, positions: int | None, max_completion_length: 
         raise ConfigError(f"prompt {longest} (the longest) has {lengths[longest]:,} tokens; with "
                           f"max_completion_length={max_completion_length} it runs past the model's "
                           f"max_position_embeddings={positions:,} ({too_long} of {len(lengths)} prompts do); drop or "
-                          f"shorten those prompts, or lower --max_completion_length")
+                          f"shorten those prompts{' (each image counts at its tokens: fewer or smaller images)' if images else ''}, "
+                          "or lower --max_completion_length")
 
 
 # ----------------------------------------------------------------------------
@@ -326,15 +357,22 @@ def check_inputs(script_args, training_args, model_args, dataset_args) -> Prepar
     reward_funcs = load_reward_funcs(script_args.reward_funcs, train.column_names)
     if script_args.reward_model_name_or_path:
         reward_funcs.insert(0, script_args.reward_model_name_or_path)
+    config = model_config(model_args, training_args)
     processing_class = load_processing_class(model_args, training_args)
-    longest = None
-    if not script_args.dataset_streaming:
+    column = grpo_images.image_column(train)
+    check_chat_template(train, processing_class, model_args.model_name_or_path)
+    if script_args.dataset_streaming:  # rows are read as training reaches them: nothing to check ahead
+        return Prepared(train, reward_funcs, processing_class, None)
+    if column is not None:
+        train, lengths = grpo_images.image_dataset(train, column, processing_class, config.model_type,
+                                                   training_args.chat_template_kwargs)
+    else:
         tokenizer = getattr(processing_class, "tokenizer", processing_class)
         lengths = prompt_lengths(train, processing_class if hasattr(processing_class, "apply_chat_template")
                                  else tokenizer, training_args)
-        check_prompt_lengths(lengths, max_positions(model_args, training_args), training_args.max_completion_length)
-        longest = max(lengths)
-    return Prepared(train, reward_funcs, processing_class, longest)
+    check_prompt_lengths(lengths, getattr(config.get_text_config(), "max_position_embeddings", None),
+                         training_args.max_completion_length, images=column is not None)
+    return Prepared(train, reward_funcs, processing_class, max(lengths))
 
 
 def build_trainer(script_args, training_args, model_args, dataset_args, longstraw_args, prepared: Prepared = None):

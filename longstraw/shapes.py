@@ -12,7 +12,7 @@ torch-side objects meet it.
 from __future__ import annotations
 
 from longstraw.plan.arch import Arch, architecture
-from longstraw.plan.memory import exact_state_bytes_per_token, kept_output_bytes_per_token
+from longstraw.plan.kept_outputs import exact_state_bytes_per_token, kept_output_bytes_per_token
 from longstraw.plan.working import graph_bytes_per_token as _layer_graph_bytes
 
 __all__ = ["planner_config", "planner_arch", "graph_bytes_per_token", "model_held_bytes", "FALLBACK_GRAPH_HIDDENS",
@@ -31,14 +31,17 @@ def _local(t):
 
 def planner_config(model) -> dict:
     """The HF config of `model` (a `...ForCausalLM`, PEFT-wrapped or not) as the dict the
-    planner reads (`plan.arch.architecture`): `config.to_dict()` with its text config."""
+    planner reads (`plan.arch.architecture`): `config.to_dict()`, or a VLM's text config with
+    its `vision_config`."""
     base = model
     for name in ("get_base_model",):  # PEFT
         if hasattr(base, name):
             base = getattr(base, name)()
     cfg = base.config.to_dict()
-    if cfg.get("text_config"):
-        cfg = {**cfg["text_config"], "model_type": cfg["text_config"].get("model_type", cfg.get("model_type"))}
+    if cfg.get("text_config"):  # a VLM: its text model, and its tower's shape for images (`plan/vision.py`)
+        vision = {"vision_config": cfg["vision_config"]} if cfg.get("vision_config") else {}
+        cfg = {**cfg["text_config"], "model_type": cfg["text_config"].get("model_type", cfg.get("model_type")),
+               **vision}
     return cfg
 
 

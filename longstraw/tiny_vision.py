@@ -3,8 +3,9 @@
 `longstraw.tiny.tiny_vlm()` is a stock `Qwen3_5ForConditionalGeneration` with random
 weights; a real checkpoint ships its processor, the tiny model has none. Here:
 
-* `tiny_vlm_processor()`: HF's own `Qwen3VLProcessor` (what `AutoProcessor` gives a
-  Qwen3.5 / 3.6 checkpoint) over HF's `Qwen2VLImageProcessorPil` sized for `TINY_VISION`
+* `tiny_vlm_processor()`: HF's own `Qwen3VLProcessor` code (what `AutoProcessor` gives a
+  Qwen3.5 / 3.6 checkpoint; here without the video processor, `ImagesProcessor`) over
+  HF's `Qwen2VLImageProcessorPil` sized for `TINY_VISION`
   (patch 16, temporal patch 2, merge 2: a 32 x 32 pixel square is one image token) and a
   tokenizer built in code (`tiny_vlm_tokenizer`). Pass it as `processing_class` to
   `LongStrawGRPOTrainer`, or call its `apply_chat_template` for `Engine` inputs.
@@ -33,9 +34,10 @@ import numpy as np
 import torch
 from PIL import Image
 from tokenizers import AddedToken, Tokenizer, models, pre_tokenizers
-from transformers import PreTrainedTokenizerFast, Qwen3VLProcessor
+from transformers import PreTrainedTokenizerFast
 from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
 
+from longstraw.integrations.vlm_processor import ImagesProcessor
 from longstraw.tiny import TINY_VISION, TINY_VLM_TOKENS
 
 TEXT_WORDS = 4080
@@ -64,13 +66,10 @@ CHAT_TEMPLATE = (
 # the processor
 
 
-class TinyVLMProcessor(Qwen3VLProcessor):
-    """HF's `Qwen3VLProcessor` without its video processor: HF's video processors need
-    torchvision, and LongStraw refuses videos anyway (`models/vision.py`). Images, text
-    and `mm_token_type_ids` are Qwen3VLProcessor's own code."""
-
-    def __init__(self, image_processor=None, tokenizer=None, chat_template=None, **kwargs):
-        super().__init__(image_processor, tokenizer, None, chat_template=chat_template, **kwargs)
+TinyVLMProcessor = ImagesProcessor
+"""HF's `Qwen3VLProcessor` without its video processor (`integrations/vlm_processor.py`):
+HF's video processors need torchvision, and LongStraw refuses videos anyway. Saved, it
+names `Qwen3VLProcessor`; `longstraw grpo` loads such a folder back as this class."""
 
 
 def tiny_vlm_tokenizer() -> PreTrainedTokenizerFast:

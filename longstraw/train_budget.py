@@ -10,7 +10,7 @@ The fit runs on a freshly built model before the warm start, so a budget that no
 fits stops the run (`DoesNotFitError`, the CLI's exit 2) before any work.
 
 What the budget counts is `fit_config`'s: what one `engine.step` adds above the loaded
-model and its gradients. The optimizer's state and the frozen reference copy (`log_kl`,
+model and its gradients, and the rollout's `engine.generate` before it (`generate=True`). The optimizer's state and the frozen reference copy (`log_kl`,
 `beta`) are the loop's, like the model. The prompt states the loop holds besides the
 step's own are added to the budget's load (`held_states`, `held_states_of`): the
 rollouts' other prompts' states (`prompts_per_step` > 1 keeps one state per prompt until
@@ -57,7 +57,7 @@ def engine_config(cfg: TrainConfig, model, *, mode: str, context_parallel: bool)
         fixed["chunk_size"] = cfg.chunk_size
     return fit_config(model, memory_budget=cfg.memory_budget, prompt_tokens=cfg.prompt_tokens, group=cfg.group_size,
                       response_tokens=cfg.task().response_tokens, mode=mode,
-                      held_states=held_states_of(cfg), **fixed)
+                      held_states=held_states_of(cfg), generate=True, **fixed)
 
 
 def held_states_of(cfg: TrainConfig) -> int:

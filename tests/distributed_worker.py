@@ -122,33 +122,55 @@ def _init(rank: int, world: int, init_file: str) -> None:
     torch.set_num_threads(1)
 
 
+def on_one_rank_each(thunks: list) -> list:
+    """`[f() for f in thunks]` on every rank, each f run on one rank only (thunk i on rank
+    i % W) and its result all-gathered (pickled: losses, gradient dicts, tensors): the
+    single-process references every rank compares its context-parallel result with, at
+    1/W of the cost of every rank computing all of them (which had been more than half of
+    a rank's time). Each f must build what it needs (seeded models, groups): a result must
+    not depend on which rank computed it."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    mine = {i: f() for i, f in enumerate(thunks) if i % world == rank}
+    parts = [None] * world
+    dist.all_gather_object(parts, mine)
+    merged = {i: result for part in parts for i, result in part.items()}
+    return [merged[i] for i in range(len(thunks))]
+
+
 def run_cases(rank: int, world: int, init_file: str, cases: list[str], modes: list[str]) -> None:
     _init(rank, world, init_file)
     try:
-        for name in cases:
-            if name == "planner":
-                check_planner(world)
-                continue
-            model = CASES[name]()
-            group = random_group(97, 23, [5, 1, 7], seed=3)
-            for mode in modes:
-                exec_kw = dict(chunk_size=6, attention_block_size=4, shard_block_size=3, mode=mode)
-                with _kept_internals(name, model):
-                    model.zero_grad(set_to_none=True)
-                    single = ls.Engine(model, ls.ExecConfig(**exec_kw)).step(group)
-                    want = grads_of(model)
-                    model.zero_grad(set_to_none=True)
-                    engine = ls.Engine(model, ls.ExecConfig(context_parallel=True, **exec_kw))
-                    result = engine.step(group)
-                    got = grads_of(model)
-                assert abs(result.loss - single.loss) <= 1e-9 * abs(single.loss) + 1e-13, (name, mode)
-                assert_grads_close(got, want, _bound(name))
-                # each rank holds ~1/W of the per-token state (within one block of 3 positions)
-                mine = _per_token_bytes(engine.capture(group.prompt))
-                total = _per_token_bytes(ls.Engine(model, ls.ExecConfig(**exec_kw)).capture(group.prompt))
-                assert abs(mine - total / world) <= total / (group.prompt.numel() - 1) * 3, (name, mine, total)
+        if "planner" in cases:
+            check_planner(world)
+        models: dict = {}
+        steps = [(name, mode) for name in cases if name != "planner" for mode in modes]
+        want = on_one_rank_each([lambda n=name, m=mode: _case_step(models, n, m, False) for name, mode in steps])
+        for (name, mode), (want_loss, want_grads, total) in zip(steps, want):
+            loss, grads, mine = _case_step(models, name, mode, True)
+            assert abs(loss - want_loss) <= 1e-9 * abs(want_loss) + 1e-13, (name, mode)
+            assert_grads_close(grads, want_grads, _bound(name))
+            # each rank holds ~1/W of the per-token state (within one block of 3 positions)
+            assert abs(mine - total / world) <= total / (CASE_PROMPT - 1) * 3, (name, mine, total)
     finally:
         dist.destroy_process_group()
+
+
+CASE_PROMPT = 23
+"""`run_cases`' prompt length."""
+
+
+def _case_step(models: dict, name: str, mode: str, context_parallel: bool) -> tuple:
+    """One step of CASES[name] (built once per process, kept in `models`) in `mode`, blocks
+    of 3 positions: the loss, every .grad, and the per-token state bytes of a capture."""
+    model = _model_of(models, name)
+    group = random_group(97, CASE_PROMPT, [5, 1, 7], seed=3)
+    engine = ls.Engine(model, ls.ExecConfig(context_parallel=context_parallel, chunk_size=6, attention_block_size=4,
+                                            shard_block_size=3, mode=mode))
+    with _kept_internals(name, model):
+        model.zero_grad(set_to_none=True)
+        result = engine.step(group)
+        grads = grads_of(model)
+    return result.loss, grads, _per_token_bytes(engine.capture(group.prompt))
 
 
 def _per_token_bytes(state) -> int:
@@ -187,16 +209,15 @@ def run_fsdp(rank: int, world: int, init_file: str) -> None:
 
     _init(rank, world, init_file)
     try:
-        for name in ("dense", "hybrid", "hybrid_moe", "mla_mlp"):
+        names, kw = ("dense", "hybrid", "hybrid_moe", "mla_mlp"), dict(chunk_size=6, attention_block_size=4,
+                                                                        shard_block_size=3)
+        refs = on_one_rank_each([lambda n=name, m=mode: _one_process_grads(n, m, kw)
+                                 for name in names for mode in ("detached", "exact")])
+        for i, name in enumerate(names):
             model = CASES[name]()
             group = random_group(97, 23, [5, 3], seed=3)
-            kw = dict(chunk_size=6, attention_block_size=4, shard_block_size=3)
             with float64_throughout(model):
-                want = {}
-                for mode in ("detached", "exact"):
-                    model.zero_grad(set_to_none=True)
-                    ls.Engine(model, ls.ExecConfig(mode=mode, **kw)).step(group)
-                    want[mode] = grads_of(model)
+                want = dict(zip(("detached", "exact"), refs[2 * i:2 * i + 2]))
                 shard_model(model, init_device_mesh("cpu", (world,)))  # resharded after every forward
                 sharded = 0
                 for mode, divide in (("detached", True), ("exact", True), ("detached", False), ("exact", False)):
@@ -235,6 +256,14 @@ def run_fsdp(rank: int, world: int, init_file: str) -> None:
         dist.barrier()  # FSDP2's gloo reduce-scatters are finished on every rank before teardown
     finally:
         dist.destroy_process_group()
+
+
+def _one_process_grads(name: str, mode: str, kw: dict) -> dict:
+    """Every .grad of one single-process step of a fresh CASES[name] in `mode` (`run_fsdp`'s group)."""
+    model = CASES[name]()
+    with float64_throughout(model):
+        ls.Engine(model, ls.ExecConfig(mode=mode, **kw)).step(random_group(97, 23, [5, 3], seed=3))
+    return grads_of(model)
 
 
 def run_fsdp_2d(rank: int, world: int, init_file: str) -> None:
@@ -298,38 +327,49 @@ def run_windowed(rank: int, world: int, init_file: str, families: list[str]) -> 
     _init(rank, world, init_file)
     try:
         group = random_group(97, 17, [5, 1, 7], seed=3)
-        for name in families:
-            model = tiny_family(name)
-            assert "sliding_attention" in model.config.layer_types and model.config.sliding_window == 5, name
-            with float64_internals():
-                for mode in ("detached", "exact"):
-                    exec_kw = dict(chunk_size=4, attention_block_size=2, shard_block_size=3, mode=mode)
-                    one, cp = (ls.Engine(model, ls.ExecConfig(context_parallel=c, **exec_kw)) for c in (False, True))
-                    model.zero_grad(set_to_none=True)
-                    single = one.step(group)
-                    want = grads_of(model)
-                    model.zero_grad(set_to_none=True)
-                    result = cp.step(group)
-                    assert abs(result.loss - single.loss) <= 1e-9 * abs(single.loss) + 1e-13, (name, mode)
-                    assert_grads_close(grads_of(model), want, 1e-9)
-                with torch.no_grad():
-                    chunked = ls.Engine(model, ls.ExecConfig(context_parallel=True, divide_capture=False,
-                                                             **{**exec_kw, "mode": "detached"}))  # chunked capture
-                    for a, b, c in zip(cp.score(group), one.score(group), chunked.score(group)):
-                        assert (a - b).abs().max() <= 1e-9 and (c - b).abs().max() <= 1e-9, (name, a, b, c)
-                    state = cp.capture(group.prompt)  # detached: sliding layers trimmed on every rank
-                    for kind, kv in zip(model.config.layer_types, state.layers):
-                        held = torch.tensor([kv.length])
-                        dist.all_reduce(held)
-                        assert int(held) == (4 if kind == "sliding_attention" else 16), (name, kind, int(held))
-                    want_g = one.generate(group.prompt, num_samples=2, max_new_tokens=7, temperature=0)
-                    got_g = cp.generate(group.prompt, num_samples=2, max_new_tokens=7, temperature=0)
-                for a, b in zip(got_g.responses, want_g.responses):
-                    assert torch.equal(a, b), (name, a, b)
-                for a, b in zip(got_g.logprobs, want_g.logprobs):
-                    assert (a - b).abs().max() <= 1e-9, (name, a, b)
+        refs = on_one_rank_each([lambda n=name: _windowed_run(n, group, False) for name in families])
+        for name, want in zip(families, refs):
+            got, model = _windowed_run(name, group, True), tiny_family(name)
+            for mode in ("detached", "exact"):
+                (loss, grads), (want_loss, want_grads) = got[mode], want[mode]
+                assert abs(loss - want_loss) <= 1e-9 * abs(want_loss) + 1e-13, (name, mode)
+                assert_grads_close(grads, want_grads, 1e-9)
+            exec_kw = dict(context_parallel=True, chunk_size=4, attention_block_size=2, shard_block_size=3)
+            with float64_internals(), torch.no_grad():
+                chunked = ls.Engine(model, ls.ExecConfig(divide_capture=False, mode="detached", **exec_kw))
+                for a, b, c in zip(got["scores"], want["scores"], chunked.score(group)):
+                    assert (a - b).abs().max() <= 1e-9 and (c - b).abs().max() <= 1e-9, (name, a, b, c)
+                state = ls.Engine(model, ls.ExecConfig(mode="exact", **exec_kw)).capture(group.prompt)  # detached
+                for kind, kv in zip(model.config.layer_types, state.layers):  # sliding layers trimmed on every rank
+                    held = torch.tensor([kv.length])
+                    dist.all_reduce(held)
+                    assert int(held) == (4 if kind == "sliding_attention" else 16), (name, kind, int(held))
+            for a, b in zip(got["responses"], want["responses"]):
+                assert torch.equal(a, b), (name, a, b)
+            for a, b in zip(got["logprobs"], want["logprobs"]):
+                assert (a - b).abs().max() <= 1e-9, (name, a, b)
     finally:
         dist.destroy_process_group()
+
+
+def _windowed_run(name: str, group, context_parallel: bool) -> dict:
+    """`run_windowed`'s runs of tiny_family(name), with or without context parallelism:
+    each mode's step (loss, every .grad), then the exact-mode engine's score and greedy
+    generate (7 new tokens, past the window)."""
+    model = tiny_family(name)
+    assert "sliding_attention" in model.config.layer_types and model.config.sliding_window == 5, name
+    out = {}
+    with float64_internals():
+        for mode in ("detached", "exact"):
+            engine = ls.Engine(model, ls.ExecConfig(context_parallel=context_parallel, chunk_size=4,
+                                                    attention_block_size=2, shard_block_size=3, mode=mode))
+            model.zero_grad(set_to_none=True)
+            out[mode] = engine.step(group).loss, grads_of(model)
+        with torch.no_grad():  # the exact-mode engine's score and greedy generate
+            out["scores"] = engine.score(group)
+            greedy = engine.generate(group.prompt, num_samples=2, max_new_tokens=7, temperature=0)
+    out["responses"], out["logprobs"] = greedy.responses, greedy.logprobs
+    return out
 
 
 def run_generate(rank: int, world: int, init_file: str, cases: list[str]) -> None:
@@ -338,29 +378,35 @@ def run_generate(rank: int, world: int, init_file: str, cases: list[str]) -> Non
     (sharded) state equals a single-process step."""
     _init(rank, world, init_file)
     try:
-        prompt = random_group(97, 23, [1], seed=3).prompt
-        for name in cases:
-            model = CASES[name]()
-            exec_kw = dict(chunk_size=6, attention_block_size=4, shard_block_size=3)
-            with float64_throughout(model):
-                single = ls.Engine(model, ls.ExecConfig(**exec_kw)).generate(
-                    prompt, num_samples=3, max_new_tokens=5, generator=torch.Generator().manual_seed(7))
-                engine = ls.Engine(model, ls.ExecConfig(context_parallel=True, **exec_kw))
-                rollout = engine.generate(prompt, num_samples=3, max_new_tokens=5,
-                                          generator=torch.Generator().manual_seed(7))
-                for a, b, la, lb in zip(single.responses, rollout.responses, single.logprobs, rollout.logprobs):
-                    assert torch.equal(a, b), (name, a, b)
-                    assert (la - lb).abs().max() <= 1e-9, (name, la, lb)
-                group = ls.Group(prompt=prompt, responses=rollout.responses, rewards=torch.tensor([1.0, 0.0, 0.5]))
-                model.zero_grad(set_to_none=True)
-                want = ls.Engine(model, ls.ExecConfig(**exec_kw)).step(group)
-                grads = grads_of(model)
-                model.zero_grad(set_to_none=True)
-                got = engine.step(group, state=rollout.state)
-                assert abs(got.loss - want.loss) <= 1e-9 * abs(want.loss) + 1e-13, name
-                assert_grads_close(grads_of(model), grads, 1e-9)
+        models: dict = {}
+        want = on_one_rank_each([lambda n=name: _generate_then_step(models, n, False) for name in cases])
+        for name, (responses, logprobs, loss, grads) in zip(cases, want):
+            got = _generate_then_step(models, name, True)
+            for a, b, la, lb in zip(responses, got[0], logprobs, got[1]):
+                assert torch.equal(a, b), (name, a, b)
+                assert (la - lb).abs().max() <= 1e-9, (name, la, lb)
+            assert abs(got[2] - loss) <= 1e-9 * abs(loss) + 1e-13, name
+            assert_grads_close(got[3], grads, 1e-9)
     finally:
         dist.destroy_process_group()
+
+
+def _generate_then_step(models: dict, name: str, context_parallel: bool) -> tuple:
+    """`run_generate`'s rollout of CASES[name] (3 samples, 5 new tokens, seed 7), then a
+    step of its responses (over the rollout's state under context parallelism; in one
+    process a step from scratch, the reference): responses, log-probs, loss, every .grad."""
+    model = _model_of(models, name)
+    prompt = random_group(97, 23, [1], seed=3).prompt
+    engine = ls.Engine(model, ls.ExecConfig(context_parallel=context_parallel, chunk_size=6, attention_block_size=4,
+                                            shard_block_size=3))
+    with float64_throughout(model):
+        rollout = engine.generate(prompt, num_samples=3, max_new_tokens=5, generator=torch.Generator().manual_seed(7))
+        group = ls.Group(prompt=prompt, responses=rollout.responses, rewards=torch.tensor([1.0, 0.0, 0.5]))
+        model.zero_grad(set_to_none=True)
+        loss = engine.step(group, state=rollout.state if context_parallel else None).loss  # one process: afresh
+    return rollout.responses, rollout.logprobs, loss, grads_of(model)
+
+
 def _episode_env(branch: int, response: torch.Tensor) -> torch.Tensor:
     """Deterministic: 2 + branch observation tokens made from the response so far."""
     base = int(response.sum()) + 7 * branch
@@ -373,29 +419,39 @@ def run_episode(rank: int, world: int, init_file: str, cases: list[str]) -> None
     process token for token, log-probs to 1e-9, masks and turns identical."""
     _init(rank, world, init_file)
     try:
-        prompt = random_group(97, 23, [1], seed=3).prompt
-        exec_kw = dict(chunk_size=6, attention_block_size=4, shard_block_size=3)
-        prefix = torch.tensor([11, 3, 50, 8])
-        for name in cases:
-            model = CASES[name]()
-            with float64_throughout(model):
-                engines = [ls.Engine(model, ls.ExecConfig(context_parallel=cp, **exec_kw)) for cp in (False, True)]
-                eos = int(engines[0].generate(prompt, num_samples=1, max_new_tokens=3, temperature=0).responses[0][-1])
-                kw = dict(num_samples=3, max_new_tokens=16, temperature=0, eos_token_id=eos)
-                single, sharded = (e.generate(prompt, environment=_episode_env, max_turns=2, **kw) for e in engines)
-                assert sum(sharded.turns) >= 3, (name, sharded.turns)  # the environment was called
-                forks = [e.generate(prompt, prefix=prefix, prefix_loss_mask=torch.tensor([True, False, True, True]),
-                                    state=ro.state, environment=_episode_env, max_turns=1, **kw)
-                         for e, ro in ((engines[0], single), (engines[1], sharded))]
-                for want, got in ((single, sharded), tuple(forks)):
-                    assert want.turns == got.turns, (name, want.turns, got.turns)
-                    for a, b, la, lb, ma, mb in zip(want.responses, got.responses, want.logprobs, got.logprobs,
-                                                    want.loss_masks, got.loss_masks):
-                        assert torch.equal(a, b), (name, rank, a.tolist(), b.tolist())
-                        assert torch.equal(ma, mb), (name, rank, ma.tolist(), mb.tolist())
-                        assert (la - lb).abs().max() <= 1e-9, (name, rank, la, lb)
+        refs = on_one_rank_each([lambda n=name: _episodes(n, False) for name in cases])
+        for name, (want_runs, eos) in zip(cases, refs):
+            got_runs, _ = _episodes(name, True, eos)
+            assert sum(got_runs[0]["turns"]) >= 3, (name, got_runs[0]["turns"])  # the environment was called
+            for want, got in zip(want_runs, got_runs):  # the episodes, then their forks with prefix=
+                assert want["turns"] == got["turns"], (name, want["turns"], got["turns"])
+                for a, b, la, lb, ma, mb in zip(want["responses"], got["responses"], want["logprobs"],
+                                                got["logprobs"], want["loss_masks"], got["loss_masks"]):
+                    assert torch.equal(a, b), (name, rank, a.tolist(), b.tolist())
+                    assert torch.equal(ma, mb), (name, rank, ma.tolist(), mb.tolist())
+                    assert (la - lb).abs().max() <= 1e-9, (name, rank, la, lb)
     finally:
         dist.destroy_process_group()
+
+
+def _episodes(name: str, context_parallel: bool, eos: int | None = None) -> tuple[list[dict], int]:
+    """`run_episode`'s greedy episodes of CASES[name] (2 turns), then forks of them with
+    `prefix=` from the rollout's state (1 turn): each one's responses, log-probs, loss
+    masks and turns; and the eos token (the third greedy token, found if not given)."""
+    model = CASES[name]()
+    prompt = random_group(97, 23, [1], seed=3).prompt
+    engine = ls.Engine(model, ls.ExecConfig(context_parallel=context_parallel, chunk_size=6, attention_block_size=4,
+                                            shard_block_size=3))
+    with float64_throughout(model):
+        if eos is None:
+            eos = int(engine.generate(prompt, num_samples=1, max_new_tokens=3, temperature=0).responses[0][-1])
+        kw = dict(num_samples=3, max_new_tokens=16, temperature=0, eos_token_id=eos)
+        episodes = engine.generate(prompt, environment=_episode_env, max_turns=2, **kw)
+        forks = engine.generate(prompt, prefix=torch.tensor([11, 3, 50, 8]), state=episodes.state,
+                                prefix_loss_mask=torch.tensor([True, False, True, True]), environment=_episode_env,
+                                max_turns=1, **kw)
+    return [dict(responses=r.responses, logprobs=r.logprobs, loss_masks=r.loss_masks, turns=r.turns)
+            for r in (episodes, forks)], eos
 
 
 def bad_group_on_one_rank(rank: int, world: int, init_file: str, flag_dir: str) -> None:
@@ -482,7 +538,9 @@ def check_planner(world: int) -> None:
         for mode in ("detached", "exact"):
             engine = ls.Engine(model, ls.ExecConfig(context_parallel=True, chunk_size=7, attention_block_size=3,
                                                     mode=mode))
+            Traffic.received = 0
             held = [int(x) for x in all_gather_ints(engine.capture(prompt, exact=mode == "exact").nbytes())]
+            received = max(all_gather_ints(Traffic.received))  # (all_gather_ints: torch's own, not counted)
             plan = estimate(model.config.to_dict(), PlanConfig(
                 prompt_tokens=40, group=1, response_tokens=3, gpus=world, chunk_size=7, attention_block_size=3,
                 mode=mode, dtype="float64"))
@@ -490,9 +548,6 @@ def check_planner(world: int) -> None:
             assert max(held) == held[0] == want, (name, mode, held, plan["state_bytes_per_rank"],
                                                   plan["exact_checkpoint_bytes_per_rank"])
             # the bytes the busiest rank receives in the (divided) capture: as the planner predicts
-            Traffic.received = 0
-            engine.capture(prompt, exact=mode == "exact")
-            received = max(all_gather_ints(Traffic.received))
             predicted = divided_capture_traffic(model.config.to_dict(), positions=40, world=world, block=3,
                                                 chunk_size=7, dtype="float64", exact=mode == "exact")
             assert plan["divided_capture"] and received > 0
@@ -538,29 +593,45 @@ def run_divided(rank: int, world: int, init_file: str) -> None:
                  ("hybrid", 9, 5, 3), ("mla", 22, 4, 6), ("glm_sparse", 21, 3, 6), ("dsv32_sparse", 22, 4, 6)]
         if world == 3:  # Qwen3-Next's grouped projection layout and Qwen3.5's MoE, once (the default W)
             cases += [("next", 22, 4, 6), ("hybrid_moe", 16, 3, 4)]
-        for name, prompt_len, block, chunk in cases:
-            model = CASES[name]()
-            group = random_group(97, prompt_len, [4, 2], seed=5)
+        models: dict = {}
+        steps = [(case, mode) for case in cases for mode in ("detached", "exact")]
+        want = on_one_rank_each([lambda c=case, m=mode: _divided_step(models, c, m, False) for case, mode in steps])
+        for (case, mode), (want_loss, _, want_grads) in zip(steps, want):
+            name, prompt_len, block, chunk = case
+            loss, divided_capture, grads = _divided_step(models, case, mode, True)
+            # 8 positions in blocks of 5 leave rank 2 of 3 without a block: replicated capture
+            assert divided_capture == float(prompt_len - 1 > (world - 1) * block), name
+            assert abs(loss - want_loss) <= 1e-9 * abs(want_loss) + 1e-13, (name, mode)
+            assert_grads_close(grads, want_grads, _bound(name))
+            model, prompt = _model_of(models, name), random_group(97, prompt_len, [4, 2], seed=5).prompt
+            kw = dict(chunk_size=chunk, attention_block_size=3, shard_block_size=block, mode=mode)
             with _kept_internals(name, model):
-                for mode in ("detached", "exact"):
-                    kw = dict(chunk_size=chunk, attention_block_size=3, shard_block_size=block, mode=mode)
-                    model.zero_grad(set_to_none=True)
-                    want = ls.Engine(model, ls.ExecConfig(**kw)).step(group)
-                    grads = grads_of(model)
-                    model.zero_grad(set_to_none=True)
-                    got = ls.Engine(model, ls.ExecConfig(context_parallel=True, **kw)).step(group)
-                    # 8 positions in blocks of 5 leave rank 2 of 3 without a block: replicated capture
-                    assert got.metrics["divided_capture"] == float(prompt_len - 1 > (world - 1) * block), name
-                    assert abs(got.loss - want.loss) <= 1e-9 * abs(want.loss) + 1e-13, (name, mode)
-                    assert_grads_close(grads_of(model), grads,
-                                       _bound(name))
-                    divided = ls.Engine(model, ls.ExecConfig(context_parallel=True, **kw)).capture(
-                        group.prompt, exact=mode == "exact")
-                    replicated = ls.Engine(model, ls.ExecConfig(context_parallel=True, divide_capture=False,
-                                                                **kw)).capture(group.prompt, exact=mode == "exact")
-                    _assert_same_state(divided, replicated)
+                divided = ls.Engine(model, ls.ExecConfig(context_parallel=True, **kw)).capture(
+                    prompt, exact=mode == "exact")
+                replicated = ls.Engine(model, ls.ExecConfig(context_parallel=True, divide_capture=False,
+                                                            **kw)).capture(prompt, exact=mode == "exact")
+            _assert_same_state(divided, replicated)
     finally:
         dist.destroy_process_group()
+
+
+def _model_of(models: dict, name: str):
+    """CASES[name](), built once per process and kept in `models`."""
+    if name not in models:
+        models[name] = CASES[name]()
+    return models[name]
+
+
+def _divided_step(models: dict, case: tuple, mode: str, context_parallel: bool) -> tuple:
+    """One step of a `run_divided` case: the loss, the `divided_capture` metric, every .grad."""
+    name, prompt_len, block, chunk = case
+    model = _model_of(models, name)
+    group = random_group(97, prompt_len, [4, 2], seed=5)
+    kw = dict(chunk_size=chunk, attention_block_size=3, shard_block_size=block, mode=mode)
+    with _kept_internals(name, model):
+        model.zero_grad(set_to_none=True)
+        result = ls.Engine(model, ls.ExecConfig(context_parallel=context_parallel, **kw)).step(group)
+        return result.loss, result.metrics["divided_capture"], grads_of(model)
 
 
 def _assert_same_state(a, b) -> None:
@@ -590,6 +661,38 @@ def _assert_same_state(a, b) -> None:
 WALK_GEOMETRY_REPEATS = {("dense", 22, 3, 6, None), ("hybrid", 22, 3, 6, None), ("hybrid", 20, 4, 7, None)}
 """Divided-walk cases whose geometry the others already have (a prompt the block does not
 divide, walk chunks of one cycle and of several): `every_geometry=False` skips them."""
+
+
+def _walk_case(case: tuple, _, context_parallel: bool) -> tuple:
+    """One divided-walk case of `run_divided_walk`: two exact steps of one engine (`.grad`
+    accumulating over both), with the embedding frozen at prompt length 23; returns the
+    losses, the gradients and each step's `divided_walk` metric."""
+    name, prompt_len, block, chunk, pieces = case
+    model = CASES[name]()
+    if prompt_len == 23:
+        model.model.embed_tokens.weight.requires_grad_(False)
+    groups = [random_group(97, prompt_len, lens, seed=s) for lens, s in (([4, 2, 5], 5), ([3, 1], 6))]
+    kw = dict(chunk_size=chunk, attention_block_size=3, shard_block_size=block, mode="exact",
+              branch_chunk_size=pieces)
+    with _kept_internals(name, model):
+        model.zero_grad(set_to_none=True)
+        engine = ls.Engine(model, ls.ExecConfig(context_parallel=context_parallel, **kw))
+        results = [engine.step(group) for group in groups]
+    return [r.loss for r in results], grads_of(model), [r.metrics["divided_walk"] for r in results]
+
+
+def _one_step_case(name: str, divide_walk: bool | None, context_parallel: bool) -> tuple:
+    """One exact step of CASES[name] at P = 22 in blocks of 3 (`divide_walk` None: the
+    default), as `_walk_case` returns it."""
+    model = CASES[name]()
+    group = random_group(97, 22, [4, 2], seed=5)
+    kw = dict(chunk_size=6, attention_block_size=3, shard_block_size=3, mode="exact")
+    if context_parallel:
+        kw.update(context_parallel=True, **({} if divide_walk is None else dict(divide_walk=divide_walk)))
+    with _kept_internals(name, model):
+        model.zero_grad(set_to_none=True)
+        result = ls.Engine(model, ls.ExecConfig(**kw)).step(group)
+    return [result.loss], grads_of(model), [result.metrics["divided_walk"]]
 
 
 def run_divided_walk(rank: int, world: int, init_file: str, every_geometry: bool = True) -> None:
@@ -625,37 +728,19 @@ def run_divided_walk(rank: int, world: int, init_file: str, every_geometry: bool
             for a, b in bounds:  # every rank owns a position of every chunk; hybrids cut at capture chunks
                 assert len({k % world for k in range(a // block, (b - 1) // block + 1)}) == world, bounds
                 assert name not in HYBRIDS or a % chunk == 0, bounds
-            model = CASES[name]()
-            if prompt_len == 23:
-                model.model.embed_tokens.weight.requires_grad_(False)
-            first, second = (random_group(97, prompt_len, lens, seed=s) for lens, s in (([4, 2, 5], 5), ([3, 1], 6)))
-            kw = dict(chunk_size=chunk, attention_block_size=3, shard_block_size=block, mode="exact",
-                      branch_chunk_size=pieces)
-            with _kept_internals(name, model):
-                model.zero_grad(set_to_none=True)
-                engine = ls.Engine(model, ls.ExecConfig(**kw))
-                want = [engine.step(first).loss, engine.step(second).loss]  # .grad accumulates over both
-                grads = grads_of(model)
-                model.zero_grad(set_to_none=True)
-                engine = ls.Engine(model, ls.ExecConfig(context_parallel=True, **kw))
-                got = [engine.step(first), engine.step(second)]
-            for r, w in zip(got, want):
-                assert r.metrics["divided_walk"] == 1.0, (name, prompt_len, r.metrics["divided_walk"])
-                assert abs(r.loss - w) <= 1e-9 * abs(w) + 1e-13, (name, prompt_len, r.loss, w)
-            assert_grads_close(grads_of(model), grads, 1e-9)
-        # MoE routing of a rank's own rows (GLM-5 DSA with MoE layers; routers in float64)
-        model = CASES["glm_sparse"]()
-        group = random_group(97, 22, [4, 2], seed=5)
-        kw = dict(chunk_size=6, attention_block_size=3, shard_block_size=3, mode="exact")
-        with _kept_internals("glm_sparse", model):
-            model.zero_grad(set_to_none=True)
-            want = ls.Engine(model, ls.ExecConfig(**kw)).step(group)
-            grads = grads_of(model)
-            model.zero_grad(set_to_none=True)
-            got = ls.Engine(model, ls.ExecConfig(context_parallel=True, **kw)).step(group)
-        assert got.metrics["divided_walk"] == 1.0
-        assert abs(got.loss - want.loss) <= 1e-9 * abs(want.loss) + 1e-13
-        assert_grads_close(grads_of(model), grads, _bound("glm_sparse"))
+        # MoE routing of a rank's own rows (GLM-5 DSA with MoE layers; routers in float64);
+        # switched off, and a family whose walk is not divided: replicated, same result
+        steps = [(_walk_case, case, True) for case in cases] + [(_one_step_case, "glm_sparse", None)]
+        steps += [(_one_step_case, name, False) for name in ("dense", "hybrid", "glm_sparse")]
+        want = on_one_rank_each([lambda f=f, case=case, switch=switch: f(case, switch, False)
+                                 for f, case, switch in steps])
+        for (f, case, switch), (want_losses, want_grads, _) in zip(steps, want):
+            losses, got_grads, divided = f(case, switch, True)
+            name = case if isinstance(case, str) else case[0]
+            assert divided == [float(switch is not False)] * len(losses), (case, switch, divided)
+            for r, w in zip(losses, want_losses):
+                assert abs(r - w) <= 1e-9 * abs(w) + 1e-13, (case, switch, r, w)
+            assert_grads_close(got_grads, want_grads, 1e-9 if f is _walk_case else _bound(name))
         # a rollout's state, stepped in exact mode: the walk over it is divided too
         model = tiny_model("qwen3")
         kw = dict(chunk_size=5, attention_block_size=3, shard_block_size=2, mode="exact")
@@ -671,20 +756,6 @@ def run_divided_walk(rank: int, world: int, init_file: str, every_geometry: bool
         assert got.metrics["divided_walk"] == 1.0
         assert abs(got.loss - want.loss) <= 1e-9 * abs(want.loss) + 1e-13
         assert_grads_close(grads_of(model), grads, 1e-9)
-        # switched off, and a family whose walk is not divided: replicated, same result
-        for name, switch in (("dense", False), ("hybrid", False), ("glm_sparse", False)):
-            model = CASES[name]()
-            group = random_group(97, 22, [4, 2], seed=5)
-            kw = dict(chunk_size=6, attention_block_size=3, shard_block_size=3, mode="exact")
-            with _kept_internals(name, model):
-                model.zero_grad(set_to_none=True)
-                want = ls.Engine(model, ls.ExecConfig(**kw)).step(group)
-                grads = grads_of(model)
-                model.zero_grad(set_to_none=True)
-                got = ls.Engine(model, ls.ExecConfig(context_parallel=True, divide_walk=switch, **kw)).step(group)
-            assert got.metrics["divided_walk"] == 0.0, name
-            assert abs(got.loss - want.loss) <= 1e-9 * abs(want.loss) + 1e-13, name
-            assert_grads_close(grads_of(model), grads, _bound(name))
     finally:
         dist.destroy_process_group()
 
@@ -879,28 +950,38 @@ def run_trees(rank: int, world: int, init_file: str) -> None:
     equals the single-process one."""
     _init(rank, world, init_file)
     try:
-        for name, rel in TREE_CASES.items():
-            model = CASES[name]() if name == "hybrid" else float64_norms(CASES[name]())
-            group = tree_group(["ABD", "ABE", "LC", "L", "AC"], prompt_len=23)
-            for mode in ("detached", "exact"):
-                kw = dict(chunk_size=6, attention_block_size=4, shard_block_size=3, mode=mode)
-                with float64_throughout(model):
-                    runs = {}
-                    for key, extra in (("cp", dict(context_parallel=True)), ("one", {}),
-                                       ("flat", dict(share_response_prefixes=False))):
-                        model.zero_grad(set_to_none=True)
-                        engine = ls.Engine(model, ls.ExecConfig(**kw, **extra))
-                        runs[key] = (engine.step(group).loss, grads_of(model), engine.score(group))
-                (loss, got, scores), (one_loss, one, one_scores), (flat_loss, flat, _) = runs["cp"], runs["one"], \
-                    runs["flat"]
-                assert abs(loss - one_loss) <= 1e-9 * abs(one_loss) + 1e-13, (name, mode)
-                assert_grads_close(got, one, FLOAT64)
-                assert abs(loss - flat_loss) <= rel * abs(flat_loss) + 1e-13, (name, mode)
-                assert_grads_close(got, flat, rel)
-                for s, o in zip(scores, one_scores):
-                    torch.testing.assert_close(s, o, rtol=1e-9, atol=1e-12)
+        models: dict = {}
+        steps = [(name, mode) for name in TREE_CASES for mode in ("detached", "exact")]
+        refs = on_one_rank_each([lambda n=name, m=mode, k=key: _tree_run(models, n, m, k)
+                                 for name, mode in steps for key in ("one", "flat")])
+        for i, (name, mode) in enumerate(steps):
+            rel = TREE_CASES[name]
+            (loss, got, scores), (one_loss, one, one_scores), (flat_loss, flat, _) = (
+                _tree_run(models, name, mode, "cp"), *refs[2 * i:2 * i + 2])
+            assert abs(loss - one_loss) <= 1e-9 * abs(one_loss) + 1e-13, (name, mode)
+            assert_grads_close(got, one, FLOAT64)
+            assert abs(loss - flat_loss) <= rel * abs(flat_loss) + 1e-13, (name, mode)
+            assert_grads_close(got, flat, rel)
+            for s, o in zip(scores, one_scores):
+                torch.testing.assert_close(s, o, rtol=1e-9, atol=1e-12)
     finally:
         dist.destroy_process_group()
+
+
+def _tree_run(models: dict, name: str, mode: str, key: str) -> tuple:
+    """One `run_trees` step of CASES[name] (built once per process): "cp" the tree step
+    under context parallelism, "one" in one process, "flat" one process without prefix
+    sharing; its loss, every .grad and the group's scores."""
+    if name not in models:
+        models[name] = CASES[name]() if name == "hybrid" else float64_norms(CASES[name]())
+    model = models[name]
+    group = tree_group(["ABD", "ABE", "LC", "L", "AC"], prompt_len=23)
+    extra = {"cp": dict(context_parallel=True), "one": {}, "flat": dict(share_response_prefixes=False)}[key]
+    with float64_throughout(model):
+        model.zero_grad(set_to_none=True)
+        engine = ls.Engine(model, ls.ExecConfig(chunk_size=6, attention_block_size=4, shard_block_size=3, mode=mode,
+                                                **extra))
+        return engine.step(group).loss, grads_of(model), engine.score(group)
 
 
 def decode_merge_in_one_collective(rank: int, world: int, init_file: str) -> None:

@@ -1,5 +1,10 @@
 """What the rank fork server of `tests/ranks.py` imports once: torch, transformers, the
-model module of every supported `model_type`, longstraw and the test workers."""
+model module of every supported `model_type`, longstraw and the test workers; and, where
+installed, TRL's GRPOTrainer and LongStraw's trainer (~2 CPU-seconds a rank otherwise,
+paid by every rank of the trainer tests in tests/integrations). That import starts one
+thread, pyarrow's jemalloc background thread (through datasets), which a forked rank does
+not have; the trainer tests' ranks (tests/integrations/test_trl_distributed.py,
+test_trl_checkpoint.py) run green forked past it."""
 
 import importlib
 
@@ -22,3 +27,14 @@ def _import_model_modules() -> None:
 
 
 _import_model_modules()
+
+
+def _import_trainer() -> None:
+    try:
+        import trl  # noqa: F401
+    except ImportError:
+        return
+    importlib.import_module("longstraw.integrations.trl")
+
+
+_import_trainer()

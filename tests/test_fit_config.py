@@ -208,3 +208,13 @@ def test_held_states_count_their_exact_mode_snapshots(monkeypatch):
     assert r["exact_checkpoint_bytes_per_rank"] > 0
     per_state = r["state_bytes_on_gpu_per_rank"] + r["exact_checkpoint_bytes_per_rank"]
     assert budgets[0] - budgets[1] == pytest.approx(2 * per_state, abs=2)
+
+
+def test_a_pinned_shard_block_size_is_planned_and_returned(monkeypatch):
+    """Issue 43 item 6f: `fit_config(shard_block_size=256)` plans the engine's deal in blocks of
+    256 (it used to plan the attention block's deal), and the search's choice keeps it."""
+    plan = _searched_plan(monkeypatch, tiny_model("qwen3"), mode="detached", shard_block_size=256, **STEP)
+    assert plan.shard_block_size == 256
+    monkeypatch.undo()
+    assert ls.fit_config(tiny_model("qwen3"), memory_budget="1GiB", mode="detached", shard_block_size=256,
+                         **STEP).shard_block_size == 256

@@ -20,6 +20,7 @@ from transformers import AutoModelForCausalLM  # noqa: E402
 
 from longstraw import grpo_cli  # noqa: E402
 from longstraw.integrations.trl import token_id_tokenizer  # noqa: E402
+from longstraw.integrations.vlm_processor import load_tokenizer  # noqa: E402
 
 VOCAB, EOS, POSITIONS = 97, 1, 64
 
@@ -97,6 +98,22 @@ def test_yaml_config_and_longstraw_flags_reach_the_trainer(workspace, tmp_path):
     assert trainer.longstraw_engine.config.chunk_size == 4
 
 
+def test_memory_budget_flag_fits_the_engine_for_the_longest_prompt(workspace):
+    """--longstraw_memory_budget reaches the trainer's `fit_config`, for the dataset's
+    longest prompt (9 tokens) unless --longstraw_prompt_tokens says otherwise."""
+    trainer = grpo_cli.build_trainer(*grpo_cli.parse(_flags(workspace, "--longstraw_memory_budget", "4GiB")[1:]))
+    assert trainer.longstraw_memory_budget == "4GiB" and trainer.longstraw_prompt_tokens == 9
+    argv = _flags(workspace, "--longstraw_memory_budget", "4GiB", "--longstraw_prompt_tokens", "40")[1:]
+    assert grpo_cli.build_trainer(*grpo_cli.parse(argv)).longstraw_prompt_tokens == 40
+
+
+def test_trl_reward_names_are_trl_functions():
+    from trl.rewards import accuracy_reward, think_format_reward
+
+    assert grpo_cli.load_reward_funcs(["think_format_reward", "accuracy_reward"], ["prompt", "solution"]) == [
+        think_format_reward, accuracy_reward]
+
+
 def test_peft_flags_build_a_lora_model(workspace):
     argv = _flags(workspace, "--use_peft", "--lora_r", "4", "--lora_target_modules", "q_proj", "v_proj")[1:]
     trainer = grpo_cli.build_trainer(*grpo_cli.parse(argv))
@@ -124,15 +141,20 @@ def test_bad_inputs_are_one_line_errors_before_the_model_loads(workspace, capsys
                                           for p in ["2 3", " ".join(["5"] * 70), "4 4 4"]))
     assert "no 'prompt' column" in _error(capsys, _flags(ws, data="noprompt.jsonl"))
     assert "['question']" in _error(capsys, _flags(ws, data="noprompt.jsonl"))
-    assert "empty" in _error(capsys, _flags(ws, data="empty.jsonl"))
+    assert "the file is empty: nothing to train on; add rows" in _error(capsys, _flags(ws, data="empty.jsonl"))
+    (ws / "empty_split").mkdir()
+    datasets.DatasetDict(train=datasets.Dataset.from_dict({"prompt": ["2 3"]}).filter(lambda e: False)).save_to_disk(ws / "empty_split" / "d")
+    err = _error(capsys, _flags(ws, data="empty_split/d"))
+    assert "'train' split is empty" in err and "add rows" in err and "--dataset_train_split" in err
     err = _error(capsys, _flags(ws, data="long.jsonl"))
     assert "prompt 1 (the longest) has 70 tokens" in err and "max_position_embeddings=64" in err
     assert "1 of 3" in err
-    assert "has no 'missing'" in _error(capsys, _flags(ws, reward="missing"))
+    err = _error(capsys, _flags(ws, reward="missing"))
+    assert "has no 'missing'; its functions: ['bad_signature', 'even_tokens', 'uses_answer']" in err
     assert "wrong signature" in _error(capsys, _flags(ws, reward="bad_signature"))
     (ws / "broken.py").write_text("import not_a_module_anywhere\n")
     err = _error(capsys, _flags(ws, spec=f"{ws / 'broken.py'}:f"))
-    assert "importing" in err and "not_a_module_anywhere" in err
+    assert "importing" in err and "not_a_module_anywhere" in err and "fix that error" in err
     assert "no_such_module" in _error(capsys, _flags(ws, spec="no_such_module:f"))
     assert "not one of TRL's" in _error(capsys, _flags(ws, spec="no_colon_or_dot"))
     err = _error(capsys, _flags(ws, "--not_a_flag", "3"))
@@ -140,6 +162,21 @@ def test_bad_inputs_are_one_line_errors_before_the_model_loads(workspace, capsys
     assert "no such file" in _error(capsys, _flags(ws, data="nothing.jsonl"))
     assert cli.main(_flags(ws, "--use_vllm", "True")) == 2  # the trainer's refusals (a list): exit 2 too
     assert "longstraw: ConfigError: LongStrawGRPOTrainer cannot run" in capsys.readouterr().err
+
+
+def test_chat_prompts_need_a_chat_template_and_are_measured_with_it(workspace, capsys):
+    from longstraw.integrations.chat import tool_chat_tokenizer
+
+    ws = workspace
+    chats = [[{"role": "user", "content": "2 3 4"}], [{"role": "user", "content": "5 6 7 8 9"}]]
+    (ws / "chat.jsonl").write_text("".join(json.dumps({"prompt": c}) + "\n" for c in chats))
+    err = _error(capsys, _flags(ws, data="chat.jsonl"))
+    assert "the prompts are chat messages, but the tokenizer" in err and "has no chat template" in err
+    tokenizer = tool_chat_tokenizer(VOCAB)
+    tokenizer.save_pretrained(ws / "model")
+    checked = grpo_cli.check_inputs(*grpo_cli.parse(_flags(ws, data="chat.jsonl")[1:])[:4])
+    rendered = tokenizer.apply_chat_template(chats[1], add_generation_prompt=True, tokenize=True, return_dict=True)
+    assert checked.longest_prompt == len(rendered["input_ids"]) > 5  # the template's tokens counted
 
 
 def test_reward_signature_check():
@@ -243,14 +280,15 @@ def test_token_id_tokenizer_keeps_numbers_that_contain_the_eos_digits(tmp_path):
     """eos "1" is a special token: it must not split "2100" or "12" (whole words only), also after a reload."""
     tok = token_id_tokenizer(4096, eos_token_id=1)
     tok.save_pretrained(tmp_path)
-    for t in (tok, grpo_cli.AutoProcessor.from_pretrained(tmp_path)):
+    for t in (tok, load_tokenizer(str(tmp_path))):  # as `longstraw grpo` loads it
         assert t("2100 12 7 1 11")["input_ids"] == [2100, 12, 7, 1, 11]
 
 
 @pytest.mark.slow
 def test_torchrun_two_ranks_context_parallel(workspace):
     """`torchrun --nproc-per-node 2 -m longstraw.cli grpo ... --longstraw_context_parallel_size 2`
-    (gloo, CPU): one prompt over both ranks, 3 steps, a from_pretrained-able output_dir."""
+    (gloo, CPU): one prompt over both ranks, 3 steps, a from_pretrained-able output_dir
+    whose weights moved; a second launch resumes checkpoint-3 and continues at step 4."""
     import os
     import socket
     import subprocess
@@ -260,12 +298,20 @@ def test_torchrun_two_ranks_context_parallel(workspace):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    flags = _flags(workspace, "--longstraw_context_parallel_size", "2", "--save_strategy", "no")[1:]
-    run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-                          "--master-addr", "127.0.0.1", "--master-port", str(port), "-m", "longstraw.cli", "grpo",
-                          *flags], env={**os.environ, "PYTHONPATH": repo, "HF_HUB_OFFLINE": "1"},
-                         capture_output=True, text=True, timeout=900)
-    assert run.returncode == 0, run.stderr[-4000:]
+    def torchrun(*extra, steps):
+        flags = _flags(workspace, "--longstraw_context_parallel_size", "2", *extra, steps=steps)[1:]
+        run = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                              "--master-addr", "127.0.0.1", "--master-port", str(port), "-m", "longstraw.cli", "grpo",
+                              *flags], env={**os.environ, "PYTHONPATH": repo, "HF_HUB_OFFLINE": "1"},
+                             capture_output=True, text=True, timeout=900)
+        assert run.returncode == 0, run.stderr[-4000:]
+
+    torchrun(steps=3)
     before = AutoModelForCausalLM.from_pretrained(workspace / "model").state_dict()
     after = AutoModelForCausalLM.from_pretrained(workspace / "out").state_dict()
     assert any(not torch.equal(p, before[n]) for n, p in after.items())
+    assert _state(workspace / "out" / "checkpoint-3")["global_step"] == 3
+    torchrun("--resume_from_checkpoint", str(workspace / "out" / "checkpoint-3"), steps=4)
+    state = _state(workspace / "out" / "checkpoint-4")
+    assert state["global_step"] == 4
+    assert [h["step"] for h in state["log_history"] if "loss" in h] == [1, 2, 3, 4]

@@ -124,3 +124,17 @@ def test_a_combination_whose_smallest_chunk_does_not_fit_is_still_scanned(capsys
     code, r = run(capsys, args[:-4] + ["--fit"])
     assert code == 0 and r["fit"] is not None, r.get("binding")
     assert r["fit"]["exec_config"]["offload_snapshots"] is False and r["fits"]
+
+
+def test_chunks_above_4096_are_searched_where_only_they_fit():
+    """Issue 43 item 6f: exact mode's recurrent snapshots shrink as P / chunk, so at 2M
+    tokens with the snapshots pinned on the device only a chunk above 4,096 fits 130 GiB
+    (Qwen3.6-27B, 8 GPUs, LoRA 16 on nf4: 149.2 GiB at chunk 4,096, 94.5 GiB at 16,384).
+    The search stopped at 4,096 and said nothing fits."""
+    base = PlanConfig(prompt_tokens=2088960, group=8, response_tokens=8192, gpus=8, mode="exact", lora_rank=16,
+                      weight_dtype="nf4", offload_snapshots=False, offload_state=False, gpu_memory="130GiB",
+                      reserve=0)
+    got = search("qwen3.6-27b", base, {"mode", "offload_snapshots", "offload_state"})
+    assert isinstance(got, Fit), got.binding
+    assert got.config.chunk_size > 4096 and got.report["peak_bytes_per_rank"] <= 130 * 2**30
+    assert "--chunk-size" in flags(got.config) and str(got.config.chunk_size) in flags(got.config)

@@ -22,7 +22,7 @@ def _fit(cfg: TrainConfig) -> ls.ExecConfig:
     held = cfg.prompts_per_step - 1 + (1 if cfg.log_kl else 0)  # log_kl: the reference's own state, held too
     return ls.fit_config(build_model(cfg), memory_budget=cfg.memory_budget, prompt_tokens=cfg.prompt_tokens,
                          group=cfg.group_size, response_tokens=cfg.task().response_tokens, mode="exact",
-                         context_parallel=False, held_states=held)
+                         context_parallel=False, held_states=held, generate=True)
 
 
 def test_the_reference_state_of_log_kl_is_held_in_the_budget(monkeypatch):
@@ -32,11 +32,11 @@ def test_the_reference_state_of_log_kl_is_held_in_the_budget(monkeypatch):
     from longstraw import train_budget
 
     seen = []
-    monkeypatch.setattr(train_budget, "fit_config", lambda model, **kw: seen.append(kw["held_states"]))
+    monkeypatch.setattr(train_budget, "fit_config", lambda model, **kw: seen.append((kw["held_states"], kw["generate"])))
     for log_kl, prompts in ((True, 1), (False, 1), (True, 3), (False, 3)):
         cfg = TrainConfig(**STEP, memory_budget="1GiB", log_kl=log_kl, prompts_per_step=prompts)
         engine_config(cfg, None, mode="exact", context_parallel=False)
-    assert seen == [1, 0, 3, 2]
+    assert seen == [(1, True), (0, True), (3, True), (2, True)]  # the loop's rollouts generate (item 6e)
 
 
 def test_the_budget_chooses_the_engine_config_and_given_options_are_kept():

@@ -272,12 +272,14 @@ def generate(engine, prompt: torch.Tensor, config: SamplingConfig, generator=Non
     config = dataclasses.replace(config, suppressed_ids=placeholder_ids(engine.adapter.vision))
     t0 = clock(engine.adapter.device)
     if state is None:
-        state = engine.capture(prompt, exact=engine.config.mode == "exact", prompt_inputs=prompt_inputs,
-                               rope_length=prompt.numel() + config.max_new_tokens)  # the sampler's RoPE length
+        with engine.phase_hook("capture"):
+            state = engine.capture(prompt, exact=engine.config.mode == "exact", prompt_inputs=prompt_inputs,
+                                   rope_length=prompt.numel() + config.max_new_tokens)  # the sampler's RoPE length
     t1 = clock(engine.adapter.device)
     progress = engine.progress_bar("generate")
-    responses, logprobs, masks, turns, metrics = run_episodes(engine, state, prompt, config, episode, generator,
-                                                              progress, sample_tokens)
+    with engine.phase_hook("generate"):  # the planner's generate phase (`plan/generate.py`)
+        responses, logprobs, masks, turns, metrics = run_episodes(engine, state, prompt, config, episode, generator,
+                                                                  progress, sample_tokens)
     t2 = clock(engine.adapter.device)
     metrics.update(time_capture_s=t1 - t0, time_generate_s=t2 - t1, state_bytes=float(state.nbytes()),
                    tokens_per_s=metrics["generated_tokens"] / max(t2 - t1, 1e-9))

@@ -1,7 +1,7 @@
 """`LongStrawGRPOTrainer(longstraw_memory_budget=...)`: the trainer's engine configuration
 fitted to a memory budget with `ls.fit_config`, at construction, before any rollout.
 
-The step fitted is the trainer's: G = `num_generations`, R = `max_completion_length`,
+The step fitted is the trainer's, its rollout (`engine.generate`) included: G = `num_generations`, R = `max_completion_length`,
 P = `longstraw_prompt_tokens` (default: the longest prompt the model can take with a full
 completion, `max_position_embeddings - max_completion_length`), the mode of
 `longstraw_config`. A prompt longer than the P fitted is refused before its capture
@@ -89,7 +89,7 @@ def fitted_config(policy, config: ExecConfig, *, memory_budget, prompt_tokens: i
     try:
         fitted = fit_config(policy, memory_budget=memory_budget, prompt_tokens=prompt_tokens,
                             group=args.num_generations, response_tokens=args.max_completion_length, mode=mode,
-                            held_states=held_states, process_group=process_group, **fixed)
+                            held_states=held_states, generate=True, process_group=process_group, **fixed)
     except DoesNotFitError as exc:  # its changes in the trainer's arguments
         raise fit_advice.again(exc, "trl", prefix=f"LongStrawGRPOTrainer(longstraw_memory_budget={memory_budget!r}): ",
                                suffix="; or lower longstraw_prompt_tokens, num_generations or max_completion_length") from None

@@ -31,6 +31,7 @@ import torch
 
 from ..defaults import FLASH_BACKWARD_BLOCK
 from ..tensors import accumulation_dtype
+from .flash_prefix import flash_prefix_backward
 from longstraw.parallel.collectives import all_reduce_sum, gather_rows, merge_across_ranks
 
 FUSED_ENABLED = True
@@ -301,15 +302,10 @@ class FlashAttention(torch.autograd.Function):
         rows = q.reshape(1, hkv, g * t, d)
         for seg in ctx.prefixes:
             part = dq if seg.cp is None else torch.zeros_like(dq)  # a shard's part: summed over ranks
-            for b0 in range(0, seg.k.shape[1], ctx.backward_block):
-                b1 = min(seg.k.shape[1], b0 + ctx.backward_block)
-                kb, vb = seg.k[:, b0:b1].contiguous(), seg.v[:, b0:b1].contiguous()
-                dq_b, dk_b, dv_b = backward(do_rows, rows, kb[None], vb[None], out_rows, lse_rows, False, scale)
-                part += dq_b[0].reshape(h, t, d)
-                if seg.grad is not None:
-                    seg.grad[0][:, b0:b1] += dk_b[0].to(seg.grad[0].dtype)
-                    seg.grad[1][:, b0:b1] += dv_b[0].to(seg.grad[1].dtype)
-                del kb, vb, dq_b, dk_b, dv_b  # before the next block's: one block's four copies at a time, not six
+            sinks = (None, None) if seg.grad is None else seg.grad
+            # block by block, one registered op per segment (`ops/flash_prefix.py`)
+            flash_prefix_backward(do_rows, rows, seg.k, seg.v, out_rows, lse_rows, part, *sinks, scale,
+                                  ctx.backward_block)
             if seg.cp is not None:
                 dq += all_reduce_sum(part, seg.cp)
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None

@@ -89,6 +89,12 @@ class PlanConfig:
     where a piece's graph would exceed twice the weights + gradients + state the step
     holds anyway; `--fit` turns it on where the budget needs it)."""
 
+    shard_block_size: int | None = None
+    """Context parallelism: prompt positions per round-robin block of the deal
+    (`ExecConfig.shard_block_size`): which rank owns a position, the fullest rank's share,
+    whether every rank owns a block (a divided capture or walk), and the divided passes'
+    traffic. None: `attention_block_size` (as the engine)."""
+
     logits_chunk_size: int = defaults.LOGITS_CHUNK_SIZE
     """Response tokens per lm_head + log-softmax chunk (ExecConfig)."""
 
@@ -211,6 +217,14 @@ class PlanConfig:
     image_tokens: int = 0
     """Merged tokens of the largest image (HF's t * h * w / merge^2): each image counts this many."""
 
+    generate: bool = False
+    """The step's responses are sampled by `Engine.generate` from the state the step then
+    reuses (`step(group, state=rollout.state)`, as `longstraw train` and the TRL trainer
+    do): adds the 'generate' phase, the G branches decoding together (their own state for
+    R + 1 positions, the logits and sampling temporaries, `plan/generate.py`). The search
+    then offers no kept capture graphs or attention outputs (generate's capture keeps
+    neither, so a step reusing its state has none)."""
+
     tree: object = None
     """A prefix tree of the responses (`plan/tree.py`): levels [(segment_tokens, fan_out), ...]
     below the prompt, e.g. [(2048, 1), (256, 8)] (8 responses share 2,048 tokens, then 256
@@ -239,7 +253,7 @@ class PlanConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ConfigError(f"PlanConfig.{name} must be a positive int, got {value!r}")
-        for name in ("lora_rank", "branch_chunk_size"):
+        for name in ("lora_rank", "branch_chunk_size", "shard_block_size"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise ConfigError(f"PlanConfig.{name} must be a positive int or None, got {value!r}")
@@ -248,6 +262,8 @@ class PlanConfig:
         if self.offload_snapshots is not None and not isinstance(self.offload_snapshots, bool):
             raise ConfigError(f"PlanConfig.offload_snapshots must be True, False or None, got "
                               f"{self.offload_snapshots!r}")
+        if not isinstance(self.generate, bool):
+            raise ConfigError(f"PlanConfig.generate must be True or False, got {self.generate!r}")
         if isinstance(self.score_passes, bool) or not isinstance(self.score_passes, int) or self.score_passes < 0:
             raise ConfigError(f"PlanConfig.score_passes must be an int >= 0, got {self.score_passes!r}")
         if not (isinstance(self.host_bandwidth_gbs, (int, float)) and math.isfinite(self.host_bandwidth_gbs)
@@ -342,6 +358,12 @@ class Basis:
         return self.config.mode == "exact"
 
     @property
+    def block(self) -> int:
+        """Positions per block of the deal over the ranks (`PlanConfig.shard_block_size`,
+        else the attention block, as the engine's `rank_shard`)."""
+        return self.deal.block
+
+    @property
     def every_rank_owns(self) -> bool:
         """Every rank holds a position of the P - 1 captured ones (the engine's condition
         for dividing capture or the walk)."""
@@ -368,7 +390,7 @@ def resolve(model, config: PlanConfig) -> Basis:
                           "the Qwen3.5 / 3.6 families (docs/vision.md)")
     if c.gpus > 1:
         arch = replace(arch, context_ranks=c.gpus)
-    deal = Deal(c.gpus, c.attention_block_size)
+    deal = Deal(c.gpus, c.shard_block_size or c.attention_block_size)
     return Basis(name=name, cfg=cfg, preset=preset, arch=arch, config=c,
                  params=count_parameters(arch, c.lora_rank, c.lora_targets), dtype=dtype, wdt=wdt, b=b,
                  acc=8 if dtype == "float64" else 4, rb=max(4, b), P=c.prompt_tokens, R=c.response_tokens,

@@ -23,6 +23,7 @@ from .comm import plan_comm
 from .timing import plan_time
 from .tree_cost import plan_tree_replay, tree_report, tree_timing
 from .vision import plan_vision, vision_report
+from .generate import generate_report, plan_generate
 
 
 def walk_chunk_count(s, walk) -> int:
@@ -30,7 +31,7 @@ def walk_chunk_count(s, walk) -> int:
     short last chunk in which some rank owns no block joins the one before), else P - 1 in
     chunks of `walk.chunk`."""
     if walk.divided:
-        return len(walk_chunk_bounds(s.P - 1, s.config.chunk_size, s.W, s.config.attention_block_size,
+        return len(walk_chunk_bounds(s.P - 1, s.config.chunk_size, s.W, s.block,
                                      bool(s.arch.count(mixer="gdn"))))
     return -(-max(s.P - 1, 1) // walk.chunk)
 
@@ -51,7 +52,8 @@ def estimate(model, config: PlanConfig) -> dict:
     score = score_working(s)
     offload = plan_offload(s, state, replay, capture)
     vision = plan_vision(s)
-    peak = plan_peak(s, state, weights, replay, capture, walk, offload, score, vision)
+    generate = plan_generate(s)
+    peak = plan_peak(s, state, weights, replay, capture, walk, offload, score, vision, generate)
     timing = plan_time(s, divided=capture.divided, divided_walk=walk.divided, walk_chunk=walk.chunk,
                        held=replay.held, chunks=walk.chunks, kept_chunks=walk.kept_chunks, offload=offload.figures,
                        recompute=replay.recompute, walk_recompute=walk.recompute,
@@ -69,6 +71,7 @@ def estimate(model, config: PlanConfig) -> dict:
                      offload_bytes=offload.figures["traffic_bytes"] if offload.figures else 0.0)
     report = build_report(s, state, weights, replay, capture, walk, offload, score, peak, timing)
     report.update(vision_report(vision))
+    report.update(generate_report(generate))
     if vision is not None:
         report["assumptions"] += list(vision.assumptions)
     report["comm"] = comm.as_dict()

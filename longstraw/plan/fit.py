@@ -6,8 +6,10 @@ The space (each option the caller did not pin):
   * memory savers that cost time: layer-wise recompute (replay and the exact walk), state
     offload (`state_device="cpu"`), exact mode's snapshots on host, expert parallelism,
     parameter sharding (FSDP2), a replicated capture (`divide_capture=False`: chunked,
-    where a divided capture holds a rank's share of each layer at once);
-  * sizes: replay pieces (`branch_chunk_size`) and the capture chunk (`chunk_size`);
+    where a divided capture holds a rank's share of each layer at once), a replicated
+    exact walk (`divide_walk=False`: no gathered rows of the chunk's other ranks);
+  * sizes: replay pieces (`branch_chunk_size`) and the capture chunk (`chunk_size`,
+    512 to 16,384: exact mode's recurrent snapshots shrink as P / chunk);
   * exact mode's `keep_attention_outputs` and `keep_graph_bytes`, which spend spare memory
     to save the walk's attention forward and its whole recomputed forward;
   * `mode`, only when it is free (detached is always the faster).
@@ -40,11 +42,25 @@ from .estimate import estimate
 from .gpus import load_gpus
 
 SEARCHED = ("mode", "branch_chunk_size", "chunk_size", "recompute_layers", "offload_state", "offload_snapshots",
-            "expert_parallel", "shard_params", "keep_graph_bytes", "keep_attention_outputs", "divide_capture")
+            "expert_parallel", "shard_params", "keep_graph_bytes", "keep_attention_outputs", "divide_capture",
+            "divide_walk")
 """The PlanConfig fields the search may set."""
 
 PIECES = (8192, 4096, 2048, 1024, 512, 256)
-CHUNKS = (4096, 2048, 1024, 512)
+CHUNKS = (16384, 8192, 4096, 2048, 1024, 512)
+USUAL_CHUNK_MAX = 4096
+"""The search scans chunks up to this (and the given one) first, largest first: a larger
+capture chunk does not make the planner's step faster and holds a larger working set.
+Exact mode then tries the larger ones of `CHUNKS`, smallest first, where none of those
+fits: its recurrent snapshots shrink as P / chunk. Detached mode never (no snapshots)."""
+
+
+def chunks_of(c: PlanConfig, chunks: list) -> list:
+    """The chunks of `chunks` the search scans for configuration `c`, in scan order."""
+    usual = [ch for ch in chunks if ch <= USUAL_CHUNK_MAX or ch == c.chunk_size]
+    if c.mode != "exact":
+        return usual or chunks
+    return usual + sorted(set(chunks) - set(usual))
 
 
 @dataclass
@@ -117,9 +133,12 @@ def _savers(model, base: PlanConfig, pinned: set) -> list[dict]:
         choices["shard_params"] = [False, True]
     if "divide_capture" not in pinned and base.gpus >= 2:  # a divided capture holds a rank's share of a
         choices["divide_capture"] = [True, False]           # layer at once: at 10M tokens more than a chunk
+    if "divide_walk" not in pinned and base.gpus >= 2 and exact_ok:  # a replicated walk holds no gathered rows
+        choices["divide_walk"] = [True, False]
     names = list(choices)
     combos = [dict(zip(names, values)) for values in itertools.product(*(choices[n] for n in names))]
-    return [c for c in combos if not (c.get("mode", base.mode) == "detached" and c.get("offload_snapshots"))]
+    return [c for c in combos if not (c.get("mode", base.mode) == "detached"
+                                      and (c.get("offload_snapshots") or c.get("divide_walk") is False))]
 
 
 class _Planner:
@@ -153,10 +172,11 @@ def search(model, base: PlanConfig, pinned=()) -> Fit | NoFit:
         cfg = replace(base, **combo)
         if cfg.offload_state and cfg.keep_graph_bytes:
             continue
+        mine = chunks_of(cfg, chunks)
         if not any(_fits(plan(replace(cfg, branch_chunk_size=pieces[-1], chunk_size=ch)), budget)
-                   for ch in reversed(chunks)):  # the smallest chunk first: usually the leanest
+                   for ch in reversed(mine)):  # the smallest chunk first: usually the leanest
             continue
-        fast = plan(replace(cfg, branch_chunk_size=pieces[0], chunk_size=chunks[0]))
+        fast = plan(replace(cfg, branch_chunk_size=pieces[0], chunk_size=mine[0]))
         candidates.append((fast["estimated_time_s"], combo))
     candidates.sort(key=lambda x: x[0])
     best = None  # (time, config, report)
@@ -164,7 +184,7 @@ def search(model, base: PlanConfig, pinned=()) -> Fit | NoFit:
         if best is not None and bound >= best[0]:
             break
         cfg = replace(base, **combo)
-        for p, ch in itertools.product(pieces, chunks):
+        for p, ch in itertools.product(pieces, chunks_of(cfg, chunks)):
             c = replace(cfg, branch_chunk_size=p, chunk_size=ch)
             r = plan(c)
             if _fits(r, budget):
@@ -174,36 +194,22 @@ def search(model, base: PlanConfig, pinned=()) -> Fit | NoFit:
     if best is None:
         return _no_fit(model, base, pinned, plan, pieces, chunks)
     _, c, r = best
-    if c.mode == "exact" and not c.offload_state and "keep_attention_outputs" not in pinned:
+    # kept attention outputs and capture graphs: not with generate, whose capture (the state the
+    # step reuses) keeps neither
+    if c.mode == "exact" and not c.offload_state and not c.generate and "keep_attention_outputs" not in pinned:
         outputs = replace(c, keep_attention_outputs=True)  # the walk without a second attention over the prompt
         ro = plan(outputs)
         if _fits(ro, budget) and ro["estimated_time_s"] < r["estimated_time_s"]:
             c, r = outputs, ro
-    if c.mode == "exact" and not c.offload_state and "keep_graph_bytes" not in pinned:
-        c, r = _spend_on_kept_graphs(plan, c, r, budget, [c.chunk_size] if "chunk_size" in pinned else chunks)
-    return Fit(config=c, report=r, options=_option_costs(base, c, r, plan, pinned), evaluated=len(plan.memo))
-
-
-def _spend_on_kept_graphs(plan, c: PlanConfig, r: dict, budget: int, chunks) -> tuple[PlanConfig, dict]:
-    """Exact mode: the memory left over spent on kept capture graphs, at the chunk size
-    (of `chunks`, the chosen one first) that plans the fastest step: where a budget holds
-    every graph but one of two 4,096-token chunks, eight of 1,024 keep seven and recompute
-    one eighth of the prompt instead of half. (c, r) unchanged when no kept graph is
-    planned faster."""
-    best = (c, r)
-    for ch in [c.chunk_size] + [x for x in chunks if x != c.chunk_size]:
-        at = replace(c, chunk_size=ch)
-        ra = plan(at)
-        if not _fits(ra, budget):
-            continue
-        spare = budget - ra["peak_bytes_per_rank"]
+    if c.mode == "exact" and not c.offload_state and not c.generate and "keep_graph_bytes" not in pinned:
+        spare = budget - r["peak_bytes_per_rank"]
         for share in (1.0, 0.5, 0.25):  # kept capture graphs in the memory left over
-            kept = replace(at, keep_graph_bytes=int(spare * share) + at.keep_graph_bytes)
+            kept = replace(c, keep_graph_bytes=int(spare * share) + c.keep_graph_bytes)
             rk = plan(kept)
-            if _fits(rk, budget) and rk["estimated_time_s"] < best[1]["estimated_time_s"]:
-                best = (_with_slack(plan, kept, rk), rk)
+            if _fits(rk, budget) and rk["estimated_time_s"] < r["estimated_time_s"]:
+                c, r = _with_slack(plan, kept, rk), rk
                 break
-    return best
+    return Fit(config=c, report=r, options=_option_costs(base, c, r, plan, pinned), evaluated=len(plan.memo))
 
 
 GRAPH_SLACK = 0.05
@@ -230,7 +236,7 @@ def _with_slack(plan, cfg: PlanConfig, r: dict) -> PlanConfig:
 def _leanest(plan, cfg: PlanConfig, pieces, chunks) -> tuple[PlanConfig, dict]:
     """`cfg` at its smallest pieces and the chunk of the smallest peak, and its plan."""
     leanest = None
-    for ch in chunks:
+    for ch in chunks_of(cfg, chunks):
         c = replace(cfg, branch_chunk_size=pieces[-1], chunk_size=ch)
         r = plan(c)
         if leanest is None or r["peak_bytes_per_rank"] < leanest[1]["peak_bytes_per_rank"]:
@@ -296,7 +302,7 @@ def _no_fit(model, base: PlanConfig, pinned: set, plan, pieces, chunks) -> NoFit
             pass
         w *= 2
     p = base.prompt_tokens // 2
-    while p >= 1024:  # a smaller prompt
+    while p >= 1024 and p > lean.images * (lean.image_tokens + 2):  # a smaller prompt (that holds its images)
         if _fits(plan(replace(lean, prompt_tokens=p)), budget):
             suggestions.append(f"--prompt-tokens {p} (P halved until it fits)")
             changes.append({"prompt_tokens": p})
@@ -333,8 +339,12 @@ def flags(c: PlanConfig) -> list[str]:
                                     ("shard_params", "--shard-params")) if getattr(c, name)]
     if not c.divide_capture:
         out.append("--replicate-capture")
+    if not c.divide_walk and c.mode == "exact":
+        out.append("--replicate-walk")
     if c.keep_graph_bytes:
         out += ["--keep-graph-bytes", str(c.keep_graph_bytes)]
+    if c.shard_block_size is not None:
+        out += ["--shard-block-size", str(c.shard_block_size)]
     if c.keep_attention_outputs:
         out.append("--keep-attention-outputs")
     return out
@@ -348,7 +358,8 @@ def exec_config(c: PlanConfig) -> dict:
             "recompute_layers": c.recompute_layers, "offload_snapshots": c.offload_snapshots,
             "state_device": "cpu" if c.offload_state else None, "expert_parallel": c.expert_parallel,
             "context_parallel": c.gpus > 1, "keep_graph_bytes": c.keep_graph_bytes,
-            "keep_attention_outputs": c.keep_attention_outputs, "divide_capture": c.divide_capture, "divide_walk": c.divide_walk}
+            "keep_attention_outputs": c.keep_attention_outputs, "divide_capture": c.divide_capture, "divide_walk": c.divide_walk,
+            "shard_block_size": c.shard_block_size}
 
 
 def exec_config_text(c: PlanConfig) -> str:
@@ -359,7 +370,7 @@ def exec_config_text(c: PlanConfig) -> str:
                "state_device": None, "expert_parallel": False, "context_parallel": False,
                "keep_graph_bytes": d.KEEP_GRAPH_BYTES, "keep_attention_outputs": d.KEEP_ATTENTION_OUTPUTS,
                "divide_capture": d.DIVIDE_CAPTURE,
-               "divide_walk": d.DIVIDE_WALK}
+               "divide_walk": d.DIVIDE_WALK, "shard_block_size": None}
     fields = ", ".join(f"{k}={v!r}" for k, v in exec_config(c).items() if v != default[k])
     return f"ExecConfig({fields})" + ("  + FSDP2 fully_shard of the decoder layers" if c.shard_params else "")
 

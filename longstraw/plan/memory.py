@@ -16,9 +16,11 @@ from dataclasses import dataclass
 from ..parallel.deal import walk_chunk_tokens
 from .arch import DTYPE_BYTES, QUANT_BYTES, Arch, LayerSpec, indexer_parameters
 from .config import Basis
+from .kept_outputs import kept_output_bytes
+from .state_sizes import state_sizes
 from .experts import divided_moe_working, expert_elements, expert_parallel_weights
 from .traffic import divided_capture_traffic, divided_walk_traffic
-from ..defaults import keeps_attention_outputs, offloads_snapshots, recompute_pays
+from ..defaults import offloads_snapshots, recompute_pays
 from .snapshots import (divided_walk_recompute_working, snapshot_grad_bytes, snapshot_plan, walk_recompute_working,
                         walk_starts)
 from .working import autograd_pass, graph_bytes_per_token, nograd_layer_bytes, recompute_pass
@@ -26,29 +28,6 @@ from .working import autograd_pass, graph_bytes_per_token, nograd_layer_bytes, r
 # ----------------------------------------------------------------------------
 # the prompt state
 
-
-def state_sizes(arch: Arch, b: int, rb: int, prompt: int, layers=None, keep_windows: bool = False) -> dict:
-    """Per-token and constant state bytes by kind, over `layers` (default: all).
-    b: state dtype bytes; rb: recurrent state bytes. keep_windows: sliding-window layers
-    keep every position (exact mode: the reverse walk recomputes every chunk)."""
-    s = {"attention_kv_per_token": 0, "mla_latent_per_token": 0, "indexer_keys_per_token": 0,
-         "window_kv_fixed": 0, "recurrent_fixed": 0, "conv_tail_fixed": 0}
-    kv = arch.kv_heads * 2 * arch.head_dim * b  # K and V per position
-    for layer in arch.layers if layers is None else layers:
-        if layer.mixer == "attention":
-            if layer.window is None or keep_windows:
-                s["attention_kv_per_token"] += kv
-            else:
-                s["window_kv_fixed"] += min(layer.window - 1, prompt) * kv
-        elif layer.mixer == "gdn":
-            s["recurrent_fixed"] += arch.gdn_v_heads * arch.gdn_k_dim * arch.gdn_v_dim * rb
-            s["conv_tail_fixed"] += arch.conv_dim * (arch.gdn_kernel - 1) * b
-        else:
-            s["mla_latent_per_token"] += (arch.kv_lora_rank + arch.rope_dim) * b
-            s["indexer_keys_per_token"] += arch.index_dim * b if layer.indexer else 0
-    s["per_token"] = s["attention_kv_per_token"] + s["mla_latent_per_token"] + s["indexer_keys_per_token"]
-    s["fixed"] = s["window_kv_fixed"] + s["recurrent_fixed"] + s["conv_tail_fixed"]
-    return s
 
 @dataclass(frozen=True)
 class StatePlan:
@@ -99,7 +78,7 @@ def walk_starts_of(s: Basis) -> int:
     c = s.config
     C = min(c.chunk_size, s.P)
     return walk_starts(s.P - 1, c.chunk_size, divided=walk_is_divided(s, kept_chunks(s, C)), world=s.W,
-                       block=c.attention_block_size, at_chunks=bool(s.arch.count(mixer="gdn")),
+                       block=s.block, at_chunks=bool(s.arch.count(mixer="gdn")),
                        kept_chunks=kept_chunks(s, C))
 
 
@@ -255,7 +234,7 @@ def plan_replay(s: Basis, state: StatePlan) -> ReplayPlan:
     held = (R - 1) // T * T if T < R else 0  # branch tokens held as a state while pieces are walked back
     # under CP a rank's queries read its own shard of the prompt (plus the branch's held pieces)
     graph, attn = _autograd(s, T, s.p_rank + held)
-    logits = min(T, c.logits_chunk_size) * arch.vocab * (b + 3 * 4) + T * arch.hidden * b + head_grad_transient(s)
+    logits = min(T, c.logits_chunk_size) * arch.vocab * (b + 3 * 4) + T * arch.hidden * b + head_grad_transient(s, T)
     # the earlier pieces' state (and the recurrent state at each piece start), with grad buffers
     branch_state = 2 * (st["per_token"] * held + held // T * (st["recurrent_fixed"] + st["conv_tail_fixed"]))
     working = graph + max(attn, logits)
@@ -268,16 +247,24 @@ def plan_replay(s: Basis, state: StatePlan) -> ReplayPlan:
                       logits=logits, branch_state=branch_state, working=working + branch_state)
 
 
-def head_grad_transient(s: Basis) -> float:
+def head_grad_transient(s: Basis, tokens: int | None = None) -> float:
     """Bytes of lm_head's weight gradient computed apart (an mm over the logits chunk's
     rows) before autograd adds it into the existing `.grad`: full training, once a
     gradient exists (every branch after the first, or a later group of a batch); the
     tied embedding when lm_head is tied. Found on tiny qwen3 (one layer, vocab 4,096):
-    a [4096, 256] fp32 mm output alive at the replay peak (4 MiB), not planned before."""
+    a [4096, 256] fp32 mm output alive at the replay peak (4 MiB), not planned before.
+
+    A piece of `tokens` tokens runs lm_head in ceil(tokens / logits_chunk_size) chunks
+    (`engine/logprobs.py`): autograd's input buffer of the weight holds the first chunk's
+    gradient while the next chunk's is computed, so two are alive at once where there are
+    two chunks or more. Found by rehearsing Qwen3.6-27B (pieces of 2,048, chunks of 1,024):
+    four [248320, 5120] bf16 tensors made in the walk alive at the replay peak (the two
+    gradients and two transients), 2.37 GB more than one transient planned."""
     c = s.config
     if c.lora_rank or (s.G < 2 and c.tree is None and not c.grads_during_capture):
         return 0.0
-    return (s.params.lm_head or s.params.embedding) * s.b
+    chunks = 1 if tokens is None else -(-tokens // c.logits_chunk_size)
+    return min(2, chunks) * (s.params.lm_head or s.params.embedding) * s.b
 
 
 def held_bytes(s: Basis, state: StatePlan) -> float:
@@ -362,7 +349,7 @@ def plan_capture(s: Basis) -> CapturePlan:
         working = max(working, _divided_working(s.arch, s.p_rank, C, s.b, s.acc))
         if c.expert_parallel:  # an MoE piece holds every rank's gathered tokens (plan/experts.py)
             working = max(working, divided_moe_working(s.arch, min(C, s.p_rank), W, s.b))
-        comm = divided_capture_traffic(s.cfg, positions=P - 1, world=W, block=c.attention_block_size,
+        comm = divided_capture_traffic(s.cfg, positions=P - 1, world=W, block=s.block,
                                        chunk_size=c.chunk_size, dtype=s.dtype, exact=s.exact)
     return CapturePlan(C=C, divided=divided, working=working, comm=comm)
 
@@ -428,7 +415,7 @@ def plan_walk(s: Basis, capture: CapturePlan, graph_tok: float) -> WalkPlan:
     divided = walk_is_divided(s, kept)
     walk_chunk, comm = C, 0.0
     if divided:
-        walk_chunk = walk_chunk_tokens(P - 1, c.chunk_size, W, c.attention_block_size,
+        walk_chunk = walk_chunk_tokens(P - 1, c.chunk_size, W, s.block,
                                        bool(s.arch.count(mixer="gdn")))
         working = (divided_walk_recompute_working(
             s, walk_chunk, s.deal.fullest(walk_chunk),
@@ -439,56 +426,12 @@ def plan_walk(s: Basis, capture: CapturePlan, graph_tok: float) -> WalkPlan:
         grad_elems = (params.lora if c.lora_rank else whole_elements(s.arch, params) if c.shard_params
                       else params.total - indexer_parameters(s.arch)
                       - (expert_elements(s.arch) if c.expert_parallel else 0))  # expert slices: never summed
-        comm = divided_walk_traffic(s.cfg, positions=P - 1, world=W, block=c.attention_block_size,
+        comm = divided_walk_traffic(s.cfg, positions=P - 1, world=W, block=s.block,
                                     chunk_size=c.chunk_size, dtype=s.dtype, grad_bytes=grad_elems * s.b)
     outputs = kept_output_bytes(s, (P - 1) - min(P - 1, kept * C)) if exact and not divided else 0.0
     return WalkPlan(working=working, chunks=chunks, chunk_graph=chunk_graph, kept_chunks=kept,
                     kept_bytes=kept * chunk_graph, divided=bool(divided), chunk=walk_chunk, comm=comm,
                     recompute=recompute, transient=transient, kept_outputs=outputs)
-
-
-def kept_output_bytes(s: Basis, positions: int) -> float:
-    """`keep_attention_outputs`: bytes of the outputs (compute dtype) and LSEs [H]
-    (accumulation dtype) of `positions` recomputed prompt positions, per attention layer
-    ([H, Dv]; sliding-window ones too: exact mode keeps all their rows) and dense MLA layer
-    ([H, kv_lora_rank] over the latent: `kept_output_layers`). GDN layers and sparse DSA
-    attention keep none (their walk computes it again)."""
-    if not keeps_outputs(s):
-        return 0.0
-    return float(positions * kept_output_bytes_per_token(s.arch, s.b, s.acc, s.P))
-
-
-def keeps_outputs(s: Basis) -> bool:
-    """`keep_attention_outputs` resolved by the engine's rule (`defaults.keeps_attention_outputs`):
-    None keeps them only where the device runs the fused backward (`PlanConfig.fused_backward`)."""
-    a, c = s.arch, s.config
-    return keeps_attention_outputs(c.keep_attention_outputs, exact=s.exact, offload_state=c.offload_state,
-                                   parallel=s.W > 1, fused_backward=c.fused_backward,
-                                   output_bytes=kept_output_bytes_per_token(a, s.b, s.acc, s.P),
-                                   state_bytes=exact_state_bytes_per_token(a, s.b, s.acc, s.rb, s.P))
-
-
-def kept_output_bytes_per_token(arch: Arch, b: int, acc: int, P: int) -> float:
-    """Bytes `keep_attention_outputs` keeps per prompt position: H * (Dv * b + acc) per
-    kept layer (`kept_output_layers`; MLA: Dv = kv_lora_rank). b: compute dtype bytes; acc:
-    the LSE's (accumulation dtype)."""
-    per = {"attention": arch.heads * (arch.head_dim * b + acc), "mla": arch.heads * (arch.kv_lora_rank * b + acc)}
-    return float(sum(per[layer.mixer] for layer in kept_output_layers(arch, P)))
-
-
-def exact_state_bytes_per_token(arch: Arch, b: int, acc: int, rb: int, P: int) -> float:
-    """Bytes exact mode holds per prompt position for the state: its per-token rows
-    (`state_sizes`, sliding windows kept whole) and their gradients in the accumulation
-    dtype (as `plan_state`). The yardstick of the kept-outputs rule."""
-    per = state_sizes(arch, b, rb, P, keep_windows=True)["per_token"]
-    return float(per + per * acc // b)
-
-
-def kept_output_layers(arch: Arch, P: int) -> list[LayerSpec]:
-    """The layers whose attention outputs `keep_attention_outputs` keeps: GQA / MQA attention,
-    and MLA whose queries select every position they see (no DSA, or a top-k >= P)."""
-    return [layer for layer in arch.layers if layer.mixer == "attention"
-            or (layer.mixer == "mla" and (not layer.sparse or (arch.index_topk or 0) >= P))]
 
 
 def kept_chunks(s: Basis, C: int) -> int:

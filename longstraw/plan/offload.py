@@ -98,7 +98,7 @@ def host_bytes(arch, *, b: int, acc: int, exact: bool, rows: int) -> int:
 
 def offload_plan(arch, *, b: int, acc: int, exact: bool, prompt: int, chunk: int, world: int, block: int,
                  group: int, pieces: int, held_pieces: int, score_passes: int,
-                 divided_capture: bool = False) -> dict:
+                 divided_capture: bool = False, decode_steps: int = 0) -> dict:
     """Bytes on the device (slots), in host memory, and moved per step, for one rank.
 
     Args:
@@ -108,6 +108,8 @@ def offload_plan(arch, *, b: int, acc: int, exact: bool, prompt: int, chunk: int
         before the walk; score_passes: no-grad forwards per branch.
         divided_capture: capture runs divided over the ranks (each rank writes its own
             rows straight to host and stages nothing in).
+        decode_steps: `Engine.generate`'s decode steps (R with `PlanConfig.generate`, else
+            0): each stages every layer's rows once (H2D), read only.
     """
     layers = staged_layers(arch, b, acc, exact)
     rows = [r for _, r, _ in layers]
@@ -128,6 +130,8 @@ def offload_plan(arch, *, b: int, acc: int, exact: bool, prompt: int, chunk: int
     forwards = held_pieces + pieces + score_passes
     h2d["replay"] = group * (forwards * r_all * S + pieces * (r_all + g_all) * S)
     d2h["replay"] = group * pieces * g_all * S
+    if decode_steps:
+        h2d["generate"] = decode_steps * r_all * S
     if exact:
         # + the seeds: each chunk's gradient rows, full width (zeros where another rank holds them)
         h2d["reverse"] = r_all * prefix_rows + (r_walk + g_walk) * prefix_rows + g_all * n
@@ -172,9 +176,9 @@ def plan_offload(s: Basis, state: StatePlan, replay: ReplayPlan, capture: Captur
                            assumptions=())
     T = replay.T
     figures = offload_plan(s.arch, b=b, acc=acc, exact=exact, prompt=s.P, chunk=c.chunk_size, world=s.W,
-                           block=c.attention_block_size, group=s.G, pieces=-(-s.R // T),
+                           block=s.block, group=s.G, pieces=-(-s.R // T),
                            held_pieces=replay.held // T, score_passes=c.score_passes,
-                           divided_capture=capture.divided)
+                           divided_capture=capture.divided, decode_steps=s.R if c.generate else 0)
     line = (f"offload: {figures['staged_layers']} layers' per-token rows (+ exact mode's gradient rows) in host "
             "memory; on the device two slots of the largest layer's rows (+ its gradient rows) and the constant "
             "state; every pass stages each layer it visits once (traffic and its time at "

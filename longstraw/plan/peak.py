@@ -12,9 +12,9 @@ from dataclasses import dataclass
 
 from .config import Basis
 from .memory import CapturePlan, ReplayPlan, StatePlan, WalkPlan, WeightPlan
+from .generate import GeneratePlan
 from .offload import OffloadPlan
 from .vision import VisionPlan
-
 
 
 @dataclass(frozen=True)
@@ -25,7 +25,8 @@ class Peak:
         static: weights, gradients, optimizer state, gathered weights, state (device part),
             state gradients and GDN checkpoints.
         phases: what each phase holds beyond `static` ('capture', 'replay', exact mode's
-            'recompute', and 'score' with score passes).
+            'recompute', 'score' with score passes, 'generate' with `generate`, 'vision'
+            with images).
         phase / peak / fits: the largest phase, static + its bytes, and peak + reserve <= gpu_memory.
     """
 
@@ -37,9 +38,12 @@ class Peak:
 
 
 def plan_peak(s: Basis, state: StatePlan, weights: WeightPlan, replay: ReplayPlan, capture: CapturePlan,
-              walk: WalkPlan, offload: OffloadPlan, score: float, vision: VisionPlan | None = None) -> Peak:
+              walk: WalkPlan, offload: OffloadPlan, score: float, vision: VisionPlan | None = None,
+              generate: GeneratePlan | None = None) -> Peak:
     """The static memory, each phase's working set, and the largest. `vision`: images in
-    the prompt (their tower, rows, and the largest image's working set, 'vision')."""
+    the prompt (their tower, rows, and the largest image's working set, 'vision').
+    `generate`: the rollout's decode ('generate'), before the step's backward: no state
+    gradients yet, parameter gradients only from an earlier group (`grads_during_capture`)."""
     c, w = s.config, weights
     static = (w.param_bytes + w.grad_bytes + w.optimizer_bytes + w.gathered + offload.state_gpu
               + offload.state_grad_gpu + state.checkpoints + walk.kept_outputs + (vision.static if vision else 0.0))
@@ -54,6 +58,9 @@ def plan_peak(s: Basis, state: StatePlan, weights: WeightPlan, replay: ReplayPla
                                   walk.working if walk.kept_chunks < walk.chunks else 0)
     if c.score_passes:
         phases["score"] = score
+    if generate is not None:
+        phases["generate"] = (generate.working - (0 if c.grads_during_capture else w.grad_bytes)
+                              - (offload.state_grad_gpu if s.exact else 0))
     if vision is not None:  # one image's tower at capture (and, exact, its backward after the walk)
         phases["vision"] = vision.working
     phase = max(phases, key=phases.get)

@@ -24,7 +24,7 @@ def step_assumptions(s: Basis, capture: CapturePlan, walk: WalkPlan, replay: Rep
     divided, divided_walk, walk_chunk, gk = capture.divided, walk.divided, walk.chunk, c.gdn_kernel
     return [
         f"state counted for all P = {P:,} prompt positions (capture keeps P - 1); per-token state sharded in "
-        f"blocks of {c.attention_block_size} dealt round-robin: {p_rank:,} positions on the fullest rank; constant "
+        f"blocks of {s.block} dealt round-robin: {p_rank:,} positions on the fullest rank; constant "
         "(recurrent / window) state replicated" + ("; exact mode keeps every sliding-window position and one GDN "
                                                    "snapshot per chunk of the whole prompt on every rank"
                                                    if exact else ""),

@@ -36,7 +36,7 @@ from .working import attention_working, graph_bytes_per_token, mlp_graph_bytes_p
 
 
 def snapshot_pair_bytes(sizes: dict) -> int:
-    """Bytes of one snapshot of every recurrent layer (`memory.state_sizes` figures)."""
+    """Bytes of one snapshot of every recurrent layer (`state_sizes.state_sizes` figures)."""
     return sizes["recurrent_fixed"] + sizes["conv_tail_fixed"]
 
 
@@ -57,7 +57,7 @@ def snapshot_plan(sizes: dict, *, positions: int, chunk: int, offload: bool, wal
     snapshots are replicated).
 
     Args:
-        sizes: `memory.state_sizes` of the model. positions: n = P - 1. chunk: C.
+        sizes: `state_sizes.state_sizes` of the model. positions: n = P - 1. chunk: C.
         offload: `offload_snapshots` resolved (host memory for all but the latest).
         walk_starts: recomputed walk chunks that start after position 0.
     """

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from ..parallel.deal import Deal
 from .arch import BACKWARD_FACTOR, Arch, LayerSpec, ParamCount
 from .config import Basis
-from .memory import kept_output_layers
+from .kept_outputs import kept_output_layers
 
 def causal_pairs(n_q: int, prefix: int, limit: int | None) -> float:
     """Query-key pairs of n_q causal queries that follow `prefix` keys, each seeing at
@@ -135,7 +135,7 @@ def plan_time(s: Basis, *, divided: bool, divided_walk: bool, walk_chunk: int, h
     c, arch, params, P, R, G, W = s.config, s.arch, s.params, s.P, s.R, s.G, s.W
     thr = c.throughput_tflops * 1e12
     flops_prompt = forward_flops(arch, params, P, 0, lm_head=False, world=W)  # one replicated prompt forward
-    flops_capture = divided_flops(arch, params, P, W, c.attention_block_size) if divided else flops_prompt
+    flops_capture = divided_flops(arch, params, P, W, s.block) if divided else flops_prompt
     branch_fwd = forward_flops(arch, params, R, P, lm_head=True, world=W)
     held_fwd = forward_flops(arch, params, held, P, lm_head=False, world=W) if held else 0.0
     flops_branch = (1 + BACKWARD_FACTOR + c.score_passes) * branch_fwd + held_fwd
@@ -145,7 +145,7 @@ def plan_time(s: Basis, *, divided: bool, divided_walk: bool, walk_chunk: int, h
     # every rank recomputes and backpropagates every chunk; divided, its own tokens of each
     again = 1.0 if walk_recompute else 0.0
     if divided_walk:
-        flops_exact_extra = (BACKWARD_FACTOR + 1 + again) * divided_walk_flops(arch, params, P, W, c.attention_block_size,
+        flops_exact_extra = (BACKWARD_FACTOR + 1 + again) * divided_walk_flops(arch, params, P, W, s.block,
                                                                        walk_chunk)
     else:
         # kept attention outputs: the recomputed forwards skip full attention over the prompt

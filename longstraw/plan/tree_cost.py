@@ -42,7 +42,7 @@ def plan_tree_replay(s: Basis, state: StatePlan) -> ReplayPlan:
             held, own_tokens, own_snaps = lv.above + L - T, L, chunks(lv)
         graph, attn = autograd_pass(arch, T, s.p_rank + held, c.attention_block_size, b, s.acc, dense,
                                     c.gdn_kernel)  # as memory.plan_replay's piece
-        logits = min(T, c.logits_chunk_size) * arch.vocab * (b + 3 * 4) + T * arch.hidden * b + head_grad_transient(s)
+        logits = min(T, c.logits_chunk_size) * arch.vocab * (b + 3 * 4) + T * arch.hidden * b + head_grad_transient(s, T)
         snaps = own_snaps + sum(chunks(x) for x in above)
         branch_state = 2 * (st["per_token"] * (lv.above + own_tokens) + snaps * fixed)  # with gradient buffers
         working = graph + max(attn, logits)

@@ -40,16 +40,19 @@ class VisionPlan:
     Fields:
         images / image_tokens: N images of (at most) T merged tokens each.
         params: the tower's parameters (patch embedding, learned positions, blocks, merger).
-        param_bytes / grad_bytes / optimizer_bytes: its weights, and when trained in full
-            its gradients and Adam state (LoRA: the tower is frozen, no backward runs).
+        param_bytes / grad_bytes / optimizer_bytes: its weights, and when trained (exact
+            mode, in full) its gradients and Adam state (LoRA: the tower is frozen; detached:
+            the rows are constants, no backward reaches it, its `.grad` stays None and Adam
+            keeps no state for it).
         rows_bytes: what the prompt state keeps for the images: rows [N * T, d], the
             M-RoPE table and the row map (int64, per prompt token).
         rows_grad_bytes: exact mode with a trained tower: dLoss/d(rows) [N * T, d] in the
             accumulation dtype.
         nograd_working: capture's tower forward of the largest image.
         graph_working: exact mode with a trained tower: one image's forward graph plus
-            its backward's transient (0 otherwise).
+            one block's moment in its backward (0 otherwise).
         assumptions: the report lines these rest on.
+        graph: exact mode with a trained tower: one image's forward graph alone (0 otherwise).
     """
 
     images: int
@@ -63,6 +66,7 @@ class VisionPlan:
     nograd_working: float
     graph_working: float
     assumptions: tuple
+    graph: float = 0.0
 
     @property
     def static(self) -> float:
@@ -97,18 +101,26 @@ def plan_vision(s: Basis) -> VisionPlan | None:
     v, d = tower_shape(s.cfg), s.arch.hidden
     h, i, m2 = v["hidden_size"], v["intermediate_size"], v["spatial_merge_size"] ** 2
     params = tower_parameters(v, d)
-    trained = not c.lora_rank
+    trained = not c.lora_rank and s.exact  # detached, the rows are constants: no gradient reaches the tower
     adam = 8 + (4 if s.b < 4 else 0)
     n = c.image_tokens * m2  # the largest image's patches
     pixel_width = v["in_channels"] * v["temporal_patch_size"] * v["patch_size"] ** 2
-    nograd = n * (pixel_width + 5 * h + i) * s.b  # its pixels, the residual and one block's widest activations
+    # its pixels (copied to the device / cast to the tower's dtype), and one block's widest moment: in
+    # attention the block input, its norm and the position-embedded input, qkv, the rotated q / k, the
+    # output (~11h) and the rotary cos / sin (2 x head dim); in the MLP the residual, norm, fc1 and act (5h + i).
+    # Found on the tiny VLM (one 4,096-patch image, fp32): 752 elements per patch alive, 672 + 64 in attention
+    attention_moment = 11 * h + 2 * (h // v["num_heads"])
+    moment = n * max(attention_moment, 5 * h + i) * s.b
+    nograd = n * pixel_width * s.b + moment
     per_block_saved = 11 * h + 2 * i  # norms, qkv, rotated q / k, attention out, proj in, MLP in / mid / act
-    graph = n * (v["depth"] * per_block_saved + pixel_width + 3 * h) * s.b + nograd if trained and s.exact else 0.0
+    # exact: the image's forward graph (its pixels included) and, in its backward, one block's moment
+    graph = n * (v["depth"] * per_block_saved + pixel_width + 3 * h) * s.b if trained else 0.0
     rows = c.images * c.image_tokens * d * s.b + s.P * (3 + 1) * 8
     assumptions = (
         f"images: {c.images} of <= {c.image_tokens:,} merged tokens (= {n:,} patches) through a vision tower of "
         f"{v['depth']} blocks, width {h}, MLP {i} ({params / 1e6:,.1f}M parameters"
-        + ("; trained" if trained else "; frozen under LoRA") + "); the tower runs once per image at capture, and "
+        + ("; trained" if trained else "; frozen under LoRA" if c.lora_rank else "; no gradient in detached mode")
+        + "); the tower runs once per image at capture, and "
         + ("again with autograd after the walk (exact mode), one image at a time" if trained and s.exact else
            "gets no backward"),
         "images: the prompt state keeps the merged rows [N * T, d] in the compute dtype plus an int64 M-RoPE table "
@@ -121,7 +133,8 @@ def plan_vision(s: Basis) -> VisionPlan | None:
                       param_bytes=params * s.b, grad_bytes=params * s.b if trained else 0.0,
                       optimizer_bytes=params * adam if trained else 0.0, rows_bytes=rows,
                       rows_grad_bytes=c.images * c.image_tokens * d * s.acc if s.exact and trained else 0.0,
-                      nograd_working=nograd, graph_working=graph, assumptions=assumptions)
+                      nograd_working=nograd, graph_working=graph + moment if trained else 0.0,
+                      assumptions=assumptions, graph=graph)
 
 
 def vision_report(v: VisionPlan | None) -> dict:

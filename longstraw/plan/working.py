@@ -114,26 +114,58 @@ def recurrent_backward_bytes_per_token(arch: Arch, layer: LayerSpec, b: int, gdn
     return torch_kernel_graph_bytes_per_token(arch, b) + above
 
 
+FP32_NORM_FAMILIES = ("qwen3_5", "qwen3_5_moe", "qwen3_next")
+"""Model types whose RMSNorm multiplies by its weight in float32 (`output * (1 + weight.float())`,
+then `type_as(x)`), so in half precision it keeps two float32 copies of its input's width."""
+
+
+def norm_bytes_per_token(arch: Arch, width: int, ab: int) -> float:
+    """Bytes one token leaves in the autograd graph of an HF RMSNorm of `width`: 3 x width
+    x ab in float32 (input, intermediate, output; calibrated on tiny-qwen3). In half
+    precision the norm computes in float32, so its `x.float()` copy (kept by `pow` and the
+    product) is 4 bytes an element: Qwen3.5's norm keeps that, its float32 normalized
+    input (kept by the weight product) and the half-precision output (8 + ab bytes an
+    element); a Llama-style norm (`weight * x.to(dtype)`) the float32 copy and two half
+    copies (4 + 2 ab). Found by rehearsing Qwen3.6-27B in bf16 (`ls.rehearse`): at the
+    replay peak each norm held [2048, 5120] float32 twice and bf16 once (the Llama-style
+    count follows HF's code, not measured)."""
+    if ab >= 4:
+        return 3 * width * ab
+    return (8 + ab) * width if arch.model_type in FP32_NORM_FAMILIES else (4 + 2 * ab) * width
+
+
+def gated_norm_bytes_per_token(arch: Arch, ab: int) -> float:
+    """Bytes one token leaves in the autograd graph of a GDN layer's gated norm
+    (`Qwen3_5RMSNormGated`) over its Hv x Dv output: 2 x ab an element in float32 (as
+    calibrated on tiny qwen3_5); in half precision its float32 copies of the input, of
+    the gate and of silu(gate) and three half copies (normalized, weighted, output):
+    3 x 4 + 3 x ab. Found by rehearsing Qwen3.6-27B in bf16: [2048 x 48, 128] float32
+    three times and bf16 three times per GDN layer at the replay peak."""
+    width = arch.gdn_v_heads * arch.gdn_v_dim
+    return 2 * width * ab if ab >= 4 else (12 + 3 * ab) * width
+
+
 def graph_bytes_per_token(arch: Arch, layer: LayerSpec, ab: int, gdn_kernel: str) -> float:
     """Activation bytes one token leaves in the autograd graph of one layer.
 
-    Element counts (each x ab bytes): an RMSNorm keeps ~3 x its width (input, fp32
-    intermediate, output), two per layer; projections keep their outputs; SwiGLU keeps
-    gate, up, act and act*up (4 x width). Calibrated on tiny-qwen3 against HF's saved
-    tensors (5,376 vs 5,388 elements per token per layer, fp32). A GDN layer adds its
-    kernel's graph (`gdn_kernel_bytes_per_token`).
+    Element counts (each x ab bytes): two RMSNorms (`norm_bytes_per_token`: in float32
+    ~3 x the width each: input, fp32 intermediate, output; more in half precision);
+    projections keep their outputs; SwiGLU keeps gate, up, act and act*up (4 x width).
+    Calibrated on tiny-qwen3 against HF's saved tensors (5,376 vs 5,388 elements per
+    token per layer, fp32). A GDN layer adds its gated norm (`gated_norm_bytes_per_token`)
+    and its kernel's graph (`gdn_kernel_bytes_per_token`).
     """
     h, H = arch.hidden, arch.heads
-    e = 6 * h
-    extra = 0.0
+    e = 0
+    extra = 2 * norm_bytes_per_token(arch, h, ab)
     if layer.mixer == "attention":
         qk_copies = 3 if arch.qk_norm else 2  # projection, (norm), rope
         e += qk_copies * (H + arch.kv_heads) * arch.head_dim + arch.kv_heads * arch.head_dim + H * arch.head_dim
         e += 3 * H * arch.head_dim if arch.attn_gate else 0  # gate half, sigmoid, gated product
     elif layer.mixer == "gdn":
         # projections + conv in/out/act, gated norm, decay / beta
-        e += 4 * arch.conv_dim + 2 * arch.gdn_v_heads * arch.gdn_v_dim + 4 * arch.gdn_v_heads
-        extra = gdn_kernel_bytes_per_token(arch, ab, gdn_kernel, graph=True)
+        e += 4 * arch.conv_dim + 4 * arch.gdn_v_heads
+        extra += gated_norm_bytes_per_token(arch, ab) + gdn_kernel_bytes_per_token(arch, ab, gdn_kernel, graph=True)
     else:  # absorbed MLA: q latent per head, latent output per head
         H, kl, r = arch.heads, arch.kv_lora_rank, arch.rope_dim
         e += 4 * (arch.q_lora_rank or 0) + H * (arch.nope_dim + r) + H * (kl + r) + 4 * (kl + r) + H * kl
@@ -257,7 +289,7 @@ def autograd_pass(arch: Arch, tokens: int, keys: int, block: int, b: int, acc: i
     blockwise-attention backward (or the dense self part's backward), or a torch recurrent
     kernel's backward with the graph below it alive (layers in order: the backward frees
     the later layers' graphs first)."""
-    per_token = sum(graph_bytes_per_token(arch, l, b, gdn_kernel) for l in arch.layers) + 3 * arch.hidden * b
+    per_token = sum(graph_bytes_per_token(arch, l, b, gdn_kernel) for l in arch.layers) + norm_bytes_per_token(arch, arch.hidden, b)
     graph = tokens * per_token
     attn = max(attention_working(arch, l, tokens, keys, block, acc, backward=True, b=b) for l in arch.layers)
     # a torch recurrent kernel's backward (recompute + backward, `ops/registered.py`) runs when the

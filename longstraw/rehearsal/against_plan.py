@@ -58,7 +58,8 @@ def refuse_unrehearsed(c: PlanConfig) -> None:
                    "--lora-rank": c.lora_rank is not None, "--weight-dtype": c.weight_dtype not in (None, c.dtype),
                    "--tree": c.tree is not None, "--images": bool(c.images), "--offload-state": c.offload_state,
                    "--shard-params": c.shard_params, "--expert-parallel": c.expert_parallel,
-                   "--score-passes": bool(c.score_passes), "--data-parallel > 1": c.data_parallel > 1}
+                   "--score-passes": bool(c.score_passes), "--data-parallel > 1": c.data_parallel > 1,
+                   "--generate": c.generate}
     bad = [flag for flag, on in unsupported.items() if on]
     if bad:
         raise ConfigError(f"longstraw plan --rehearse: not rehearsed yet: {', '.join(bad)}; drop them to rehearse "

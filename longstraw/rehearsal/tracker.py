@@ -21,9 +21,15 @@ import contextlib
 import weakref
 
 import torch
+from torch._subclasses.fake_tensor import FakeTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
 from torch.utils._pytree import tree_leaves
+
+from longstraw.ops.workspace import WORKSPACE
+
+
+_PRIM_DEVICE = torch.ops.prim.device.default
 
 
 def _storage_key(t: torch.Tensor):
@@ -77,12 +83,13 @@ class LiveBytes(TorchDispatchMode):
         self._seen.pop(key, None)
         self.live -= nbytes
 
-    def _bump(self) -> None:
-        if self.live > self.peak:
-            self.peak = self.live
+    def _bump(self, live: int | None = None) -> None:
+        live = self.live if live is None else live
+        if live > self.peak:
+            self.peak = live
         for name in self._open:
-            if self.live > self.phase_peaks.get(name, 0):
-                self.phase_peaks[name] = self.live
+            if live > self.phase_peaks.get(name, 0):
+                self.phase_peaks[name] = live
 
     def adopt(self, tensors) -> None:
         """Count tensors allocated before the tracker started (parameters, a held state)."""
@@ -102,10 +109,15 @@ class LiveBytes(TorchDispatchMode):
             self._open.remove(name)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func is _PRIM_DEVICE and type(args[0]) is FakeTensor and not args[0].fake_mode.in_kernel_invocation:
+            return args[0].fake_device  # what FakeTensorMode answers, without its dispatch (C++ asks this often)
         out = func(*args, **(kwargs or {}))
         if func.namespace == "prim":  # prim.device / prim.layout: metadata queries, no tensor made
             return out
         self.ops += 1
+        workspace = WORKSPACE.get(func)
+        if workspace is not None:  # a registered op's temporaries, alive while it ran (`ops/workspace.py`)
+            self._bump(self.live + workspace(*args, **(kwargs or {})))
         count = flop_registry.get(func._overloadpacket) if self._open else None
         if count is not None:
             flops = int(count(*args, **(kwargs or {}), out_val=out))

@@ -45,7 +45,7 @@ def _trainer(tmp_path, budget, config=None, keep_states=True, prompt_tokens=P, *
 
 def _fit(model, budget, held_states, **fixed):
     return ls.fit_config(model, memory_budget=budget, prompt_tokens=P, group=4, response_tokens=4,
-                         held_states=held_states, **fixed)
+                         held_states=held_states, generate=True, **fixed)
 
 
 def test_the_budget_picks_the_engine_config_counting_held_states(tmp_path):

@@ -71,14 +71,16 @@ def _patch_trl(trainer):
 
 def _patch_longstraw(trainer):
     """Real `engine.generate` (capture, or `state=` + `prefix=`), scripted tokens; records
-    every capture and every generate call."""
+    every capture and every generate call. The real call samples one token past the
+    prefix, not up to `max_new_tokens`: its tokens are replaced, and the trainer takes
+    only the responses, the held state and the metrics from a rollout."""
     engine = trainer.longstraw_engine
     real_generate, real_capture, seen = engine.generate, engine.capture, dict(captures=[], generates=[])
 
     def generate(prompt, num_samples, max_new_tokens, prefix=None, state=None, **kwargs):
-        rollout = real_generate(prompt, num_samples=num_samples, max_new_tokens=max_new_tokens, prefix=prefix,
-                                state=state, **kwargs)
         head = [] if prefix is None else prefix.tolist()
+        rollout = real_generate(prompt, num_samples=num_samples, max_new_tokens=len(head) + 1, prefix=prefix,
+                                state=state, **kwargs)
         rollout.responses = [torch.tensor((head + _script(prompt.tolist() + head, j))[:max_new_tokens])
                              for j in range(num_samples)]
         seen["generates"].append((len(head), state is not None))
