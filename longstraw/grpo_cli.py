@@ -360,6 +360,8 @@ def check_inputs(script_args, training_args, model_args, dataset_args) -> Prepar
     config = model_config(model_args, training_args)
     processing_class = load_processing_class(model_args, training_args)
     column = grpo_images.image_column(train)
+    if column is not None:  # a text model given images: said before its tokenizer's chat template
+        grpo_images.check_model(column, processing_class, config.model_type)
     check_chat_template(train, processing_class, model_args.model_name_or_path)
     if script_args.dataset_streaming:  # rows are read as training reaches them: nothing to check ahead
         return Prepared(train, reward_funcs, processing_class, None)

@@ -57,7 +57,8 @@ def _open(image: dict, row: int, k: int) -> Image.Image:
     return opened
 
 
-def _check_model(column: str, processing_class, model_type) -> None:
+def check_model(column: str, processing_class, model_type) -> None:
+    """A `ConfigError` when the dataset has images and the model or its processor runs none."""
     if model_type not in IMAGE_FAMILIES:
         raise ConfigError(f"the dataset has an {column!r} column, but the model (model_type {model_type!r}) runs no "
                           f"images here: pass a {' / '.join(IMAGE_FAMILIES)} vision-language checkpoint (Qwen3.5 / "
@@ -70,7 +71,7 @@ def _check_model(column: str, processing_class, model_type) -> None:
 def image_dataset(train, column: str, processing_class, model_type, chat_template_kwargs=None):
     """(the dataset with `column` as `datasets.Image`, each row's prompt length in tokens),
     after the checks of the module doc; a `ConfigError` names what to change."""
-    _check_model(column, processing_class, model_type)
+    check_model(column, processing_class, model_type)
     lengths = []
     for row, example in enumerate(_cast(train, column, decode=False)):
         if not is_conversational(example):
