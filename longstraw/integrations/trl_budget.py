@@ -23,6 +23,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import math
+import warnings
 
 from ..budget import fit_config
 from ..config import ExecConfig
@@ -103,3 +104,20 @@ def check_prompt_tokens(prompt_tokens: int, fitted: int | None, memory_budget) -
         raise ConfigError(f"a prompt of {prompt_tokens:,} tokens is longer than the {fitted:,} that "
                           f"longstraw_memory_budget={memory_budget!r} was fitted for; pass "
                           f"longstraw_prompt_tokens >= {prompt_tokens:,} (or truncate the prompts)")
+
+
+class UnfittedImagesWarning(UserWarning):
+    """`longstraw_memory_budget` was fitted for text prompts and a prompt brings images."""
+
+
+def warn_unfitted_images(prompt_inputs, memory_budget) -> None:
+    """Warn (once per process, Python's default filter) when a prompt with images runs under
+    a budget the trainer fitted at construction, before it saw the dataset: its image
+    placeholder tokens are in P, but the vision tower's activations and, in exact mode, the
+    image rows' gradients are not (`ls.fit_config(images=...)` plans them from Python)."""
+    if memory_budget is not None and prompt_inputs and "pixel_values" in prompt_inputs:
+        warnings.warn(f"longstraw_memory_budget={memory_budget!r} was fitted for text prompts: the vision tower's "
+                      "activations and the image rows' gradients are not in it; leave headroom, or fit the "
+                      "ExecConfig from Python with ls.fit_config(..., prompt_inputs=...) and pass it as "
+                      "longstraw_config (without longstraw_memory_budget)", UnfittedImagesWarning, stacklevel=2)
+

@@ -80,3 +80,20 @@ def test_a_fitted_trainer_trains_and_refuses_a_longer_prompt(tmp_path):
     short = _trainer(tmp_path, "1GiB", prompt_tokens=8)  # the prompts have 9 tokens
     with pytest.raises(ls.ConfigError, match="prompt of 9 tokens is longer than the 8"):
         short.train()
+
+
+def test_a_prompt_with_images_under_a_text_fitted_budget_warns():
+    """The trainer fits its budget before it sees the dataset: a prompt that brings images
+    warns that the tower's activations are not in it; text prompts, or no budget, do not."""
+    import warnings
+
+    from longstraw.integrations.trl_budget import UnfittedImagesWarning, warn_unfitted_images
+
+    images = {"pixel_values": torch.zeros(4, 3), "image_grid_thw": torch.tensor([[1, 2, 2]])}
+    with pytest.warns(UnfittedImagesWarning, match="fitted for text prompts"):
+        warn_unfitted_images(images, "1GiB")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        warn_unfitted_images(images, None)
+        warn_unfitted_images({}, "1GiB")
+        warn_unfitted_images(None, "1GiB")
