@@ -78,8 +78,7 @@ from longstraw.integrations.trl_parallel import (DataParallelView, check_mesh_se
 from longstraw import quiet
 from longstraw.integrations import trl_checkpoint, trl_fsdp
 from longstraw.integrations.chat import token_id_tokenizer  # noqa: F401 (public here too)
-from longstraw.integrations.trl_budget import (check_prompt_tokens, fitted_config, held_prompt_states,
-                                                  warn_unfitted_images)
+from longstraw.integrations.trl_budget import check_prompt_tokens, fitted_config, held_prompt_states
 from longstraw.integrations.trl_images import group_prompt_inputs  # images: each group's prompt_inputs
 from longstraw.integrations.trl_screen import ScreenCallback
 
@@ -298,8 +297,7 @@ class LongStrawGRPOTrainer(trl_checkpoint.TrainerCheckpoints, trl.GRPOTrainer):
             if len(rows) != num_generations or any(r != rows[0] for r in rows):
                 raise RuntimeError("expected each prompt num_generations times in a row (TRL's RepeatSampler)")
             prompt = torch.tensor(rows[0], dtype=torch.long)
-            check_prompt_tokens(len(prompt), self.longstraw_prompt_tokens, self.longstraw_memory_budget)
-            warn_unfitted_images(inputs, self.longstraw_memory_budget)
+            check_prompt_tokens(len(prompt), self.longstraw_prompt_tokens, self.longstraw_memory_budget, inputs)
             rollout = self.longstraw_engine.generate(
                 prompt, num_samples=num_generations, max_new_tokens=self.max_completion_length,
                 temperature=self.temperature, top_p=self.top_p, top_k=self.top_k or 0, eos_token_id=self.eos_token_ids,

@@ -98,8 +98,10 @@ def fitted_config(policy, config: ExecConfig, *, memory_budget, prompt_tokens: i
     return dataclasses.replace(fitted, context_parallel=False), prompt_tokens  # the trainer sets it per mesh
 
 
-def check_prompt_tokens(prompt_tokens: int, fitted: int | None, memory_budget) -> None:
-    """A `ConfigError` before the capture of a prompt longer than the P the budget was fitted for."""
+def check_prompt_tokens(prompt_tokens: int, fitted: int | None, memory_budget, prompt_inputs=None) -> None:
+    """A `ConfigError` before the capture of a prompt longer than the P the budget was fitted
+    for; a prompt with images (`prompt_inputs`) warns (`warn_unfitted_images`)."""
+    warn_unfitted_images(prompt_inputs, memory_budget)
     if fitted is not None and prompt_tokens > fitted:
         raise ConfigError(f"a prompt of {prompt_tokens:,} tokens is longer than the {fitted:,} that "
                           f"longstraw_memory_budget={memory_budget!r} was fitted for; pass "
