@@ -10,7 +10,7 @@ alive, DTensors by their local shard, each once: `tests/parallel/test_plan_weigh
 .live_bytes`) minus those alive before the model was built, plus the live-tensor peak of
 the next `Engine.step` above that (`bench.live_peak`). Planned: `peak_bytes_per_rank` of
 `longstraw plan --model DIR/config.json --json` with the same flags (the tiny model's own
-config). A replay-bound step: P = 512, G = 2, R = 1,024 in one piece, logits chunk 256, no
+config). A step of P = 64, G = 2, R = 64 in one piece, logits chunk 64, no
 layer recompute.
 
     PYTHONPATH=$PWD python bench/plan_sharded_peak_live.py [--cases qwen3:shard_params,...]
@@ -34,7 +34,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-P, G, R, LOGITS = 512, 2, 1024, 256
+P, G, R, LOGITS = 128, 2, 256, 128
 OPTIONS = {"shard_params": (True, False), "expert_parallel": (False, True), "both": (True, True)}
 """option -> (shard_params, expert_parallel)"""
 
@@ -80,7 +80,6 @@ def step_peak(world: int, family: str, option: str, mode: str) -> int:
     optimizer.zero_grad(set_to_none=True)
     start = live_bytes() - before
     peak = start + live_tensor_peak(lambda: engine.step(group, ls.GRPOConfig()))
-    del model, engine, optimizer
     return peak
 
 

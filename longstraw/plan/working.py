@@ -232,8 +232,12 @@ def attention_working(arch: Arch, layer: LayerSpec, queries: int, keys: int, blo
     sparse attention (a [64, K, D] key and value block, its [64, H, K] scores), plus the
     latent q / out rows [H, T, 2 x kv_lora + rope] and the selected positions [T, K]
     (int64): twice in an indexer layer of a model whose other DSA layers reuse the
-    selection (GLM-5), since HF's layer loop holds the previous one meanwhile. Dense MLA:
-    as softmax attention over the latent.
+    selection (GLM-5), since HF's layer loop holds the previous one meanwhile. Dense MLA,
+    and a DSA layer whose queries see no more than top-k positions (`models/mla._mla_chunk`
+    then attends densely and runs no indexer): as softmax attention over the latent.
+    Under context parallelism `keys` are the rank's: the positions seen are taken as
+    `keys` x ranks + `queries` (at least the engine's, so a step it runs densely may be
+    planned sparse, never the reverse).
     """
     if layer.mixer == "gdn" or keys == 0:
         return 0.0
@@ -251,7 +255,7 @@ def attention_working(arch: Arch, layer: LayerSpec, queries: int, keys: int, blo
     tiles = 4 if backward else 2
     kl, r = arch.kv_lora_rank, arch.rope_dim
     rows = arch.heads * queries * (2 * kl + r) * acc
-    if not layer.sparse:
+    if not layer.sparse or arch.index_topk >= keys * max(arch.context_ranks, 1) + queries:
         B = min(block, keys)
         return rows if fused else tiles * arch.heads * queries * B * acc + B * (kl + r) * acc + rows
     K = min(arch.index_topk, keys + queries)
