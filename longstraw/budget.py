@@ -50,7 +50,7 @@ model and its gradients was 10-16 MiB above the planner's figure at P = 8,192.""
 _SEARCHABLE = {"mode": "mode", "chunk_size": "chunk_size", "branch_chunk_size": "branch_chunk_size",
                "recompute_layers": "recompute_layers", "offload_snapshots": "offload_snapshots",
                "expert_parallel": "expert_parallel", "keep_graph_bytes": "keep_graph_bytes",
-               "keep_attention_outputs": "keep_attention_outputs"}
+               "keep_attention_outputs": "keep_attention_outputs", "share_response_prefixes": "share_response_prefixes"}
 _PLAN_ONLY = {"attention_block_size", "logits_chunk_size", "divide_capture", "divide_walk", "shard_block_size"}
 
 
@@ -91,9 +91,10 @@ def _lora(model) -> tuple[int | None, str]:
     return getattr(first, "r", None), ("all-linear" if targets & {"gate_proj", "up_proj", "down_proj"} else "attention")
 
 
-def fit_config(model, *, memory_budget, prompt_tokens: int, group: int, response_tokens: int,
-               mode: str = "detached", held_states: int = 0, generate: bool = False, images: int = 0,
-               image_tokens: int = 0, prompt_inputs: dict | None = None, process_group=None, **fixed) -> ExecConfig:
+def fit_config(model, *, memory_budget, prompt_tokens: int, group: int | None = None,
+               response_tokens: int | None = None, mode: str = "detached", held_states: int = 0,
+               generate: bool = False, images: int = 0, image_tokens: int = 0, prompt_inputs: dict | None = None,
+               tree=None, process_group=None, **fixed) -> ExecConfig:
     """The fastest `ExecConfig` whose step fits `memory_budget` above the loaded model.
 
     Args:
@@ -102,8 +103,8 @@ def fit_config(model, *, memory_budget, prompt_tokens: int, group: int, response
             "80GiB" / "20GB", or on CUDA "auto" (free memory minus `AUTO_RESERVE`). The
             planner's peak must fit it less max(16 MiB, 5%) (`RUNTIME_RESERVE_*`).
         prompt_tokens: P, the prompt length of the step to fit.
-        group: G, the responses per prompt.
-        response_tokens: R, the tokens per response.
+        group: G, the responses per prompt (with `tree`: its leaves, or omitted).
+        response_tokens: R, the tokens per response (with `tree`: its segments' sum, or omitted).
         mode: "detached" or "exact" (kept as given).
         held_states: other prompt states of this P alive during the step (a trainer that
             keeps a generation batch's states until their updates): each adds the
@@ -119,6 +120,13 @@ def fit_config(model, *, memory_budget, prompt_tokens: int, group: int, response
             tower's weights, gradients and Adam state are the model's (outside the budget).
         prompt_inputs: instead of images / image_tokens, the prompt's inputs as
             `Group.prompt_inputs` (their `image_grid_thw` gives N and the largest T).
+        tree: the responses share prefixes (tree rollouts, agent episodes forked after some
+            turns; docs/trees.md): their prefix tree as levels below the prompt,
+            [(segment_tokens, fan_out), ...] or "1024x2,256x4" (`PlanConfig.tree`,
+            docs/planner.md "Prefix trees"). The engine's tree path is planned (the
+            segments' states held while their children replay, each segment's walk
+            chunks), and `share_response_prefixes` is searched (tree or flat) unless
+            pinned. None: G responses of R tokens that share nothing.
         process_group: with `context_parallel=True`, the ranks that share the prompt (as
             `Engine(process_group=)`); None: the default group.
         **fixed: ExecConfig fields to pin (e.g. `branch_chunk_size=2048`,
@@ -134,6 +142,7 @@ def fit_config(model, *, memory_budget, prompt_tokens: int, group: int, response
             arguments (negative, both forms, images on a text model) or an unknown field in `fixed`.
     """
     _check_arguments(held_states, generate, fixed)
+    group, response_tokens = _group_shape(group, response_tokens, tree)
     images, image_tokens = _images(model, images, image_tokens, prompt_inputs)
     device, dtype = _device_and_dtype(model)
     budget = parse_budget(memory_budget, device)
@@ -149,7 +158,7 @@ def fit_config(model, *, memory_budget, prompt_tokens: int, group: int, response
     base = PlanConfig(prompt_tokens=prompt_tokens, group=group, response_tokens=response_tokens, mode=mode,
                       gpus=world, dtype=dtype, lora_rank=rank, lora_targets=targets, offload_state=offload,
                       gdn_kernel=gdn_kernel(device, dtype), fused_backward=fused, reserve=0, generate=generate,
-                      images=images, image_tokens=image_tokens, **plan_fixed)
+                      images=images, image_tokens=image_tokens, tree=tree, **plan_fixed)
     cfg = planner_config(model)
     held = estimate(cfg, base)
     outside = _model_bytes(held)
@@ -197,6 +206,21 @@ def _check_arguments(held_states, generate, fixed: dict) -> None:
         raise ConfigError(f"fit_config: unknown ExecConfig field(s) {sorted(unknown)}")
 
 
+def _group_shape(group, response_tokens, tree) -> tuple[int, int]:
+    """(G, R) of `fit_config`'s group: as given, or a tree's leaves and segments' sum
+    (`ConfigError` when given ones disagree with the tree, or neither is given)."""
+    if tree is None:
+        if group is None or response_tokens is None:
+            raise ConfigError("fit_config: give group and response_tokens (or tree=, e.g. [(2048, 1), (256, 8)])")
+        return group, response_tokens
+    t = PlanConfig(prompt_tokens=1, tree=tree)  # parses and checks it
+    for name, given, own in (("group", group, t.group), ("response_tokens", response_tokens, t.response_tokens)):
+        if given is not None and given != own:
+            raise ConfigError(f"fit_config: {name}={given!r} disagrees with tree={tree!r}, which has {own} "
+                              f"({'leaves' if name == 'group' else 'tokens per response'}); omit {name} or fix it")
+    return t.group, t.response_tokens
+
+
 def _model_bytes(plan: dict) -> float:
     """What the planner's peak holds that the budget does not: the model's weights, their
     gradients and the optimizer state, a VLM tower's included (its vision static less the
@@ -209,6 +233,8 @@ def _step_text(base: PlanConfig, held_states: int, others: float) -> str:
     """The step `DoesNotFitError` names: P, G, R, the mode, a rollout, images, held states."""
     step = f"P={base.prompt_tokens:,}, G={base.group}, R={base.response_tokens:,}, mode={base.mode!r}"
     step += ", generated" if base.generate else ""
+    if base.tree is not None:
+        step += ", tree " + ",".join(f"{n}x{f}" for n, f in base.tree)
     if base.images:
         step += f", {base.images} image(s) of <= {base.image_tokens:,} tokens"
     if held_states:

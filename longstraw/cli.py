@@ -58,7 +58,7 @@ _PLAN_FIELDS = ("prompt_tokens", "group", "response_tokens", "mode", "gpus", "gp
                 "weight_dtype", "lora_rank", "lora_targets", "chunk_size", "branch_chunk_size", "attention_block_size",
                 "logits_chunk_size", "self_attention", "gdn_kernel", "grads_during_capture", "shard_params",
                 "expert_parallel", "offload_state", "host_bandwidth_gbs", "score_passes", "keep_graph_bytes",
-                "keep_attention_outputs", "throughput_tflops", "recompute_layers", "divide_capture", "divide_walk", "tree", "offload_snapshots",
+                "keep_attention_outputs", "throughput_tflops", "recompute_layers", "divide_capture", "divide_walk", "tree", "share_response_prefixes", "offload_snapshots",
                 "gpu", "gpus_per_node", "intra_node_gbs", "inter_node_gbs", "data_parallel", "images", "image_tokens", "generate",
                 "shard_block_size")
 
@@ -67,7 +67,8 @@ _SEARCHED_FLAGS = {"mode": "--mode", "branch_chunk_size": "--branch-chunk-size",
                    "recompute_layers": "--recompute-layers", "offload_state": "--offload-state",
                    "offload_snapshots": "--offload-snapshots", "expert_parallel": "--expert-parallel",
                    "shard_params": "--shard-params", "keep_graph_bytes": "--keep-graph-bytes",
-                   "divide_capture": "--replicate-capture", "divide_walk": "--replicate-walk"}
+                   "divide_capture": "--replicate-capture", "divide_walk": "--replicate-walk",
+                   "share_response_prefixes": "--flat-responses"}
 """The flags of the fields `--fit` searches: one given on the command line pins its field."""
 
 
@@ -183,6 +184,9 @@ def _add_plan_parser(sub) -> None:
                    help="plan capture with every token on every rank (divide_capture=False)")
     p.add_argument("--replicate-walk", dest="divide_walk", action="store_false",
                    help="plan exact mode's reverse walk with every token on every rank (divide_walk=False)")
+    p.add_argument("--flat-responses", dest="share_response_prefixes", action="store_false",
+                   help="with --tree: plan the responses replayed whole, each on its own "
+                        "(ExecConfig(share_response_prefixes=False)); --fit searches it with --tree")
     p.add_argument("--offload-state", action="store_true", help="the prompt state's per-token rows in host memory, "
                    "staged one layer at a time (ExecConfig(state_device='cpu')): device peak, host bytes, traffic")
     p.add_argument("--host-bandwidth", dest="host_bandwidth_gbs", type=float, default=50.0,

@@ -231,6 +231,11 @@ class PlanConfig:
     each), or the CLI's "2048x1,256x8". Sets `group` (the leaves) and `response_tokens` (the
     segments' sum); each shared segment is replayed once. None: G flat responses."""
 
+    share_response_prefixes: bool = defaults.SHARE_RESPONSE_PREFIXES
+    """`ExecConfig.share_response_prefixes` (docs/trees.md): with a `tree`, True plans the
+    engine's tree path (each shared segment once, `plan/tree_cost.py`); False plans the G
+    responses of R tokens replayed flat, as the engine then runs them. No effect without a tree."""
+
     def __post_init__(self):
         if self.gpu is not None:
             for name, value in gpu_spec(self.gpu).plan_fields().items():  # where the field is at its default
@@ -245,6 +250,9 @@ class PlanConfig:
             value = getattr(self, name)
             if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
                 raise ConfigError(f"PlanConfig.{name} must be a number > 0, got {value!r}")
+        if not isinstance(self.share_response_prefixes, bool):
+            raise ConfigError(f"PlanConfig.share_response_prefixes must be True or False, got "
+                              f"{self.share_response_prefixes!r}")
         if self.tree is not None:
             self.tree = parse_tree(self.tree)
             self.group, self.response_tokens = math.prod(f for _, f in self.tree), sum(n for n, _ in self.tree)

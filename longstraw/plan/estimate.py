@@ -46,7 +46,8 @@ def estimate(model, config: PlanConfig) -> dict:
     s = resolve(model, config)
     state = plan_state(s)
     weights = plan_weights(s)
-    replay = plan_tree_replay(s, state) if config.tree else plan_replay(s, state)
+    tree = config.tree is not None and config.share_response_prefixes  # the engine's tree path
+    replay = plan_tree_replay(s, state) if tree else plan_replay(s, state)
     capture = plan_capture(s)
     walk = plan_walk(s, capture, replay.graph_tok)
     score = score_working(s)
@@ -58,7 +59,7 @@ def estimate(model, config: PlanConfig) -> dict:
                        held=replay.held, chunks=walk.chunks, kept_chunks=walk.kept_chunks, offload=offload.figures,
                        recompute=replay.recompute, walk_recompute=walk.recompute,
                        kept_outputs=bool(walk.kept_outputs))
-    if config.tree:  # each shared segment once, plus a forward per segment with children
+    if tree:  # each shared segment once, plus a forward per segment with children
         timing = tree_timing(s, timing)
     thr = timing.throughput
     comm = plan_comm(s, capture_comm=capture.comm, walk_comm=walk.comm, divided_capture=capture.divided,

@@ -43,7 +43,7 @@ from .gpus import load_gpus
 
 SEARCHED = ("mode", "branch_chunk_size", "chunk_size", "recompute_layers", "offload_state", "offload_snapshots",
             "expert_parallel", "shard_params", "keep_graph_bytes", "keep_attention_outputs", "divide_capture",
-            "divide_walk")
+            "divide_walk", "share_response_prefixes")
 """The PlanConfig fields the search may set."""
 
 PIECES = (8192, 4096, 2048, 1024, 512, 256)
@@ -135,6 +135,8 @@ def _savers(model, base: PlanConfig, pinned: set) -> list[dict]:
         choices["divide_capture"] = [True, False]           # layer at once: at 10M tokens more than a chunk
     if "divide_walk" not in pinned and base.gpus >= 2 and exact_ok:  # a replicated walk holds no gathered rows
         choices["divide_walk"] = [True, False]
+    if "share_response_prefixes" not in pinned and base.tree is not None:  # the caller says the responses
+        choices["share_response_prefixes"] = [True, False]                 # share prefixes: tree or flat
     names = list(choices)
     combos = [dict(zip(names, values)) for values in itertools.product(*(choices[n] for n in names))]
     return [c for c in combos if not (c.get("mode", base.mode) == "detached"
@@ -341,6 +343,8 @@ def flags(c: PlanConfig) -> list[str]:
         out.append("--replicate-capture")
     if not c.divide_walk and c.mode == "exact":
         out.append("--replicate-walk")
+    if c.tree is not None and not c.share_response_prefixes:
+        out.append("--flat-responses")
     if c.keep_graph_bytes:
         out += ["--keep-graph-bytes", str(c.keep_graph_bytes)]
     if c.shard_block_size is not None:
@@ -359,7 +363,7 @@ def exec_config(c: PlanConfig) -> dict:
             "state_device": "cpu" if c.offload_state else None, "expert_parallel": c.expert_parallel,
             "context_parallel": c.gpus > 1, "keep_graph_bytes": c.keep_graph_bytes,
             "keep_attention_outputs": c.keep_attention_outputs, "divide_capture": c.divide_capture, "divide_walk": c.divide_walk,
-            "shard_block_size": c.shard_block_size}
+            "shard_block_size": c.shard_block_size, "share_response_prefixes": c.share_response_prefixes}
 
 
 def exec_config_text(c: PlanConfig) -> str:
@@ -370,7 +374,8 @@ def exec_config_text(c: PlanConfig) -> str:
                "state_device": None, "expert_parallel": False, "context_parallel": False,
                "keep_graph_bytes": d.KEEP_GRAPH_BYTES, "keep_attention_outputs": d.KEEP_ATTENTION_OUTPUTS,
                "divide_capture": d.DIVIDE_CAPTURE,
-               "divide_walk": d.DIVIDE_WALK, "shard_block_size": None}
+               "divide_walk": d.DIVIDE_WALK, "shard_block_size": None,
+               "share_response_prefixes": d.SHARE_RESPONSE_PREFIXES}
     fields = ", ".join(f"{k}={v!r}" for k, v in exec_config(c).items() if v != default[k])
     return f"ExecConfig({fields})" + ("  + FSDP2 fully_shard of the decoder layers" if c.shard_params else "")
 

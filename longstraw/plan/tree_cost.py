@@ -95,8 +95,10 @@ def tree_timing(s: Basis, timing: Timing) -> Timing:
 
 def tree_report(s: Basis) -> dict:
     """The report's 'tree' entry: levels as given and merged, leaves, replay tokens (each
-    segment once) against the flat group's G x R."""
-    lv = levels(s.config.tree)
+    segment once; G x R with `share_response_prefixes=False`, the flat path) against the
+    flat group's G x R."""
+    lv, shared = levels(s.config.tree), s.config.share_response_prefixes
     return {"levels": [list(x) for x in s.config.tree], "merged_levels": [[x.tokens, x.nodes] for x in lv],
-            "leaves": s.G, "replay_tokens": sum(x.nodes * x.tokens for x in lv), "flat_tokens": s.G * s.R,
+            "leaves": s.G, "share_response_prefixes": shared,
+            "replay_tokens": sum(x.nodes * x.tokens for x in lv) if shared else s.G * s.R, "flat_tokens": s.G * s.R,
             "flops_replay_tree": tree_replay_flops(s)}
