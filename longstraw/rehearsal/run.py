@@ -25,6 +25,7 @@ from longstraw.config import ExecConfig, GRPOConfig
 from longstraw.engine import Engine
 from longstraw.errors import ConfigError
 from longstraw.group import Group
+from longstraw.rehearsal.fast_fake import fake_mode
 from longstraw.rehearsal.kernels import DeviceKernels, needs_device_kernels
 from longstraw.rehearsal.measure import StepFigures, measure_steps
 from longstraw.rehearsal.tracker import LiveBytes
@@ -144,7 +145,7 @@ def rehearse(model, config: ExecConfig | None = None, *, prompt_tokens: int, gro
     hf_config = model.config if isinstance(model, nn.Module) else model
     if isinstance(model, nn.Module):
         dtype = next(model.parameters()).dtype
-    mode = FakeTensorMode(allow_non_fake_inputs=True)
+    mode = fake_mode(allow_non_fake_inputs=True)
     fake = fake_model(hf_config, device=device, dtype=dtype, mode=mode)
     inputs = rehearsal_group(prompt_tokens=prompt_tokens, group=group, response_tokens=response_tokens,
                              vocab_size=hf_config.get_text_config().vocab_size, shared_prefix=shared_prefix)
