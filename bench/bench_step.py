@@ -124,6 +124,8 @@ def _exec_kwargs(args, method: str) -> dict:
         kw["mode"] = "exact"
     if method == "exact_kept":
         kw["keep_graph_bytes"] = args.keep_graph_bytes
+    if getattr(args, "replay_batch", None) is not None:
+        kw["replay_batch"] = args.replay_batch
     if method in ("exact_outputs", "exact_recompute"):
         kw["keep_attention_outputs"] = method == "exact_outputs"
     return kw
@@ -458,7 +460,7 @@ def worker(args) -> dict:
         row.update(chunk_size=kw["chunk_size"], attention_block_size=kw["attention_block_size"],
                    logits_chunk_size=kw["logits_chunk_size"], branch_chunk_size=kw["branch_chunk_size"],
                    keep_graph_bytes=kw.get("keep_graph_bytes", 0), recompute_layers=kw.get("recompute_layers"),
-                   keep_attention_outputs=kw.get("keep_attention_outputs"))
+                   keep_attention_outputs=kw.get("keep_attention_outputs"), replay_batch=kw.get("replay_batch", 1))
     if method == "exact_fit_pg":
         row["fit_budget_bytes"] = int(args.fit_budget_bytes)
         row["kept_chunks"] = metrics.get("kept_graph_chunks")
@@ -590,6 +592,8 @@ def _worker_cmd(args, method, P, G, live=False) -> list[str]:
            "--logits-chunk-size", str(args.logits_chunk_size), "--plan-self-attention", args.plan_self_attention]
     if args.branch_chunk_size:
         cmd += ["--branch-chunk-size", str(args.branch_chunk_size)]
+    if args.replay_batch is not None:
+        cmd += ["--replay-batch", str(args.replay_batch)]
     if args.dsa_timing and not live:
         cmd.append("--dsa-timing")
     if args.warmup:
@@ -603,7 +607,7 @@ def _worker_cmd(args, method, P, G, live=False) -> list[str]:
 
 CSV_FIELDS = [
     "tag", "family", "method", "P", "G", "R", "rep", "status", "note", "dtype", "chunk_size", "attention_block_size",
-    "logits_chunk_size", "branch_chunk_size", "keep_graph_bytes", "recompute_layers", "keep_attention_outputs",
+    "logits_chunk_size", "branch_chunk_size", "replay_batch", "keep_graph_bytes", "recompute_layers", "keep_attention_outputs",
     "fit_budget_bytes", "kept_chunks", "kept_attention_bytes", "rss_after_model", "peak_before_step", "peak_rss", "vm_hwm",
     "peak_above_model", "live_tensor_peak", "baseline_hid_peak", "rss_file_growth", "rss_anon_retained",
     "step_time_s", "time_capture_s", "time_replay_s", "time_reverse_s", "state_bytes", "state_grad_bytes",
@@ -817,6 +821,8 @@ def main(argv=None) -> int:
     p.add_argument("--attention-block-size", type=int, default=1024)
     p.add_argument("--logits-chunk-size", type=int, default=1024)
     p.add_argument("--branch-chunk-size", type=int, default=None)
+    p.add_argument("--replay-batch", type=int, default=None,
+                   help="ExecConfig.replay_batch for every LongStraw arm but exact_fit_pg (default: ExecConfig's)")
     p.add_argument("--repeat", type=int, default=1, help="rounds: every method once per round, alternating (median peak, min time)")
     p.add_argument("--out", default=os.path.join(REPO, "bench", "out", "step.csv"), help="CSV to append rows to")
     p.add_argument("--tag", default="", help="label stored in every row of this invocation")

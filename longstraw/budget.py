@@ -56,7 +56,8 @@ model and its gradients was 10-16 MiB above the planner's figure at P = 8,192.""
 _SEARCHABLE = {"mode": "mode", "chunk_size": "chunk_size", "branch_chunk_size": "branch_chunk_size",
                "recompute_layers": "recompute_layers", "offload_snapshots": "offload_snapshots",
                "expert_parallel": "expert_parallel", "keep_graph_bytes": "keep_graph_bytes",
-               "keep_attention_outputs": "keep_attention_outputs", "share_response_prefixes": "share_response_prefixes"}
+               "keep_attention_outputs": "keep_attention_outputs", "share_response_prefixes": "share_response_prefixes",
+               "replay_batch": "replay_batch"}
 _PLAN_ONLY = {"attention_block_size", "logits_chunk_size", "divide_capture", "divide_walk", "shard_block_size"}
 
 

@@ -82,6 +82,11 @@ class PlanConfig:
     attention_block_size: int = defaults.ATTENTION_BLOCK_SIZE
     """Prompt positions per block of the blockwise attention (ExecConfig)."""
 
+    replay_batch: int = defaults.REPLAY_BATCH
+    """Branches of one piece replayed together as one batch (ExecConfig.replay_batch): the
+    replay graph is then one piece of min(replay_batch, G) x R tokens over the same prompt
+    state. 1: one branch at a time."""
+
     recompute_layers: bool | None = defaults.RECOMPUTE_LAYERS
     """Replay recomputes each decoder layer in backward (ExecConfig.recompute_layers): a
     piece's graph is every layer's input plus one layer's activations, for one more
@@ -257,7 +262,7 @@ class PlanConfig:
             self.tree = parse_tree(self.tree)
             self.group, self.response_tokens = math.prod(f for _, f in self.tree), sum(n for n, _ in self.tree)
         for name in ("prompt_tokens", "group", "response_tokens", "gpus", "chunk_size", "attention_block_size",
-                     "logits_chunk_size"):
+                     "logits_chunk_size", "replay_batch"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ConfigError(f"PlanConfig.{name} must be a positive int, got {value!r}")

@@ -35,7 +35,7 @@ import itertools
 import math
 from dataclasses import dataclass, field, replace
 
-from .arch import human_bytes, parse_bytes
+from .arch import architecture, human_bytes, load_model_config, parse_bytes
 from .. import defaults as d
 from .config import PlanConfig, resolve
 from .estimate import estimate
@@ -43,7 +43,7 @@ from .gpus import load_gpus
 
 SEARCHED = ("mode", "branch_chunk_size", "chunk_size", "recompute_layers", "offload_state", "offload_snapshots",
             "expert_parallel", "shard_params", "keep_graph_bytes", "keep_attention_outputs", "divide_capture",
-            "divide_walk", "share_response_prefixes")
+            "divide_walk", "share_response_prefixes", "replay_batch")
 """The PlanConfig fields the search may set."""
 
 PIECES = (8192, 4096, 2048, 1024, 512, 256)
@@ -211,7 +211,31 @@ def search(model, base: PlanConfig, pinned=()) -> Fit | NoFit:
             if _fits(rk, budget) and rk["estimated_time_s"] < r["estimated_time_s"]:
                 c, r = _with_slack(plan, kept, rk), rk
                 break
+    c, r = batched_replay(model, plan, c, r, budget, pinned)
     return Fit(config=c, report=r, options=_option_costs(base, c, r, plan, pinned), evaluated=len(plan.memo))
+
+
+REPLAY_BATCHES = (2, 4)
+"""`replay_batch` values the search tries besides 1 and G (`batched_replay`)."""
+
+
+def batched_replay(model, plan, c: PlanConfig, r: dict, budget: int, pinned) -> tuple[PlanConfig, dict]:
+    """The chosen plan with the largest `replay_batch` of (G, 4, 2) that still fits, where
+    the branches run in one piece on one rank and every mixer takes a batch (attention, MLA,
+    GDN: not Mamba2 or KDA). The planned time counts FLOPs, which a batch does not change;
+    a batch was measured faster on CPU (bench/results/replay_batch_*.csv: fewer, larger
+    matmuls and less Python per branch), so the largest that fits is taken."""
+    one_piece = (c.branch_chunk_size or c.response_tokens) >= c.response_tokens
+    arch = architecture(load_model_config(model)[1])
+    takes = all(layer.mixer in ("attention", "mla") or (layer.mixer == "gdn" and arch.recurrent == "gdn")
+                for layer in arch.layers)
+    if "replay_batch" in pinned or not one_piece or not takes or c.gpus > 1 or c.tree is not None or c.group < 2:
+        return c, r
+    for b in sorted({c.group, *(x for x in REPLAY_BATCHES if x < c.group)}, reverse=True):
+        rb = plan(replace(c, replay_batch=b))
+        if _fits(rb, budget):
+            return replace(c, replay_batch=b), rb
+    return c, r
 
 
 GRAPH_SLACK = 0.05
@@ -363,7 +387,8 @@ def exec_config(c: PlanConfig) -> dict:
             "state_device": "cpu" if c.offload_state else None, "expert_parallel": c.expert_parallel,
             "context_parallel": c.gpus > 1, "keep_graph_bytes": c.keep_graph_bytes,
             "keep_attention_outputs": c.keep_attention_outputs, "divide_capture": c.divide_capture, "divide_walk": c.divide_walk,
-            "shard_block_size": c.shard_block_size, "share_response_prefixes": c.share_response_prefixes}
+            "shard_block_size": c.shard_block_size, "share_response_prefixes": c.share_response_prefixes,
+            "replay_batch": c.replay_batch}
 
 
 def exec_config_text(c: PlanConfig) -> str:
@@ -375,7 +400,7 @@ def exec_config_text(c: PlanConfig) -> str:
                "keep_graph_bytes": d.KEEP_GRAPH_BYTES, "keep_attention_outputs": d.KEEP_ATTENTION_OUTPUTS,
                "divide_capture": d.DIVIDE_CAPTURE,
                "divide_walk": d.DIVIDE_WALK, "shard_block_size": None,
-               "share_response_prefixes": d.SHARE_RESPONSE_PREFIXES}
+               "share_response_prefixes": d.SHARE_RESPONSE_PREFIXES, "replay_batch": d.REPLAY_BATCH}
     fields = ", ".join(f"{k}={v!r}" for k, v in exec_config(c).items() if v != default[k])
     return f"ExecConfig({fields})" + ("  + FSDP2 fully_shard of the decoder layers" if c.shard_params else "")
 

@@ -232,15 +232,16 @@ def plan_replay(s: Basis, state: StatePlan) -> ReplayPlan:
     c, R, b, arch, st = s.config, s.R, s.b, s.arch, state.sizes
     T = min(R, c.branch_chunk_size or R)  # tokens in one replayed piece
     held = (R - 1) // T * T if T < R else 0  # branch tokens held as a state while pieces are walked back
+    rows = T * (min(c.replay_batch, s.G) if T == R and c.tree is None else 1)  # a batch of one-piece branches
     # under CP a rank's queries read its own shard of the prompt (plus the branch's held pieces)
-    graph, attn = _autograd(s, T, s.p_rank + held)
-    logits = min(T, c.logits_chunk_size) * arch.vocab * (b + 3 * 4) + T * arch.hidden * b + head_grad_transient(s, T)
+    graph, attn = _autograd(s, rows, s.p_rank + held)
+    logits = min(T, c.logits_chunk_size) * arch.vocab * (b + 3 * 4) + rows * arch.hidden * b + head_grad_transient(s, T)
     # the earlier pieces' state (and the recurrent state at each piece start), with grad buffers
     branch_state = 2 * (st["per_token"] * held + held // T * (st["recurrent_fixed"] + st["conv_tail_fixed"]))
     working = graph + max(attn, logits)
     recompute = recompute_pays(c.recompute_layers, graph, held_bytes(s, state), len(arch.layers))
     if recompute:  # the layers' inputs, then one layer's graph at a time (its backward), or the logits
-        kept, moment, layer_graph = recompute_pass(arch, T, s.p_rank + held, c.attention_block_size, b, s.acc,
+        kept, moment, layer_graph = recompute_pass(arch, rows, s.p_rank + held, c.attention_block_size, b, s.acc,
                                                    c.self_attention != "flash", c.gdn_kernel)
         graph, working = kept + layer_graph, kept + max(moment, logits)
     return ReplayPlan(T=T, held=held, graph_tok=_graph_tok(s), recompute=recompute, graph=graph, attention=attn,
