@@ -2,21 +2,26 @@
 for the sharded options"), on gloo (CPU, fp32, spawned ranks), context parallel over W
 ranks: tiny qwen3 with FSDP2 over its decoder layers (`--shard-params`,
 `parallel.sharding.shard_model`) and tiny glm_moe_dsa with expert parallelism
-(`--expert-parallel`).
+(`--expert-parallel`); `replicated` (qwen3, neither) is the baseline of the same run.
 
 Measured on each rank: one Adam training step first (so the optimizer state exists, as in
-a run), gradients then set to None; then the live bytes of the rank (every torch storage
-alive, DTensors by their local shard, each once: `tests/parallel/test_plan_weights_live
-.live_bytes`) minus those alive before the model was built, plus the live-tensor peak of
-the next `Engine.step` above that (`bench.live_peak`). Planned: `peak_bytes_per_rank` of
-`longstraw plan --model DIR/config.json --json` with the same flags (the tiny model's own
-config). A step of P = 64, G = 2, R = 64 in one piece, logits chunk 64, no
-layer recompute.
+a run), gradients then set to None; then, for each of `STEPS` more steps, the live bytes
+of the rank (every torch storage alive, DTensors by their local shard, each once:
+`tests/parallel/test_plan_weights_live.live_bytes`) minus those alive before the model was
+built, plus the live-tensor peak of the step above that (`bench.live_peak`). The worst of
+those steps is the rank's peak (what a budget must hold), the least is reported beside it:
+under FSDP2 the same step peaks a whole layer buffer higher or lower from step to step
+(tiny qwen3 at W = 3, one rank: 48.5, 51.3 and 54.0 MB above the model, steps of one
+process; a layer's weights are 2.75 MB), as gloo's collectives return earlier or later
+than the layer's reshard. Planned: `peak_bytes_per_rank` of `longstraw plan --model
+DIR/config.json --json` with the same flags (the tiny model's own config). A step of
+P = 128, G = 2, R = 256 in one piece, logits chunk 128, no layer recompute.
 
     PYTHONPATH=$PWD python bench/plan_sharded_peak_live.py [--cases qwen3:shard_params,...]
-        [--world 2] [--modes detached,exact] [--out bench/results/plan_sharded_peak_live.csv]
+        [--worlds 2,3] [--modes detached,exact] [--out bench/results/plan_sharded_peak_live.csv]
 
-Rows: family, option, W, mode, planned, measured (the fullest rank), ratio (planned / measured).
+Rows: family, option, W, mode, planned, measured (the fullest rank's worst step),
+least (the least step peak of any rank), ratio (planned / measured).
 """
 
 from __future__ import annotations
@@ -35,7 +40,9 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 P, G, R, LOGITS = 128, 2, 256, 128
-OPTIONS = {"shard_params": (True, False), "expert_parallel": (False, True), "both": (True, True)}
+STEPS = 3
+"""measured steps per rank (after the one that makes the Adam state)"""
+OPTIONS = {"replicated": (False, False), "shard_params": (True, False), "expert_parallel": (False, True), "both": (True, True)}
 """option -> (shard_params, expert_parallel)"""
 
 
@@ -51,9 +58,10 @@ def _measure(rank: int, world: int, init: str, out: str, cases: list, modes: lis
     torch.distributed.destroy_process_group()
 
 
-def step_peak(world: int, family: str, option: str, mode: str) -> int:
-    """Peak live bytes on this rank during the second of two steps (Adam state alive,
-    gradients None at its start), above what was alive before the model was built."""
+def step_peak(world: int, family: str, option: str, mode: str) -> list[int]:
+    """Peak live bytes on this rank during each of `STEPS` steps after the first (Adam
+    state alive, gradients None at each start), above what was alive before the model was
+    built."""
     from torch.distributed.device_mesh import init_device_mesh
 
     import longstraw as ls
@@ -78,9 +86,12 @@ def step_peak(world: int, family: str, option: str, mode: str) -> int:
     engine.step(group, ls.GRPOConfig())
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    start = live_bytes() - before
-    peak = start + live_tensor_peak(lambda: engine.step(group, ls.GRPOConfig()))
-    return peak
+    peaks = []
+    for _ in range(STEPS):
+        start = live_bytes() - before
+        peaks.append(start + live_tensor_peak(lambda: engine.step(group, ls.GRPOConfig())))
+        optimizer.zero_grad(set_to_none=True)
+    return peaks
 
 
 def planned(tmp: str, family: str, option: str, world: int, mode: str) -> dict:
@@ -102,7 +113,8 @@ def planned(tmp: str, family: str, option: str, world: int, mode: str) -> dict:
 
 
 def run(tmp: str, world: int, cases: list, modes: list) -> list[dict]:
-    """Rows (family, option, W, mode, planned, measured, ratio, per_rank) of one spawned group."""
+    """Rows (family, option, W, mode, planned, measured, least, ratio, per_rank: each rank's
+    worst step) of one spawned group."""
     from tests.ranks import spawn
 
     out = os.path.join(tmp, "peak")
@@ -114,31 +126,36 @@ def run(tmp: str, world: int, cases: list, modes: list) -> list[dict]:
     rows = []
     for family, option in cases:
         for mode in modes:
-            measured = [m[f"{family}:{option}:{mode}"] for m in by_rank]
+            steps = [m[f"{family}:{option}:{mode}"] for m in by_rank]
+            measured = [max(s) for s in steps]
             plan = planned(tmp, family, option, world, mode)
             rows.append({"family": family, "option": option, "W": world, "mode": mode,
                          "planned": int(plan["peak_bytes_per_rank"]), "measured": max(measured),
+                         "least": min(min(s) for s in steps),
                          "ratio": round(plan["peak_bytes_per_rank"] / max(measured), 3), "per_rank": measured,
-                         "phase": plan["peak_phase"]})
+                         "steps": steps, "phase": plan["peak_phase"]})
     return rows
 
 
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--cases", default="qwen3:shard_params,glm_moe_dsa:expert_parallel")
-    ap.add_argument("--world", type=int, default=2)
-    ap.add_argument("--modes", default="detached")
+    ap.add_argument("--cases", default="qwen3:replicated,qwen3:shard_params,glm_moe_dsa:expert_parallel,"
+                                       "glm_moe_dsa:both")
+    ap.add_argument("--worlds", default="2,3")
+    ap.add_argument("--modes", default="detached,exact")
     ap.add_argument("--out", default=None)
     a = ap.parse_args(argv)
     cases = [tuple(c.split(":")) for c in a.cases.split(",")]
-    with tempfile.TemporaryDirectory() as tmp:
-        rows = run(tmp, a.world, cases, a.modes.split(","))
+    rows = []
+    for world in [int(w) for w in a.worlds.split(",")]:
+        with tempfile.TemporaryDirectory() as tmp:
+            rows += run(tmp, world, cases, a.modes.split(","))
     for r in rows:
         print(r)
     if a.out:
         new = not os.path.exists(a.out)
         with open(a.out, "a", newline="") as f:
-            w = csv.DictWriter(f, fieldnames=["family", "option", "W", "mode", "planned", "measured", "ratio"],
+            w = csv.DictWriter(f, fieldnames=["family", "option", "W", "mode", "planned", "measured", "least", "ratio"],
                                extrasaction="ignore")
             if new:
                 w.writeheader()

@@ -11,6 +11,11 @@ prompt state, its gradients in exact mode, the largest phase's working set, kept
 The planner's peak also holds the weights, gradients and optimizer state; `fit_config`
 plans against `memory_budget + those` so that they cancel. The optimizer is the caller's.
 
+A model already wrapped with FSDP2 (`parallel.sharding.shard_model`: its layers' parameters
+are sharded DTensors) is planned as `longstraw plan --shard-params` at the W of their mesh:
+its weights, gradients and optimizer state per rank are the sharded ones (outside the
+budget), and the two decoder layers FSDP2 holds gathered at a time are inside it.
+
 The model's shapes reach the planner through one seam, `longstraw/shapes.py` (its HF config
 as the planner's dict); plan/ stays torch-free.
 """
@@ -27,6 +32,7 @@ from longstraw.config import ExecConfig
 from longstraw.errors import ConfigError, DoesNotFitError
 from longstraw.ops import kernels
 from longstraw.ops.flash import fused_backward_kernel
+from longstraw.parallel.fsdp import shard_world
 from longstraw.plan.arch import parse_bytes
 from longstraw.plan.config import PlanConfig
 from longstraw.plan.estimate import estimate
@@ -97,7 +103,8 @@ def fit_config(model, *, memory_budget, prompt_tokens: int, group: int, response
     """The fastest `ExecConfig` whose step fits `memory_budget` above the loaded model.
 
     Args:
-        model: the HF `...ForCausalLM` (PEFT-wrapped too) the engine will run.
+        model: the HF `...ForCausalLM` the engine will run (PEFT-wrapped too; FSDP2-wrapped:
+            planned as `shard_params` at its mesh's W, the two gathered layers in the budget).
         memory_budget: bytes the step may add above the model and its gradients: an int,
             "80GiB" / "20GB", or on CUDA "auto" (free memory minus `AUTO_RESERVE`). The
             planner's peak must fit it less max(16 MiB, 5%) (`RUNTIME_RESERVE_*`).
@@ -131,7 +138,7 @@ def fit_config(model, *, memory_budget, prompt_tokens: int, group: int, response
         DoesNotFitError: nothing fits; the message names the binding term and the
             changes that would fit. Raised before any work: the model is not run.
         ConfigError: a bad budget, `held_states` < 0, a non-bool `generate`, bad image
-            arguments (negative, both forms, images on a text model) or an unknown field in `fixed`.
+            arguments, an unknown field in `fixed`, or FSDP2 not over the context-parallel ranks.
     """
     _check_arguments(held_states, generate, fixed)
     images, image_tokens = _images(model, images, image_tokens, prompt_inputs)
@@ -140,8 +147,7 @@ def fit_config(model, *, memory_budget, prompt_tokens: int, group: int, response
     cp = bool(fixed.get("context_parallel", False))
     world = torch.distributed.get_world_size(process_group) if cp and torch.distributed.is_initialized() else 1
     rank, targets = _lora(model)
-    plan_fixed = {_SEARCHABLE[k]: v for k, v in fixed.items() if k in _SEARCHABLE}
-    plan_fixed.update({k: v for k, v in fixed.items() if k in _PLAN_ONLY})
+    plan_fixed = {_SEARCHABLE.get(k, k): v for k, v in fixed.items() if k in _SEARCHABLE or k in _PLAN_ONLY}
     offload = fixed.get("state_device") is not None and torch.device(fixed["state_device"]).type == "cpu"
     pinned = _pinned(plan_fixed, fixed, device, dtype, world)
     fused = fused_backward_kernel(device.type, getattr(torch, dtype)) is not None
@@ -149,7 +155,7 @@ def fit_config(model, *, memory_budget, prompt_tokens: int, group: int, response
     base = PlanConfig(prompt_tokens=prompt_tokens, group=group, response_tokens=response_tokens, mode=mode,
                       gpus=world, dtype=dtype, lora_rank=rank, lora_targets=targets, offload_state=offload,
                       gdn_kernel=gdn_kernel(device, dtype), fused_backward=fused, reserve=0, generate=generate,
-                      images=images, image_tokens=image_tokens, **plan_fixed)
+                      images=images, image_tokens=image_tokens, shard_params=_fsdp2_ranks(model, cp, world), **plan_fixed)
     cfg = planner_config(model)
     held = estimate(cfg, base)
     outside = _model_bytes(held)
@@ -171,6 +177,22 @@ def fit_config(model, *, memory_budget, prompt_tokens: int, group: int, response
         raise AssertionError(f"fit_config: the returned {returned} plans {int(again['peak_bytes_per_rank']):,} B, "
                              f"above the {int(budget + outside - others - reserve):,} B its search fitted")
     return returned
+
+
+def _fsdp2_ranks(model, cp: bool, world: int) -> bool:
+    """Whether `model` is FSDP2-wrapped (planned as `shard_params`, pinned: `_pinned`), after
+    checking that it shards over the `world` context-parallel ranks the plan divides the
+    prompt over (the planner's one W)."""
+    ranks = shard_world(model)
+    if ranks is None:
+        return False
+    if not cp or ranks != world:
+        where = f"context_parallel over {world} rank(s)" if cp else "context_parallel off"
+        raise ConfigError(f"fit_config: the model is FSDP2-wrapped over {ranks} ranks, but {where}; the planner "
+                          "shards weights over the ranks that share the prompt (parallel.sharding.shard_model over "
+                          f"the context-parallel group): pass context_parallel=True with a process_group of {ranks} "
+                          "ranks")
+    return True
 
 
 def _pinned(plan_fixed: dict, fixed: dict, device: torch.device, dtype: str, world: int) -> set:

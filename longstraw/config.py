@@ -158,6 +158,20 @@ class ExecConfig:
     needs it. Changes nothing in the result; `step` reports the choice as the metrics
     `recompute_layers` and `walk_recompute_layers`. See docs/planner.md."""
 
+    replay_batch: int = defaults.REPLAY_BATCH
+    """Replay up to this many branches as one batch (`engine/batched.py`): their tokens
+    run through the model together (a batch dimension of b; shorter ones padded at the
+    end, which a causal model's earlier tokens never see), every branch reading the same
+    prompt state (never copied: each attention folds the batch into the query rows of the
+    shared prefix, a recurrent layer's snapshot is expanded), each with its own loss, one
+    backward for the batch (the state's gradient summed over its branches). 1: one branch
+    at a time. A branch replayed in pieces (`branch_chunk_size` < its length) runs on its
+    own as before, and so does a prompt with images. Same result; a larger b trades one
+    branch's graph for b of them for fewer, larger matmuls. Families whose adapter takes a
+    batch (`Adapter.batches_replay`: dense, MoE, windowed, Gated DeltaNet hybrids, MLA /
+    DSA); others, and context parallelism, refuse b > 1 when the engine is built. See
+    docs/exact.md."""
+
     progress: bool = False
     """Show a progress bar over capture chunks and branches (stderr)."""
 
@@ -167,6 +181,7 @@ class ExecConfig:
         _positive_int("ExecConfig.branch_chunk_size", self.branch_chunk_size, allow_none=True)
         _positive_int("ExecConfig.shard_block_size", self.shard_block_size, allow_none=True)
         _positive_int("ExecConfig.logits_chunk_size", self.logits_chunk_size)
+        _positive_int("ExecConfig.replay_batch", self.replay_batch)
         if isinstance(self.keep_graph_bytes, bool) or not isinstance(self.keep_graph_bytes, int) \
                 or self.keep_graph_bytes < 0:
             raise ConfigError(f"ExecConfig.keep_graph_bytes must be an int >= 0, got {self.keep_graph_bytes!r}")

@@ -13,6 +13,9 @@ CHUNK_SIZE = 4096
 BRANCH_CHUNK_SIZE = None
 """Replay each branch in pieces of this many tokens; None: one piece."""
 
+REPLAY_BATCH = 1
+"""Branches replayed together as one batch (1: one at a time)."""
+
 ATTENTION_BLOCK_SIZE = 1024
 """Prompt positions per block of the blockwise attention over the captured state."""
 

@@ -107,6 +107,14 @@ class Engine:
         if config.expert_parallel and not config.context_parallel:
             raise ConfigError("ExecConfig(expert_parallel=True) splits the experts over the context-parallel ranks; "
                               "set context_parallel=True as well (one process holds every expert)")
+        if config.replay_batch > 1 and not self.adapter.batches_replay:
+            raise ConfigError(f"ExecConfig(replay_batch={config.replay_batch}): {type(self.adapter).__name__} "
+                              f"(model_type {self.adapter.config.model_type!r}) replays one branch at a time (its "
+                              "mixers take no batch); use replay_batch=1")
+        if config.replay_batch > 1 and config.context_parallel:
+            raise ConfigError(f"ExecConfig(replay_batch={config.replay_batch}) is not supported with "
+                              "context_parallel=True yet (the sharded state's merges run one branch); use "
+                              "replay_batch=1")
         self.cp = ContextParallel.from_default_group(process_group) if config.context_parallel else None
         if config.expert_parallel:
             shard_experts(model, self.cp)  # in place: this rank's experts only (models/experts.py)

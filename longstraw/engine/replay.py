@@ -10,6 +10,7 @@ import torch
 
 from longstraw.config import GRPOConfig
 from longstraw.engine import grpo as G
+from longstraw.engine.batched import batch_size, replay_together
 from longstraw.engine.capture import capture_chunks
 from longstraw.engine.clock import progress
 from longstraw.host import on_host, to_host
@@ -80,15 +81,26 @@ def branch_logprobs(engine, state: PromptState, prompt: torch.Tensor, response: 
 def replay_group(engine, state: PromptState, group: Group, grpo: GRPOConfig, totals: BatchTotals,
                  adv: torch.Tensor) -> BranchStats:
     """Replay every branch of `group` (advantages adv [G]) against `state`, one at a
-    time, accumulating `.grad`; returns the branches' statistics."""
+    time (or, with `replay_batch` b > 1, those of one piece b at a time: `batched.py`),
+    accumulating `.grad`; returns the branches' statistics."""
     stats = BranchStats()
     stats.forwarded = group.response_tokens
     with on_host():  # real advantages [G], also in a rehearsal
         adv = [float(a) for a in adv]
+    batch, pending = batch_size(engine, state), []  # one-piece branches waiting: (inputs, piece_loss)
+    device, start = engine.adapter.device, group.prompt.shape[0] - 1
+
+    def flush():
+        if len(pending) == 1:
+            engine.replay_branch(state, group.prompt, *pending[0][2:])
+        elif pending:
+            replay_together(engine, [state], start, [x for x, *_ in pending], [f for _, f, *_ in pending])
+        pending.clear()
+
     branches = list(enumerate(group.responses))
     for i, response in progress(branches, enabled=engine.config.progress, desc="replay", total=len(branches)):
         weight = G.branch_weight(grpo, totals, group.loss_tokens_of(i))
-        target = response.to(engine.adapter.device)  # (R_i,)
+        target = response.to(device)  # (R_i,)
 
         def piece_loss(hidden, a, b, i=i, weight=weight, target=target):
             logp = engine.logprobs(hidden, target[a:b], grpo.temperature)  # (b - a,)
@@ -96,5 +108,12 @@ def replay_group(engine, state: PromptState, group: Group, grpo: GRPOConfig, tot
             stats.add(loss, tok_stats)
             return loss
 
-        engine.replay_branch(state, group.prompt, response, piece_loss)
+        if batch > 1 and response.shape[0] <= (engine.config.branch_chunk_size or response.shape[0]):
+            inputs = torch.cat([group.prompt[-1:], response[:-1]]).to(device)  # (R_i,)
+            pending.append((inputs, piece_loss, response, piece_loss))
+            if len(pending) == batch:
+                flush()
+        else:
+            engine.replay_branch(state, group.prompt, response, piece_loss)
+    flush()
     return stats

@@ -37,6 +37,7 @@ import torch
 
 from longstraw.config import GRPOConfig
 from longstraw.engine import grpo as G
+from longstraw.engine.batched import batch_size, replay_together
 from longstraw.engine.capture import capture_chunks
 from longstraw.engine.clock import ProgressCounter
 from longstraw.host import on_host
@@ -74,17 +75,13 @@ def replay_tree(engine, state: PromptState, group: Group, grpo: GRPOConfig, tota
     weights = [G.branch_weight(grpo, totals, group.loss_tokens_of(i)) for i in range(group.size)]
     with on_host():  # real advantages [G], also in a rehearsal
         adv = [float(a) for a in adv]
-    device = engine.adapter.device
+    device, batch = engine.adapter.device, batch_size(engine, state)
 
-    def visit(seg: Segment, stack: list[PromptState]) -> None:
-        if seg.tokens == 0:  # the empty root: the responses differ from their first token
-            for child in seg.children:
-                visit(child, stack)
-            return
+    def loss_of(seg: Segment):
+        """(inputs [n], start, piece_loss) of `seg`: its members' loss terms from one log-prob tensor."""
         lead = group.responses[seg.members[0]]
         inputs = segment_inputs(group.prompt, lead, seg).to(device)  # (n,)
         target = lead[seg.start: seg.end].to(device)  # (n,)
-        start, size = group.prompt.shape[0] - 1 + seg.start, segment_size(engine, seg)
 
         def piece_loss(hidden, a, b):
             logp = engine.logprobs(hidden, target[a:b], grpo.temperature)  # (b - a,), once for every member
@@ -94,16 +91,46 @@ def replay_tree(engine, state: PromptState, group: Group, grpo: GRPOConfig, tota
                 stats.add(loss, tok_stats)
                 total = total + loss
             return total
+        return inputs, group.prompt.shape[0] - 1 + seg.start, piece_loss
 
+    def ends_here(seg: Segment) -> int:
+        return sum(group.responses[i].shape[0] == seg.end for i in seg.members)  # responses ending at seg
+
+    def visit_children(children: list[Segment], stack: list[PromptState]) -> None:
+        """Visit each child; with `replay_batch` b > 1, the leaves of one piece b at a time (`batched.py`)."""
+        leaves = []
+
+        def flush():
+            if len(leaves) == 1:
+                visit(leaves[0], stack)
+            elif leaves:
+                runs = [loss_of(leaf) for leaf in leaves]
+                replay_together(engine, stack, runs[0][1], [x for x, _, _ in runs], [f for _, _, f in runs])
+                bar.advance(sum(ends_here(leaf) for leaf in leaves))
+            leaves.clear()
+        for child in children:
+            if batch > 1 and not child.children and child.tokens <= segment_size(engine, child):
+                leaves.append(child)
+                if len(leaves) == batch:
+                    flush()
+            else:
+                visit(child, stack)
+        flush()
+
+    def visit(seg: Segment, stack: list[PromptState]) -> None:
+        if seg.tokens == 0:  # the empty root: the responses differ from their first token
+            visit_children(seg.children, stack)
+            return
+        inputs, start, piece_loss = loss_of(seg)
+        size = segment_size(engine, seg)
         held = seg.tokens if seg.children else (seg.tokens - 1) // size * size  # a leaf: all but its last piece
         own = engine.adapter.new_state(held, start=start, exact=True)
         capture_chunks(engine, inputs[:held], start, stack + [own], size, None)
         own.enable_grad_buffers()
-        for child in seg.children:  # each adds its dLoss/dState into `own` (and above)
-            visit(child, stack + [own])
+        visit_children(seg.children, stack + [own])  # each adds its dLoss/dState into `own` (and above)
         engine.walk_back(inputs, start, stack + [own], size, piece_loss=piece_loss, desc=None,
                          recompute_layers=engine.recomputes_layers(min(size, seg.tokens), stack[0]))  # as a flat branch's pieces
-        bar.advance(sum(group.responses[i].shape[0] == seg.end for i in seg.members))  # responses ending here
+        bar.advance(ends_here(seg))
 
     with ProgressCounter(enabled=engine.config.progress, desc="replay", total=group.size) as bar:  # per response
         visit(root, [state])

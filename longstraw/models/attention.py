@@ -71,9 +71,12 @@ def longstraw_attention(module, query, key, value, attention_mask, scaling=None,
 def chunk_attention(module, query, key, value, call: AttentionCall, scale: float, *, sliding_window, dropout,
                     sinks=None):
     """Phases CAPTURE, REPLAY, RECOMPUTE: query [1, H, T, D], key/value [1, Hkv, T, D] at
-    positions start.. -> ([1, T, H, Dv], None)."""
-    if query.shape[0] != 1:
-        raise RuntimeError(f"longstraw runs one sequence at a time, got batch {query.shape[0]}")
+    positions start.. -> ([1, T, H, Dv], None). REPLAY may run a batch of B branches
+    (batched replay, `engine/batched.py`): [B, H, T, D], [B, Hkv, T, D] -> ([B, T, H, Dv],
+    None), every branch over the same stacked states (read, never copied)."""
+    batch = query.shape[0]
+    if batch != 1 and call.phase is not Phase.REPLAY:
+        raise RuntimeError(f"longstraw runs one sequence at a time outside replay, got batch {batch}")
     if dropout:
         raise RuntimeError("attention dropout is not supported; put the model in eval mode")
     layers: list[AttentionKV] = staged_layers(call.states, module.layer_idx, call.start)  # offloaded: in a slot
@@ -85,11 +88,12 @@ def chunk_attention(module, query, key, value, call: AttentionCall, scale: float
     assert kv.end == call.start or call.phase is not Phase.CAPTURE, (kv.end, call.start)
     keep, kept = kept_attention(call, module.layer_idx, query[0], value.shape[-1], window, sinks,
                                 sharded=kv.shard is not None)  # exact mode's kept outputs, or (False, None)
+    q, k, v = (query[0], key[0], value[0]) if batch == 1 else (query, key, value)
     out = prefix_causal_attention(
-        query[0], key[0], value[0], prefixes=[layer.segment(until=call.start) for layer in layers],
+        q, k, v, prefixes=[layer.segment(until=call.start) for layer in layers],
         q_start=call.start, scale=scale, window=window, block_size=call.block_size, sinks=sinks,
         return_lse=keep, kept=kept,
-    )  # (H, T, Dv)
+    )  # (H, T, Dv); a batch: (B, H, T, Dv)
     if keep:  # the walk's attention backward reads these instead of attending again
         out, lse = out
         call.states[-1].outputs.put(module.layer_idx, call.start, out, lse)
@@ -101,7 +105,7 @@ def chunk_attention(module, query, key, value, call: AttentionCall, scale: float
                            stager=stager_of(call.states[-1], module.layer_idx))
         call.states[-1].seeds.append(((key[0], value[0]), read))
     out = restage_on_backward(out, call.states, module.layer_idx, call.start)
-    return out.transpose(0, 1)[None], None
+    return (out.transpose(0, 1)[None] if batch == 1 else out.transpose(1, 2)), None
 
 
 def kept_attention(call: AttentionCall, layer: int, q: torch.Tensor, value_dim: int, window, sinks, *,

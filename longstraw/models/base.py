@@ -229,6 +229,11 @@ class Adapter:
     (`routing.DividedChunk`): each prompt token recomputed and backpropagated on one rank.
     Families without it walk replicated."""
 
+    batches_replay: bool = False
+    """Whether replay may run B branches as one batch (`ExecConfig.replay_batch`, phase
+    REPLAY with input_ids [B, T]): every mixer of the family takes a batch against the
+    shared prompt state. Families without it refuse `replay_batch > 1`."""
+
     restarts_at_chunks: bool = False
     """Whether the family's recompute restarts from snapshots capture kept at multiples of
     `chunk_size` (GDN layers), so that a divided walk cuts the prompt only there."""
@@ -250,7 +255,8 @@ class Adapter:
         `phase` is a `routing.Phase` (or its name as a string):
 
         CAPTURE: write their state into states[-1] (the caller holds no_grad).
-        REPLAY: only read the states.
+        REPLAY: only read the states. input_ids may be a batch [B, T] of branches at the same
+        positions (`batches_replay`): hidden [B, T, d] then.
         RECOMPUTE: read what lies before `start` and record the chunk's own state tensors
         with their accumulated gradients in `states[-1].seeds`.
         DECODE: input_ids [G] are one token per branch, all at position `start`, or each at

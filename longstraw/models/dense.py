@@ -24,6 +24,7 @@ def layer_window(config, attn_module) -> int | None:
 
 class DenseAdapter(Adapter):
     model_types = ("llama", "mistral", "qwen2", "qwen3", "phi3")
+    batches_replay = True
     divides_capture = True
     divides_walk = True
 

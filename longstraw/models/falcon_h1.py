@@ -38,6 +38,7 @@ from .mamba_hybrid import ScaledHead
 class FalconH1Adapter(DenseAdapter):
     model_types = ("falcon_h1",)
     restarts_at_chunks = True  # its Mamba2 mixers recompute from the snapshots at capture-chunk starts
+    batches_replay = False  # its Mamba2 mixers run one sequence
 
     def check_config(self) -> None:
         layers = self.backbone.layers

@@ -125,7 +125,9 @@ def gdn_forward(module, hidden_states, cache_params=None, attention_mask=None, *
 
 def _gdn_chunk(module, hidden_states, call: AttentionCall):
     """Phases CAPTURE, REPLAY, RECOMPUTE: hidden_states [1, T, d] at positions start.. ->
-    [1, T, d], from the snapshot at `start`."""
+    [1, T, d], from the snapshot at `start` (REPLAY of a batch [B, T, d]: `_gdn_batch`)."""
+    if hidden_states.shape[0] > 1:
+        return _gdn_batch(module, hidden_states, call)
     x = hidden_states[0]  # (T, d)
     t = x.shape[0]
     mixed, z, b, a = _project(module, x)
@@ -140,6 +142,38 @@ def _gdn_chunk(module, hidden_states, call: AttentionCall):
 
     keep_snapshot(call, module.layer_idx, call.start + t, rec1, tail1)
     return out
+
+
+def _fold(x: torch.Tensor, batch: int) -> torch.Tensor:
+    """Rows [B*T, H, ...] of B branches -> [T, B*H, ...]: the branches as more heads."""
+    t = x.shape[0] // batch
+    return x.reshape(batch, t, *x.shape[1:]).transpose(0, 1).reshape(t, batch * x.shape[1], *x.shape[2:])
+
+
+def _gdn_batch(module, hidden_states, call: AttentionCall):
+    """Phase REPLAY of B branches at once (batched replay): hidden_states [B, T, d] ->
+    [B, T, d], every branch from the same snapshot at `start`, expanded over the batch
+    (its gradient, where it has an owner, is the branches' sum). The projections and the
+    gated norm run on the B*T rows; the conv and the rule see the branches as B times the
+    channels and heads (value head b*Hv + i reads q/k head b*Hk + i // (Hv / Hk), HF's
+    grouping within each branch)."""
+    assert call.phase is Phase.REPLAY, "a batch of branches is replay's"
+    bsz, t, _ = hidden_states.shape
+    mixed, z, b, a = _project(module, hidden_states.reshape(bsz * t, -1))  # (B*T, C), (B*T, Hv, Dv), (B*T, Hv) x2
+    rec0, tail0 = initial_snapshot(call.states, module.layer_idx, call.start, hidden_states.device)
+    c = mixed.shape[1]
+    weight = module.conv1d.weight[:, 0, :]  # (C, K)
+    bias = None if module.conv1d.bias is None else module.conv1d.bias.repeat(bsz)
+    conv, _ = causal_conv1d_with_tail(mixed.reshape(bsz, t, c).transpose(1, 2).reshape(bsz * c, t),
+                                      weight.repeat(bsz, 1), bias, None if tail0 is None else tail0.repeat(bsz, 1),
+                                      activation=module.activation)  # (B*C, T)
+    q, k, v = _split_heads(module, conv.reshape(bsz, c, t).transpose(1, 2).reshape(bsz * t, c))
+    hv = v.shape[1]
+    rec0 = None if rec0 is None else rec0.expand(bsz, *rec0.shape).reshape(bsz * hv, *rec0.shape[1:])
+    out, _ = chunk_gated_delta_rule(_fold(q, bsz), _fold(k, bsz), _fold(v, bsz), _fold(_log_decay(module, a), bsz),
+                                    _fold(b.sigmoid(), bsz), rec0, use_qk_l2norm=True)  # (T, B*Hv, Dv)
+    out = out.reshape(t, bsz, hv, -1).transpose(0, 1).reshape(bsz * t, hv, -1)
+    return _gated_output(module, out, z, (bsz, t))
 
 
 def _gdn_decode(module, hidden_states, call: AttentionCall):

@@ -60,6 +60,7 @@ def attention_of(layer) -> nn.Module | None:
 class MambaHybridAdapter(DenseAdapter):
     model_types = ("nemotron_h", "bamba", "granitemoehybrid")
     restarts_at_chunks = True  # its Mamba2 layers recompute from the snapshots at capture-chunk starts
+    batches_replay = False  # its Mamba2 mixers run one sequence
 
     def check_config(self) -> None:
         layers = self.backbone.layers

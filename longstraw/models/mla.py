@@ -68,6 +68,7 @@ from .attention import kept_attention, seed_reader
 from .base import Adapter
 from .mla_decode import mla_decode, prompt_candidates
 from .peft_layers import check_affine, effective_affine
+from .mla_batch import each_branch
 from .routing import Divided, DividedChunk, Phase, current_call, forwards_replaced
 
 def check_dense_weight(linear, where: str) -> None:
@@ -259,6 +260,8 @@ def mla_forward(module, spec, hidden_states, position_embeddings=None, attention
     layout (see `MLAAdapter`)."""
     call = current_call()
     decode = call.phase is Phase.DECODE
+    if not decode and hidden_states.shape[0] > 1:  # batched replay: each branch's attention in turn
+        return each_branch(mla_forward, module, spec, hidden_states, position_embeddings, prev_topk_indices)
     x = hidden_states[:, 0] if decode else hidden_states[0]  # (T, d); decode: G tokens at one position
     a = absorb(module, spec, x, position_embeddings, decode)
     run = call.route(chunk=_mla_chunk, decode=_mla_decode, divided=_mla_divided, divided_walk=_mla_chunk)
@@ -434,6 +437,7 @@ def routed_mla(modules, specs):
 
 class MLAAdapter(Adapter):
     model_types = ("glm_moe_dsa", "deepseek_v32", "deepseek_v3")
+    batches_replay = True
     divides_capture = True
     divides_walk = True
 

@@ -177,9 +177,16 @@ def run_backbone(backbone, config, input_ids: torch.Tensor, call: AttentionCall)
     One sequence: input_ids [T] at positions start.. -> hidden [T, d].
     Phase DECODE: input_ids [G], one token per branch, at position start (or each at
     call.positions [G]) -> hidden [G, d].
+    Phase REPLAY, a batch of branches (batched replay): input_ids [B, T], each at
+    positions start.. -> hidden [B, T, d].
     """
     decode = call.phase is Phase.DECODE
-    if decode:
+    batched = input_ids.dim() == 2 and not decode
+    assert not batched or (call.phase is Phase.REPLAY and call.positions is None), "a batch is replay's"
+    if batched:
+        ids = input_ids  # (B, T): B sequences at the same positions
+        positions = torch.arange(call.start, call.start + ids.shape[1], device=ids.device)[None].expand_as(ids)
+    elif decode:
         ids = input_ids[:, None]  # (G, 1): a batch of G one-token sequences
         positions = torch.full_like(ids, call.start) if call.positions is None else call.positions[:, None]
     elif call.positions is not None:
@@ -196,4 +203,4 @@ def run_backbone(backbone, config, input_ids: torch.Tensor, call: AttentionCall)
                            position_ids=images.rope_positions(positions), use_cache=False)
     hidden = out.last_hidden_state
     beat()  # every layer ran (their FSDP2 all-gathers completed): progress for the launch watchdog
-    return hidden[:, 0] if decode else hidden[0]
+    return hidden[:, 0] if decode else (hidden if batched else hidden[0])

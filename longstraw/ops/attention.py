@@ -30,6 +30,7 @@ import torch
 from ..tensors import KVSegment, accumulation_dtype
 from . import flash
 from longstraw.parallel.collectives import GatherRows, MergeAcrossRanks, SumGradAcrossRanks
+from .rows import from_rows, to_rows
 from .flash import (FlashAttention, KeptAttention, can_use_flash_autograd, empty_partial, fused_kernel, fused_takes, merge_partials,
                     merge_sink)
 
@@ -255,6 +256,32 @@ def _own_self_part(rows, k, v, q_start: int, own_rows, attend):
     return full[..., :-1], full[..., -1]
 
 
+def _check_shapes(q, k, prefixes: list[KVSegment], q_start: int, walk: bool) -> None:
+    """`prefix_causal_attention`'s inputs agree: q [B, H, T, D] with H a multiple of k's
+    [B, Hkv, T, D] heads, every prefix segment [Hkv, S, D] ends before the queries, and a
+    batch (B > 1) is no walk's."""
+    h, hkv, d = q.shape[1], k.shape[1], q.shape[3]
+    assert h % hkv == 0, f"query heads {h} not a multiple of kv heads {hkv}"
+    assert q.shape[0] == 1 or not walk, "a batch of branches is replay's: no walk"
+    for seg in prefixes:
+        assert seg.k.shape[0] == hkv and seg.k.shape[2] == d, (seg.k.shape, k.shape)
+        assert seg.start + seg.k.shape[1] <= q_start, "a prefix segment must end before the queries"
+
+
+def _batched_self_part(attend, q, k, v, q_start: int):
+    """The causal self part of B branches, each over its own keys: q [B, H, T, D], k, v
+    [B, Hkv, T, .] -> (o [Hkv, B*g*T, Dv], lse [Hkv, B*g*T]) in the row layout of the
+    shared prefix (`rows.py`); `attend` is `prefix_causal_attention`'s kernel call."""
+    bsz, h, t, d = q.shape
+    hkv = k.shape[1]
+    g = h // hkv
+    k_pos = torch.arange(q_start, q_start + t, device=q.device)
+    out, lse = attend(q.reshape(bsz * hkv, g * t, d), k.reshape(bsz * hkv, t, d), v.reshape(bsz * hkv, t, -1),
+                      q_start, None, True, q_pos=k_pos.repeat(g))  # (B*Hkv, g*T, Dv), (B*Hkv, g*T)
+    out = out.reshape(bsz, hkv, g * t, -1).movedim(0, 1).reshape(hkv, bsz * g * t, -1)
+    return out, lse.reshape(bsz, hkv, g * t).movedim(0, 1).reshape(hkv, bsz * g * t)
+
+
 def _fused_autograd(q, k, v, prefixes, q_start: int, scale: float, own_rows, kept):
     """The fused kernel with autograd: `FlashAttention` -> [Hkv, g*T, Dv], or, with the walk's
     kept (o, lse), `KeptAttention` (no forward, the same backward)."""
@@ -272,8 +299,8 @@ def prefix_causal_attention(q, k, v, *, prefixes: list[KVSegment], q_start: int,
     """Attention of T new tokens over earlier state segments plus themselves.
 
     Args:
-        q: [H, T, D] queries at absolute positions q_start .. q_start + T - 1.
-        k, v: [Hkv, T, D] / [Hkv, T, Dv] keys and values of the same T tokens.
+        q: [H, T, D] queries at positions q_start ..; batched replay: [B, H, T, D], B branches
+            over the same prefixes (`rows.py`). k, v: [(B,) Hkv, T, D / Dv] of the same tokens.
         prefixes: `KVSegment`s, all before q_start (the prompt state; in a branch
             replayed in pieces, also the earlier pieces). Empty segments are skipped.
             A segment with `cp` set holds only this rank's rows of a context-parallel
@@ -293,22 +320,22 @@ def prefix_causal_attention(q, k, v, *, prefixes: list[KVSegment], q_start: int,
         kept: the walk's (o [H, T, Dv], lse [H, T]) from capture: no forward (`KeptAttention`s).
 
     Returns:
-        [H, T, Dv] attention output, in q's dtype (and the LSE with `return_lse`).
+        [H, T, Dv] attention output ([B, H, T, Dv]), in q's dtype (and the LSE with `return_lse`).
     """
-    h, t, d = q.shape
-    hkv = k.shape[0]
-    assert h % hkv == 0, f"query heads {h} not a multiple of kv heads {hkv}"
-    for seg in prefixes:
-        assert seg.k.shape[0] == hkv and seg.k.shape[2] == d, (seg.k.shape, k.shape)
-        assert seg.start + seg.k.shape[1] <= q_start, "a prefix segment must end before the queries"
+    batched = q.dim() == 4  # a batch of branches over the same prefixes (batched replay)
+    q4, k4, v4 = (q, k, v) if batched else (q[None], k[None], v[None])
+    _check_shapes(q4, k4, prefixes, q_start, walk=own_rows is not None or kept is not None)
+    (bsz, h, t, _), hkv = q4.shape, k4.shape[1]
     g = h // hkv
+    unbatch = (lambda x: x) if batched else (lambda x: x[0])
     needs_lse = sinks is not None or return_lse  # the fused autograd kernel returns no LSE
     if not needs_lse and allow_fused and torch.is_grad_enabled() and can_use_flash_autograd(q, k, v, prefixes, window):
-        return _fused_autograd(q, k, v, prefixes, q_start, scale, own_rows, kept).to(q.dtype).reshape(h, t, -1)
-    fused = allow_fused and own_rows is None and can_use_fused(q, k, v, prefixes, window)
-    rows = q.reshape(hkv, g * t, d)  # (Hkv, M, D): head j*g+i -> kv head j
+        out = _fused_autograd(q, k, v, prefixes, q_start, scale, own_rows, kept).to(q.dtype)  # (Hkv, B*g*T, Dv)
+        return unbatch(from_rows(out, bsz, h))
+    fused = allow_fused and own_rows is None and not batched and can_use_fused(q, k, v, prefixes, window)
+    rows = to_rows(q4, hkv)  # (Hkv, M, D), M = B*g*T: head j*g+i of branch b -> kv head j (`rows.py`)
     k_pos = torch.arange(q_start, q_start + t, device=q.device)
-    q_pos = k_pos.repeat(g)  # (M,)
+    q_pos = k_pos.repeat(bsz * g)  # (M,)
     if kept is not None and sinks is None and own_rows is None and not fused and (out := _kept_blockwise(
             rows, k, v, prefixes, q_pos, q_start, scale, window, block_size, kept, (h, t, -1))) is not None:
         return out
@@ -326,7 +353,7 @@ def prefix_causal_attention(q, k, v, *, prefixes: list[KVSegment], q_start: int,
 
     # self part, causal: the blockwise kernel holds O(M x block) and returns dk, dv (no M x T scores)
     if own_rows is None:
-        out, lse = attend(rows, k, v, q_start, None, True)
+        out, lse = _batched_self_part(attend, q4, k4, v4, q_start)
     else:
         out, lse = _own_self_part(rows, k, v, q_start, own_rows, attend)
     for seg in prefixes:
@@ -341,7 +368,7 @@ def prefix_causal_attention(q, k, v, *, prefixes: list[KVSegment], q_start: int,
         else:
             out_p, lse_p = attend(rows, seg.k, seg.v, seg.key_start, seg.grad, False)
         out, lse = merge_partials(out_p, lse_p, out, lse), torch.logaddexp(lse_p, lse)
-    out, lse = out.reshape(h, t, -1), lse.reshape(h, t)  # rows (Hkv, g*T) are heads (H, T)
+    out, lse = unbatch(from_rows(out, bsz, h)), unbatch(from_rows(lse, bsz, h))  # rows are heads ([B,] H, T)
     if sinks is not None:  # once, over every key
         out = merge_sink(out, lse, sinks[:, None])
     return (out.to(q.dtype), lse) if return_lse else out.to(q.dtype)

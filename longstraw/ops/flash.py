@@ -32,6 +32,7 @@ import torch
 from ..defaults import FLASH_BACKWARD_BLOCK
 from ..tensors import accumulation_dtype
 from .flash_prefix import flash_prefix_backward
+from .rows import from_rows, to_rows
 from longstraw.parallel.collectives import all_reduce_sum, gather_rows, merge_across_ranks
 
 FUSED_ENABLED = True
@@ -229,7 +230,9 @@ class FlashAttention(torch.autograd.Function):
     forward(q [H, T, D], k [Hkv, T, D], v [Hkv, T, D], prefixes (KVSegments, each
     k, v [Hkv, S_j, D], optional grad sinks), scale, backward_block) -> out [Hkv, M, D]
     in the accumulation dtype, row layout (head j*g + i of token t is row i*T + t of kv
-    head j). Gradients go to q, k, v and into the segments' sinks.
+    head j). Gradients go to q, k, v and into the segments' sinks. A batch of B branches
+    (batched replay): q [B, H, T, D], k, v [B, Hkv, T, D], each branch causal over its own
+    tokens and all of them over the same prefixes -> out [Hkv, B*g*T, D] (`rows.to_rows`).
 
     A segment with `cp` set is this rank's shard of a position-sharded state (context
     parallelism; every rank calls with the same queries and the same upstream gradient,
@@ -248,23 +251,26 @@ class FlashAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, prefixes, scale, backward_block, own=None):
-        h, t, d = q.shape
-        hkv = k.shape[0]
+        q4, k4, v4 = (q, k, v) if q.dim() == 4 else (q[None], k[None], v[None])  # (B, H, T, D): B branches
+        b, h, t, d = q4.shape
+        hkv = k4.shape[1]
         g = h // hkv
         flash = fused_kernel(q.device.type, q.dtype)
         acc = accumulation_dtype(q.dtype)
-        # self part: causal over the new tokens; their K/V expanded over the GQA group (T-sized)
-        kx, vx = k.repeat_interleave(g, 0)[None], v.repeat_interleave(g, 0)[None]
+        # self part: causal over each branch's new tokens; their K/V expanded over the GQA group (T-sized)
+        kx, vx = k4.repeat_interleave(g, 1), v4.repeat_interleave(g, 1)
         if own is None:
-            out, lse = flash(q[None], kx, vx, True, scale)
-            out, lse = out[0].to(acc), lse[0]
+            out, lse = flash(q4, kx, vx, True, scale)  # (B, H, T, D), (B, H, T)
+            out = out.to(acc)
         else:
-            out, lse = _own_self_part(flash, q, kx, vx, scale, own, acc)
-        out, lse = out.reshape(hkv, g * t, d), lse.reshape(hkv, g * t)
-        rows = q.reshape(1, hkv, g * t, d)  # no mask: the g query heads of a kv head are rows
+            assert b == 1, "a divided walk runs one sequence"
+            out, lse = _own_self_part(flash, q4[0], kx, vx, scale, own, acc)
+            out, lse = out[None], lse[None]
+        out, lse = to_rows(out, hkv), to_rows(lse, hkv)  # (Hkv, M, D), (Hkv, M): M = B*g*T
+        rows = to_rows(q4, hkv)[None]  # no mask over a prefix: every branch's g query heads of a kv head are rows
         for seg in prefixes:
             if seg.k.shape[1] == 0:
-                out_p, lse_p = empty_partial(q, hkv, g * t, v.shape[-1])
+                out_p, lse_p = empty_partial(q, hkv, b * g * t, v.shape[-1])
             else:
                 out_p, lse_p = flash(rows, seg.k[None], seg.v[None], False, scale)
                 out_p, lse_p = out_p[0].to(acc), lse_p[0]
@@ -281,33 +287,39 @@ class FlashAttention(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_out):
         q, k, v, out, lse = ctx.saved_tensors
-        h, t, d = q.shape
-        hkv = k.shape[0]
+        q4, k4, v4 = (q, k, v) if q.dim() == 4 else (q[None], k[None], v[None])
+        b, h, t, d = q4.shape
+        hkv = k4.shape[1]
         g = h // hkv
         backward = fused_backward_kernel(q.device.type, q.dtype)
         scale = ctx.scale
-        do_rows = grad_out.to(q.dtype).reshape(1, hkv, g * t, d)
-        out_rows = out.to(q.dtype).reshape(1, hkv, g * t, d)
-        lse_rows = lse.reshape(1, hkv, g * t)
+        do_rows = grad_out.to(q.dtype).reshape(1, hkv, b * g * t, d)
+        out_rows = out.to(q.dtype).reshape(1, hkv, b * g * t, d)
+        lse_rows = lse.reshape(1, hkv, b * g * t)
         # self part, head layout; GQA: the expanded dk, dv summed back over the group
-        head = (do_rows.reshape(1, h, t, d), q, k.repeat_interleave(g, 0)[None], v.repeat_interleave(g, 0)[None],
-                out_rows.reshape(1, h, t, d), lse_rows.reshape(1, h, t))
+        head = (from_rows(do_rows[0], b, h), q4, k4.repeat_interleave(g, 1), v4.repeat_interleave(g, 1),
+                from_rows(out_rows[0], b, h), from_rows(lse_rows[0], b, h))
         if ctx.own is None:
-            dq, dk, dv = backward(head[0], q[None], *head[2:], True, scale)
-            dq = dq[0].to(accumulation_dtype(q.dtype))  # (H, T, D)
-            dk = dk[0].reshape(hkv, g, t, d).sum(1)
-            dv = dv[0].reshape(hkv, g, t, d).sum(1)
+            dq, dk, dv = backward(*head, True, scale)
+            dq = dq.to(accumulation_dtype(q.dtype))  # (B, H, T, D)
+            dk = dk.reshape(b, hkv, g, t, d).sum(2)
+            dv = dv.reshape(b, hkv, g, t, d).sum(2)
         else:
-            dq, dk, dv = _own_self_backward(backward, *head, scale, ctx.own, hkv)
-        rows = q.reshape(1, hkv, g * t, d)
+            dq, dk, dv = _own_self_backward(backward, head[0], q, *head[2:], scale, ctx.own, hkv)
+            dq, dk, dv = dq[None], dk[None], dv[None]
+        dq_rows = to_rows(dq, hkv).contiguous()  # (Hkv, M, D): a view when B = 1
+        rows = to_rows(q4, hkv)[None]
         for seg in ctx.prefixes:
-            part = dq if seg.cp is None else torch.zeros_like(dq)  # a shard's part: summed over ranks
+            part = dq_rows if seg.cp is None else torch.zeros_like(dq_rows)  # a shard's part: summed over ranks
             sinks = (None, None) if seg.grad is None else seg.grad
             # block by block, one registered op per segment (`ops/flash_prefix.py`)
             flash_prefix_backward(do_rows, rows, seg.k, seg.v, out_rows, lse_rows, part, *sinks, scale,
                                   ctx.backward_block)
             if seg.cp is not None:
-                dq += all_reduce_sum(part, seg.cp)
+                dq_rows += all_reduce_sum(part, seg.cp)
+        dq = from_rows(dq_rows, b, h)
+        if q.dim() == 3:
+            dq, dk, dv = dq[0], dk[0], dv[0]
         return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), None, None, None, None
 
 

@@ -17,11 +17,12 @@ per optimizer step is LongStraw's (`parallel.data.reduce_gradients`).
 from __future__ import annotations
 
 import contextlib
+import math
 
 import torch
 import torch.distributed as dist
 
-from longstraw.errors import DistributedError
+from longstraw.errors import ConfigError, DistributedError
 
 try:  # FSDP2's own choice of pre- and post-division, which `settle_held_reductions` finishes
     from torch.distributed.fsdp._fully_shard._fsdp_collectives import _get_gradient_divide_factors
@@ -139,6 +140,21 @@ def fsdp_sharded_parameters(model) -> dict:
                 if full is not None:
                     out[id(full)] = sharded
     return out
+
+
+def shard_world(model) -> int | None:
+    """The ranks FSDP2 shards `model`'s parameters over: the size of the mesh dimensions its
+    sharded DTensors are `Shard`-placed on (W on a 1-D mesh; on a 2-D (replicate, shard)
+    HSDP mesh, the shard dimension's C). None without FSDP2. `ConfigError` where two units
+    shard over different numbers of ranks (`parallel.sharding.shard_model` never does)."""
+    worlds = set()
+    for sharded in fsdp_sharded_parameters(model).values():
+        mesh, placements = sharded.device_mesh, sharded.placements
+        worlds.add(math.prod(mesh.size(i) for i, p in enumerate(placements) if p.is_shard()))
+    if len(worlds) > 1:
+        raise ConfigError(f"the model's FSDP2 units shard over different numbers of ranks {sorted(worlds)}; "
+                               "shard every decoder layer over one mesh (parallel.sharding.shard_model)")
+    return worlds.pop() if worlds else None
 
 
 def _holds_replica_reduction(group) -> bool:

@@ -25,6 +25,7 @@ from longstraw.config import ExecConfig, GRPOConfig
 from longstraw.engine import Engine
 from longstraw.errors import ConfigError
 from longstraw.group import Group
+from longstraw.rehearsal.kernels import DeviceKernels, needs_device_kernels
 from longstraw.rehearsal.measure import StepFigures, measure_steps
 from longstraw.rehearsal.ranks import check_world, fake_group, rehearsed_ranks, shard_fake
 from longstraw.rehearsal.tracker import LiveBytes
@@ -89,11 +90,15 @@ def fake_model(config, *, device: str, dtype: torch.dtype, mode: FakeTensorMode)
 
 
 def rehearsal_group(*, prompt_tokens: int, group: int, response_tokens: int, vocab_size: int,
-                    seed: int = 0) -> Group:
-    """The real (host) inputs of a rehearsed step: random prompt and response ids, distinct rewards."""
+                    seed: int = 0, shared_prefix: int = 0) -> Group:
+    """The real (host) inputs of a rehearsed step: random prompt and response ids, distinct
+    rewards; every response starts with the same `shared_prefix` ids (then differs), the
+    trie a prefix-tree step (`ExecConfig(share_response_prefixes=True)`) runs once."""
     gen = torch.Generator().manual_seed(seed)
     prompt = torch.randint(0, vocab_size, (prompt_tokens,), generator=gen)
-    responses = [torch.randint(0, vocab_size, (response_tokens,), generator=gen) for _ in range(group)]
+    head = torch.randint(0, vocab_size, (shared_prefix,), generator=gen)
+    responses = [torch.cat([head, torch.randint(0, vocab_size, (response_tokens - shared_prefix,), generator=gen)])
+                 for _ in range(group)]
     return Group(prompt=prompt, responses=responses, rewards=torch.arange(group, dtype=torch.float32))
 
 
@@ -101,7 +106,7 @@ def rehearse(model, config: ExecConfig | None = None, *, prompt_tokens: int, gro
              world_size: int = 1, rank: int | list[int] | None = None, shard_params: bool = False,
              device: str | None = None, steps: int = 1, generate: bool = False,
              dtype: torch.dtype = torch.bfloat16, grpo: GRPOConfig | None = None,
-             optimizer: bool = False) -> Rehearsal:
+             optimizer: bool = False, shared_prefix: int = 0) -> Rehearsal:
     """Run `Engine.step` at full size on fake tensors and measure it: live bytes per
     phase, FLOPs per phase, host syncs per step, collective bytes per phase, wall time.
 
@@ -132,6 +137,9 @@ def rehearse(model, config: ExecConfig | None = None, *, prompt_tokens: int, gro
         dtype: the weights' dtype for a config (a model gives its own).
         grpo: the objective (default `GRPOConfig()`).
         optimizer: add an AdamW step after each step (phase "optimizer": its moments).
+        shared_prefix: the responses' common first tokens (< response_tokens): with
+            `ExecConfig(share_response_prefixes=True)` a prefix tree of one shared segment
+            and G leaves.
 
     Returns:
         `Rehearsal` (`peak_bytes_per_rank`, `phases`, `flops`, `host_syncs`, `comm_bytes`,
@@ -141,6 +149,9 @@ def rehearse(model, config: ExecConfig | None = None, *, prompt_tokens: int, gro
     config = ExecConfig() if config is None else config
     if generate:
         raise ConfigError("rehearse: generate=True is not rehearsed yet; pass generate=False")
+    if not 0 <= shared_prefix < response_tokens:
+        raise ConfigError(f"rehearse: need 0 <= shared_prefix < response_tokens (the responses must differ, or "
+                          f"their advantages do not matter), got shared_prefix={shared_prefix}")
     if min(prompt_tokens - 2, group - 2, response_tokens - 1, steps - 1) < 0:
         raise ConfigError(f"rehearse: need prompt_tokens >= 2, group >= 2 (one response has zero advantage: the "
                           f"engine skips the update, nothing would be rehearsed), response_tokens >= 1 and "
@@ -154,7 +165,7 @@ def rehearse(model, config: ExecConfig | None = None, *, prompt_tokens: int, gro
     if isinstance(model, nn.Module):
         dtype = next(model.parameters()).dtype
     inputs = rehearsal_group(prompt_tokens=prompt_tokens, group=group, response_tokens=response_tokens,
-                             vocab_size=hf_config.get_text_config().vocab_size)
+                             vocab_size=hf_config.get_text_config().vocab_size, shared_prefix=shared_prefix)
     by_rank = {}
     for r in rehearsed_ranks(hf_config, config, world_size, rank):
         with fake_group(r, world_size):
@@ -181,7 +192,8 @@ def _rehearse_rank(hf_config, config: ExecConfig, inputs: Group, *, device: str,
     mode = FakeTensorMode(allow_non_fake_inputs=True)
     fake = fake_model(hf_config, device=device, dtype=dtype, mode=mode)
     tracker = LiveBytes(torch.device(device).type)
-    with mode:
+    kernels = DeviceKernels() if needs_device_kernels(torch.device(device).type, dtype) else contextlib.nullcontext()
+    with mode, kernels:
         engine = Engine(fake, config)
         counted = shard_fake(fake, shard, torch.device(device).type) if shard else contextlib.nullcontext()
         tracker.adopt(list(fake.parameters()) + list(fake.buffers()))
