@@ -23,11 +23,15 @@ import contextlib
 
 import torch.distributed as dist
 from torch._subclasses.fake_tensor import unset_fake_temporarily
+from torch.distributed.device_mesh import init_device_mesh
+from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
 
 from longstraw.config import ExecConfig
 from longstraw.errors import ConfigError
+from longstraw.models.experts import experts_modules
 from longstraw.parallel.experts import expert_bounds
 from longstraw.parallel.fsdp_traffic import counting_fsdp
+from longstraw.parallel.sharding import shard_model
 
 EXPERT_FIELDS = ("n_routed_experts", "num_experts", "num_local_experts")
 """HF config fields that hold an MoE layer's number of routed experts."""
@@ -77,8 +81,6 @@ def fake_group(rank: int, world_size: int):
     if world_size == 1:
         yield
         return
-    from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the "fake" backend
-
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
     try:
         yield
@@ -91,11 +93,6 @@ def shard_fake(model, world_size: int, device_type: str):
     left to expert parallelism), as a real run's template shards it; returns a context
     that counts FSDP2's collectives (`fsdp_traffic.counting_fsdp`). Call inside the fake
     mode, after the engine is built (expert parallelism cuts the experts first)."""
-    from torch.distributed.device_mesh import init_device_mesh
-
-    from longstraw.models.experts import experts_modules
-    from longstraw.parallel.sharding import shard_model
-
     with unset_fake_temporarily():  # the mesh reads its rank map on the host
         mesh = init_device_mesh(device_type, (world_size,))
     experts = {p for _, m in experts_modules(model) for p in m.parameters(recurse=False)}

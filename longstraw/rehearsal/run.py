@@ -161,9 +161,7 @@ def rehearse(model, config: ExecConfig | None = None, *, prompt_tokens: int, gro
     if torch.device(device).type == "cuda" and not torch.backends.cuda.is_built():
         raise ConfigError("rehearse: device='cuda' needs a CUDA build of torch (autograd checks the device even on "
                           "fake tensors); pass device='cpu' to rehearse the same code on the CPU branches")
-    hf_config = model.config if isinstance(model, nn.Module) else model
-    if isinstance(model, nn.Module):
-        dtype = next(model.parameters()).dtype
+    hf_config, dtype = (model.config, next(model.parameters()).dtype) if isinstance(model, nn.Module) else (model, dtype)
     inputs = rehearsal_group(prompt_tokens=prompt_tokens, group=group, response_tokens=response_tokens,
                              vocab_size=hf_config.get_text_config().vocab_size, shared_prefix=shared_prefix)
     by_rank = {}
