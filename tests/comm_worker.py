@@ -144,43 +144,17 @@ def check_data_parallel_bytes(world: int) -> None:
         assert planned > 0 and abs(got - flags - planned) <= 1, (name, got, flags, planned)
 
 
-class FSDPTraffic:
-    """While installed, FSDP2's own collectives (`dist.all_gather_single`, which it calls
-    with a rank's padded shard, and `dist.reduce_scatter_single`) add to `Traffic` by its
-    model: (W-1) x the shard gathered, (W-1)/W of the input reduce-scattered. (LongStraw's
-    own `reduce_scatter_sum` counts itself: only the expert combines call it, not used here.)"""
-
-    def __enter__(self):
-        from longstraw.parallel.collectives import Traffic
-
-        self.saved = dist.all_gather_single, dist.reduce_scatter_single
-        gather, scatter = self.saved
-
-        def all_gather_single(output, input, *args, **kwargs):
-            Traffic.add((dist.get_world_size(kwargs.get("group")) - 1) * input.numel() * input.element_size())
-            return gather(output, input, *args, **kwargs)
-
-        def reduce_scatter_single(output, input, *args, **kwargs):
-            world = dist.get_world_size(kwargs.get("group"))
-            Traffic.add((world - 1) / world * input.numel() * input.element_size())
-            return scatter(output, input, *args, **kwargs)
-
-        dist.all_gather_single, dist.reduce_scatter_single = all_gather_single, reduce_scatter_single
-        return self
-
-    def __exit__(self, *exc):
-        dist.all_gather_single, dist.reduce_scatter_single = self.saved
-
-
 def check_fsdp_bytes(world: int) -> None:
     """Decoder layers FSDP2-sharded over the W ranks (the context-parallel group): per
     phase, the bytes the busiest rank receives (context-parallel traffic plus FSDP2's
-    gathers and reduce-scatters, `FSDPTraffic`) equal the planner's with `shard_params`,
+    gathers and reduce-scatters, `parallel.fsdp_traffic.counting_fsdp`) equal the planner's with `shard_params`,
     detached and exact (the divided walk), one piece per branch and pieces of 2 (their
     held pieces' no-grad forward merges too). FSDP2 pads each
     parameter's shard to ceil(rows / W) rows: at W = 3 the gathers carry that padding."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
+
+    from longstraw.parallel.fsdp_traffic import counting_fsdp
 
     model = CASES["dense"]()
     mesh = init_device_mesh("cpu", (world,))
@@ -193,7 +167,7 @@ def check_fsdp_bytes(world: int) -> None:
     for mode, pieces in (("detached", None), ("exact", None), ("detached", 2)):  # pieces: held ones rerun
         kw = dict(chunk_size=7, attention_block_size=3, mode=mode, branch_chunk_size=pieces)
         model.zero_grad(set_to_none=True)
-        with FSDPTraffic():
+        with counting_fsdp():
             metrics = ls.Engine(model, ls.ExecConfig(context_parallel=True, **kw)).step(group).metrics
         plan = estimate(model.config.to_dict(), PlanConfig(prompt_tokens=41, group=2, response_tokens=4, gpus=world,
                                                            dtype="float64", shard_params=True, **kw))

@@ -39,20 +39,24 @@ class Traffic:
     broadcast and recv: the tensor (not at the source); all-gather: (W-1) tensors;
     all-reduce: 2 (W-1)/W of the tensor (ring); reduce-scatter: (W-1)/W of its
     input. `bench/bench_cp.py` reads it around a phase and compares it with the
-    planner's prediction."""
+    planner's prediction. `by_collective` splits the same bytes by collective
+    ("all_reduce", "all_gather", "reduce_scatter", "broadcast", "recv"; FSDP2's own under
+    `fsdp_traffic.counting_fsdp`): what a rehearsal reports per phase (`rehearsal/measure.py`)."""
 
     received = 0
+    by_collective: dict[str, int] = {}
 
     @classmethod
-    def add(cls, nbytes: float) -> None:
+    def add(cls, nbytes: float, collective: str) -> None:
         cls.received += int(nbytes)
+        cls.by_collective[collective] = cls.by_collective.get(collective, 0) + int(nbytes)
 
 
 def _all_reduce(tensor: torch.Tensor, cp, op) -> torch.Tensor:
     """All-reduce in place with `op`, through a contiguous buffer on the backend's device
     when the tensor is not one already (a backend reduces the storage in order: ranks
     whose tensors have different strides would pair different elements); returns it."""
-    Traffic.add(2 * (cp.world - 1) / cp.world * nbytes(tensor))
+    Traffic.add(2 * (cp.world - 1) / cp.world * nbytes(tensor), "all_reduce")
     device = getattr(cp, "device", None)
     if tensor.is_contiguous() and (device is None or tensor.device == device):
         _collective(dist.all_reduce, cp, tensor, op=op)
@@ -76,7 +80,7 @@ def all_gather(tensor: torch.Tensor, cp) -> list[torch.Tensor]:
     """Every rank's `tensor` (same shape on all ranks), in rank order, on `tensor`'s device."""
     device = getattr(cp, "device", None)
     moved = tensor.contiguous() if device is None else tensor.to(device).contiguous()
-    Traffic.add((cp.world - 1) * nbytes(moved))
+    Traffic.add((cp.world - 1) * nbytes(moved), "all_gather")
     out = [torch.empty_like(moved) for _ in range(cp.world)]
     _collective(dist.all_gather, cp, out, moved)
     return [t.to(tensor.device) for t in out]
@@ -88,7 +92,7 @@ def reduce_scatter_sum(tensor: torch.Tensor, cp) -> torch.Tensor:
     receives (W-1)/W of the tensor (ring)."""
     device = getattr(cp, "device", None)
     moved = tensor.contiguous() if device is None else tensor.to(device).contiguous()
-    Traffic.add((cp.world - 1) / cp.world * nbytes(moved))
+    Traffic.add((cp.world - 1) / cp.world * nbytes(moved), "reduce_scatter")
     out = moved.new_empty(moved.shape[0] // cp.world, *moved.shape[1:])
     _collective(getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor, cp, out, moved)
     return out.to(tensor.device)
@@ -283,7 +287,7 @@ def broadcast_from(tensor: torch.Tensor, src: int, cp) -> torch.Tensor:
     differs); returns it."""
     device = getattr(cp, "device", None)
     moved = tensor.contiguous() if device is None else tensor.to(device).contiguous()
-    Traffic.add(0 if src == cp.rank else nbytes(moved))
+    Traffic.add(0 if src == cp.rank else nbytes(moved), "broadcast")
     _collective(dist.broadcast, cp, moved, src=_global_rank(cp, src))
     return moved if moved.device == tensor.device else moved.to(tensor.device)
 
@@ -309,6 +313,6 @@ def recv_from(buffer: torch.Tensor, src: int, cp) -> torch.Tensor:
     """Receive rank `src`'s tensor into a buffer of its shape and dtype; returns it."""
     device = getattr(cp, "device", None)
     moved = buffer if device is None or buffer.device == device else buffer.to(device)
-    Traffic.add(nbytes(moved))
+    Traffic.add(nbytes(moved), "recv")
     _collective(dist.recv, cp, moved, src=_global_rank(cp, src))
     return moved if moved.device == buffer.device else moved.to(buffer.device)

@@ -20,9 +20,9 @@ from longstraw.parallel.collectives import MergeAcrossRanks, SumGradAcrossRanks,
 def backend_device(backend: str) -> torch.device | None:
     """The device a backend's collectives need: NCCL carries CUDA tensors only (the
     current CUDA device), gloo (and the other CPU backends) CPU tensors; None for a
-    mixed backend ("cpu:gloo,cuda:nccl") that takes tensors where they are."""
+    mixed backend ("cpu:gloo,cuda:nccl") or the fake one that take tensors where they are."""
     backend = str(backend).lower()
-    if "," in backend or ":" in backend:
+    if "," in backend or ":" in backend or backend == "fake":  # fake: a rehearsal's group (`rehearsal/ranks.py`)
         return None
     if backend == "nccl":
         return torch.device("cuda", torch.cuda.current_device())

@@ -14,6 +14,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 from longstraw.errors import DistributedError
+from longstraw.host import on_host
 from longstraw.parallel.collectives import all_gather, all_reduce_sum, broadcast_from, in_buckets
 from longstraw.parallel.experts import is_expert_shard
 
@@ -22,9 +23,11 @@ def same_gradient_layout(grads: list[torch.Tensor], cp, what: str) -> None:
     """Raise `DistributedError` on every rank, together, unless every rank holds the same
     number of gradients with the same number of elements (what a bucketed collective
     pairs); `what` names the phase in the message."""
-    sizes = all_gather(torch.tensor([float(len(grads)), float(sum(g.numel() for g in grads))],
-                                    dtype=torch.float64), cp)
-    if not all(torch.equal(x, sizes[0]) for x in sizes):
+    with on_host():  # host-known counts: real tensors in a rehearsal too (`longstraw.host`)
+        sizes = all_gather(torch.tensor([float(len(grads)), float(sum(g.numel() for g in grads))],
+                                        dtype=torch.float64), cp)
+        same = all(torch.equal(x, sizes[0]) for x in sizes)
+    if not same:
         raise DistributedError(f"{what} left different parameter gradients on the ranks (count, elements per rank: "
                                f"{[x.tolist() for x in sizes]}); every rank must run the same model")
 

@@ -28,6 +28,7 @@ from longstraw.group import Group
 from longstraw.rehearsal.fast_fake import fake_mode
 from longstraw.rehearsal.kernels import DeviceKernels, needs_device_kernels
 from longstraw.rehearsal.measure import StepFigures, measure_steps
+from longstraw.rehearsal.ranks import check_world, fake_group, rehearsed_ranks, shard_fake
 from longstraw.rehearsal.tracker import LiveBytes
 
 
@@ -48,13 +49,23 @@ class Rehearsal:
     wall_s: float = 0.0
     """The rehearsal's own wall time (building the fake model included)."""
     device: str = "cuda"
+    comm_bytes: dict[str, dict[str, int]] = field(default_factory=dict)
+    """{phase: {collective: bytes}} this rank received in the first step (capture, replay,
+    walk, gradients; `parallel.collectives.Traffic`'s model, the engine's `comm_bytes_*`
+    split by collective); {} for world_size 1."""
+    rank: int = 0
+    """The rank these figures are of: of the rehearsed ranks, the one with the highest peak."""
+    world_size: int = 1
+    rank_peaks: dict[int, int] = field(default_factory=dict)
+    """{rank: peak_bytes} of every rehearsed rank (`rehearsal.ranks.rehearsed_ranks`)."""
 
     def as_dict(self) -> dict:
         """The JSON form (`longstraw plan --rehearse`'s "rehearsal")."""
         return {"peak_bytes_per_rank": self.peak_bytes_per_rank, "phases": dict(self.phases),
                 "flops": dict(self.flops), "host_syncs": self.host_syncs, "wall_s": self.wall_s,
                 "device": self.device, "step_peaks": [s.peak_bytes for s in self.steps],
-                "ops": [s.ops for s in self.steps]}
+                "ops": [s.ops for s in self.steps], "comm_bytes": {k: dict(v) for k, v in self.comm_bytes.items()},
+                "rank": self.rank, "world_size": self.world_size, "rank_peaks": dict(self.rank_peaks)}
 
 
 def _default_device() -> str:
@@ -93,11 +104,12 @@ def rehearsal_group(*, prompt_tokens: int, group: int, response_tokens: int, voc
 
 
 def rehearse(model, config: ExecConfig | None = None, *, prompt_tokens: int, group: int, response_tokens: int,
-             world_size: int = 1, device: str | None = None, steps: int = 1, generate: bool = False,
+             world_size: int = 1, rank: int | list[int] | None = None, shard_params: bool = False,
+             device: str | None = None, steps: int = 1, generate: bool = False,
              dtype: torch.dtype = torch.bfloat16, grpo: GRPOConfig | None = None,
              optimizer: bool = False, shared_prefix: int = 0) -> Rehearsal:
     """Run `Engine.step` at full size on fake tensors and measure it: live bytes per
-    phase, FLOPs per phase, host syncs per step, wall time.
+    phase, FLOPs per phase, host syncs per step, collective bytes per phase, wall time.
 
     Nothing is computed and nothing is allocated: a 27B model at 2M prompt tokens
     rehearses on a laptop. The figures are those of this exact code at this exact size
@@ -107,9 +119,17 @@ def rehearse(model, config: ExecConfig | None = None, *, prompt_tokens: int, gro
     Args:
         model: an HF config (`transformers.PretrainedConfig`) of a supported family, or a
             stock HF model (its config is used: the rehearsal builds its own fake twin).
-        config: the `ExecConfig` to rehearse (default `ExecConfig()`).
-        prompt_tokens: P. group: G responses. response_tokens: R tokens each.
-        world_size: ranks; only 1 is rehearsed so far (larger raises `ConfigError`).
+        config: the `ExecConfig` to rehearse (default `ExecConfig()`); world_size > 1
+            needs `context_parallel=True` (and takes `expert_parallel`).
+        prompt_tokens: P. group: G responses. R: response_tokens each.
+        world_size: ranks W; each rehearsed rank plays rank r of W in this process on the
+            fake process group (`rehearsal/ranks.py`), which is torn down after. Refused
+            while this process has a process group of its own.
+        rank: the rank(s) to rehearse; default rank 0 (the most prompt rows) and, under
+            expert parallelism, the first rank with the most experts. The result is the
+            rehearsed rank with the highest peak (`Rehearsal.rank`, `rank_peaks`).
+        shard_params: FSDP2 over the W ranks (`parallel.sharding.shard_model`), as
+            `longstraw plan --shard-params`.
         device: the fake tensors' device: "cuda" (the CUDA branches; needs a CUDA build
             of torch, since autograd on a fake device checks the device is built in) or
             "cpu"; default "cuda" where torch is built with CUDA, else "cpu".
@@ -123,12 +143,11 @@ def rehearse(model, config: ExecConfig | None = None, *, prompt_tokens: int, gro
             and G leaves.
 
     Returns:
-        `Rehearsal` (`peak_bytes_per_rank`, `phases`, `flops`, `host_syncs`, `steps`, `wall_s`).
+        `Rehearsal` (`peak_bytes_per_rank`, `phases`, `flops`, `host_syncs`, `comm_bytes`,
+        `rank`, `world_size`, `steps`, `wall_s`).
     """
     t0 = time.perf_counter()
-
-    if world_size != 1:
-        raise ConfigError(f"rehearse: world_size={world_size} is not rehearsed yet; pass world_size=1")
+    config = ExecConfig() if config is None else config
     if generate:
         raise ConfigError("rehearse: generate=True is not rehearsed yet; pass generate=False")
     if not 0 <= shared_prefix < response_tokens:
@@ -138,28 +157,45 @@ def rehearse(model, config: ExecConfig | None = None, *, prompt_tokens: int, gro
         raise ConfigError(f"rehearse: need prompt_tokens >= 2, group >= 2 (one response has zero advantage: the "
                           f"engine skips the update, nothing would be rehearsed), response_tokens >= 1 and "
                           f"steps >= 1; got {prompt_tokens}, {group}, {response_tokens}, {steps}")
+    check_world(config, world_size, rank, shard_params)
     device = _default_device() if device is None else device
     if torch.device(device).type == "cuda" and not torch.backends.cuda.is_built():
         raise ConfigError("rehearse: device='cuda' needs a CUDA build of torch (autograd checks the device even on "
                           "fake tensors); pass device='cpu' to rehearse the same code on the CPU branches")
-    hf_config = model.config if isinstance(model, nn.Module) else model
-    if isinstance(model, nn.Module):
-        dtype = next(model.parameters()).dtype
-    mode = fake_mode(allow_non_fake_inputs=True)
-    fake = fake_model(hf_config, device=device, dtype=dtype, mode=mode)
+    hf_config, dtype = (model.config, next(model.parameters()).dtype) if isinstance(model, nn.Module) else (model, dtype)
     inputs = rehearsal_group(prompt_tokens=prompt_tokens, group=group, response_tokens=response_tokens,
                              vocab_size=hf_config.get_text_config().vocab_size, shared_prefix=shared_prefix)
-    tracker = LiveBytes(torch.device(device).type)
-    kernels = DeviceKernels() if needs_device_kernels(torch.device(device).type, dtype) else contextlib.nullcontext()
-    with mode, kernels:
-        engine = Engine(fake, config)
-        tracker.adopt(list(fake.parameters()) + list(fake.buffers()))
-        opt = torch.optim.AdamW(fake.parameters(), foreach=False) if optimizer else None
-        figures = measure_steps(engine, inputs, grpo or GRPOConfig(), steps=steps, tracker=tracker, optimizer=opt)
+    by_rank = {}
+    for r in rehearsed_ranks(hf_config, config, world_size, rank):
+        with fake_group(r, world_size):
+            by_rank[r] = _rehearse_rank(hf_config, config, inputs, device=device, dtype=dtype, steps=steps,
+                                        grpo=grpo or GRPOConfig(), optimizer=optimizer,
+                                        shard=world_size if shard_params else 0)
+    peaks = {r: max(f.peak_bytes for f in figures) for r, figures in by_rank.items()}
+    worst = max(peaks, key=lambda r: (peaks[r], -r))
+    figures = by_rank[worst]
     phases: dict[str, int] = {}
     for f in figures:
         for name, peak in f.phases.items():
             phases[name] = max(phases.get(name, 0), peak)
-    return Rehearsal(peak_bytes_per_rank=max(f.peak_bytes for f in figures), phases=phases,
-                     flops=dict(figures[0].flops), host_syncs=max(f.host_syncs for f in figures), steps=figures,
-                     wall_s=time.perf_counter() - t0, device=device)
+    return Rehearsal(peak_bytes_per_rank=peaks[worst], phases=phases, flops=dict(figures[0].flops),
+                     host_syncs=max(f.host_syncs for f in figures), steps=figures, wall_s=time.perf_counter() - t0,
+                     device=device, comm_bytes=figures[0].comm_bytes, rank=worst, world_size=world_size,
+                     rank_peaks=peaks)
+
+
+def _rehearse_rank(hf_config, config: ExecConfig, inputs: Group, *, device: str, dtype: torch.dtype, steps: int,
+                   grpo: GRPOConfig, optimizer: bool, shard: int) -> list[StepFigures]:
+    """One rank's measured steps (in the fake group, if any): the fake model, its engine,
+    FSDP2 over `shard` ranks when nonzero."""
+    mode = fake_mode(allow_non_fake_inputs=True)
+    fake = fake_model(hf_config, device=device, dtype=dtype, mode=mode)
+    tracker = LiveBytes(torch.device(device).type)
+    kernels = DeviceKernels() if needs_device_kernels(torch.device(device).type, dtype) else contextlib.nullcontext()
+    with mode, kernels:
+        engine = Engine(fake, config)
+        counted = shard_fake(fake, shard, torch.device(device).type) if shard else contextlib.nullcontext()
+        tracker.adopt(list(fake.parameters()) + list(fake.buffers()))
+        opt = torch.optim.AdamW(fake.parameters(), foreach=False) if optimizer else None
+        with counted:
+            return measure_steps(engine, inputs, grpo, steps=steps, tracker=tracker, optimizer=opt)

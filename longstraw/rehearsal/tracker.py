@@ -2,7 +2,8 @@
 
 `LiveBytes` is a `TorchDispatchMode`: every tensor an op returns (on the tracked device
 type) has its storage registered once, by a weak reference whose finalizer takes its
-bytes off the live total when the storage dies. Parameters, buffers and anything
+bytes off the live total when the storage dies (a storage resized in place, as FSDP2
+frees and re-gathers its parameters, is counted at its new size). Parameters, buffers and anything
 allocated before the tracker started are counted through `LiveBytes.adopt` (the
 rehearsal adopts the model's parameters). `phase(name)` records the highest live total
 seen while it is open, so a step's capture, replay, walk and optimizer peaks come out of
@@ -22,6 +23,7 @@ import weakref
 
 import torch
 from torch._subclasses.fake_tensor import FakeTensor
+from torch.distributed.tensor import DTensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
 from torch.utils._pytree import tree_leaves
@@ -58,6 +60,7 @@ class LiveBytes(TorchDispatchMode):
         self.phase_flops: dict[str, int] = {}
         self._open: list[str] = []
         self._seen: dict[int, weakref.ref] = {}  # id(storage) -> weakref (finalizers also keyed on it)
+        self._bytes: dict[int, int] = {}  # id(storage) -> the bytes counted for it
 
     # --------------------------------------------------------------------------
     def _register(self, t: torch.Tensor) -> None:
@@ -67,21 +70,54 @@ class LiveBytes(TorchDispatchMode):
             storage = _storage_key(t)
         except (RuntimeError, NotImplementedError):  # tensor subclasses without a storage
             return
+        self._count(storage)
+
+    def _count(self, storage) -> None:
         key = id(storage)
         ref = self._seen.get(key)
         if ref is not None and ref() is not None:
             return
-        nbytes = int(storage.nbytes())
         try:
-            self._seen[key] = weakref.ref(storage, lambda _, k=key, n=nbytes: self._free(k, n))
+            self._seen[key] = weakref.ref(storage, lambda _, k=key: self._free(k))
         except TypeError:
             return
+        self._bytes[key] = nbytes = int(storage.nbytes())
         self.live += nbytes
         self._bump()
 
-    def _free(self, key: int, nbytes: int) -> None:
+    def _free(self, key: int) -> None:
         self._seen.pop(key, None)
-        self.live -= nbytes
+        self.live -= self._bytes.pop(key, 0)
+
+    def _resized(self, storage) -> None:
+        """A storage resized in place (FSDP2 frees and re-allocates its gathered
+        parameters so: `storage.resize_(0)`, `resize_(n)`): its bytes now."""
+        if storage.device.type != self.device_type:
+            return
+        key = id(storage)
+        ref = self._seen.get(key)
+        if ref is None or ref() is None:
+            self._count(storage)
+            return
+        nbytes = int(storage.nbytes())
+        self.live += nbytes - self._bytes[key]
+        self._bytes[key] = nbytes
+        self._bump()
+
+    def __enter__(self):
+        tracker, resize = self, torch.UntypedStorage.resize_
+
+        def resize_(storage, size):  # not a tensor op: no dispatch mode sees it
+            out = resize(storage, size)
+            tracker._resized(storage)
+            return out
+
+        self._resize, torch.UntypedStorage.resize_ = resize, resize_
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        torch.UntypedStorage.resize_ = self._resize
+        return super().__exit__(*exc)
 
     def _bump(self, live: int | None = None) -> None:
         live = self.live if live is None else live
@@ -92,8 +128,11 @@ class LiveBytes(TorchDispatchMode):
                 self.phase_peaks[name] = live
 
     def adopt(self, tensors) -> None:
-        """Count tensors allocated before the tracker started (parameters, a held state)."""
+        """Count tensors allocated before the tracker started (parameters, a held state);
+        a DTensor (an FSDP2 shard) by its local tensor's storage."""
         for t in tensors:
+            if isinstance(t, DTensor):
+                t = t._local_tensor
             if isinstance(t, torch.Tensor):
                 self._register(t)
 

@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from longstraw.host import on_host
 from longstraw.parallel.deal import Deal
 from longstraw.state.recurrent import RecurrentState  # noqa: F401  (one of the state kinds, public here)
 from longstraw.tensors import KVSegment, accumulation_dtype, nbytes
@@ -69,6 +70,16 @@ class Shard:
     def owned(self, start: int, end: int) -> torch.Tensor:
         """Bool [end - start]: which of the absolute positions start..end-1 are ours."""
         return self.owns(torch.arange(start, end))
+
+    def own_offsets(self, start: int, end: int) -> torch.Tensor:
+        """LongTensor [held(start, end)] on the host: the offsets from `start` of the
+        positions of [start, end) this rank owns, increasing. Arithmetic of the deal, on
+        real host tensors even inside a rehearsal (`longstraw.host.on_host`): indexing by it
+        needs no `nonzero` on the device (a sync on CUDA, no shape at all on fake tensors)."""
+        with on_host():
+            first = self.count(start)
+            rows = torch.arange(first, first + self.held(start, end))
+            return self.deal.position(rows, self.rank) - start
 
 
 def rows_held_before(position: int, *, start: int, length: int, shard: Shard | None) -> int:
@@ -167,7 +178,7 @@ class AttentionKV:
         a, b = self.rows_before(start), self.rows_before(end)
         if self.shard is None:
             return self.k_grad[:, a:b].clone(), self.v_grad[:, a:b].clone()
-        mine = self.shard.owned(start, end).to(self.k.device)
+        mine = self.shard.own_offsets(start, end).to(self.k.device)
         dk = self.k_grad.new_zeros(self.k_grad.shape[0], end - start, self.k_grad.shape[2])
         dv = self.v_grad.new_zeros(self.v_grad.shape[0], end - start, self.v_grad.shape[2])
         dk[:, mine] = self.k_grad[:, a:b]
@@ -201,7 +212,7 @@ class AttentionKV:
         t = k_new.shape[1]
         if self.shard is not None or not self.trim:
             if self.shard is not None:
-                mine = self.shard.owned(self.end, self.end + t).to(k_new.device)
+                mine = self.shard.own_offsets(self.end, self.end + t).to(k_new.device)
                 k_new, v_new = k_new[:, mine], v_new[:, mine]
             if self.trim:  # a sharded window: grows by chunk, then trimmed
                 self.k = torch.cat([self.k[:, :self.length], k_new.to(self.k.dtype)], dim=1)
@@ -401,17 +412,16 @@ class IndexKeys:
     def positions(self, until: int) -> torch.Tensor:
         """Absolute positions [n] of the rows `until(until)` returns, increasing."""
         n = self.rows_before(until)
-        pos = torch.arange(self.start, self.start + (self.consumed if self.shard is not None else n),
-                           device=self.keys.device)
-        if self.shard is not None:
-            pos = pos[self.shard.owns(pos)]
-        return pos[:n]
+        if self.shard is None:
+            return torch.arange(self.start, self.start + n, device=self.keys.device)
+        first = self.shard.count(self.start)  # rows this rank owns before `start`
+        return self.shard.deal.position(torch.arange(first, first + n, device=self.keys.device), self.shard.rank)
 
     @torch.no_grad()
     def append(self, keys: torch.Tensor) -> None:
         t = keys.shape[0]
         if self.shard is not None:
-            keys = keys[self.shard.owned(self.end, self.end + t).to(keys.device)]
+            keys = keys[self.shard.own_offsets(self.end, self.end + t).to(keys.device)]
         self._write(keys)
         self.consumed += t
 
