@@ -173,20 +173,32 @@ def fit_config(model, *, memory_budget, prompt_tokens: int, group: int | None = 
     reserve = _reserve(budget)
     result, others = _search_beside_held(cfg, base, pinned, budget, outside, held_states, held)
     if not hasattr(result, "config"):
-        what = _does_not_fit(result, memory_budget, budget, outside - others, _step_text(base, held_states, others),
-                             reserve)
-        smallest = _smallest_budget(cfg, base, pinned, result.leanest["peak_bytes_per_rank"] - outside + others,
-                                    outside - others)
-        changes = _changes(cfg, base, pinned, set(fixed) & set(_SEARCHABLE), result, budget, outside - others)
-        raise DoesNotFitError(fit_advice.message(what, smallest, changes, "python"), what=what,
-                              smallest_budget=smallest, changes=changes)
-    chosen = exec_config(result.config)  # state_device="cpu" where the search chose the offload
-    chosen.pop("context_parallel")
+        _raise_does_not_fit(cfg, base, pinned, fixed, result, memory_budget, budget, outside - others,
+                            _step_text(base, held_states, others), reserve)
+    chosen = {k: v for k, v in exec_config(result.config).items() if k != "context_parallel"}  # with any offload
     returned = ExecConfig(**{**chosen, **fixed})
+    return _check_returned(cfg, base, returned, budget + outside - others - reserve, reserve)
+
+
+def _raise_does_not_fit(cfg, base, pinned, fixed, result, memory_budget, budget: int, outside: int, step: str,
+                        reserve: int):
+    """Raise `DoesNotFitError` for a search that found nothing: the binding term, the least
+    budget that fits and the changes that would (`outside`: the model's bytes less the
+    other held states')."""
+    what = _does_not_fit(result, memory_budget, budget, outside, step, reserve)
+    smallest = _smallest_budget(cfg, base, pinned, result.leanest["peak_bytes_per_rank"] - outside, outside)
+    changes = _changes(cfg, base, pinned, set(fixed) & set(_SEARCHABLE), result, budget, outside)
+    raise DoesNotFitError(fit_advice.message(what, smallest, changes, "python"), what=what,
+                          smallest_budget=smallest, changes=changes)
+
+
+def _check_returned(cfg, base, returned: ExecConfig, ceiling: int, reserve: int) -> ExecConfig:
+    """`returned`, after checking that what is returned is what was planned: its peak is at
+    most the `ceiling` the search fitted."""
     again = estimate(cfg, replace(base, **_plan_fields(returned), reserve=reserve))
-    if again["peak_bytes_per_rank"] > budget + outside - others - reserve:  # what is returned is what was planned
+    if again["peak_bytes_per_rank"] > ceiling:
         raise AssertionError(f"fit_config: the returned {returned} plans {int(again['peak_bytes_per_rank']):,} B, "
-                             f"above the {int(budget + outside - others - reserve):,} B its search fitted")
+                             f"above the {int(ceiling):,} B its search fitted")
     return returned
 
 
