@@ -158,7 +158,7 @@ class ExecConfig:
     needs it. Changes nothing in the result; `step` reports the choice as the metrics
     `recompute_layers` and `walk_recompute_layers`. See docs/planner.md."""
 
-    replay_batch: int = defaults.REPLAY_BATCH
+    replay_batch: int | None = defaults.REPLAY_BATCH
     """Replay up to this many branches as one batch (`engine/batched.py`): their tokens
     run through the model together (a batch dimension of b; shorter ones padded at the
     end, which a causal model's earlier tokens never see), every branch reading the same
@@ -169,8 +169,11 @@ class ExecConfig:
     own as before, and so does a prompt with images. Same result; a larger b trades one
     branch's graph for b of them for fewer, larger matmuls. Families whose adapter takes a
     batch (`Adapter.batches_replay`: dense, MoE, windowed, Gated DeltaNet hybrids, MLA /
-    DSA); others, and context parallelism, refuse b > 1 when the engine is built. See
-    docs/exact.md."""
+    DSA); others, and context parallelism, refuse b > 1 when the engine is built. None
+    (the default): `defaults.replay_batch_for`, b up to `REPLAY_BATCH_MAX` (8) where the
+    branches can batch and b one-branch graphs (as the planner estimates them) take at
+    most what the step holds anyway, else 1; the planner applies the same rule,
+    and `step` reports the choice as the metric `replay_batch`. See docs/exact.md."""
 
     progress: bool = False
     """Show a progress bar over capture chunks and branches (stderr)."""
@@ -181,7 +184,7 @@ class ExecConfig:
         _positive_int("ExecConfig.branch_chunk_size", self.branch_chunk_size, allow_none=True)
         _positive_int("ExecConfig.shard_block_size", self.shard_block_size, allow_none=True)
         _positive_int("ExecConfig.logits_chunk_size", self.logits_chunk_size)
-        _positive_int("ExecConfig.replay_batch", self.replay_batch)
+        _positive_int("ExecConfig.replay_batch", self.replay_batch, allow_none=True)
         if isinstance(self.keep_graph_bytes, bool) or not isinstance(self.keep_graph_bytes, int) \
                 or self.keep_graph_bytes < 0:
             raise ConfigError(f"ExecConfig.keep_graph_bytes must be an int >= 0, got {self.keep_graph_bytes!r}")

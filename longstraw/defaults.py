@@ -13,8 +13,35 @@ CHUNK_SIZE = 4096
 BRANCH_CHUNK_SIZE = None
 """Replay each branch in pieces of this many tokens; None: one piece."""
 
-REPLAY_BATCH = 1
-"""Branches replayed together as one batch (1: one at a time)."""
+REPLAY_BATCH = None
+"""Branches replayed together as one batch (1: one at a time). None: as many as fit
+under a graph the step holds anyway (`replay_batch_for`)."""
+
+REPLAY_BATCH_MAX = 8
+"""`replay_batch=None` batches at most this many branches."""
+
+
+def replay_batch_for(setting: int | None, *, group: int, batches: bool, response_tokens: int,
+                     free_tokens: int) -> int:
+    """Branches of a group replayed together as one batch: the engine's and the planner's one
+    rule (`ExecConfig.replay_batch`; kept here, torch-free, beside its constant).
+
+    `setting` is `replay_batch`: as given (at most G). None: 1 where the branches cannot
+    batch (`batches` False: a family whose mixers take no batch, context parallelism, a
+    prefix tree, prompt images, or branches replayed in pieces); else the largest b <=
+    min(G, REPLAY_BATCH_MAX) whose b x `response_tokens` tokens fit in `free_tokens`,
+    the tokens whose autograd graph the step holds anyway at another moment: exact mode's
+    reverse-walk chunk (min(chunk_size, P - 1)) where the walk keeps a whole chunk's graph
+    (no layer recompute), 0 in detached mode. So the default batch costs no peak memory,
+    and the peak stays flat in G; a batch runs fewer, larger matmuls and less Python per
+    branch (measured: bench/results/replay_batch_*.csv). More, where memory is left over:
+    `fit_config` searches b against the budget."""
+    if setting is not None:
+        return max(1, min(int(setting), group))
+    if not batches or group < 2:
+        return 1
+    return max(1, min(group, REPLAY_BATCH_MAX, free_tokens // max(int(response_tokens), 1)))
+
 
 ATTENTION_BLOCK_SIZE = 1024
 """Prompt positions per block of the blockwise attention over the captured state."""

@@ -21,16 +21,30 @@ from __future__ import annotations
 
 import torch
 
+from longstraw.defaults import replay_batch_for
 from longstraw.parallel.fsdp import gathered_when_read
 from longstraw.phase import Phase
 from longstraw.state.offload import settle
 from longstraw.state.prompt import PromptState
 
 
-def batch_size(engine, state: PromptState) -> int:
-    """The most branches replayed as one batch against `state`: `replay_batch`, or 1 for a
-    prompt with images (their rows are looked up by sequence index, one sequence)."""
-    return 1 if state.inputs is not None else engine.config.replay_batch
+def batch_size(engine, state: PromptState, group: int, tokens: int, prompt_tokens: int, tree: bool = False) -> int:
+    """The most branches replayed as one batch against `state` (of a `prompt_tokens` prompt),
+    of a group of `group` branches whose longest has `tokens` tokens: `replay_batch` (at
+    most `group`); None: `defaults.replay_batch_for`, which batches one-piece branches of
+    a flat group, where the family takes a batch and there is no context parallelism, as
+    far as their tokens fit in exact mode's walk chunk (when the walk keeps its whole
+    graph): a graph the step holds anyway. A tree's leaves, and detached mode: 1. Always 1
+    for a prompt with images (their rows are looked up by sequence index, one sequence)."""
+    if state.inputs is not None:
+        return 1
+    setting, c = engine.config.replay_batch, engine.config
+    one_piece = tokens <= (c.branch_chunk_size or tokens)
+    batches = setting is None and not tree and one_piece and engine.adapter.batches_replay and engine.cp is None
+    positions = prompt_tokens - 1
+    free = min(c.chunk_size, positions) if batches and c.mode == "exact" and positions > 0 \
+        and not engine.walk_recomputes_layers(positions, state) else 0
+    return replay_batch_for(setting, group=group, batches=batches, response_tokens=tokens, free_tokens=free)
 
 
 def padded(inputs: list[torch.Tensor]) -> torch.Tensor:

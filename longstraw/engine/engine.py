@@ -107,11 +107,11 @@ class Engine:
         if config.expert_parallel and not config.context_parallel:
             raise ConfigError("ExecConfig(expert_parallel=True) splits the experts over the context-parallel ranks; "
                               "set context_parallel=True as well (one process holds every expert)")
-        if config.replay_batch > 1 and not self.adapter.batches_replay:
+        if (config.replay_batch or 1) > 1 and not self.adapter.batches_replay:
             raise ConfigError(f"ExecConfig(replay_batch={config.replay_batch}): {type(self.adapter).__name__} "
                               f"(model_type {self.adapter.config.model_type!r}) replays one branch at a time (its "
                               "mixers take no batch); use replay_batch=1")
-        if config.replay_batch > 1 and config.context_parallel:
+        if (config.replay_batch or 1) > 1 and config.context_parallel:
             raise ConfigError(f"ExecConfig(replay_batch={config.replay_batch}) is not supported with "
                               "context_parallel=True yet (the sharded state's merges run one branch); use "
                               "replay_batch=1")
@@ -217,9 +217,14 @@ class Engine:
         setting = self.config.recompute_layers
         if setting is not None or layers < 2:
             return recompute_pays(setting, 0.0, 0.0, layers)
-        if self._graph_per_token is None:  # the planner's per-token graph for this model's shapes (shapes.py)
-            self._graph_per_token = graph_bytes_per_token(self.model, layers)
-        return recompute_pays(None, piece_tokens * self._graph_per_token, self.held_bytes(state), layers)
+        return recompute_pays(None, self.branch_graph_bytes(piece_tokens), self.held_bytes(state), layers)
+
+    def branch_graph_bytes(self, tokens: int) -> float:
+        """The planner's estimate of one replay piece's autograd graph of `tokens` tokens for
+        this model's shapes (`shapes.py`): the yardstick of the recompute and batch rules."""
+        if self._graph_per_token is None:
+            self._graph_per_token = graph_bytes_per_token(self.model, len(self.adapter.backbone.layers))
+        return tokens * self._graph_per_token
 
     def keeps_attention_outputs(self, prompt_tokens: int, exact: bool) -> bool:
         """Whether a step's capture of a `prompt_tokens` prompt keeps the attention outputs
@@ -468,6 +473,7 @@ class Engine:
         metrics.divided_walk, metrics.state_bytes = float(divided), float(state.nbytes())
         metrics.walk_recompute_layers = float(walk_rc)
         metrics.replay_tokens, metrics.shared_segments = float(stats.forwarded), float(stats.shared)
+        metrics.replay_batch = float(stats.batch)
         metrics.time_capture_s, metrics.time_replay_s, metrics.time_reverse_s = t1 - t0, t2 - t1, t3 - t2
         metrics.time_total_s = t4 - t0
         metrics.comm_bytes_capture, metrics.comm_bytes_replay = float(c1 - c0), float(c2 - c1)

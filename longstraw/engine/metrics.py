@@ -39,6 +39,8 @@ class StepMetrics:
     recompute_layers: float = 0.0
     """1 when replay recomputed each decoder layer in backward (`ExecConfig.recompute_layers`;
     decided for the group's longest piece)."""
+    replay_batch: float = 1.0
+    """Branches replayed as one batch (`ExecConfig.replay_batch`; None: the rule's choice)."""
     offload_h2d_bytes: float | None = None
     """State offload only: bytes staged host -> device since the capture (or the last step)."""
     offload_d2h_bytes: float | None = None

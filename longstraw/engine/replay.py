@@ -26,6 +26,7 @@ class BranchStats:
     def __init__(self):
         self.loss, self.tokens, self.ratio, self.clipped, self.kl = 0.0, 0, 0.0, 0.0, 0.0
         self.forwarded, self.shared = 0, 0  # response tokens run through the model; shared segments (`tree.py`)
+        self.batch = 1  # branches replayed as one batch (`batched.batch_size`)
 
     def add(self, loss: torch.Tensor, tok_stats: dict) -> None:
         """Add one piece: its loss and `grpo.branch_loss`'s stats (only the tokens its
@@ -87,7 +88,9 @@ def replay_group(engine, state: PromptState, group: Group, grpo: GRPOConfig, tot
     stats.forwarded = group.response_tokens
     with on_host():  # real advantages [G], also in a rehearsal
         adv = [float(a) for a in adv]
-    batch, pending = batch_size(engine, state), []  # one-piece branches waiting: (inputs, piece_loss)
+    longest = max(r.shape[0] for r in group.responses)
+    batch, pending = batch_size(engine, state, len(group.responses), longest, group.prompt.shape[0]), []
+    stats.batch = batch  # one-piece branches waiting: (inputs, piece_loss)
     device, start = engine.adapter.device, group.prompt.shape[0] - 1
 
     def flush():

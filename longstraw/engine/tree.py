@@ -75,7 +75,10 @@ def replay_tree(engine, state: PromptState, group: Group, grpo: GRPOConfig, tota
     weights = [G.branch_weight(grpo, totals, group.loss_tokens_of(i)) for i in range(group.size)]
     with on_host():  # real advantages [G], also in a rehearsal
         adv = [float(a) for a in adv]
-    device, batch = engine.adapter.device, batch_size(engine, state)
+    longest = max(r.shape[0] for r in group.responses)
+    shared = stats.shared > 0  # a real tree; a flat group's leaves batch as the flat path's branches
+    device, batch = engine.adapter.device, batch_size(engine, state, group.size, longest, group.prompt.shape[0], tree=shared)
+    stats.batch = batch
 
     def loss_of(seg: Segment):
         """(inputs [n], start, piece_loss) of `seg`: its members' loss terms from one log-prob tensor."""

@@ -82,10 +82,11 @@ class PlanConfig:
     attention_block_size: int = defaults.ATTENTION_BLOCK_SIZE
     """Prompt positions per block of the blockwise attention (ExecConfig)."""
 
-    replay_batch: int = defaults.REPLAY_BATCH
+    replay_batch: int | None = defaults.REPLAY_BATCH
     """Branches of one piece replayed together as one batch (ExecConfig.replay_batch): the
     replay graph is then one piece of min(replay_batch, G) x R tokens over the same prompt
-    state. 1: one branch at a time."""
+    state. 1: one branch at a time. None: the engine's rule (`defaults.replay_batch_for`,
+    `memory.replay_batch`); the report's "replay_batch" says what it chose."""
 
     recompute_layers: bool | None = defaults.RECOMPUTE_LAYERS
     """Replay recomputes each decoder layer in backward (ExecConfig.recompute_layers): a
@@ -262,11 +263,11 @@ class PlanConfig:
             self.tree = parse_tree(self.tree)
             self.group, self.response_tokens = math.prod(f for _, f in self.tree), sum(n for n, _ in self.tree)
         for name in ("prompt_tokens", "group", "response_tokens", "gpus", "chunk_size", "attention_block_size",
-                     "logits_chunk_size", "replay_batch"):
+                     "logits_chunk_size"):
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ConfigError(f"PlanConfig.{name} must be a positive int, got {value!r}")
-        for name in ("lora_rank", "branch_chunk_size", "shard_block_size"):
+        for name in ("lora_rank", "branch_chunk_size", "shard_block_size", "replay_batch"):
             value = getattr(self, name)
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise ConfigError(f"PlanConfig.{name} must be a positive int or None, got {value!r}")

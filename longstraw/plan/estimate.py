@@ -46,7 +46,7 @@ def estimate(model, config: PlanConfig) -> dict:
     s = resolve(model, config)
     state = plan_state(s)
     weights = plan_weights(s)
-    tree = config.tree is not None and config.share_response_prefixes  # the engine's tree path
+    tree = config.tree is not None and config.share_response_prefixes and len(config.tree) > 1  # the engine's tree path
     replay = plan_tree_replay(s, state) if tree else plan_replay(s, state)
     capture = plan_capture(s)
     walk = plan_walk(s, capture, replay.graph_tok)

@@ -39,6 +39,7 @@ from .arch import architecture, human_bytes, load_model_config, parse_bytes
 from .. import defaults as d
 from .config import PlanConfig, resolve
 from .estimate import estimate
+from .memory import batches_replay
 from .gpus import load_gpus
 
 SEARCHED = ("mode", "branch_chunk_size", "chunk_size", "recompute_layers", "offload_state", "offload_snapshots",
@@ -226,16 +227,15 @@ def batched_replay(model, plan, c: PlanConfig, r: dict, budget: int, pinned) -> 
     a batch was measured faster on CPU (bench/results/replay_batch_*.csv: fewer, larger
     matmuls and less Python per branch), so the largest that fits is taken."""
     one_piece = (c.branch_chunk_size or c.response_tokens) >= c.response_tokens
-    arch = architecture(load_model_config(model)[1])
-    takes = all(layer.mixer in ("attention", "mla") or (layer.mixer == "gdn" and arch.recurrent == "gdn")
-                for layer in arch.layers)
+    takes = batches_replay(architecture(load_model_config(model)[1]))
+    stated = replace(c, replay_batch=int(r["replay_batch"]))  # the rule's choice (None), stated: what was planned
     if "replay_batch" in pinned or not one_piece or not takes or c.gpus > 1 or c.tree is not None or c.group < 2:
-        return c, r
+        return stated, r
     for b in sorted({c.group, *(x for x in REPLAY_BATCHES if x < c.group)}, reverse=True):
         rb = plan(replace(c, replay_batch=b))
         if _fits(rb, budget):
             return replace(c, replay_batch=b), rb
-    return c, r
+    return stated, r
 
 
 GRAPH_SLACK = 0.05

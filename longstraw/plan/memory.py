@@ -20,7 +20,7 @@ from .kept_outputs import kept_output_bytes
 from .state_sizes import state_sizes
 from .experts import divided_moe_working, expert_elements, expert_parallel_weights
 from .traffic import divided_capture_traffic, divided_walk_traffic
-from ..defaults import offloads_snapshots, recompute_pays
+from ..defaults import offloads_snapshots, recompute_pays, replay_batch_for
 from .snapshots import (divided_walk_recompute_working, snapshot_grad_bytes, snapshot_plan, walk_recompute_working,
                         walk_starts)
 from .working import autograd_pass, graph_bytes_per_token, nograd_layer_bytes, recompute_pass
@@ -225,6 +225,7 @@ class ReplayPlan:
     logits: float
     branch_state: float
     working: float
+    batch: int = 1
 
 
 def plan_replay(s: Basis, state: StatePlan) -> ReplayPlan:
@@ -232,7 +233,8 @@ def plan_replay(s: Basis, state: StatePlan) -> ReplayPlan:
     c, R, b, arch, st = s.config, s.R, s.b, s.arch, state.sizes
     T = min(R, c.branch_chunk_size or R)  # tokens in one replayed piece
     held = (R - 1) // T * T if T < R else 0  # branch tokens held as a state while pieces are walked back
-    rows = T * (min(c.replay_batch, s.G) if T == R and c.tree is None else 1)  # a batch of one-piece branches
+    batch = replay_batch(s, state, T)
+    rows = T * batch  # a batch of one-piece branches
     # under CP a rank's queries read its own shard of the prompt (plus the branch's held pieces)
     graph, attn = _autograd(s, rows, s.p_rank + held)
     logits = min(T, c.logits_chunk_size) * arch.vocab * (b + 3 * 4) + rows * arch.hidden * b + head_grad_transient(s, T)
@@ -245,7 +247,35 @@ def plan_replay(s: Basis, state: StatePlan) -> ReplayPlan:
                                                    c.self_attention != "flash", c.gdn_kernel)
         graph, working = kept + layer_graph, kept + max(moment, logits)
     return ReplayPlan(T=T, held=held, graph_tok=_graph_tok(s), recompute=recompute, graph=graph, attention=attn,
-                      logits=logits, branch_state=branch_state, working=working + branch_state)
+                      logits=logits, branch_state=branch_state, working=working + branch_state, batch=batch)
+
+
+def batches_replay(arch: Arch) -> bool:
+    """Whether every mixer takes a batch of branches (`Adapter.batches_replay`): attention,
+    MLA / DSA and Gated DeltaNet; not Mamba2 or KDA."""
+    return all(layer.mixer in ("attention", "mla") or (layer.mixer == "gdn" and arch.recurrent == "gdn")
+               for layer in arch.layers)
+
+
+def replay_batch(s: Basis, state: StatePlan, T: int) -> int:
+    """Branches replayed as one batch, pieces of `T` tokens (as `engine/batched.batch_size`):
+    1 for branches in pieces, a prefix tree or prompt images; `replay_batch` as given;
+    None: `defaults.replay_batch_for` (one rank, a family that batches), its free tokens
+    exact mode's walk chunk where the walk keeps a whole chunk's graph (`walk_keeps_graph`)."""
+    c = s.config
+    shared = c.tree is not None and c.share_response_prefixes and len(c.tree) > 1  # the engine's tree path, shared
+    if T != s.R or shared or c.images:
+        return 1
+    batches = c.replay_batch is None and c.gpus == 1 and batches_replay(s.arch)
+    free = min(c.chunk_size, s.P - 1) if batches and s.exact and s.P > 1 and walk_keeps_graph(s, state) else 0
+    return replay_batch_for(c.replay_batch, group=s.G, batches=batches, response_tokens=T, free_tokens=free)
+
+
+def walk_keeps_graph(s: Basis, state: StatePlan) -> bool:
+    """Whether exact mode's reverse walk keeps a whole chunk's graph: the engine's rule
+    (`Engine.walk_recomputes_layers`: replay's, for chunks of min(C, P - 1)) says no recompute."""
+    walk_graph = _autograd(s, min(s.config.chunk_size, s.P - 1), s.p_rank)[0]  # one undivided walk chunk's graph
+    return not recompute_pays(s.config.recompute_layers, walk_graph, held_bytes(s, state), len(s.arch.layers))
 
 
 def head_grad_transient(s: Basis, tokens: int | None = None) -> float:
@@ -404,10 +434,7 @@ def plan_walk(s: Basis, capture: CapturePlan, graph_tok: float) -> WalkPlan:
     """Exact mode's recompute working set, kept graphs, and whether the walk is divided."""
     c, W, P, C, exact, params = s.config, s.W, s.P, capture.C, s.exact, s.params
     graph, transient = _autograd(s, C, s.p_rank)
-    # the engine's rule (Engine.walk_recomputes_layers): replay's, for chunks of min(C, P - 1); FSDP2 too
-    walk_graph = _autograd(s, min(C, P - 1), s.p_rank)[0]  # one undivided walk chunk's graph (the engine's yardstick)
-    recompute = exact and recompute_pays(c.recompute_layers, walk_graph,
-                                                                 held_bytes(s, plan_state(s)), len(s.arch.layers))
+    recompute = exact and not walk_keeps_graph(s, plan_state(s))  # the engine's rule; FSDP2 too
     working = (walk_recompute_working(s, C, s.p_rank) if recompute else graph + transient) if exact else 0.0
     # exact mode's kept capture graphs (the last chunks that fit), alive from capture to their walk
     chunks = -(-max(P - 1, 1) // C)

@@ -117,6 +117,7 @@ def _memory_keys(s: Basis, state: StatePlan, weights: WeightPlan, replay: Replay
         "gathered_param_bytes": int(weights.gathered),
         "replay_working_bytes": int(replay.working),
         "replay_recompute_layers": replay.recompute,
+        "replay_batch": replay.batch,
         "capture_working_bytes": int(capture.working),
         "recompute_working_bytes": int(walk.working),
         "chunk_graph_bytes": int(walk.chunk_graph) if exact else 0,
