@@ -1,7 +1,7 @@
 """The planner's FSDP2 backward buffers (`--shard-params`, `plan/peak.py`
 `fsdp2_backward_phases`), by hand on a small dense config: two gradient-sized buffers of a
 decoder layer (its unsharded gradients, the last reduce-scatter input) in replay's and the
-walk's backward, beside the two gathered layers; at the logits no layer gathered and one
+walk's backward, beside the two gathered layers; at the logits no layer gathered and no
 buffer. The live check is `tests/parallel/test_fit_config_fsdp.py` (-m slow). No model is built."""
 
 from dataclasses import replace
@@ -52,13 +52,13 @@ def test_backward_phases_hold_two_layers_gradients_more_under_fsdp2(mode, model,
                                         shard_params=True, mode=mode))
     replay = plan_replay(s, plan_state(s))
     kept = without["replay"] - replay.working  # kept capture graphs (none under FSDP2)
-    # a layer's backward moment carries both buffers; the logits moment one buffer and no gathered layer
+    # a layer's backward moment carries both buffers; the logits moment neither, nor a gathered layer
     assert _phases(sharded)["replay"] == pytest.approx(kept + max(replay.layers_working + g,
-                                                                  replay.working + g / 2 - w))
-    logits_bind = replay.working + g / 2 - w > replay.layers_working + g
+                                                                  replay.working - w))
+    logits_bind = replay.working - w > replay.layers_working + g
     assert logits_bind == (model is WIDE_VOCAB)
-    if logits_bind:  # one buffer more than without, and neither gathered layer
-        assert _phases(sharded)["replay"] == pytest.approx(without["replay"] + g / 2 - w)
+    if logits_bind:  # no gathered layer, no gradient buffer
+        assert _phases(sharded)["replay"] == pytest.approx(without["replay"] - w)
     if mode == "exact":  # the walk's backward: every layer's, both buffers
         assert _phases(sharded)["recompute"] == pytest.approx(without["recompute"] + g)
     for phase in ("capture", "generate", "score"):  # no backward: the two gathered layers only (static)

@@ -68,7 +68,7 @@ from longstraw.shapes import graph_bytes_per_token, kept_output_bytes_per_positi
 from longstraw.parallel.collectives import Traffic
 from longstraw.models.experts import shard_experts
 from longstraw.parallel.context import ContextParallel
-from longstraw.parallel.fsdp import release_reduce_scatter_buffers, settle_held_reductions, summed_walk_gradients
+from longstraw.parallel.fsdp import settle_held_reductions, summed_walk_gradients
 from longstraw.parallel.gradients import replicate_gradients, replicated_parameters
 from longstraw.state.prompt import PromptState, RecurrentState, Shard
 
@@ -443,7 +443,6 @@ class Engine:
                                    recompute_layers=walk_rc)
                     self.adapter.backprop_inputs(state.inputs, group.prompt_inputs)  # every image, one at a time
             settle_held_reductions(self.adapter.sharded_modules())  # a 2-D FSDP2 mesh: held shards into .grad
-            release_reduce_scatter_buffers(self.adapter.sharded_modules())  # FSDP2's last reduce-scatter input
             mark()
             if self.cp is not None and self.cp.world > 1 and not divided:
                 # replay's (and a replicated walk's) gradients, which backward may sum in a different

@@ -157,30 +157,6 @@ def shard_world(model) -> int | None:
     return worlds.pop() if worlds else None
 
 
-def release_reduce_scatter_buffers(modules) -> int:
-    """Drop the reduce-scatter input FSDP2 keeps after a backward (its comm context's
-    `reduce_scatter_states`: one layer's unsharded gradients, flat, kept so that the next
-    layer's reduce may overlap it, and until then never freed: FSDP2 recycles it only in
-    the next backward). Called when the step's backward is done, so that no gradient-sized
-    buffer outlives the step (capture, `generate` and `score` of the next one would hold
-    it). Waits on each buffer's reduce-scatter event first, as FSDP2 does. Returns the
-    bytes released (0 without FSDP2, or where a torch lays its internals out differently)."""
-    released, seen = 0, set()
-    for module in modules:
-        ctx = getattr(getattr(module, "_get_fsdp_state", lambda: None)(), "_comm_ctx", None)
-        states = getattr(ctx, "reduce_scatter_states", None)
-        if not isinstance(states, list) or id(ctx) in seen:
-            continue
-        seen.add(id(ctx))
-        while states:
-            held = states.pop(0)
-            if getattr(held, "event", None) is not None:
-                torch.accelerator.current_stream().wait_event(held.event)
-            buffer = getattr(held, "reduce_scatter_input", None)
-            released += buffer.numel() * buffer.element_size() if isinstance(buffer, torch.Tensor) else 0
-    return released
-
-
 def _holds_replica_reduction(group) -> bool:
     """Whether an FSDP2 parameter group on a 2-D mesh keeps its reduce-scattered shards for
     `settle_held_reductions` (all-reduce across replicas off, on a torch whose FSDP2 holds

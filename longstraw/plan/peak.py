@@ -76,13 +76,14 @@ def fsdp2_backward_phases(phases: dict, replay: ReplayPlan, w: WeightPlan, exact
     and the next layer's all-gather output (its backward prefetch; the two gathered layers
     of the static memory), the layer's unsharded gradients (autograd's, before the
     reduce-scatter), and the flat reduce-scatter input of the layer before it, which FSDP2
-    keeps until this layer's reduce (`w.gathered_grads`: the last two). At the logits no
-    layer is gathered and one reduce-scatter input is held (the previous branch's).
+    keeps until this layer's reduce (`w.gathered_grads`: the last two). At the logits none
+    of them: no layer is gathered yet, and FSDP2 drops the last reduce-scatter input when
+    each backward ends (its final callback), so the previous branch's is gone.
     Measured (bench/fsdp2_fit_attribution.py, W = 2, gloo, a 22 MB layer): those four
     buffers at the step's peak, and no more."""
     kept = phases["replay"] - replay.working
     layers = replay.working if replay.layers_working is None else replay.layers_working
-    out = {"replay": kept + max(layers + w.gathered_grads, replay.working + w.gathered_grads / 2 - w.gathered)}
+    out = {"replay": kept + max(layers + w.gathered_grads, replay.working - w.gathered)}
     if exact:
         out["recompute"] = phases["recompute"] + w.gathered_grads
     return out

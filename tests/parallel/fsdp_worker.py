@@ -117,6 +117,6 @@ def _one(world: int, wrap: str, recompute: bool) -> dict:
 
 def _held_reduce_scatter_inputs(layers) -> int:
     """The reduce-scatter inputs FSDP2's shared comm context still holds (its
-    `reduce_scatter_states`: FSDP2 itself keeps the last one until the next backward)."""
+    `reduce_scatter_states`, which FSDP2's final backward callback clears)."""
     ctx = layers[0]._get_fsdp_state()._comm_ctx
     return len(ctx.reduce_scatter_states)
