@@ -8,7 +8,9 @@ Measured on each rank: one Adam training step first (so the optimizer state exis
 a run), gradients then set to None; then, for each of `STEPS` more steps, the live bytes
 of the rank (every torch storage alive, DTensors by their local shard, each once:
 `tests/parallel/test_plan_weights_live.live_bytes`) minus those alive before the model was
-built, plus the live-tensor peak of the step above that (`bench.live_peak`). The worst of
+built, plus the live-tensor peak of the step above that (`bench.live_peak`, `settle=True`:
+gloo frees a collective's tensors on its worker thread, unseen by the profiler; before it
+the same step read up to a layer buffer more from step to step). The worst of
 those steps is the rank's peak (what a budget must hold), the least is reported beside it:
 under FSDP2 the same step peaks a whole layer buffer higher or lower from step to step
 (tiny qwen3 at W = 3, one rank: 48.5, 51.3 and 54.0 MB above the model, steps of one
@@ -89,7 +91,7 @@ def step_peak(world: int, family: str, option: str, mode: str) -> list[int]:
     peaks = []
     for _ in range(STEPS):
         start = live_bytes() - before
-        peaks.append(start + live_tensor_peak(lambda: engine.step(group, ls.GRPOConfig())))
+        peaks.append(start + live_tensor_peak(lambda: engine.step(group, ls.GRPOConfig()), settle=True))
         optimizer.zero_grad(set_to_none=True)
     return peaks
 

@@ -95,6 +95,8 @@ class WeightPlan:
         trainable: trained elements (LoRA adapters, or every parameter).
         param_bytes / grad_bytes / optimizer_bytes: per rank (sharded 1/W under shard_params).
         gathered: shard_params: two layers' weights gathered at a time (else 0).
+        gathered_grads: shard_params: FSDP2's two gradient-sized buffers of a layer's backward
+            (its unsharded gradients, the last reduce-scatter input), `plan/peak.py` (else 0).
         assumptions: the lines of the report these figures rest on.
     """
 
@@ -105,6 +107,7 @@ class WeightPlan:
     optimizer_bytes: float
     gathered: float
     assumptions: tuple
+    gathered_grads: float = 0.0
 
 
 def plan_weights(s: Basis) -> WeightPlan:
@@ -133,7 +136,7 @@ def plan_weights(s: Basis) -> WeightPlan:
     optimizer_bytes = trainable * adam
     assumptions.append(f"grads in {dtype}; Adam keeps 2 fp32 moments" + (" + an fp32 master copy" if half else "")
                        + f" = {adam} B per trainable parameter")
-    gathered = 0.0
+    gathered = gathered_grads = 0.0
     if c.expert_parallel:  # plan/experts.py: each rank its experts' slice for good; the rest as below
         param_bytes, grad_bytes, optimizer_bytes, gathered = expert_parallel_weights(
             s.arch, base=base, lora_bytes=param_bytes - base, trainable=trainable, lora=bool(c.lora_rank), adam=adam,
@@ -151,13 +154,17 @@ def plan_weights(s: Basis) -> WeightPlan:
         grad_bytes = (whole_trained + (trainable - whole_trained) / W) * b
         optimizer_bytes = (whole_trained + (trainable - whole_trained) / W) * adam
         gathered = 2 * per_layer
+        gathered_grads = 2 * (trainable - whole_trained) / len(s.arch.layers) * b
         assumptions.append("shard_params: the decoder layers' weights, grads and optimizer state sharded 1/W "
                            "(FSDP2 wraps the layers only: embeddings, lm_head and the final norm stay whole on "
-                           "every rank); two layers' weights gathered at a time (counted in the static memory)")
+                           "every rank); two layers' weights gathered at a time (counted in the static memory); "
+                           "in a layer's backward also its unsharded gradients and the last layer's reduce-scatter "
+                           "input (two layers' gradients, in replay and the walk)")
     else:
         assumptions.append("weights, grads and optimizer state replicated on every rank")
     return WeightPlan(base=base, trainable=trainable, param_bytes=param_bytes, grad_bytes=grad_bytes,
-                      optimizer_bytes=optimizer_bytes, gathered=gathered, assumptions=tuple(assumptions))
+                      optimizer_bytes=optimizer_bytes, gathered=gathered, assumptions=tuple(assumptions),
+                      gathered_grads=gathered_grads)
 
 
 def whole_elements(arch: Arch, params) -> int:
@@ -214,6 +221,8 @@ class ReplayPlan:
         working: graph + the larger of attention and logits + branch_state (with recompute:
             the layers' inputs + the larger of one layer's backward moment and the logits,
             `working.recompute_pass`).
+        layers_working: `working` at a layer's backward moment, the logits left out (where
+            FSDP2's backward buffers join, `plan/peak.py`).
     """
 
     T: int
@@ -225,6 +234,7 @@ class ReplayPlan:
     logits: float
     branch_state: float
     working: float
+    layers_working: float | None = None  # None: `working`
     batch: int = 1
 
 
@@ -240,14 +250,15 @@ def plan_replay(s: Basis, state: StatePlan) -> ReplayPlan:
     logits = min(T, c.logits_chunk_size) * arch.vocab * (b + 3 * 4) + rows * arch.hidden * b + head_grad_transient(s, T)
     # the earlier pieces' state (and the recurrent state at each piece start), with grad buffers
     branch_state = 2 * (st["per_token"] * held + held // T * (st["recurrent_fixed"] + st["conv_tail_fixed"]))
-    working = graph + max(attn, logits)
+    working, layers = graph + max(attn, logits), graph + attn
     recompute = recompute_pays(c.recompute_layers, graph, held_bytes(s, state), len(arch.layers))
     if recompute:  # the layers' inputs, then one layer's graph at a time (its backward), or the logits
         kept, moment, layer_graph = recompute_pass(arch, rows, s.p_rank + held, c.attention_block_size, b, s.acc,
                                                    c.self_attention != "flash", c.gdn_kernel)
-        graph, working = kept + layer_graph, kept + max(moment, logits)
+        graph, working, layers = kept + layer_graph, kept + max(moment, logits), kept + moment
     return ReplayPlan(T=T, held=held, graph_tok=_graph_tok(s), recompute=recompute, graph=graph, attention=attn,
-                      logits=logits, branch_state=branch_state, working=working + branch_state, batch=batch)
+                      logits=logits, branch_state=branch_state, working=working + branch_state,
+                      layers_working=layers + branch_state, batch=batch)
 
 
 def batches_replay(arch: Arch) -> bool:

@@ -56,6 +56,8 @@ def plan_peak(s: Basis, state: StatePlan, weights: WeightPlan, replay: ReplayPla
     if s.exact:  # the walk frees the kept graphs first; a chunk is recomputed only after all of them
         phases["recompute"] = max(kept + (walk.transient if walk.kept_chunks else 0),
                                   walk.working if walk.kept_chunks < walk.chunks else 0)
+    if w.gathered_grads:  # FSDP2's backward buffers (shard_params), beside the two gathered layers (static)
+        phases.update(fsdp2_backward_phases(phases, replay, w, s.exact))
     if c.score_passes:
         phases["score"] = score
     if generate is not None:
@@ -66,3 +68,22 @@ def plan_peak(s: Basis, state: StatePlan, weights: WeightPlan, replay: ReplayPla
     phase = max(phases, key=phases.get)
     peak = static + phases[phase]
     return Peak(static=static, phases=phases, phase=phase, peak=peak, fits=peak + c.reserve <= c.gpu_memory)
+
+
+def fsdp2_backward_phases(phases: dict, replay: ReplayPlan, w: WeightPlan, exact: bool) -> dict:
+    """Replay's and the walk's working sets under FSDP2 (`parallel.sharding.shard_model`).
+    In a layer's backward FSDP2 holds four layer-sized buffers: the layer's gathered weights
+    and the next layer's all-gather output (its backward prefetch; the two gathered layers
+    of the static memory), the layer's unsharded gradients (autograd's, before the
+    reduce-scatter), and the flat reduce-scatter input of the layer before it, which FSDP2
+    keeps until this layer's reduce (`w.gathered_grads`: the last two). At the logits none
+    of them: no layer is gathered yet, and FSDP2 drops the last reduce-scatter input when
+    each backward ends (its final callback), so the previous branch's is gone.
+    Measured (bench/fsdp2_fit_attribution.py, W = 2, gloo, a 22 MB layer): those four
+    buffers at the step's peak, and no more."""
+    kept = phases["replay"] - replay.working
+    layers = replay.working if replay.layers_working is None else replay.layers_working
+    out = {"replay": kept + max(layers + w.gathered_grads, replay.working - w.gathered)}
+    if exact:
+        out["recompute"] = phases["recompute"] + w.gathered_grads
+    return out

@@ -115,6 +115,7 @@ def _memory_keys(s: Basis, state: StatePlan, weights: WeightPlan, replay: Replay
         "grad_bytes": int(weights.grad_bytes),
         "optimizer_bytes": int(weights.optimizer_bytes),
         "gathered_param_bytes": int(weights.gathered),
+        "gathered_grad_bytes": int(weights.gathered_grads),
         "replay_working_bytes": int(replay.working),
         "replay_recompute_layers": replay.recompute,
         "replay_batch": replay.batch,
@@ -268,6 +269,8 @@ def format_report(r: dict) -> str:
             rows.append(("kept attention outputs and LSEs", hb(r["kept_attention_bytes_per_rank"])))
     if r["gathered_param_bytes"]:
         rows.append(("gathered weights (FSDP2, 2 layers)", hb(r["gathered_param_bytes"])))
+    if r.get("gathered_grad_bytes"):
+        rows.append(("FSDP2 backward buffers (2 layers' grads, in replay / walk)", hb(r["gathered_grad_bytes"])))
     rows += [
         ("static per rank", hb(r["static_bytes_per_rank"])),
         ("PEAK per rank", f"{hb(r['peak_bytes_per_rank'])}  (during {r['peak_phase']})"),

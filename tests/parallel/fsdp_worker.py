@@ -104,6 +104,7 @@ def _one(world: int, wrap: str, recompute: bool) -> dict:
         engine.score(group)
         result = engine.step(group)
     seen["after step"] = _unsharded(layers)
+    seen["reduce-scatter inputs after step"] = _held_reduce_scatter_inputs(layers)
     seen["walk_recompute_layers"] = result.metrics["walk_recompute_layers"]
     worst = 0.0
     for name, p in model.named_parameters():
@@ -112,3 +113,10 @@ def _one(world: int, wrap: str, recompute: bool) -> dict:
         worst = max(worst, float((grad - ref).abs().max() / (ref.abs().max() + 1e-300)))
     seen["worst_relative_grad_error"] = worst
     return seen
+
+
+def _held_reduce_scatter_inputs(layers) -> int:
+    """The reduce-scatter inputs FSDP2's shared comm context still holds (its
+    `reduce_scatter_states`, which FSDP2's final backward callback clears)."""
+    ctx = layers[0]._get_fsdp_state()._comm_ctx
+    return len(ctx.reduce_scatter_states)

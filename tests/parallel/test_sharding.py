@@ -1,7 +1,8 @@
 """parallel/sharding.shard_model on gloo (CPU), W = 3 (W = 2 under `-m slow`): at no
 forward or backward of generate, score, capture, replay or exact mode's reverse walk are
 more layers unsharded than the planner counts (`plan/memory.py`: two gathered layers),
-none is left unsharded after the step, and the step's gradients equal one unsharded
+none is left unsharded after the step nor any reduce-scatter input held (FSDP2's final
+backward callback drops the last one, with `shard_model`'s shared root state), and the step's gradients equal one unsharded
 process's (float64), with and without the walk's layer recompute (issue 43 item 6a: on
 under FSDP2 when asked). The old wrapping (`fully_shard(layer)` for each layer, no root:
 every layer its own root, never resharded after forward) holds all four
@@ -34,6 +35,7 @@ def test_shard_model_keeps_at_most_the_planned_layers_unsharded(tmp_path, world)
             for name in PHASES:
                 assert 1 <= seen[name] <= PLANNED_GATHERED_LAYERS, (recompute, name, seen)
             assert seen["after step"] == 0, seen
+            assert seen["reduce-scatter inputs after step"] == 0, seen
             assert seen["walk_recompute_layers"] == float(recompute == "True"), seen  # recompute runs under FSDP2
             assert seen["worst_relative_grad_error"] <= 1e-9, seen
 
@@ -44,3 +46,4 @@ def test_the_count_sees_the_old_wrapping_hold_every_layer(tmp_path):
     for by_recompute in _counts(tmp_path, 2, "old", (False,)):
         seen = by_recompute["False"]
         assert all(seen[name] == 4 for name in PHASES), seen
+        assert seen["reduce-scatter inputs after step"] == 0, seen
