@@ -11,6 +11,10 @@ planner's for the same step (first group, optimizer state off) and the 1-minute 
 average (a loaded core inflates wall_s, not cpu_s).
 
     taskset -c 1 env PYTHONPATH=. python bench/bench_rehearse_scaling.py 32768:torch 32768:fast 131072:fast
+    python bench/bench_rehearse_scaling.py --extrapolate 2088960     # from the committed rows, no rehearsal
+
+`--extrapolate P` fits a least-squares line through the `fast` rows (ops, cpu_s, wall_s,
+peak RSS against P) and prints its value at P: an extrapolation, not a measurement.
 """
 
 from __future__ import annotations
@@ -40,7 +44,27 @@ def row(P: int, fake: str, commit: str) -> dict:
             "load_avg_1m": round(r["load_avg_1m"], 2), "commit": commit}
 
 
+def extrapolate(P: int, path: str = ROWS) -> dict:
+    """Each column's least-squares line through the `fast` rows at `P` (an extrapolation)."""
+    rows = [r for r in csv.DictReader(open(path)) if r["fake_mode"] == "fast"]
+    xs = [float(r["P"]) for r in rows]
+    if len(set(xs)) < 2:
+        raise SystemExit(f"--extrapolate needs fast rows at two P or more in {path}; it has {sorted(set(xs))}")
+    mx = sum(xs) / len(xs)
+    out = {"P": P, "from_P": sorted(int(x) for x in set(xs))}
+    for col in ("ops", "cpu_s", "wall_s", "peak_rss_bytes"):
+        ys = [float(r[col]) for r in rows]
+        my = sum(ys) / len(ys)
+        slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sum((x - mx) ** 2 for x in xs)
+        out[col] = round(my + slope * (P - mx), 1)
+        out[f"{col}_per_token"] = slope
+    return out
+
+
 def main(argv: list[str]) -> None:
+    if argv[:1] == ["--extrapolate"]:
+        print(json.dumps(extrapolate(int(argv[1]))))
+        return
     runs = [(int(p), f) for p, f in (a.split(":") for a in argv)]
     bad = [f for _, f in runs if f not in ("fast", "torch")]
     if bad or not runs:
