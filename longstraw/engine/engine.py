@@ -95,7 +95,7 @@ class Engine:
         self.config = config
         self.adapter = adapter_for(model)
         self._graph_per_token: float | None = None  # recomputes_layers' estimate, made once
-        self.phase_hook = _no_phase  # name -> context manager around each phase of step (a rehearsal's tracker)
+        self.phase_hook = _no_phase  # name -> context manager around each phase of step (capture, replay, walk; gradients: the W > 1 broadcast) (a rehearsal's tracker)
         check_placement(model)  # one device, no accelerate hooks (models/placement.py)
         want, have = (torch.device(config.state_device) if config.state_device else None), self.adapter.device
         if want is not None and not config.offloads_state() \
@@ -452,7 +452,8 @@ class Engine:
             if self.cp is not None and self.cp.world > 1 and not divided:
                 # replay's (and a replicated walk's) gradients, which backward may sum in a different
                 # order on each rank: the first rank's on every rank (a divided walk's sum does this)
-                replicate_gradients(replicated_parameters(self.model), self.cp)
+                with self.phase_hook("gradients"):
+                    replicate_gradients(replicated_parameters(self.model), self.cp)
             mark()
             metrics.state_grad_bytes = float(state.grad_nbytes())  # what the step held (released on return)
         finally:  # the walk spent dLoss/dState (or the step failed): a held state keeps only its rows

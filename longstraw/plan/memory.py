@@ -173,6 +173,17 @@ def whole_elements(arch: Arch, params) -> int:
     return params.embedding + params.lm_head + arch.hidden
 
 
+def replicated_grad_elements(s: Basis) -> int:
+    """Gradient elements of the parameters every rank holds whole (`parallel.gradients.
+    replicated_parameters` that get a gradient), which a context-parallel step sums or
+    broadcasts across ranks: LoRA's, or (FSDP2 reduce-scatters the sharded layers itself)
+    the embeddings, lm_head and final norm, or every parameter but the DSA indexers' (no
+    gradient) and the expert slices (never summed)."""
+    c, params = s.config, s.params
+    return (params.lora if c.lora_rank else whole_elements(s.arch, params) if c.shard_params
+            else params.total - indexer_parameters(s.arch) - (expert_elements(s.arch) if c.expert_parallel else 0))
+
+
 def whole_weight_bytes(arch: Arch, params, wdt: str, b: int) -> float:
     """Stored bytes of `whole_elements` (never quantized: the compute dtype under a quantized `wdt`)."""
     return whole_elements(arch, params) * (b if wdt in QUANT_BYTES else DTYPE_BYTES[wdt])
@@ -443,7 +454,7 @@ def _divided_walk_working(s: Basis, walk_chunk: int, graph_tok: float) -> float:
 
 def plan_walk(s: Basis, capture: CapturePlan, graph_tok: float) -> WalkPlan:
     """Exact mode's recompute working set, kept graphs, and whether the walk is divided."""
-    c, W, P, C, exact, params = s.config, s.W, s.P, capture.C, s.exact, s.params
+    c, W, P, C, exact = s.config, s.W, s.P, capture.C, s.exact
     graph, transient = _autograd(s, C, s.p_rank)
     recompute = exact and not walk_keeps_graph(s, plan_state(s))  # the engine's rule; FSDP2 too
     working = (walk_recompute_working(s, C, s.p_rank) if recompute else graph + transient) if exact else 0.0
@@ -460,13 +471,8 @@ def plan_walk(s: Basis, capture: CapturePlan, graph_tok: float) -> WalkPlan:
             s, walk_chunk, s.deal.fullest(walk_chunk),
             lambda layer: _gathered_walk_row_bytes(s.arch, layer, s.b, c.gdn_kernel)) if recompute
             else _divided_walk_working(s, walk_chunk, graph_tok))
-        # the replicated parameters' gradients summed after the walk: LoRA's, or (FSDP2 reduce-scatters
-        # the sharded layers itself) the embeddings, lm_head and final norm, or every parameter but the expert slices
-        grad_elems = (params.lora if c.lora_rank else whole_elements(s.arch, params) if c.shard_params
-                      else params.total - indexer_parameters(s.arch)
-                      - (expert_elements(s.arch) if c.expert_parallel else 0))  # expert slices: never summed
-        comm = divided_walk_traffic(s.cfg, positions=P - 1, world=W, block=s.block,
-                                    chunk_size=c.chunk_size, dtype=s.dtype, grad_bytes=grad_elems * s.b)
+        comm = divided_walk_traffic(s.cfg, positions=P - 1, world=W, block=s.block, chunk_size=c.chunk_size,
+                                    dtype=s.dtype, grad_bytes=replicated_grad_elements(s) * s.b)
     outputs = kept_output_bytes(s, (P - 1) - min(P - 1, kept * C)) if exact and not divided else 0.0
     return WalkPlan(working=working, chunks=chunks, chunk_graph=chunk_graph, kept_chunks=kept,
                     kept_bytes=kept * chunk_graph, divided=bool(divided), chunk=walk_chunk, comm=comm,

@@ -11,10 +11,26 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .config import Basis
-from .memory import CapturePlan, ReplayPlan, StatePlan, WalkPlan, WeightPlan
+from .memory import CapturePlan, ReplayPlan, StatePlan, WalkPlan, WeightPlan, replicated_grad_elements
 from .generate import GeneratePlan
 from .offload import OffloadPlan
 from .vision import VisionPlan
+
+
+GRADIENT_BUCKET_BYTES = 32 << 20
+"""`parallel.collectives.in_buckets`' bucket: the replicated gradients' collectives flatten up to this many bytes."""
+
+
+def largest_gradient_bucket(s: Basis) -> float:
+    """Bytes of the largest flat bucket (`collectives.in_buckets`: `torch.cat` of up to
+    32 MiB of gradients, or one larger gradient alone) the replicated gradients' collective
+    holds: the embeddings' (or lm_head's) [vocab, hidden], or one layer's fused routed
+    experts [E, 2I, H] where every rank holds them whole; under LoRA its adapters'."""
+    c, a = s.config, s.arch
+    largest = 0 if c.lora_rank else a.vocab * a.hidden
+    if a.experts and not (c.lora_rank or c.expert_parallel or c.shard_params):
+        largest = max(largest, a.experts * (2 if a.gated_mlp else 1) * a.moe_intermediate * a.hidden)
+    return min(replicated_grad_elements(s) * s.b, max(GRADIENT_BUCKET_BYTES, largest * s.b))
 
 
 @dataclass(frozen=True)
@@ -26,7 +42,8 @@ class Peak:
             state gradients and GDN checkpoints.
         phases: what each phase holds beyond `static` ('capture', 'replay', exact mode's
             'recompute', 'score' with score passes, 'generate' with `generate`, 'vision'
-            with images).
+            with images, 'gradients' for W > 1 without a divided walk: the broadcast of the
+            replicated gradients after backward, one flat bucket).
         phase / peak / fits: the largest phase, static + its bytes, and peak + reserve <= gpu_memory.
     """
 
@@ -56,6 +73,12 @@ def plan_peak(s: Basis, state: StatePlan, weights: WeightPlan, replay: ReplayPla
     if s.exact:  # the walk frees the kept graphs first; a chunk is recomputed only after all of them
         phases["recompute"] = max(kept + (walk.transient if walk.kept_chunks else 0),
                                   walk.working if walk.kept_chunks < walk.chunks else 0)
+    if s.W > 1:  # the replicated gradients' collective after backward (`parallel.gradients`), one flat bucket
+        bucket = largest_gradient_bucket(s)
+        if walk.divided:  # partial_gradients: replay's set aside, the walk's partials in fresh buffers, then summed
+            phases["recompute"] = replicated_grad_elements(s) * s.b + max(walk.working, bucket)
+        else:  # replicate_gradients: the first rank's broadcast
+            phases["gradients"] = bucket
     if w.gathered_grads:  # FSDP2's backward buffers (shard_params), beside the two gathered layers (static)
         phases.update(fsdp2_backward_phases(phases, replay, w, s.exact))
     if c.score_passes:

@@ -10,8 +10,16 @@ optimizer state, so the planner is asked for the same step (`grads_during_captur
 and its optimizer state is taken off every figure (peak and phases). The planner's
 "recompute" phase is the rehearsal's "walk" (exact mode's reverse walk).
 
-Rehearsed so far: one rank (`--gpus 1`), full training in the compute dtype (no LoRA,
-no quantised weights), no tree, no images, the state on the device. Anything else is
+Under `--gpus W > 1` the step is context parallel (`ExecConfig(context_parallel=True)`)
+and ranks 0 and W - 1 are rehearsed on the fake process group (`rehearsal/ranks.py`):
+rank 0 holds the most prompt rows (the planner's per-rank peak is the fullest rank's);
+rank W - 1 the fewest, so it receives the most of capture's traffic and, unlike rank 0
+(the source), the gradients' broadcast. The peak compared is the higher rank's; the bytes
+received per phase the most either rank received (the planner's: the busiest rank's).
+
+Rehearsed so far: full training in the compute dtype (no LoRA, no quantised weights), a
+tree of at most one shared segment (`--tree Sx1,LxG`, or `LxG`), no images, the state on
+the device, the weights replicated (no FSDP2, no expert parallelism). Anything else is
 refused with `ConfigError` before a fake model is built.
 """
 
@@ -52,14 +60,26 @@ def hf_config(model) -> transformers.PretrainedConfig:
     return transformers.AutoConfig.for_model(text if text in CONFIG_MAPPING else model_type, **cfg)
 
 
+def shared_prefix(c: PlanConfig) -> int:
+    """The responses' shared first tokens of `c`'s tree (0 without one): a tree of one
+    shared segment and G leaves (`Sx1,LxG`) is rehearsable, a flat `LxG` too."""
+    if c.tree is None or len(c.tree) == 1:
+        return 0
+    return c.tree[0][0]
+
+
 def refuse_unrehearsed(c: PlanConfig) -> None:
     """`ConfigError` for a planned configuration a rehearsal cannot run yet (before any work)."""
-    unsupported = {"--gpus > 1 (world_size > 1 is not rehearsed yet)": c.gpus > 1,
-                   "--lora-rank": c.lora_rank is not None, "--weight-dtype": c.weight_dtype not in (None, c.dtype),
-                   "--tree": c.tree is not None, "--images": bool(c.images), "--offload-state": c.offload_state,
-                   "--shard-params": c.shard_params, "--expert-parallel": c.expert_parallel,
-                   "--score-passes": bool(c.score_passes), "--data-parallel > 1": c.data_parallel > 1,
-                   "--generate": c.generate}
+    deep_tree = c.tree is not None and (len(c.tree) > 2 or (len(c.tree) == 2 and c.tree[0][1] != 1))
+    unsupported = {"--lora-rank (a rehearsal builds no adapters)": c.lora_rank is not None,
+                   "--weight-dtype": c.weight_dtype not in (None, c.dtype),
+                   "--tree beyond one shared segment (Sx1,LxG: a rehearsal draws one shared prefix)": deep_tree,
+                   "--images": bool(c.images),
+                   "--offload-state (on the CPU branches the host and the device are one: the offloaded rows "
+                   "would count as device bytes)": c.offload_state,
+                   "--shard-params (FSDP2's rehearsed peak is not yet the real one's)": c.shard_params,
+                   "--expert-parallel": c.expert_parallel, "--score-passes": bool(c.score_passes),
+                   "--data-parallel > 1": c.data_parallel > 1, "--generate": c.generate}
     bad = [flag for flag, on in unsupported.items() if on]
     if bad:
         raise ConfigError(f"longstraw plan --rehearse: not rehearsed yet: {', '.join(bad)}; drop them to rehearse "
@@ -67,8 +87,8 @@ def refuse_unrehearsed(c: PlanConfig) -> None:
 
 
 def rehearsal_exec_config(c: PlanConfig) -> ExecConfig:
-    """The `ExecConfig` of planned configuration `c` (one rank)."""
-    fields = {k: v for k, v in exec_config(c).items() if k not in ("context_parallel", "expert_parallel")}
+    """The `ExecConfig` of planned configuration `c` (context parallel for `--gpus > 1`)."""
+    fields = {k: v for k, v in exec_config(c).items() if k != "expert_parallel"}
     if fields.get("recompute_layers") is None:
         fields.pop("recompute_layers")
     if fields.get("offload_snapshots") is None:
@@ -76,48 +96,82 @@ def rehearsal_exec_config(c: PlanConfig) -> ExecConfig:
     return ExecConfig(**fields)
 
 
+def rehearsed_plan_ranks(c: PlanConfig) -> list[int] | None:
+    """The ranks `rehearse_plan` rehearses: 0 (the most prompt rows) and W - 1 (the most
+    capture traffic, a receiver of the gradients' broadcast); None for one rank."""
+    return sorted({0, c.gpus - 1}) if c.gpus > 1 else None
+
+
 def rehearse_plan(model, c: PlanConfig, *, steps: int = 1) -> Rehearsal:
-    """Rehearse the step planned by (`model`, `c`) on one rank on the CPU branches."""
+    """Rehearse the step planned by (`model`, `c`) on the CPU branches: one rank, or ranks
+    0 and W - 1 of `c.gpus` on the fake process group."""
     refuse_unrehearsed(c)
     dtype = DTYPES.get(str(c.dtype or "bf16").lower())
     if dtype is None:
         raise ConfigError(f"longstraw plan --rehearse: dtype {c.dtype!r} is not one of {', '.join(DTYPES)}")
     return rehearse(hf_config(model), rehearsal_exec_config(c), prompt_tokens=c.prompt_tokens, group=c.group,
-                    response_tokens=c.response_tokens, device="cpu", dtype=dtype, steps=steps)
+                    response_tokens=c.response_tokens, device="cpu", dtype=dtype, steps=steps,
+                    world_size=c.gpus, rank=rehearsed_plan_ranks(c), shared_prefix=shared_prefix(c))
 
 
 def planned_as_rehearsed(model, c: PlanConfig) -> dict:
     """The planner's figures for the step a rehearsal runs: first group (no gradients
-    during capture), optimizer state taken off. {"peak_bytes_per_rank", "phases"}."""
+    during capture), optimizer state taken off. {"peak_bytes_per_rank", "phases",
+    "comm_bytes": {phase: bytes the busiest rank receives}}."""
     r = estimate(model, dataclasses.replace(c, grads_during_capture=False))
     opt = r["optimizer_bytes"]
     phases = {PHASE_OF_PLANNER.get(k, k): v - opt for k, v in r["breakdown"]["phase_peak_bytes"].items()}
-    return {"peak_bytes_per_rank": r["peak_bytes_per_rank"] - opt, "phases": phases}
+    comm = {k: sum(v["bytes"].values()) for k, v in r["comm"]["phases"].items() if "bytes" in v}
+    return {"peak_bytes_per_rank": r["peak_bytes_per_rank"] - opt, "phases": phases,
+            "comm_bytes": {k: v for k, v in comm.items() if v}}
+
+
+def received(reh: Rehearsal) -> dict[str, int]:
+    """{phase: bytes}: the most any rehearsed rank received in the phase, all collectives together."""
+    out: dict[str, int] = {}
+    for comm in (reh.rank_comm_bytes or {reh.rank: reh.comm_bytes}).values():
+        for phase, by in comm.items():
+            out[phase] = max(out.get(phase, 0), sum(by.values()))
+    return out
 
 
 def comparison(model, c: PlanConfig, reh: Rehearsal) -> dict:
     """The JSON "rehearsal" entry: the rehearsal's figures, the planner's for the same
-    step, and rehearsal / planner per phase."""
+    step, and rehearsal / planner per phase (peaks; "comm_<phase>": bytes received)."""
     planned = planned_as_rehearsed(model, c)
     ratio = {"peak_bytes_per_rank": reh.peak_bytes_per_rank / planned["peak_bytes_per_rank"]}
     for name, got in reh.phases.items():
         if planned["phases"].get(name):
             ratio[name] = got / planned["phases"][name]
-    return {"peak_bytes_per_rank": reh.peak_bytes_per_rank, "phases": dict(reh.phases), "comm_bytes": {},
+    got_comm = received(reh)
+    for name, got in got_comm.items():
+        if planned["comm_bytes"].get(name):
+            ratio[f"comm_{name}"] = got / planned["comm_bytes"][name]
+    ranks = "one rank" if c.gpus == 1 else f"ranks {', '.join(map(str, sorted(reh.rank_peaks)))} of {c.gpus}"
+    return {"peak_bytes_per_rank": reh.peak_bytes_per_rank, "phases": dict(reh.phases),
+            "comm_bytes": {k: dict(v) for k, v in reh.comm_bytes.items()}, "comm_received": got_comm,
+            "rank": reh.rank, "rank_peaks": dict(reh.rank_peaks), "world_size": reh.world_size,
             "flops": dict(reh.flops), "host_syncs": reh.host_syncs, "wall_s": reh.wall_s, "device": reh.device,
             "planner": planned, "ratio": ratio,
-            "compared": "one step from zero_grad(set_to_none=True), no optimizer state, one rank, CPU branches"}
+            "compared": f"one step from zero_grad(set_to_none=True), no optimizer state, {ranks}, CPU branches"}
 
 
 def format_comparison(entry: dict) -> str:
-    """The side-by-side table `longstraw plan --rehearse` prints."""
-    gib = 2 ** 30
+    """The side-by-side table `longstraw plan --rehearse` prints (peaks in GiB; under
+    `--gpus > 1` also the bytes received per phase, in MiB)."""
+    gib, mib = 2 ** 30, 2 ** 20
     planned = entry["planner"]
-    rows = [("peak", planned["peak_bytes_per_rank"], entry["peak_bytes_per_rank"])]
-    rows += [(k, planned["phases"].get(k), v) for k, v in entry["phases"].items()]
-    lines = [f"rehearsal ({entry['compared']}; {entry['wall_s']:.1f} s, {entry['host_syncs']} host syncs)",
-             f"  {'phase':<10} {'planner GiB':>12} {'rehearsal GiB':>14} {'rehearsal/planner':>18}"]
-    for name, p, r in rows:
-        ratio = f"{r / p:18.3f}" if p else f"{'n/a':>18}"
-        lines.append(f"  {name:<10} {(p or 0) / gib:12.3f} {r / gib:14.3f} {ratio}")
+    rows = [("peak", planned["peak_bytes_per_rank"], entry["peak_bytes_per_rank"], gib)]
+    rows += [(k, planned["phases"].get(k), v, gib) for k, v in entry["phases"].items()]
+    rows += [(k, v, None, gib) for k, v in planned["phases"].items() if k not in entry["phases"]]
+    comm = entry.get("comm_received", {})
+    rows += [(f"{k} recv", planned["comm_bytes"].get(k), comm.get(k), mib)
+             for k in list(comm) + [k for k in planned["comm_bytes"] if k not in comm]]
+    lines = [f"rehearsal ({entry['compared']}; {entry['wall_s']:.1f} s, {entry['host_syncs']} host syncs"
+             + (f"; peak on rank {entry['rank']}" if entry.get("world_size", 1) > 1 else "") + ")",
+             f"  {'phase':<15} {'planner':>12} {'rehearsal':>14} {'rehearsal/planner':>18}"]
+    for name, p, r, unit in rows:
+        ratio = f"{r / p:18.3f}" if p and r is not None else f"{'n/a':>18}"
+        got = f"{r / unit:14.3f}" if r is not None else f"{'n/a':>14}"
+        lines.append(f"  {name:<15} {(p or 0) / unit:8.3f} {'GiB' if unit == gib else 'MiB'} {got} {ratio}")
     return "\n".join(lines)

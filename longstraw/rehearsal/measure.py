@@ -81,7 +81,8 @@ def measure_steps(engine, group, grpo, *, steps: int = 1, tracker: LiveBytes, op
                 rest = _delta(Traffic.by_collective, start)  # the step's bytes, less its phases' and validation's
                 for phase in comm.values():
                     rest = {k: v - phase.get(k, 0) for k, v in rest.items() if v != phase.get(k, 0)}
-                comm["gradients"] = rest
+                for k, v in rest.items():  # and the "gradients" phase's own (the W > 1 broadcast)
+                    comm.setdefault("gradients", {})[k] = comm.get("gradients", {}).get(k, 0) + v
                 if optimizer is not None:
                     with hook("optimizer"):
                         optimizer.step()

@@ -58,6 +58,9 @@ class Rehearsal:
     world_size: int = 1
     rank_peaks: dict[int, int] = field(default_factory=dict)
     """{rank: peak_bytes} of every rehearsed rank (`rehearsal.ranks.rehearsed_ranks`)."""
+    rank_comm_bytes: dict[int, dict[str, dict[str, int]]] = field(default_factory=dict)
+    """{rank: comm_bytes} of every rehearsed rank (first step): the ranks receive different
+    bytes (a broadcast's source none; the rank with the fewest prompt rows the most of capture's)."""
 
     def as_dict(self) -> dict:
         """The JSON form (`longstraw plan --rehearse`'s "rehearsal")."""
@@ -65,7 +68,8 @@ class Rehearsal:
                 "flops": dict(self.flops), "host_syncs": self.host_syncs, "wall_s": self.wall_s,
                 "device": self.device, "step_peaks": [s.peak_bytes for s in self.steps],
                 "ops": [s.ops for s in self.steps], "comm_bytes": {k: dict(v) for k, v in self.comm_bytes.items()},
-                "rank": self.rank, "world_size": self.world_size, "rank_peaks": dict(self.rank_peaks)}
+                "rank": self.rank, "world_size": self.world_size, "rank_peaks": dict(self.rank_peaks),
+                "rank_comm_bytes": {r: {k: dict(v) for k, v in c.items()} for r, c in self.rank_comm_bytes.items()}}
 
 
 def _default_device() -> str:
@@ -181,7 +185,7 @@ def rehearse(model, config: ExecConfig | None = None, *, prompt_tokens: int, gro
     return Rehearsal(peak_bytes_per_rank=peaks[worst], phases=phases, flops=dict(figures[0].flops),
                      host_syncs=max(f.host_syncs for f in figures), steps=figures, wall_s=time.perf_counter() - t0,
                      device=device, comm_bytes=figures[0].comm_bytes, rank=worst, world_size=world_size,
-                     rank_peaks=peaks)
+                     rank_peaks=peaks, rank_comm_bytes={r: f[0].comm_bytes for r, f in by_rank.items()})
 
 
 def _rehearse_rank(hf_config, config: ExecConfig, inputs: Group, *, device: str, dtype: torch.dtype, steps: int,

@@ -27,9 +27,48 @@ def test_plan_rehearse_prints_the_rehearsal_beside_the_planner(capsys):
 
 
 def test_plan_rehearse_refuses_what_it_cannot_rehearse_before_any_work(capsys):
-    assert main(TINY + ["--rehearse", "--gpus", "2", "--lora-rank", "4"]) == 2
+    assert main(TINY + ["--rehearse", "--gpus", "2", "--lora-rank", "4", "--offload-state", "--shard-params"]) == 2
     err = capsys.readouterr().err
-    assert "--gpus > 1" in err and "--lora-rank" in err
+    assert "--lora-rank" in err and "--offload-state" in err and "--shard-params" in err and "--gpus" not in err
+    assert main(TINY[:5] + ["--tree", "4x2,4x2", "--rehearse"]) == 2  # two fanned-out levels: one shared prefix only
+    assert "--tree beyond one shared segment" in capsys.readouterr().err
+
+
+CP = ["--attention-block-size", "32"]  # 8 blocks of the prompt: every rank owns some (a divided capture)
+
+
+@pytest.mark.parametrize("world, mode", [(2, "detached"), (3, "detached"), (2, "exact")])
+def test_plan_rehearse_gpus_w_compares_each_rank_s_peak_and_received_bytes(capsys, world, mode):
+    """`--gpus W`: ranks 0 and W - 1 rehearsed on the fake process group, context parallel.
+    The peak (rank 0's, the most prompt rows) within the single-rank tolerance of the
+    planner's; the bytes received per phase (the busiest rank's) equal the planner's
+    within 1%: capture's (rank W - 1's, the fewest rows), replay's, the gradients'
+    broadcast (detached: rank 0 is its source and receives none) or the divided walk's.
+    Red before the planner's 'gradients' term: tiny qwen3 W = 2 was 1.31 detached, 1.69 exact."""
+    assert main(TINY + CP + ["--gpus", str(world), "--mode", mode, "--rehearse", "--json"]) == 0
+    reh = json.loads(capsys.readouterr().out)["rehearsal"]
+    assert reh["world_size"] == world and sorted(map(int, reh["rank_peaks"])) == [0, world - 1]
+    assert reh["rank"] == 0 and 0.8 < reh["ratio"]["peak_bytes_per_rank"] < 1.25, reh["ratio"]
+    after = {"detached": "gradients", "exact": "walk"}[mode]
+    assert after in reh["phases"] and 0.8 < reh["ratio"][after] < 1.25, reh["ratio"]
+    for phase in ("capture", "replay", after):
+        assert abs(reh["ratio"][f"comm_{phase}"] - 1) < 0.01, (phase, reh["comm_received"], reh["planner"])
+    assert reh["comm_bytes"]["capture"] and reh["comm_received"]["capture"] >= sum(reh["comm_bytes"]["capture"].values())
+
+
+def test_plan_rehearse_tree_rehearses_the_shared_segment_once(capsys):
+    """`--tree 512x1,16x4`: the responses share their first 512 tokens, replayed once
+    (the engine's tree path): the rehearsed peak within the single-rank tolerance of the
+    tree's plan, and under 0.7x the flat plan's (`--flat-responses`, which the same
+    rehearsal without the shared prefix would be)."""
+    tree = ["plan", "--model", "tiny-qwen3", "--prompt-tokens", "64", "--tree", "512x1,16x4", "--chunk-size", "64",
+            "--dtype", "fp32", "--json"]
+    assert main(tree + ["--flat-responses"]) == 0
+    flat = json.loads(capsys.readouterr().out)
+    assert main(tree + ["--rehearse"]) == 0
+    reh = json.loads(capsys.readouterr().out)["rehearsal"]
+    assert 0.8 < reh["ratio"]["peak_bytes_per_rank"] < 1.25, reh["ratio"]
+    assert reh["peak_bytes_per_rank"] < 0.7 * (flat["peak_bytes_per_rank"] - flat["optimizer_bytes"])
 
 
 @pytest.mark.slow
