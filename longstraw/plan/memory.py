@@ -273,20 +273,17 @@ def plan_replay(s: Basis, state: StatePlan) -> ReplayPlan:
 
 
 def batches_replay(arch: Arch) -> bool:
-    """Whether every mixer takes a batch of branches (`Adapter.batches_replay`): attention,
-    MLA / DSA and Gated DeltaNet; not Mamba2 or KDA."""
+    """Whether every mixer takes a batch of branches (`Adapter.batches_replay`): not Mamba2, KDA."""
     return all(layer.mixer in ("attention", "mla") or (layer.mixer == "gdn" and arch.recurrent == "gdn")
                for layer in arch.layers)
 
 
 def replay_batch(s: Basis, state: StatePlan, T: int) -> int:
     """Branches replayed as one batch, pieces of `T` tokens (as `engine/batched.batch_size`):
-    1 for branches in pieces, a prefix tree or prompt images; `replay_batch` as given;
-    None: `defaults.replay_batch_for` (one rank, a family that batches), its free tokens
-    exact mode's walk chunk where the walk keeps a whole chunk's graph (`walk_keeps_graph`)."""
+    1 in pieces, a shared tree or images; else `defaults.replay_batch_for`, its free tokens
+    exact mode's walk chunk where the walk keeps a whole chunk's graph."""
     c = s.config
-    shared = c.tree is not None and c.share_response_prefixes and len(c.tree) > 1  # the engine's tree path, shared
-    if T != s.R or shared or c.images:
+    if T != s.R or (c.tree is not None and c.share_response_prefixes and len(c.tree) > 1) or c.images:
         return 1
     batches = c.replay_batch is None and c.gpus == 1 and batches_replay(s.arch)
     free = min(c.chunk_size, s.P - 1) if batches and s.exact and s.P > 1 and walk_keeps_graph(s, state) else 0
@@ -294,8 +291,7 @@ def replay_batch(s: Basis, state: StatePlan, T: int) -> int:
 
 
 def walk_keeps_graph(s: Basis, state: StatePlan) -> bool:
-    """Whether exact mode's reverse walk keeps a whole chunk's graph: the engine's rule
-    (`Engine.walk_recomputes_layers`: replay's, for chunks of min(C, P - 1)) says no recompute."""
+    """No layer recompute in exact mode's walk (`Engine.walk_recomputes_layers`: chunks of min(C, P - 1))."""
     walk_graph = _autograd(s, min(s.config.chunk_size, s.P - 1), s.p_rank)[0]  # one undivided walk chunk's graph
     return not recompute_pays(s.config.recompute_layers, walk_graph, held_bytes(s, state), len(s.arch.layers))
 
