@@ -460,7 +460,8 @@ def worker(args) -> dict:
         row.update(chunk_size=kw["chunk_size"], attention_block_size=kw["attention_block_size"],
                    logits_chunk_size=kw["logits_chunk_size"], branch_chunk_size=kw["branch_chunk_size"],
                    keep_graph_bytes=kw.get("keep_graph_bytes", 0), recompute_layers=kw.get("recompute_layers"),
-                   keep_attention_outputs=kw.get("keep_attention_outputs"), replay_batch=kw.get("replay_batch", 1))
+                   keep_attention_outputs=kw.get("keep_attention_outputs"),
+                   replay_batch=metrics.get("replay_batch", kw.get("replay_batch", 1)))  # the engine's choice
     if method == "exact_fit_pg":
         row["fit_budget_bytes"] = int(args.fit_budget_bytes)
         row["kept_chunks"] = metrics.get("kept_graph_chunks")

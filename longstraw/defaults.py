@@ -32,8 +32,8 @@ def replay_batch_for(setting: int | None, *, group: int, batches: bool, response
     min(G, REPLAY_BATCH_MAX) whose b x `response_tokens` tokens fit in `free_tokens`,
     the tokens whose autograd graph the step holds anyway at another moment: exact mode's
     reverse-walk chunk (min(chunk_size, P - 1)) where the walk keeps a whole chunk's graph
-    (no layer recompute), 0 in detached mode. So the default batch costs no peak memory,
-    and the peak stays flat in G; a batch runs fewer, larger matmuls and less Python per
+    (no layer recompute), 0 in detached mode. So the default batch moves the planned peak
+    by about 1% at most (docs/exact.md), and the peak stays flat in G; a batch runs fewer, larger matmuls and less Python per
     branch (measured: bench/results/replay_batch_*.csv). More, where memory is left over:
     `fit_config` searches b against the budget."""
     if setting is not None:
