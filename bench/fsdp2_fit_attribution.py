@@ -58,23 +58,15 @@ def _rank(rank: int, world: int, init: str, out: str, mode: str) -> None:
     from bench.live_attribution import live_at_peak
     from bench.live_peak import live_tensor_peak
     from tests.distributed_worker import _init
-    from tests.parallel.test_fit_config_fsdp import G, P, R, _grad_bytes, _smallest, _wrapped
-    from tests.reference import uniform_group
+    from tests.parallel.test_fit_config_fsdp import _grad_bytes, fitted_engine
 
     _init(rank, world, init)
-    model = _wrapped(world)
-    budget = _smallest(model, mode)
-    plans, estimate = [], budget_mod.estimate
+    plans, estimate = [], budget_mod.estimate  # the last plan fit_config makes: of the config it returns
     budget_mod.estimate = lambda *a, **k: plans.append(estimate(*a, **k)) or plans[-1]
-    config = ls.fit_config(model, memory_budget=budget, prompt_tokens=P, group=G, response_tokens=R, mode=mode,
-                           context_parallel=True)
-    budget_mod.estimate = estimate
-    engine = ls.Engine(model, config)
-    optimizer = torch.optim.Adam(model.parameters(), lr=1e-4, foreach=False)
-    group = uniform_group(model.config.vocab_size, P, G, R, seed=0)
-    engine.step(group, ls.GRPOConfig())
-    optimizer.step()
-    optimizer.zero_grad(set_to_none=True)
+    try:
+        model, budget, _, engine, optimizer, group = fitted_engine(world, mode)
+    finally:
+        budget_mod.estimate = estimate
     rows = [("budget", budget)] + list(_plan_terms(plans[-1]).items())
     for step in range(2):
         for measure in ("raw", "settled"):

@@ -100,9 +100,12 @@ def gathered_when_read(modules):
         yield
         return
 
-    def pack(tensor):
-        module = owners.get(_storage_key(tensor)) if isinstance(tensor, torch.Tensor) else None
-        return tensor if module is None else _Gathered(tensor, module)
+    def pack(tensor):  # detached: an op that saves its own output would else hold it, and the output's
+        # grad_fn the saved copy, a cycle through the C++ graph that is never freed (engine/kept_graphs.py)
+        if not isinstance(tensor, torch.Tensor):
+            return tensor
+        module = owners.get(_storage_key(tensor))
+        return tensor.detach() if module is None else _Gathered(tensor.detach(), module)
 
     def unpack(saved):
         if isinstance(saved, _Gathered):

@@ -70,15 +70,13 @@ def _grad_bytes(model) -> int:
     return total
 
 
-def _fitted_step(rank: int, world: int, init: str, out: str, mode: str) -> None:
-    """One rank: the least budget, the config fitted to it, and the worst measured step above
-    the model and its gradients, to out.rank as JSON."""
+def fitted_engine(world: int, mode: str):
+    """On each rank of an initialized group: the wrapped model, the least budget, the config
+    `fit_config` returns for it, its engine, an Adam optimizer and the group, after one
+    warm step (the Adam state made, gradients None)."""
     import longstraw as ls
-    from bench.live_peak import live_tensor_peak
-    from tests.distributed_worker import _init
     from tests.reference import uniform_group
 
-    _init(rank, world, init)
     model = _wrapped(world)
     budget = _smallest(model, mode)
     config = ls.fit_config(model, memory_budget=budget, prompt_tokens=P, group=G, response_tokens=R, mode=mode,
@@ -89,6 +87,18 @@ def _fitted_step(rank: int, world: int, init: str, out: str, mode: str) -> None:
     engine.step(group, ls.GRPOConfig())
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
+    return model, budget, config, engine, optimizer, group
+
+
+def _fitted_step(rank: int, world: int, init: str, out: str, mode: str) -> None:
+    """One rank: the least budget, the config fitted to it, and the worst measured step above
+    the model and its gradients, to out.rank as JSON."""
+    import longstraw as ls
+    from bench.live_peak import live_tensor_peak
+    from tests.distributed_worker import _init
+
+    _init(rank, world, init)
+    model, budget, config, engine, optimizer, group = fitted_engine(world, mode)
     steps = []
     for _ in range(2):
         peak = live_tensor_peak(lambda: engine.step(group, ls.GRPOConfig()), settle=True)
