@@ -32,12 +32,12 @@ PRESET = "qwen3.6-27b"
 G, R, PIECE, CHUNK = 8, 8192, 2048, 4096
 
 
-def planner(P: int, G: int = G, R: int = R) -> dict:
+def planner(P: int, G: int = G, R: int = R, mode: str = "detached") -> dict:
     from longstraw.plan.config import PlanConfig
     from longstraw.plan.estimate import estimate
 
     r = estimate(PRESET, PlanConfig(prompt_tokens=P, group=G, response_tokens=R, branch_chunk_size=PIECE,
-                                    chunk_size=CHUNK, mode="detached", gpus=1, grads_during_capture=False))
+                                    chunk_size=CHUNK, mode=mode, gpus=1, grads_during_capture=False))
     opt = r["optimizer_bytes"]
     phases = {k: v - opt for k, v in r["breakdown"]["phase_peak_bytes"].items()}  # static + working, less optimizer
     return {"peak_bytes_per_rank": r["peak_bytes_per_rank"] - opt, "phases": phases,
@@ -45,7 +45,7 @@ def planner(P: int, G: int = G, R: int = R) -> dict:
             "static_wo_optimizer": r["static_bytes_per_rank"] - opt, "optimizer_bytes": opt}
 
 
-def one(P: int, G: int = G, R: int = R) -> dict:
+def one(P: int, G: int = G, R: int = R, mode: str = "detached") -> dict:
     import torch
     import transformers
 
@@ -58,16 +58,16 @@ def one(P: int, G: int = G, R: int = R) -> dict:
     hf = transformers.AutoConfig.for_model("qwen3_5_text", **fields)
     t0, c0 = time.perf_counter(), time.process_time()
     # the paper runs P + R past the preset's 262,144 positions (max_position_embeddings): allowed, as there
-    config = ls.ExecConfig(chunk_size=CHUNK, mode="detached", branch_chunk_size=PIECE, allow_position_overflow=True)
+    config = ls.ExecConfig(chunk_size=CHUNK, mode=mode, branch_chunk_size=PIECE, allow_position_overflow=True)
     r = ls.rehearse(hf, config, prompt_tokens=P, group=G, response_tokens=R, device="cpu", dtype=torch.bfloat16)
     return {"P": P, "G": G, "R": R, "piece": PIECE, "chunk": CHUNK, "rehearsal": r.as_dict(),
             "wall_s": time.perf_counter() - t0, "cpu_s": time.process_time() - c0,
-            "load_avg_1m": os.getloadavg()[0], "peak_rss_bytes": peak_rss_bytes(), "planner": planner(P, G, R)}
+            "load_avg_1m": os.getloadavg()[0], "peak_rss_bytes": peak_rss_bytes(), "planner": planner(P, G, R, mode), "mode": mode}
 
 
 def main(argv: list[str]) -> None:
     if argv[:1] == ["--one"]:
-        print(json.dumps(one(*map(int, argv[1:4]))))
+        print(json.dumps(one(*map(int, argv[1:4]), *argv[4:5])))  # --one P G R [mode]
         return
     g, r = G, R
     while argv[:1] in (["--group"], ["--response-tokens"]):
