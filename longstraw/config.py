@@ -170,10 +170,11 @@ class ExecConfig:
     branch's graph for b of them for fewer, larger matmuls. Families whose adapter takes a
     batch (`Adapter.batches_replay`: dense, MoE, windowed, Gated DeltaNet hybrids, MLA /
     DSA); others, and context parallelism, refuse b > 1 when the engine is built. None
-    (the default): `defaults.replay_batch_for`, b up to `REPLAY_BATCH_MAX` (8) where the
-    branches can batch and b one-branch graphs (as the planner estimates them) take at
-    most what the step holds anyway, else 1; the planner applies the same rule,
-    and `step` reports the choice as the metric `replay_batch`. See docs/exact.md."""
+    (the default): `defaults.replay_batch_for`: in exact mode, where the branches can
+    batch and the reverse walk keeps a whole chunk's graph, b up to `REPLAY_BATCH_MAX` (8)
+    whose b x R tokens fit in one walk chunk (a graph the step holds anyway); else 1, so
+    the peak stays flat in G. The planner applies the same rule, and `step` reports the
+    choice as the metric `replay_batch`. See docs/exact.md."""
 
     progress: bool = False
     """Show a progress bar over capture chunks and branches (stderr)."""
