@@ -33,9 +33,9 @@ def replay_batch_for(setting: int | None, *, group: int, batches: bool, response
     the tokens whose autograd graph the step holds anyway at another moment: exact mode's
     reverse-walk chunk (min(chunk_size, P - 1)) where the walk keeps a whole chunk's graph
     (no layer recompute), 0 in detached mode. So the default batch moves the planned peak
-    by about 1% at most (docs/exact.md), and the peak stays flat in G; a batch runs fewer, larger matmuls and less Python per
-    branch (measured: bench/results/replay_batch_*.csv). More, where memory is left over:
-    `fit_config` searches b against the budget."""
+    by about 1% at most (docs/exact.md), and the peak stays flat in G; a batch runs fewer,
+    larger matmuls and less Python per branch (measured: bench/results/replay_batch_*.csv).
+    More, where memory is left over: `fit_config` searches b against the budget."""
     if setting is not None:
         return max(1, min(int(setting), group))
     if not batches or group < 2:
@@ -45,6 +45,10 @@ def replay_batch_for(setting: int | None, *, group: int, batches: bool, response
 
 ATTENTION_BLOCK_SIZE = 1024
 """Prompt positions per block of the blockwise attention over the captured state."""
+
+GRADIENT_BUCKET_BYTES = 32 << 20
+"""The gradients' collectives (context- and data-parallel) flatten up to this many bytes at
+a time (`parallel.collectives.in_buckets`; the planner's 'gradients' phase)."""
 
 FLASH_BACKWARD_BLOCK = 8192
 """Prompt positions per call of the fused attention backward (`ops.flash.FlashAttention`):

@@ -95,7 +95,9 @@ class Engine:
         self.config = config
         self.adapter = adapter_for(model)
         self._graph_per_token: float | None = None  # recomputes_layers' estimate, made once
-        self.phase_hook = _no_phase  # name -> context manager around each phase of step (capture, replay, walk; gradients: the W > 1 broadcast) (a rehearsal's tracker)
+        # name -> context manager around each phase of step (a rehearsal's tracker): capture,
+        # replay, walk, and "gradients" (the W > 1 broadcast)
+        self.phase_hook = _no_phase
         check_placement(model)  # one device, no accelerate hooks (models/placement.py)
         want, have = (torch.device(config.state_device) if config.state_device else None), self.adapter.device
         if want is not None and not config.offloads_state() \

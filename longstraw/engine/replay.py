@@ -89,8 +89,8 @@ def replay_group(engine, state: PromptState, group: Group, grpo: GRPOConfig, tot
     with on_host():  # real advantages [G], also in a rehearsal
         adv = [float(a) for a in adv]
     longest = max(r.shape[0] for r in group.responses)
-    batch, pending = batch_size(engine, state, len(group.responses), longest, group.prompt.shape[0]), []
-    stats.batch = batch  # one-piece branches waiting: (inputs, piece_loss)
+    batch = stats.batch = batch_size(engine, state, len(group.responses), longest, group.prompt.shape[0])
+    pending = []  # one-piece branches waiting: (inputs, piece_loss)
     device, start = engine.adapter.device, group.prompt.shape[0] - 1
 
     def flush():

@@ -77,8 +77,8 @@ def replay_tree(engine, state: PromptState, group: Group, grpo: GRPOConfig, tota
         adv = [float(a) for a in adv]
     longest = max(r.shape[0] for r in group.responses)
     shared = stats.shared > 0  # a real tree; a flat group's leaves batch as the flat path's branches
-    device, batch = engine.adapter.device, batch_size(engine, state, group.size, longest, group.prompt.shape[0], tree=shared)
-    stats.batch = batch
+    device = engine.adapter.device
+    batch = stats.batch = batch_size(engine, state, group.size, longest, group.prompt.shape[0], tree=shared)
 
     def loss_of(seg: Segment):
         """(inputs [n], start, piece_loss) of `seg`: its members' loss terms from one log-prob tensor."""

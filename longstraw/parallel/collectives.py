@@ -16,6 +16,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
+from longstraw.defaults import GRADIENT_BUCKET_BYTES
 from longstraw.errors import DistributedError
 from longstraw.heartbeat import beat
 from longstraw.tensors import nbytes
@@ -98,7 +99,7 @@ def reduce_scatter_sum(tensor: torch.Tensor, cp) -> torch.Tensor:
     return out.to(tensor.device)
 
 
-def in_buckets(tensors: list[torch.Tensor], collective, bucket_bytes: int = 32 << 20) -> None:
+def in_buckets(tensors: list[torch.Tensor], collective, bucket_bytes: int = GRADIENT_BUCKET_BYTES) -> None:
     """Run `collective(flat) -> flat` (an in-place all-reduce or broadcast) over `tensors`
     flattened into buckets of up to `bucket_bytes` (one dtype and device per bucket, in
     order), and copy each result back into its tensors. Every rank must pass tensors of

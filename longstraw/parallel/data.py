@@ -18,6 +18,7 @@ import hashlib
 import torch
 from torch.distributed.tensor import DTensor
 
+from longstraw.defaults import GRADIENT_BUCKET_BYTES
 from longstraw.errors import DistributedError, LongStrawError
 from longstraw.group import BatchTotals
 from longstraw.parallel.collectives import all_gather, all_reduce_max, all_reduce_sum, in_buckets
@@ -58,7 +59,7 @@ def global_totals(groups, data: ContextParallel | None) -> BatchTotals:
                        max_response_tokens=int(longest[0]))
 
 
-def reduce_gradients(params, data: ContextParallel | None, bucket_bytes: int = 32 << 20) -> None:
+def reduce_gradients(params, data: ContextParallel | None, bucket_bytes: int = GRADIENT_BUCKET_BYTES) -> None:
     """Sum every trainable parameter's `.grad` over the data-parallel group, in place.
 
     A parameter with a gradient on some rank but not on this one (all its groups skipped

@@ -13,6 +13,7 @@ import contextlib
 import torch
 from torch.distributed.tensor import DTensor
 
+from longstraw.defaults import GRADIENT_BUCKET_BYTES
 from longstraw.errors import DistributedError
 from longstraw.host import on_host
 from longstraw.parallel.collectives import all_gather, all_reduce_sum, broadcast_from, in_buckets
@@ -33,7 +34,7 @@ def same_gradient_layout(grads: list[torch.Tensor], cp, what: str) -> None:
 
 
 @contextlib.contextmanager
-def partial_gradients(params, cp, bucket_bytes: int = 32 << 20):
+def partial_gradients(params, cp, bucket_bytes: int = GRADIENT_BUCKET_BYTES):
     """Within the block, backward adds a partial gradient on each rank (the divided walk:
     each rank's own tokens); at its end every `.grad` holds the sum over ranks, added to
     what the first rank held before.
@@ -79,7 +80,7 @@ def replicated_parameters(model) -> list:
     return [p for p in model.parameters() if not isinstance(p, DTensor) and not is_expert_shard(p)]
 
 
-def replicate_gradients(params, cp, bucket_bytes: int = 32 << 20) -> None:
+def replicate_gradients(params, cp, bucket_bytes: int = GRADIENT_BUCKET_BYTES) -> None:
     """Every `.grad` of `params` becomes the first rank's, on every rank: one broadcast, in
     buckets of up to `bucket_bytes` of flattened gradients.
 

@@ -21,6 +21,7 @@ from .peak import plan_peak
 from .report import build_report
 from .comm import plan_comm
 from .timing import plan_time
+from .tree import takes_tree_path
 from .tree_cost import plan_tree_replay, tree_report, tree_timing
 from .vision import plan_vision, vision_report
 from .generate import generate_report, plan_generate
@@ -46,7 +47,7 @@ def estimate(model, config: PlanConfig) -> dict:
     s = resolve(model, config)
     state = plan_state(s)
     weights = plan_weights(s)
-    tree = config.tree is not None and config.share_response_prefixes and len(config.tree) > 1  # the engine's tree path
+    tree = takes_tree_path(config)  # the engine's tree path
     replay = plan_tree_replay(s, state) if tree else plan_replay(s, state)
     capture = plan_capture(s)
     walk = plan_walk(s, capture, replay.graph_tok)

@@ -20,6 +20,7 @@ from .kept_outputs import kept_output_bytes
 from .state_sizes import state_sizes
 from .experts import divided_moe_working, expert_elements, expert_parallel_weights
 from .traffic import divided_capture_traffic, divided_walk_traffic
+from .tree import takes_tree_path
 from ..defaults import offloads_snapshots, recompute_pays, replay_batch_for
 from .snapshots import (divided_walk_recompute_working, snapshot_grad_bytes, snapshot_plan, walk_recompute_working,
                         walk_starts)
@@ -279,11 +280,10 @@ def batches_replay(arch: Arch) -> bool:
 
 
 def replay_batch(s: Basis, state: StatePlan, T: int) -> int:
-    """Branches replayed as one batch, pieces of `T` tokens (as `engine/batched.batch_size`):
-    1 in pieces, a shared tree or images; else `defaults.replay_batch_for`, its free tokens
-    exact mode's walk chunk where the walk keeps a whole chunk's graph."""
+    """Branches replayed as one batch, pieces of `T` tokens (as `engine/batched.batch_size`): 1 in
+    pieces, a shared tree or images; else `defaults.replay_batch_for` (free: a kept walk chunk)."""
     c = s.config
-    if T != s.R or (c.tree is not None and c.share_response_prefixes and len(c.tree) > 1) or c.images:
+    if T != s.R or takes_tree_path(c) or c.images:
         return 1
     batches = c.replay_batch is None and c.gpus == 1 and batches_replay(s.arch)
     free = min(c.chunk_size, s.P - 1) if batches and s.exact and s.P > 1 and walk_keeps_graph(s, state) else 0

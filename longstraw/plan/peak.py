@@ -10,15 +10,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from ..defaults import GRADIENT_BUCKET_BYTES
 from .config import Basis
 from .memory import CapturePlan, ReplayPlan, StatePlan, WalkPlan, WeightPlan, replicated_grad_elements
 from .generate import GeneratePlan
 from .offload import OffloadPlan
 from .vision import VisionPlan
-
-
-GRADIENT_BUCKET_BYTES = 32 << 20
-"""`parallel.collectives.in_buckets`' bucket: the replicated gradients' collectives flatten up to this many bytes."""
 
 
 def largest_gradient_bucket(s: Basis) -> float:

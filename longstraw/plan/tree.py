@@ -91,3 +91,10 @@ def leaf_pieces(c, tokens: int) -> tuple[int, int]:
 def segment_chunk(c, tokens: int) -> int:
     """Walk chunk of a segment with children: min(chunk_size, branch_chunk_size), at most its length."""
     return min(tokens, c.chunk_size, c.branch_chunk_size or tokens)
+
+
+def takes_tree_path(c) -> bool:
+    """Whether the engine replays `c`'s responses as a tree (`engine/tree.py` with shared
+    segments): a tree of more than one level, shared (`share_response_prefixes`). A flat
+    tree, or sharing off, replays as G flat branches."""
+    return c.tree is not None and c.share_response_prefixes and len(c.tree) > 1

@@ -81,8 +81,9 @@ def measure_steps(engine, group, grpo, *, steps: int = 1, tracker: LiveBytes, op
                 rest = _delta(Traffic.by_collective, start)  # the step's bytes, less its phases' and validation's
                 for phase in comm.values():
                     rest = {k: v - phase.get(k, 0) for k, v in rest.items() if v != phase.get(k, 0)}
-                for k, v in rest.items():  # and the "gradients" phase's own (the W > 1 broadcast)
-                    comm.setdefault("gradients", {})[k] = comm.get("gradients", {}).get(k, 0) + v
+                gradients = comm.setdefault("gradients", {})  # its own phase's (the W > 1 broadcast) and the rest
+                for k, v in rest.items():
+                    gradients[k] = gradients.get(k, 0) + v
                 if optimizer is not None:
                     with hook("optimizer"):
                         optimizer.step()
