@@ -107,7 +107,7 @@ def plan(args, argv=()) -> int:
         report = estimate(args.model, config)
         text = format_report(report)
         if args.rehearse:
-            text += "\n\n" + _rehearse(args.model, config, report)
+            text += "\n\n" + _rehearse(args.model, config, report, args)
         print(json.dumps(report) if args.json else text)
         return 0
     from longstraw.plan.fit import fit_report, format_fit, search
@@ -119,18 +119,20 @@ def plan(args, argv=()) -> int:
     text = format_report(report) + "\n\n" + format_fit(result)
     fits = entry["fit"]
     if args.rehearse and fits:  # the chosen configuration, rehearsed: a choice whose rehearsal does not fit fails
-        text += "\n\n" + _rehearse(args.model, result.config, report)
+        text += "\n\n" + _rehearse(args.model, result.config, report, args)
         fits = report["rehearsal"]["fits"]
     print(json.dumps(report) if args.json else text)
     return 0 if fits else 3
 
 
-def _rehearse(model, config: PlanConfig, report: dict) -> str:
-    """Rehearse the planned step (`--rehearse`): adds report["rehearsal"], returns its table.
-    It fits when its peak plus the optimizer state and the reserve is within the GPU memory."""
+def _rehearse(model, config: PlanConfig, report: dict, args) -> str:
+    """Rehearse the planned step (`--rehearse`, `--rehearse-steps` of them): adds
+    report["rehearsal"], returns its table. It fits when its peak (the worst step's) plus
+    the optimizer state and the reserve is within the GPU memory."""
     from longstraw.rehearsal.against_plan import comparison, format_comparison, rehearse_plan
 
-    entry = comparison(model, config, rehearse_plan(model, config))
+    reh = rehearse_plan(model, config, steps=args.rehearse_steps, allow_position_overflow=args.allow_position_overflow)
+    entry = comparison(model, config, reh)
     entry["fits"] = entry["peak_bytes_per_rank"] + report["optimizer_bytes"] + config.reserve <= config.gpu_memory
     report["rehearsal"] = entry
     return format_comparison(entry) + ("" if entry["fits"] else "\n  the rehearsed peak does not fit")
@@ -248,6 +250,12 @@ def _add_fit_flags(p) -> None:
                    help="also run the planned step (with --fit: the chosen one) on fake tensors (ls.rehearse, one "
                         "rank, CPU branches) and print the planner's and the rehearsal's peak per phase side by side "
                         "(JSON: \"rehearsal\"; docs/rehearse.md)")
+    p.add_argument("--rehearse-steps", type=int, default=1, metavar="N",
+                   help="--rehearse: steps to rehearse one after the other (gradients set to None between): a leak "
+                        "shows as a later step's higher peak (JSON \"step_peaks\")")
+    p.add_argument("--allow-position-overflow", action="store_true",
+                   help="--rehearse: let P + R pass the model's max_position_embeddings, as a run with "
+                        "ExecConfig(allow_position_overflow=True) does (the paper's 2.1M-token runs do)")
 
 
 def train(args) -> int:

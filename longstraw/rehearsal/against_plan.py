@@ -86,9 +86,11 @@ def refuse_unrehearsed(c: PlanConfig) -> None:
                           "the rest (docs/rehearse.md)")
 
 
-def rehearsal_exec_config(c: PlanConfig) -> ExecConfig:
-    """The `ExecConfig` of planned configuration `c` (context parallel for `--gpus > 1`)."""
+def rehearsal_exec_config(c: PlanConfig, allow_position_overflow: bool = False) -> ExecConfig:
+    """The `ExecConfig` of planned configuration `c` (context parallel for `--gpus > 1`;
+    `allow_position_overflow`: P + R may pass the model's `max_position_embeddings`)."""
     fields = {k: v for k, v in exec_config(c).items() if k != "expert_parallel"}
+    fields["allow_position_overflow"] = allow_position_overflow
     if fields.get("recompute_layers") is None:
         fields.pop("recompute_layers")
     if fields.get("offload_snapshots") is None:
@@ -102,14 +104,14 @@ def rehearsed_plan_ranks(c: PlanConfig) -> list[int] | None:
     return sorted({0, c.gpus - 1}) if c.gpus > 1 else None
 
 
-def rehearse_plan(model, c: PlanConfig, *, steps: int = 1) -> Rehearsal:
+def rehearse_plan(model, c: PlanConfig, *, steps: int = 1, allow_position_overflow: bool = False) -> Rehearsal:
     """Rehearse the step planned by (`model`, `c`) on the CPU branches: one rank, or ranks
-    0 and W - 1 of `c.gpus` on the fake process group."""
+    0 and W - 1 of `c.gpus` on the fake process group; `steps` steps."""
     refuse_unrehearsed(c)
     dtype = DTYPES.get(str(c.dtype or "bf16").lower())
     if dtype is None:
         raise ConfigError(f"longstraw plan --rehearse: dtype {c.dtype!r} is not one of {', '.join(DTYPES)}")
-    return rehearse(hf_config(model), rehearsal_exec_config(c), prompt_tokens=c.prompt_tokens, group=c.group,
+    return rehearse(hf_config(model), rehearsal_exec_config(c, allow_position_overflow), prompt_tokens=c.prompt_tokens, group=c.group,
                     response_tokens=c.response_tokens, device="cpu", dtype=dtype, steps=steps,
                     world_size=c.gpus, rank=rehearsed_plan_ranks(c), shared_prefix=shared_prefix(c))
 
@@ -140,20 +142,24 @@ def comparison(model, c: PlanConfig, reh: Rehearsal) -> dict:
     step, and rehearsal / planner per phase (peaks; "comm_<phase>": bytes received)."""
     planned = planned_as_rehearsed(model, c)
     ratio = {"peak_bytes_per_rank": reh.peak_bytes_per_rank / planned["peak_bytes_per_rank"]}
-    for name, got in reh.phases.items():
+    # detached mode's "walk" opens and runs nothing (its peak is what the step holds on entry): not shown
+    phases = {k: v for k, v in reh.phases.items() if k != "walk" or c.mode == "exact"}
+    for name, got in phases.items():
         if planned["phases"].get(name):
             ratio[name] = got / planned["phases"][name]
     got_comm = received(reh)
     for name, got in got_comm.items():
         if planned["comm_bytes"].get(name):
             ratio[f"comm_{name}"] = got / planned["comm_bytes"][name]
+    steps = "one step" if len(reh.steps) <= 1 else f"{len(reh.steps)} steps, each"
     ranks = "one rank" if c.gpus == 1 else f"ranks {', '.join(map(str, sorted(reh.rank_peaks)))} of {c.gpus}"
-    return {"peak_bytes_per_rank": reh.peak_bytes_per_rank, "phases": dict(reh.phases),
+    return {"peak_bytes_per_rank": reh.peak_bytes_per_rank, "phases": phases,
+            "step_peaks": [s.peak_bytes for s in reh.steps], "ops": [s.ops for s in reh.steps],
             "comm_bytes": {k: dict(v) for k, v in reh.comm_bytes.items()}, "comm_received": got_comm,
             "rank": reh.rank, "rank_peaks": dict(reh.rank_peaks), "world_size": reh.world_size,
             "flops": dict(reh.flops), "host_syncs": reh.host_syncs, "wall_s": reh.wall_s, "device": reh.device,
             "planner": planned, "ratio": ratio,
-            "compared": f"one step from zero_grad(set_to_none=True), no optimizer state, {ranks}, CPU branches"}
+            "compared": f"{steps} from zero_grad(set_to_none=True), no optimizer state, {ranks}, CPU branches"}
 
 
 def format_comparison(entry: dict) -> str:
@@ -167,7 +173,9 @@ def format_comparison(entry: dict) -> str:
     comm = entry.get("comm_received", {})
     rows += [(f"{k} recv", planned["comm_bytes"].get(k), comm.get(k), mib)
              for k in list(comm) + [k for k in planned["comm_bytes"] if k not in comm]]
+    steps = entry.get("step_peaks", [])
     lines = [f"rehearsal ({entry['compared']}; {entry['wall_s']:.1f} s, {entry['host_syncs']} host syncs"
+             + (f"; step peaks {', '.join(f'{b / gib:.3f}' for b in steps)} GiB" if len(steps) > 1 else "")
              + (f"; peak on rank {entry['rank']}" if entry.get("world_size", 1) > 1 else "") + ")",
              f"  {'phase':<15} {'planner':>12} {'rehearsal':>14} {'rehearsal/planner':>18}"]
     for name, p, r, unit in rows:

@@ -97,3 +97,23 @@ def test_planner_replay_matches_the_rehearsal_at_the_paper_s_dimensions():
                    mode="detached", gpus=1, dtype="bf16")
     entry = comparison(model, c, rehearse_plan(model, c))
     assert abs(entry["ratio"]["replay"] - 1) <= 0.05, entry["ratio"]
+
+
+def test_plan_rehearse_steps_gives_each_step_s_peak(capsys):
+    """`--rehearse-steps 2`: two steps rehearsed, each one's peak in "step_peaks" (no leak:
+    the second peaks as the first); detached mode's empty "walk" is not shown."""
+    assert main(TINY + ["--rehearse", "--rehearse-steps", "2", "--json"]) == 0
+    reh = json.loads(capsys.readouterr().out)["rehearsal"]
+    first, second = reh["step_peaks"]
+    assert reh["peak_bytes_per_rank"] == max(first, second) and abs(second - first) <= 0.005 * first
+    assert len(reh["ops"]) == 2 and "walk" not in reh["phases"]
+    assert main(TINY + ["--rehearse", "--rehearse-steps", "0"]) == 2  # a clear error, not an empty rehearsal
+
+
+def test_plan_rehearse_allow_position_overflow_reaches_the_rehearsed_engine():
+    from longstraw.plan.config import PlanConfig
+    from longstraw.rehearsal.against_plan import rehearsal_exec_config
+
+    c = PlanConfig(prompt_tokens=256, group=2, response_tokens=8)
+    assert not rehearsal_exec_config(c).allow_position_overflow
+    assert rehearsal_exec_config(c, allow_position_overflow=True).allow_position_overflow
