@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import torch
 
+from longstraw.defaults import DIVIDED_QUERY_ROWS
 from longstraw.tensors import KVSegment, accumulation_dtype
 from longstraw.ops.attention import PrefixAttention
 from longstraw.parallel.collectives import broadcast_from
@@ -75,10 +76,30 @@ def shard_pieces(rows: list, *, positions: int, rank: int, deal: Deal, cp, piece
             yield src, r0, r1, pieces
 
 
+def _runs(spans, starts, *, deal: Deal, src: int, r0: int, r1: int, window: int | None, rows: int):
+    """The own blocks that see rows of a fetched piece (rows r0 .. r1 - 1 of rank src's shard),
+    as runs [(a, b, lo, seen, first)]: local rows a .. b - 1 see the piece's rows lo .. seen - 1;
+    `first` is the run's first position. Without a window, consecutive blocks that see the same
+    rows (every block after the piece sees it whole) join, up to `rows` rows a run."""
+    runs = []
+    for (a, b), first in zip(spans, starts):
+        seen = min(deal.count(first, src), r1) - r0  # rows of the piece this block sees
+        # no query of the block sees a key before first - window + 1 (its first query's window)
+        lo = 0 if window is None else max(0, deal.count(first - window + 1, src) - r0)
+        if seen <= lo:
+            continue
+        last = runs[-1] if runs else None
+        if window is None and last is not None and last[1] == a and last[3] == seen and b - last[0] <= rows:
+            runs[-1] = (last[0], b, lo, seen, last[4])
+        else:
+            runs.append((a, b, lo, seen, first))
+    return runs
+
+
 @torch.no_grad()
 def divided_causal_attention(q, k, v, *, positions: int, rank: int, world: int, block: int, scale: float, cp,
                              piece_rows: int, value_dim: int | None = None, sinks: torch.Tensor | None = None,
-                             window: int | None = None):
+                             window: int | None = None, query_rows: int = DIVIDED_QUERY_ROWS):
     """Attention of this rank's own positions over all earlier positions of all ranks.
 
     Args:
@@ -95,6 +116,8 @@ def divided_causal_attention(q, k, v, *, positions: int, rank: int, world: int, 
         window: sliding window W (a query at p sees the keys at p - W + 1 .. p, whichever
             rank holds them), or None. A fetched piece's rows wholly before a block's
             window are skipped.
+        query_rows: without a window, the blocks that see the same rows of a piece (all
+            those after it) attend in one call of up to this many rows (at least a block).
 
     Returns:
         [H, N, Dv] in q's dtype. Every rank must call it (the shards are broadcast).
@@ -110,26 +133,35 @@ def divided_causal_attention(q, k, v, *, positions: int, rank: int, world: int, 
     own = deal.blocks(rank, positions)  # (first position, end position, first row) of each own block
     starts = [first for first, _, _ in own]
     spans = [(r, r + end - first) for first, end, r in own]  # their local rows
-    # the diagonal: each own block over itself, causal
     own_v = values(k, v)
-    parts = [_partial(q[:, a:b], k[:, a:b], own_v[:, a:b], scale, True, window) for a, b in spans]
+    hkv, dv = k.shape[0], own_v.shape[-1]
+    # the running output and log-sum-exp of every own query, in _partial's row layout [Hkv, g, N]
+    out = q.new_zeros(hkv, h // hkv, n, dv, dtype=accumulation_dtype(q.dtype))
+    lse = q.new_full((hkv, h // hkv, n), float("-inf"), dtype=out.dtype)
+    for a, b in spans:  # the diagonal: each own block over itself, causal
+        o_p, lse_p = _partial(q[:, a:b], k[:, a:b], own_v[:, a:b], scale, True, window)
+        out[:, :, a:b] = o_p.view(hkv, -1, b - a, dv)
+        lse[:, :, a:b] = lse_p.view(hkv, -1, b - a)
     for src, r0, r1, pieces in shard_pieces(fetched, positions=positions, rank=rank, deal=deal, cp=cp,
                                             piece_rows=piece_rows):
         pk, pv = pieces[0], values(pieces[0], pieces[-1])
-        for i, ((a, b), first) in enumerate(zip(spans, starts)):
-            seen = min(deal.count(first, src), r1) - r0  # rows of the piece this block sees
-            # no query of the block sees a key before first - window + 1 (its first query's window)
-            lo = 0 if window is None else max(0, deal.count(first - window + 1, src) - r0)
-            if seen <= lo:
-                continue
+        for a, b, lo, seen, first in _runs(spans, starts, deal=deal, src=src, r0=r0, r1=r1, window=window,
+                                           rows=max(query_rows, block)):
             k_pos = 0 if window is None else deal.position(torch.arange(r0 + lo, r0 + seen, device=q.device), src)
             o_p, lse_p = _partial(q[:, a:b], pk[:, lo:seen], pv[:, lo:seen], scale, False, window, first, k_pos)
-            o, lse = parts[i]
-            parts[i] = (merge_partials(o_p, lse_p, o, lse), torch.logaddexp(lse_p, lse))
-    out = [o.reshape(h, b - a, -1) for (o, _), (a, b) in zip(parts, spans)]
+            _merge_into(out[:, :, a:b], lse[:, :, a:b], o_p.view(hkv, -1, b - a, dv), lse_p.view(hkv, -1, b - a))
+    out, lse = out.reshape(h, n, dv), lse.reshape(h, n)
     if sinks is not None:
-        out = [merge_sink(o, lse.reshape(h, b - a), sinks[:, None]) for o, (_, lse), (a, b) in zip(out, parts, spans)]
-    return torch.cat(out, dim=1).to(q.dtype) if out else q.new_zeros(h, 0, own_v.shape[-1])
+        out = merge_sink(out, lse, sinks[:, None])
+    return out.to(q.dtype)
+
+
+def _merge_into(out, lse, out_p, lse_p) -> None:
+    """`merge_partials` of a partial (out_p, lse_p) into the running (out, lse), in place
+    (views of the running tensors): the same two terms, summed in the same order."""
+    new = torch.logaddexp(lse_p, lse)
+    out.copy_(torch.exp(lse_p - new)[..., None] * out_p + torch.exp(lse - new)[..., None] * out)
+    lse.copy_(new)
 
 
 # ----------------------------------------------------------------------------
