@@ -32,28 +32,8 @@ from longstraw.ops.attention import PrefixAttention
 from longstraw.parallel.collectives import broadcast_from
 from longstraw.parallel.deal import Deal
 from longstraw.ops.dsa import indexer_scores, select_candidates, sparse_latent_attention
-from longstraw.ops.flash import fused_kernel, fused_takes, merge_partials, merge_sink
-
-
-def _partial(q, k, v, scale: float, causal: bool, window: int | None = None, q_first: int = 0, k_pos=0):
-    """(o [Hkv, g*T, Dv], lse [Hkv, g*T]) of q [H, T, D] over k, v [Hkv, S, D] (row layout:
-    head j*g+i is row block i of kv head j), in the accumulation dtype. With a sliding
-    `window`, the queries sit at q_first .. q_first + T - 1 and the keys at `k_pos` (the
-    first one's position, or LongTensor [S]: every key's)."""
-    h, t, d = q.shape
-    hkv = k.shape[0]
-    g = h // hkv
-    acc = accumulation_dtype(q.dtype)
-    flash = fused_kernel(q.device.type, q.dtype) if fused_takes(q, v.shape[-1], window) else None
-    if flash is not None:
-        if causal:
-            out, lse = flash(q[None], k.repeat_interleave(g, 0)[None], v.repeat_interleave(g, 0)[None], True, scale)
-        else:
-            out, lse = flash(q.reshape(1, hkv, g * t, d), k[None], v[None], False, scale)
-        return out[0].reshape(hkv, g * t, -1).to(acc), lse[0].reshape(hkv, g * t).to(acc)
-    rows = q.reshape(hkv, g * t, d)
-    q_pos = torch.arange(q_first, q_first + t, device=q.device).repeat(g)
-    return PrefixAttention.apply(rows, k, v, q_pos, k_pos, scale, window, max(1, k.shape[1]), None, causal)
+from longstraw.ops.divided_runs import divided_attention_runs, merge_into, partial_attention
+from longstraw.ops.flash import fused_takes, merge_partials, merge_sink
 
 
 def shard_pieces(rows: list, *, positions: int, rank: int, deal: Deal, cp, piece_rows: int):
@@ -135,33 +115,34 @@ def divided_causal_attention(q, k, v, *, positions: int, rank: int, world: int, 
     spans = [(r, r + end - first) for first, end, r in own]  # their local rows
     own_v = values(k, v)
     hkv, dv = k.shape[0], own_v.shape[-1]
-    # the running output and log-sum-exp of every own query, in _partial's row layout [Hkv, g, N]
+    # the running output and log-sum-exp of every own query, in partial_attention's row layout [Hkv, g, N]
     out = q.new_zeros(hkv, h // hkv, n, dv, dtype=accumulation_dtype(q.dtype))
     lse = q.new_full((hkv, h // hkv, n), float("-inf"), dtype=out.dtype)
-    for a, b in spans:  # the diagonal: each own block over itself, causal
-        o_p, lse_p = _partial(q[:, a:b], k[:, a:b], own_v[:, a:b], scale, True, window)
-        out[:, :, a:b] = o_p.view(hkv, -1, b - a, dv)
-        lse[:, :, a:b] = lse_p.view(hkv, -1, b - a)
+    # the fused kernel's working set is O(rows): blocks join into runs only there (the blockwise one
+    # holds [rows, keys] scores)
+    rows = max(query_rows, block) if fused_takes(q, dv, window) else block
+    if window is None:  # one registered op for the diagonal, one per fetched piece
+        divided_attention_runs(q, k, own_v, out, lse, [x for a, b in spans for x in (a, b, a, b)], scale, True)
+    for a, b in ([] if window is None else spans):  # the diagonal: each own block over itself, causal
+        o_p, lse_p = partial_attention(q[:, a:b], k[:, a:b], own_v[:, a:b], scale, True, window)
+        merge_into(out[:, :, a:b], lse[:, :, a:b], o_p.view(hkv, -1, b - a, dv), lse_p.view(hkv, -1, b - a))
     for src, r0, r1, pieces in shard_pieces(fetched, positions=positions, rank=rank, deal=deal, cp=cp,
                                             piece_rows=piece_rows):
         pk, pv = pieces[0], values(pieces[0], pieces[-1])
-        for a, b, lo, seen, first in _runs(spans, starts, deal=deal, src=src, r0=r0, r1=r1, window=window,
-                                           rows=max(query_rows, block)):
-            k_pos = 0 if window is None else deal.position(torch.arange(r0 + lo, r0 + seen, device=q.device), src)
-            o_p, lse_p = _partial(q[:, a:b], pk[:, lo:seen], pv[:, lo:seen], scale, False, window, first, k_pos)
-            _merge_into(out[:, :, a:b], lse[:, :, a:b], o_p.view(hkv, -1, b - a, dv), lse_p.view(hkv, -1, b - a))
+        runs = _runs(spans, starts, deal=deal, src=src, r0=r0, r1=r1, window=window, rows=rows)
+        if window is None:
+            divided_attention_runs(q, pk, pv, out, lse, [x for a, b, lo, seen, _ in runs for x in (a, b, lo, seen)],
+                                   scale, False)
+            continue
+        for a, b, lo, seen, first in runs:
+            k_pos = deal.position(torch.arange(r0 + lo, r0 + seen, device=q.device), src)
+            o_p, lse_p = partial_attention(q[:, a:b], pk[:, lo:seen], pv[:, lo:seen], scale, False, window, first,
+                                           k_pos)
+            merge_into(out[:, :, a:b], lse[:, :, a:b], o_p.view(hkv, -1, b - a, dv), lse_p.view(hkv, -1, b - a))
     out, lse = out.reshape(h, n, dv), lse.reshape(h, n)
     if sinks is not None:
         out = merge_sink(out, lse, sinks[:, None])
     return out.to(q.dtype)
-
-
-def _merge_into(out, lse, out_p, lse_p) -> None:
-    """`merge_partials` of a partial (out_p, lse_p) into the running (out, lse), in place
-    (views of the running tensors): the same two terms, summed in the same order."""
-    new = torch.logaddexp(lse_p, lse)
-    out.copy_(torch.exp(lse_p - new)[..., None] * out_p + torch.exp(lse - new)[..., None] * out)
-    lse.copy_(new)
 
 
 # ----------------------------------------------------------------------------

@@ -84,27 +84,31 @@ def test_sliding_window_over_fetched_pieces_equals_naive(window, piece_rows):
     torch.testing.assert_close(got, naive_attention(q, k, v, pos, pos, 0.3, window=window), rtol=0, atol=1e-12)
 
 
+@pytest.mark.parametrize("dv", [8, 6])  # 8: the fused kernel takes it (runs join); 6: blockwise (a block a call)
 @pytest.mark.parametrize("query_rows", [1, 4, 7, 100])
 @pytest.mark.parametrize("piece_rows", [1, 5, 100])
-def test_blocks_that_see_a_whole_piece_attend_together(query_rows, piece_rows, monkeypatch):
+def test_blocks_that_see_a_whole_piece_attend_together(query_rows, piece_rows, dv, monkeypatch):
     """GQA with sinks: the own blocks that see the same rows of a fetched piece join into one
-    call of up to `query_rows` rows (at least a block); the result equals naive attention,
-    and more rows a call means fewer calls."""
-    import longstraw.parallel.attention as attention
+    partial of up to `query_rows` rows (at least a block) where the fused kernel runs it; the
+    result equals naive attention, and more rows a partial means fewer partials."""
+    import longstraw.ops.divided_runs as runs
 
     g = torch.Generator().manual_seed(7)
     q = torch.randn(4, P, 8, generator=g, dtype=torch.float64)
     k = torch.randn(2, P, 8, generator=g, dtype=torch.float64)
-    v = torch.randn(2, P, 6, generator=g, dtype=torch.float64)
+    v = torch.randn(2, P, dv, generator=g, dtype=torch.float64)
     sinks = torch.randn(4, generator=g, dtype=torch.float64)
     calls = []
-    real = attention._partial
-    monkeypatch.setattr(attention, "_partial", lambda q, *a, **kw: calls.append(q.shape[1]) or real(q, *a, **kw))
+    real = runs.partial_attention
+    monkeypatch.setattr(runs, "partial_attention", lambda q, *a, **kw: calls.append(q.shape[1]) or real(q, *a, **kw))
     got = divided_causal_attention(q, k, v, positions=P, scale=0.3, piece_rows=piece_rows, sinks=sinks,
                                    query_rows=query_rows, **ONE)
     pos = torch.arange(P)
     torch.testing.assert_close(got, naive_attention(q, k, v, pos, pos, 0.3, sinks=sinks), rtol=0, atol=1e-12)
-    assert max(calls) <= max(query_rows, ONE["block"])
-    if piece_rows == 1 and query_rows == 100:  # a diagonal per block, one run per row before the last block
-        blocks = -(-P // ONE["block"])
-        assert len(calls) == blocks + (blocks - 1) * ONE["block"]
+    block = ONE["block"]
+    assert max(calls) <= (max(query_rows, block) if dv == 8 else block)
+    blocks = -(-P // block)
+    if piece_rows == 1 and query_rows == 100:  # a diagonal per block, then a partial per row before the last block:
+        fused = blocks + (blocks - 1) * block  # the later blocks in one run (fused), or each block alone
+        alone = blocks + sum(blocks - 1 - r // block for r in range((blocks - 1) * block))
+        assert len(calls) == (fused if dv == 8 else alone)
