@@ -28,7 +28,6 @@ import torch
 
 from longstraw.defaults import DIVIDED_QUERY_ROWS
 from longstraw.tensors import KVSegment, accumulation_dtype
-from longstraw.ops.attention import PrefixAttention
 from longstraw.parallel.collectives import broadcast_from
 from longstraw.parallel.deal import Deal
 from longstraw.ops.dsa import indexer_scores, select_candidates, sparse_latent_attention
