@@ -54,11 +54,12 @@ FLASH_BACKWARD_BLOCK = 8192
 """Prompt positions per call of the fused attention backward (`ops.flash.FlashAttention`):
 each call holds the block's K and V copies and their dK, dV (the planner counts them)."""
 
-DIVIDED_QUERY_ROWS = 16384
+DIVIDED_QUERY_ROWS = 4096
 """A divided capture's own query rows attended over one fetched piece of another rank's keys
-in one call (`parallel.attention.divided_causal_attention`): the blocks that see the whole
-piece go together, up to this many rows (calls per layer O(P / this), not O(P / block);
-the call's fp32 partial output and its merge are the planner's divided capture transient)."""
+in one fused call (`parallel.attention.divided_causal_attention`): the blocks that see the
+whole piece go together, up to this many rows (fewer, larger kernel calls). Their partial
+output and its merge (4 x rows x heads x head_dim in float32) are the planner's divided
+capture transient (`plan/divided_capture.py`)."""
 
 LOGITS_CHUNK_SIZE = 1024
 """Response tokens per lm_head + log-softmax chunk."""

@@ -17,7 +17,7 @@ fetched piece, or the own rows for the diagonal); out [Hkv, g, N, Dv] and lse [H
 the running output and log-sum-exp (accumulation dtype, g = H / Hkv), merged into in place;
 runs a flat list of (a, b, lo, hi): query rows a .. b - 1 attend over keys lo .. hi - 1.
 
-The temporaries of the largest run (its query copy, the keys repeated per head on the
+The temporaries of the widest run (its query copy, the keys repeated per head on the
 fused causal path, its partial output and the merge's products) live inside the op: they
 are declared as its workspace (`ops/workspace.py`), so the tracker still counts them. Its
 FLOPs are registered too (`torch.utils.flop_counter`): those of the partials' attention.
@@ -95,16 +95,20 @@ def _widest(runs: list[int]) -> tuple[int, int]:
 
 
 def workspace_bytes(q, k, v, out, lse, runs, scale, causal) -> int:
-    """The most bytes `attend_runs` holds at once, for its widest run (T rows, S keys): the
-    queries' copy (T x H x D, q's dtype), the keys and values repeated per query head on the
-    fused causal path (S x H x (D + Dv)), the partial (output and lse, accumulation dtype)
-    and the merge's two weighted terms and their sum (3 x T x H x Dv)."""
+    """The most bytes `attend_runs` holds at once, for its widest run (T rows, S keys, H
+    query heads): while the partial runs, the queries' copy (T x H x D, q's dtype), the keys
+    and values repeated per query head on the fused causal path (S x H x (D + Dv)), the
+    kernel's output and its accumulation-dtype copy and lse; then, while it merges, the
+    partial (output and lse), the merged lse, and the merge's two weighted terms and their sum
+    (3 x T x H x Dv)."""
     t, s = _widest(runs)
     if t == 0:
         return 0
-    h, d, dv = q.shape[0], q.shape[-1], v.shape[-1]
-    repeated = s * h * (d + dv) * q.element_size() if causal else 0
-    return t * h * d * q.element_size() + repeated + t * h * (4 * dv + 1) * out.element_size()
+    h, d, dv, qb, acc = q.shape[0], q.shape[-1], v.shape[-1], q.element_size(), out.element_size()
+    repeated = s * h * (d + dv) * qb if causal else 0
+    attend = t * h * (d * qb + dv * (qb + acc) + acc) + repeated
+    merge = t * h * (4 * dv + 2) * acc
+    return max(attend, merge)
 
 
 DIVIDED_ATTENTION_RUNS = torch.ops.longstraw.divided_attention_runs.default

@@ -21,6 +21,7 @@ from .state_sizes import state_sizes
 from .experts import divided_moe_working, expert_elements, expert_parallel_weights
 from .traffic import divided_capture_traffic, divided_walk_traffic
 from .tree import takes_tree_path
+from .divided_capture import divided_capture_working
 from ..defaults import offloads_snapshots, recompute_pays, replay_batch_for
 from .snapshots import (divided_walk_recompute_working, snapshot_grad_bytes, snapshot_plan, walk_recompute_working,
                         walk_starts)
@@ -339,34 +340,6 @@ def _gathered_walk_row_bytes(arch: Arch, layer: LayerSpec, b: int, gk: bool) -> 
     return graph_bytes_per_token(arch, layer, b, gk)
 
 
-def _divided_working(arch: Arch, mine: int, chunk: int, b: int, acc: int) -> float:
-    """No-grad working set of a divided capture layer on a rank holding `mine` positions:
-    the hidden shard, its residual and the layer output ([mine, d] each), plus the larger of
-    an attention layer's q/k/v/output rows (and the fp32 running output of its queries), an
-    MLA layer's (its queries before and after absorption, latent rows, running output, and
-    DSA's indexer inputs and running top-k), and a GDN layer's projections (conv input, z, gates) with the per-token read of the start
-    state and zero-start output (accumulation dtype); the MLP runs in pieces of `chunk`
-    (counted by the chunked no-grad working set)."""
-    hidden = 3 * mine * arch.hidden * b
-    layers = [0.0]
-    if arch.count(mixer="attention"):
-        layers.append(mine * ((2 * arch.heads + 2 * arch.kv_heads) * arch.head_dim * b
-                              + arch.heads * arch.head_dim * acc))
-    if arch.count(mixer="mla"):  # q, absorbed q and the latent rows; fp32 running output; DSA's indices
-        h, kl, r = arch.heads, arch.kv_lora_rank, arch.rope_dim
-        mla = (h * (arch.nope_dim + r) + (arch.q_lora_rank or 0) + h * (kl + r) + 3 * (kl + r)
-               + h * arch.v_head_dim) * b + h * (kl + 1) * acc
-        if arch.count(indexer=True):  # indexer queries (and their fp32 copy), keys, weights; the
-            # running top-k (positions int64, scores fp32) and the sparse attention's sorted places (int64)
-            mla += arch.index_heads * arch.index_dim * (b + 4) + arch.index_dim * b + arch.index_heads * 4
-            mla += arch.index_topk * (8 + 4 + 8)
-        layers.append(mine * mla)
-    if arch.count(mixer="gdn"):
-        layers.append(mine * (2 * arch.conv_dim * b + arch.gdn_v_heads * arch.gdn_v_dim * 2 * b
-                              + arch.gdn_v_heads * (arch.gdn_k_dim + arch.gdn_v_dim) * acc))
-    return hidden + max(layers)
-
-
 @dataclass(frozen=True)
 class CapturePlan:
     """Capture of the prompt without autograd.
@@ -395,7 +368,7 @@ def plan_capture(s: Basis) -> CapturePlan:
                and not (c.mode == "exact" and c.keep_graph_bytes > 0) and s.every_rank_owns)
     working, comm = nograd_working(s, C), 0.0
     if divided:  # layer by layer over the rank's positions: its hidden shard and one layer's projections
-        working = max(working, _divided_working(s.arch, s.p_rank, C, s.b, s.acc))
+        working = max(working, divided_capture_working(s.arch, s.p_rank, C, s.b, s.acc))
         if c.expert_parallel:  # an MoE piece holds every rank's gathered tokens (plan/experts.py)
             working = max(working, divided_moe_working(s.arch, min(C, s.p_rank), W, s.b))
         comm = divided_capture_traffic(s.cfg, positions=P - 1, world=W, block=s.block,
