@@ -296,6 +296,7 @@ def divided_gdn(module, hidden_states, call: AttentionCall):
     acc = torch.float64 if x.dtype == torch.float64 else torch.float32
     chained = chain_states(transitions, links, d.cp, (hv, dk, module.head_v_dim), acc, x.device)
     out = [finish_outputs(read, out0, start) for (read, out0), (start, _) in zip(parts, chained)]
+    del parts, transitions  # each token's start-state read and zero-start output: not held through the gated norm
     out = torch.cat(out).to(x.dtype) if out else x.new_zeros(0, hv, module.head_v_dim)
 
     end_state = {e: end for (_, e), (_, end) in zip(segments, chained)}
