@@ -180,7 +180,8 @@ def divided_indexer_topk(q_idx, weights, keys, topk: int, *, scale: float, posit
             if deal.position(b1 - 1, rank) < first_key:
                 continue  # the whole query block comes before the piece
             # the piece's rows are in increasing position: the block's last query sees a prefix of them
-            seen = int(torch.searchsorted(k_pos, q_pos[b1 - 1:b1], right=True))
+            # (counted from the deal, on the host: no read of device data)
+            seen = min(r1, deal.count(deal.position(b1 - 1, rank) + 1, src)) - r0
             visible = k_pos[None, :seen] <= q_pos[b0:b1, None]  # (B, seen)
             sc = indexer_scores(q_idx[b0:b1], weights[b0:b1], pk[:seen], scale=scale, key_block=key_block)
             sc.masked_fill_(~visible, float("-inf"))
