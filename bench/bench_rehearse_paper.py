@@ -34,6 +34,8 @@ RUNS = {
     "qwen-detached": f"--model qwen3.6-27b {STEP} --gpus 8 --lora-rank 16 --mode detached",
     "qwen-exact": f"--model qwen3.6-27b {STEP} --gpus 8 --lora-rank 16 --mode exact",
     "glm": f"--model glm-5.2 {STEP} --gpus 32 --lora-rank 8 --mode detached",
+    # the paper's step context-parallel on 8 ranks, full training, pieces of 2,048, nothing else (with --no-fit)
+    "qwen-cp": f"--model qwen3.6-27b {STEP} --gpus 8 --branch-chunk-size 2048 --mode detached",
 }
 FIT = "--gpu h20 --reserve 14.4GiB --fit"
 FIELDS = ["run", "label", "steps", "flags", "chosen", "P", "W", "wall_s", "cpu_s", "peak_rss_bytes", "ops",
