@@ -13,6 +13,7 @@ device (tests/test_rehearse.py checks this against real tiny models).
 from __future__ import annotations
 
 import contextlib
+import copy
 import time
 from dataclasses import dataclass, field
 
@@ -26,6 +27,7 @@ from longstraw.engine import Engine
 from longstraw.errors import ConfigError
 from longstraw.group import Group
 from longstraw.rehearsal.fast_fake import fake_mode
+from longstraw.rehearsal.lora import check_lora, check_twin, like, twin_adapters, with_adapters, with_lora
 from longstraw.rehearsal.kernels import DeviceKernels, needs_device_kernels
 from longstraw.rehearsal.measure import StepFigures, measure_steps
 from longstraw.rehearsal.ranks import check_world, fake_group, rehearsed_ranks, shard_fake
@@ -76,18 +78,32 @@ def _default_device() -> str:
     return "cuda" if torch.backends.cuda.is_built() else "cpu"
 
 
-def fake_model(config, *, device: str, dtype: torch.dtype, mode: FakeTensorMode) -> nn.Module:
+def fake_model(config, *, device: str, dtype: torch.dtype, mode: FakeTensorMode, lora: tuple[int, str] | None = None,
+               adapters=None, like: dict | None = None) -> nn.Module:
     """A stock HF causal LM of `config` whose parameters and buffers are fake tensors on
-    `device` (built on the meta device, nothing initialised, nothing allocated)."""
+    `device` (built on the meta device, nothing initialised, nothing allocated).
+
+    `lora` = (rank, targets): wrapped with PEFT LoRA on the planner's linears
+    (`rehearsal.lora.with_lora`). `adapters`: a PEFT model's own (`lora.twin_adapters`),
+    each parameter then given the dtype and `requires_grad` of `like`'s (`lora.like`)."""
+    config = copy.deepcopy(config)  # the caller's (a real model's) keeps its attention implementation
     config._attn_implementation = "sdpa"
     with torch.device("meta"):
         model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
+    if lora is not None:
+        model = with_lora(model, *lora)
+    elif adapters is not None:
+        model = with_adapters(model, adapters)
+    if like is not None:
+        check_twin(model, like)
     with mode:
-        for module in model.modules():
+        for prefix, module in model.named_modules():
             for name, p in list(module._parameters.items()):
                 if p is not None:
-                    module._parameters[name] = nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device=device),
-                                                            requires_grad=p.requires_grad)
+                    _, dt, grad = (like or {}).get(f"{prefix}.{name}" if prefix else name, (None, p.dtype,
+                                                                                            p.requires_grad))
+                    module._parameters[name] = nn.Parameter(torch.empty(p.shape, dtype=dt, device=device),
+                                                            requires_grad=grad)
             for name, b in list(module._buffers.items()):
                 if b is not None:
                     module._buffers[name] = torch.empty(b.shape, dtype=b.dtype, device=device)
@@ -111,7 +127,8 @@ def rehearse(model, config: ExecConfig | None = None, *, prompt_tokens: int, gro
              world_size: int = 1, rank: int | list[int] | None = None, shard_params: bool = False,
              device: str | None = None, steps: int = 1, generate: bool = False,
              dtype: torch.dtype = torch.bfloat16, grpo: GRPOConfig | None = None,
-             optimizer: bool = False, shared_prefix: int = 0) -> Rehearsal:
+             optimizer: bool = False, shared_prefix: int = 0, lora_rank: int | None = None,
+             lora_targets: str = "attention") -> Rehearsal:
     """Run `Engine.step` at full size on fake tensors and measure it: live bytes per
     phase, FLOPs per phase, host syncs per step, collective bytes per phase, wall time.
 
@@ -145,6 +162,11 @@ def rehearse(model, config: ExecConfig | None = None, *, prompt_tokens: int, gro
         shared_prefix: the responses' common first tokens (< response_tokens): with
             `ExecConfig(share_response_prefixes=True)` a prefix tree of one shared segment
             and G leaves.
+        lora_rank: train PEFT LoRA adapters of this rank instead of every weight (the base
+            frozen), on the linears the planner counts for `lora_targets` ("attention":
+            the token mixers' projections; "all-linear": also the dense and shared-expert
+            MLPs'), in the weights' dtype (`rehearsal/lora.py`). A PEFT model passed as
+            `model` keeps its own adapters instead (then leave lora_rank None).
 
     Returns:
         `Rehearsal` (`peak_bytes_per_rank`, `phases`, `flops`, `host_syncs`, `comm_bytes`,
@@ -166,6 +188,7 @@ def rehearse(model, config: ExecConfig | None = None, *, prompt_tokens: int, gro
     if torch.device(device).type == "cuda" and not torch.backends.cuda.is_built():
         raise ConfigError("rehearse: device='cuda' needs a CUDA build of torch (autograd checks the device even on "
                           "fake tensors); pass device='cpu' to rehearse the same code on the CPU branches")
+    build = _build(model, lora_rank, lora_targets)
     hf_config, dtype = (model.config, next(model.parameters()).dtype) if isinstance(model, nn.Module) else (model, dtype)
     inputs = rehearsal_group(prompt_tokens=prompt_tokens, group=group, response_tokens=response_tokens,
                              vocab_size=hf_config.get_text_config().vocab_size, shared_prefix=shared_prefix)
@@ -174,7 +197,7 @@ def rehearse(model, config: ExecConfig | None = None, *, prompt_tokens: int, gro
         with fake_group(r, world_size):
             by_rank[r] = _rehearse_rank(hf_config, config, inputs, device=device, dtype=dtype, steps=steps,
                                         grpo=grpo or GRPOConfig(), optimizer=optimizer,
-                                        shard=world_size if shard_params else 0)
+                                        shard=world_size if shard_params else 0, build=build)
     peaks = {r: max(f.peak_bytes for f in figures) for r, figures in by_rank.items()}
     worst = max(peaks, key=lambda r: (peaks[r], -r))
     figures = by_rank[worst]
@@ -188,12 +211,25 @@ def rehearse(model, config: ExecConfig | None = None, *, prompt_tokens: int, gro
                      rank_peaks=peaks, rank_comm_bytes={r: f[0].comm_bytes for r, f in by_rank.items()})
 
 
+def _build(model, lora_rank: int | None, lora_targets: str) -> dict:
+    """`fake_model`'s adapter arguments: the planner's LoRA, a PEFT model's own, or none;
+    `ConfigError` for a bad rank or targets, or a PEFT model given a rank too."""
+    check_lora(lora_rank, lora_targets)
+    adapters = twin_adapters(model) if isinstance(model, nn.Module) else None
+    if lora_rank is None:
+        return {"adapters": adapters, "like": like(model)} if adapters else {}
+    if adapters:
+        raise ConfigError("rehearse: the model is a PEFT model, rehearsed with its own adapters; drop lora_rank, "
+                          "or pass its base model (`model.get_base_model()`) with lora_rank")
+    return {"lora": (lora_rank, lora_targets)}
+
+
 def _rehearse_rank(hf_config, config: ExecConfig, inputs: Group, *, device: str, dtype: torch.dtype, steps: int,
-                   grpo: GRPOConfig, optimizer: bool, shard: int) -> list[StepFigures]:
-    """One rank's measured steps (in the fake group, if any): the fake model, its engine,
-    FSDP2 over `shard` ranks when nonzero."""
+                   grpo: GRPOConfig, optimizer: bool, shard: int, build: dict) -> list[StepFigures]:
+    """One rank's measured steps (in the fake group, if any): the fake model (with the
+    adapters of `build`, `_build`), its engine, FSDP2 over `shard` ranks when nonzero."""
     mode = fake_mode(allow_non_fake_inputs=True)
-    fake = fake_model(hf_config, device=device, dtype=dtype, mode=mode)
+    fake = fake_model(hf_config, device=device, dtype=dtype, mode=mode, **build)
     tracker = LiveBytes(torch.device(device).type)
     kernels = DeviceKernels() if needs_device_kernels(torch.device(device).type, dtype) else contextlib.nullcontext()
     with mode, kernels:
