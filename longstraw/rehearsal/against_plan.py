@@ -71,8 +71,7 @@ def shared_prefix(c: PlanConfig) -> int:
 def refuse_unrehearsed(c: PlanConfig) -> None:
     """`ConfigError` for a planned configuration a rehearsal cannot run yet (before any work)."""
     deep_tree = c.tree is not None and (len(c.tree) > 2 or (len(c.tree) == 2 and c.tree[0][1] != 1))
-    unsupported = {"--lora-rank (a rehearsal builds no adapters)": c.lora_rank is not None,
-                   "--weight-dtype": c.weight_dtype not in (None, c.dtype),
+    unsupported = {"--weight-dtype": c.weight_dtype not in (None, c.dtype),
                    "--tree beyond one shared segment (Sx1,LxG: a rehearsal draws one shared prefix)": deep_tree,
                    "--images": bool(c.images),
                    "--offload-state (on the CPU branches the host and the device are one: the offloaded rows "
@@ -111,7 +110,8 @@ def rehearse_plan(model, c: PlanConfig, *, steps: int = 1) -> Rehearsal:
         raise ConfigError(f"longstraw plan --rehearse: dtype {c.dtype!r} is not one of {', '.join(DTYPES)}")
     return rehearse(hf_config(model), rehearsal_exec_config(c), prompt_tokens=c.prompt_tokens, group=c.group,
                     response_tokens=c.response_tokens, device="cpu", dtype=dtype, steps=steps,
-                    world_size=c.gpus, rank=rehearsed_plan_ranks(c), shared_prefix=shared_prefix(c))
+                    world_size=c.gpus, rank=rehearsed_plan_ranks(c), shared_prefix=shared_prefix(c),
+                    lora_rank=c.lora_rank, lora_targets=c.lora_targets)
 
 
 def planned_as_rehearsed(model, c: PlanConfig) -> dict:
