@@ -55,6 +55,11 @@ class Rehearsal:
     """{phase: {collective: bytes}} this rank received in the first step (capture, replay,
     walk, gradients; `parallel.collectives.Traffic`'s model, the engine's `comm_bytes_*`
     split by collective); {} for world_size 1."""
+    host_bytes: int = 0
+    """The highest live host bytes over every rehearsed step (the planner's host figure:
+    offloaded snapshots, state offload's arenas; never among `peak_bytes_per_rank`)."""
+    host_phases: dict[str, int] = field(default_factory=dict)
+    """Peak live host bytes per phase, worst step."""
     rank: int = 0
     """The rank these figures are of: of the rehearsed ranks, the one with the highest peak."""
     world_size: int = 1
@@ -70,6 +75,7 @@ class Rehearsal:
                 "flops": dict(self.flops), "host_syncs": self.host_syncs, "wall_s": self.wall_s,
                 "device": self.device, "step_peaks": [s.peak_bytes for s in self.steps],
                 "ops": [s.ops for s in self.steps], "comm_bytes": {k: dict(v) for k, v in self.comm_bytes.items()},
+                "host_bytes": self.host_bytes, "host_phases": dict(self.host_phases),
                 "rank": self.rank, "world_size": self.world_size, "rank_peaks": dict(self.rank_peaks),
                 "rank_comm_bytes": {r: {k: dict(v) for k, v in c.items()} for r, c in self.rank_comm_bytes.items()}}
 
@@ -202,10 +208,13 @@ def rehearse(model, config: ExecConfig | None = None, *, prompt_tokens: int, gro
     worst = max(peaks, key=lambda r: (peaks[r], -r))
     figures = by_rank[worst]
     phases: dict[str, int] = {}
+    host_phases: dict[str, int] = {}
     for f in figures:
-        for name, peak in f.phases.items():
-            phases[name] = max(phases.get(name, 0), peak)
+        for into, got in ((phases, f.phases), (host_phases, f.host_phases)):
+            for name, peak in got.items():
+                into[name] = max(into.get(name, 0), peak)
     return Rehearsal(peak_bytes_per_rank=peaks[worst], phases=phases, flops=dict(figures[0].flops),
+                     host_bytes=max(f.host_peak_bytes for f in figures), host_phases=host_phases,
                      host_syncs=max(f.host_syncs for f in figures), steps=figures, wall_s=time.perf_counter() - t0,
                      device=device, comm_bytes=figures[0].comm_bytes, rank=worst, world_size=world_size,
                      rank_peaks=peaks, rank_comm_bytes={r: f[0].comm_bytes for r, f in by_rank.items()})
