@@ -71,11 +71,14 @@ def shared_prefix(c: PlanConfig) -> int:
 def refuse_unrehearsed(c: PlanConfig) -> None:
     """`ConfigError` for a planned configuration a rehearsal cannot run yet (before any work)."""
     deep_tree = c.tree is not None and (len(c.tree) > 2 or (len(c.tree) == 2 and c.tree[0][1] != 1))
-    unsupported = {"--weight-dtype": c.weight_dtype not in (None, c.dtype),
+    quant = c.weight_dtype not in (None, c.dtype)
+    unsupported = {f"--weight-dtype {c.weight_dtype} (quantized weights are bitsandbytes' / torchao's packed "
+                   "tensors: they are quantized from real data on load, and their matmuls are CUDA kernels with no "
+                   "fake-tensor implementation, so a fake model cannot hold them; bitsandbytes is not installed "
+                   "here either; rehearse the same adapters over bf16 weights: only the frozen weights' "
+                   "bytes differ, and the planner states those)": quant,
                    "--tree beyond one shared segment (Sx1,LxG: a rehearsal draws one shared prefix)": deep_tree,
                    "--images": bool(c.images),
-                   "--offload-state (on the CPU branches the host and the device are one: the offloaded rows "
-                   "would count as device bytes)": c.offload_state,
                    "--shard-params (FSDP2's rehearsed peak is not yet the real one's)": c.shard_params,
                    "--expert-parallel": c.expert_parallel, "--score-passes": bool(c.score_passes),
                    "--data-parallel > 1": c.data_parallel > 1, "--generate": c.generate}
@@ -117,13 +120,15 @@ def rehearse_plan(model, c: PlanConfig, *, steps: int = 1) -> Rehearsal:
 def planned_as_rehearsed(model, c: PlanConfig) -> dict:
     """The planner's figures for the step a rehearsal runs: first group (no gradients
     during capture), optimizer state taken off. {"peak_bytes_per_rank", "phases",
-    "comm_bytes": {phase: bytes the busiest rank receives}}."""
+    "comm_bytes": {phase: bytes the busiest rank receives}, "host_bytes": state offload's
+    host arenas and exact mode's offloaded snapshots}."""
     r = estimate(model, dataclasses.replace(c, grads_during_capture=False))
     opt = r["optimizer_bytes"]
     phases = {PHASE_OF_PLANNER.get(k, k): v - opt for k, v in r["breakdown"]["phase_peak_bytes"].items()}
     comm = {k: sum(v["bytes"].values()) for k, v in r["comm"]["phases"].items() if "bytes" in v}
+    host = r["offload_host_bytes_per_rank"] + (r["exact_snapshots"] or {}).get("host_bytes", 0)
     return {"peak_bytes_per_rank": r["peak_bytes_per_rank"] - opt, "phases": phases,
-            "comm_bytes": {k: v for k, v in comm.items() if v}}
+            "comm_bytes": {k: v for k, v in comm.items() if v}, "host_bytes": host}
 
 
 def received(reh: Rehearsal) -> dict[str, int]:
@@ -143,6 +148,8 @@ def comparison(model, c: PlanConfig, reh: Rehearsal) -> dict:
     for name, got in reh.phases.items():
         if planned["phases"].get(name):
             ratio[name] = got / planned["phases"][name]
+    if planned["host_bytes"]:
+        ratio["host_bytes"] = reh.host_bytes / planned["host_bytes"]
     got_comm = received(reh)
     for name, got in got_comm.items():
         if planned["comm_bytes"].get(name):
@@ -150,6 +157,7 @@ def comparison(model, c: PlanConfig, reh: Rehearsal) -> dict:
     ranks = "one rank" if c.gpus == 1 else f"ranks {', '.join(map(str, sorted(reh.rank_peaks)))} of {c.gpus}"
     return {"peak_bytes_per_rank": reh.peak_bytes_per_rank, "phases": dict(reh.phases),
             "comm_bytes": {k: dict(v) for k, v in reh.comm_bytes.items()}, "comm_received": got_comm,
+            "host_bytes": reh.host_bytes, "host_phases": dict(reh.host_phases),
             "rank": reh.rank, "rank_peaks": dict(reh.rank_peaks), "world_size": reh.world_size,
             "flops": dict(reh.flops), "host_syncs": reh.host_syncs, "wall_s": reh.wall_s, "device": reh.device,
             "planner": planned, "ratio": ratio,
@@ -164,6 +172,8 @@ def format_comparison(entry: dict) -> str:
     rows = [("peak", planned["peak_bytes_per_rank"], entry["peak_bytes_per_rank"], gib)]
     rows += [(k, planned["phases"].get(k), v, gib) for k, v in entry["phases"].items()]
     rows += [(k, v, None, gib) for k, v in planned["phases"].items() if k not in entry["phases"]]
+    if planned.get("host_bytes") or entry.get("host_bytes"):
+        rows.append(("host", planned.get("host_bytes"), entry.get("host_bytes"), gib))
     comm = entry.get("comm_received", {})
     rows += [(f"{k} recv", planned["comm_bytes"].get(k), comm.get(k), mib)
              for k in list(comm) + [k for k in planned["comm_bytes"] if k not in comm]]
