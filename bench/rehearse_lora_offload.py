@@ -43,7 +43,7 @@ def row(family: str, fields: dict) -> dict:
     from longstraw.rehearsal.tracker import LiveBytes
     from longstraw.tiny import TINY_CONFIGS, tiny_model
 
-    model = dict(TINY_CONFIGS[family]) if family in TINY_CONFIGS else f"tiny-{family}"
+    model = "tiny-qwen3" if family == "qwen3" else dict(TINY_CONFIGS[family])  # the preset, or the config in code
     c = PlanConfig(prompt_tokens=P, group=G, response_tokens=R, chunk_size=C, gpus=1, dtype="fp32", **fields)
     t0 = time.perf_counter()
     entry = comparison(model, c, rehearse_plan(model, c))

@@ -17,10 +17,16 @@ rank W - 1 the fewest, so it receives the most of capture's traffic and, unlike 
 (the source), the gradients' broadcast. The peak compared is the higher rank's; the bytes
 received per phase the most either rank received (the planner's: the busiest rank's).
 
-Rehearsed so far: full training in the compute dtype (no LoRA, no quantised weights), a
-tree of at most one shared segment (`--tree Sx1,LxG`, or `LxG`), no images, the state on
-the device, the weights replicated (no FSDP2, no expert parallelism). Anything else is
-refused with `ConfigError` before a fake model is built.
+Host memory is compared apart: the rehearsal's `host_bytes` (`longstraw.host.host_tensor`:
+state offload's arenas, exact mode's offloaded snapshots) beside the planner's host
+figure; the peaks are the device's alone, on the CPU branches too.
+
+Rehearsed so far: full training or LoRA (`--lora-rank`, the planner's adapters:
+`rehearsal/lora.py`) over weights in the compute dtype (no quantised weights), a tree of
+at most one shared segment (`--tree Sx1,LxG`, or `LxG`), no images, the state on the
+device or offloaded (`--offload-state`, `--offload-snapshots`), the weights replicated
+(no FSDP2, no expert parallelism). Anything else is refused with `ConfigError` before a
+fake model is built.
 """
 
 from __future__ import annotations

@@ -204,6 +204,12 @@ def rehearse(model, config: ExecConfig | None = None, *, prompt_tokens: int, gro
             by_rank[r] = _rehearse_rank(hf_config, config, inputs, device=device, dtype=dtype, steps=steps,
                                         grpo=grpo or GRPOConfig(), optimizer=optimizer,
                                         shard=world_size if shard_params else 0, build=build)
+    return _result(by_rank, t0=t0, device=device, world_size=world_size)
+
+
+def _result(by_rank: dict[int, list[StepFigures]], *, t0: float, device: str, world_size: int) -> Rehearsal:
+    """The `Rehearsal` of the rehearsed ranks' steps: the rank with the highest peak, its
+    worst step's peak per phase (the device's, and the host's apart)."""
     peaks = {r: max(f.peak_bytes for f in figures) for r, figures in by_rank.items()}
     worst = max(peaks, key=lambda r: (peaks[r], -r))
     figures = by_rank[worst]
