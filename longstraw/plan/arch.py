@@ -187,6 +187,7 @@ class Arch:
     qwen_moe: bool = False  # router + shared-expert gate (Qwen) vs router + score bias (DeepSeek/GLM)
     expert_ranks: int = 1  # expert parallelism: the experts split over this many ranks (plan/experts.py)
     context_ranks: int = 1  # context parallelism: the prompt state sharded over this many ranks (working.py)
+    lora: tuple | None = None  # (rank, targets) of LoRA: a frozen base keeps less (working.lora_graph_saving)
     # Gated DeltaNet
     gdn_k_heads: int = 0
     gdn_v_heads: int = 0
