@@ -9,6 +9,9 @@ offload's arenas and exact mode's offloaded snapshots, `longstraw.host.host_tens
 One JSON row per configuration to bench/results/rehearse_lora_offload.jsonl.
 
     taskset -c 1 env PYTHONPATH=. python bench/rehearse_lora_offload.py
+    taskset -c 1 env PYTHONPATH=. python bench/rehearse_lora_offload.py --qwen36   # rehearsal / planner only:
+        # Qwen3.6-27B's dimensions cut to 4 layers (3 GDN, 1 attention), bf16, P = 16,384,
+        # G = 2, R = 2,048 in pieces of 2,048, chunks of 4,096; full training and LoRA 16
 """
 
 from __future__ import annotations
@@ -67,8 +70,35 @@ def row(family: str, fields: dict) -> dict:
                                      text=True).stdout.strip()}
 
 
+def qwen36_rows() -> None:
+    """Rehearsal / planner at Qwen3.6-27B's dimensions (no real step: 27B-wide layers)."""
+    from longstraw.plan.arch import load_model_config
+    from longstraw.plan.config import PlanConfig
+    from longstraw.rehearsal.against_plan import comparison, rehearse_plan
+
+    _, model, _ = load_model_config("qwen3.6-27b")
+    model["num_hidden_layers"] = 4
+    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    with open(ROWS, "a") as out:
+        for lora, targets in ((None, "attention"), (16, "all-linear"), (16, "attention")):
+            for mode in ("detached", "exact"):
+                fields = dict(mode=mode, lora_rank=lora, lora_targets=targets)
+                c = PlanConfig(prompt_tokens=16384, group=2, response_tokens=2048, branch_chunk_size=2048,
+                               chunk_size=4096, gpus=1, dtype="bf16", **fields)
+                e = comparison(model, c, rehearse_plan(model, c))
+                out.write(json.dumps({"family": "qwen3.6-27b[:4]", "fields": fields, "P": 16384, "G": 2, "R": 2048,
+                                      "chunk": 4096, "dtype": "bf16", "rehearsal": {
+                                          "peak": e["peak_bytes_per_rank"], "phases": e["phases"]},
+                                      "planner": {"peak": e["planner"]["peak_bytes_per_rank"],
+                                                  "phases": e["planner"]["phases"]},
+                                      "ratio": e["ratio"], "commit": commit}) + "\n")
+                print(json.dumps(fields), {k: round(v, 3) for k, v in e["ratio"].items()}, flush=True)
+
+
 def main() -> None:
     warnings.simplefilter("ignore")
+    if "--qwen36" in sys.argv:
+        return qwen36_rows()
     mib = 2 ** 20
     print(f"tiny models, fp32, CPU, P={P} G={G} R={R} chunks of {C}; MiB real / rehearsal / planner "
           "(rehearsal/planner)")
