@@ -175,8 +175,8 @@ def rehearse(model, config: ExecConfig | None = None, *, prompt_tokens: int, gro
             `model` keeps its own adapters instead (then leave lora_rank None).
 
     Returns:
-        `Rehearsal` (`peak_bytes_per_rank`, `phases`, `flops`, `host_syncs`, `comm_bytes`,
-        `rank`, `world_size`, `steps`, `wall_s`).
+        `Rehearsal` (`peak_bytes_per_rank`, `phases`, `host_bytes`, `host_phases`, `flops`,
+        `host_syncs`, `comm_bytes`, `rank`, `world_size`, `steps`, `wall_s`).
     """
     t0 = time.perf_counter()
     config = ExecConfig() if config is None else config
