@@ -8,6 +8,14 @@ the model, state and activations as fake tensors (shapes without data): there `o
 steps outside the fake mode so the real inputs are checked for real, and `to_host` of a
 fake tensor returns a stand-in of the right kind (0, False, a list of zeros) instead of
 raising.
+
+Host memory is the other seam: every tensor a step places in host memory (exact mode's
+offloaded recurrent snapshots, `state/recurrent.py`; state offload's host arenas,
+`state/host_arena.py`) is made by `host_tensor`, which tells each active live-bytes
+tracker (`rehearsal.tracker.LiveBytes`, listed in `HostMemory.trackers`) to count it as
+host bytes, not device bytes. On the CPU branches host and device are one memory, so
+without this seam an offloaded row would count as a device byte, on real and fake
+tensors alike.
 """
 
 from __future__ import annotations
@@ -24,6 +32,27 @@ class HostSyncs:
     or fake). `count` is reset by whoever measures (a rehearsal, per step)."""
 
     count = 0
+
+
+class HostMemory:
+    """The live-bytes trackers active now (`LiveBytes` adds itself while entered): each
+    has `host_block()`, a context in which the tensors it sees made are host memory,
+    and `count_host(t)`, which counts `t`'s storage as host bytes."""
+
+    trackers: list = []
+
+
+def host_tensor(make):
+    """`make()`, a CPU tensor in host memory (a copy to host, a host buffer), counted by
+    every active tracker as host bytes: whatever `make` allocates on the CPU, and the
+    result even where no op made it (`torch.from_numpy`)."""
+    with contextlib.ExitStack() as stack:
+        for tracker in HostMemory.trackers:
+            stack.enter_context(tracker.host_block())
+        out = make()
+        for tracker in HostMemory.trackers:
+            tracker.count_host(out)
+    return out
 
 
 def _faking() -> bool:

@@ -31,8 +31,8 @@ _MOE_FIELDS = {"qwen3_moe": (("num_experts", "num_local_experts"), "moe_intermed
 
 HYBRID_LAYERS: dict = {}
 """model_type -> layer builder (arch, cfg, n) of the recurrent hybrids, and RECURRENT_PARAMS
-"linears" / "other": their mixers' parameter counts (arch -> ...). Filled by
-`plan/hybrid_arch.py`, which builds on this module (`plan/__init__.py` imports it)."""
+"linears" / "other" / "adapted": their mixers' parameter counts and LoRA's linears (arch
+-> ...). Filled by `plan/hybrid_arch.py`, which builds on this module."""
 RECURRENT_PARAMS: dict = {}
 
 DTYPE_BYTES = {"float64": 8, "float32": 4, "bfloat16": 2, "float16": 2}
@@ -187,6 +187,7 @@ class Arch:
     qwen_moe: bool = False  # router + shared-expert gate (Qwen) vs router + score bias (DeepSeek/GLM)
     expert_ranks: int = 1  # expert parallelism: the experts split over this many ranks (plan/experts.py)
     context_ranks: int = 1  # context parallelism: the prompt state sharded over this many ranks (working.py)
+    lora: tuple | None = None  # (rank, targets) of LoRA: a frozen base keeps less (working.lora_graph_saving)
     # Gated DeltaNet
     gdn_k_heads: int = 0
     gdn_v_heads: int = 0
@@ -475,7 +476,8 @@ def count_parameters(arch: Arch, lora_rank: int | None = None, lora_targets: str
     """Count parameters from the architecture. LoRA adds r * (in + out) per targeted
     linear: 'attention' = every token-mixer projection (attention q/k/v/o, GDN in/out
     projections, MLA q/kv/o projections; not the DSA indexer); 'all-linear' adds the
-    dense-MLP and shared-expert projections (never routed experts, routers or lm_head)."""
+    dense-MLP and shared-expert projections (never routed experts, routers or lm_head);
+    Mamba2's out_proj only where PEFT allows it (`hybrid_arch.recurrent_lora_linears`)."""
     linear = other = lora = inactive = 0
     for layer in arch.layers:
         groups = layer_linears(arch, layer)
@@ -486,9 +488,9 @@ def count_parameters(arch: Arch, lora_rank: int | None = None, lora_targets: str
                 inactive += (arch.experts - arch.experts_per_token) * size
             else:
                 linear += size
-            targeted = name == "mixer" or (name == "mlp" and lora_targets == "all-linear")
-            if lora_rank and targeted:
-                lora += sum(lora_rank * (a + b) for a, b in shapes)
+            if lora_rank and (name == "mixer" or (name == "mlp" and lora_targets == "all-linear")):
+                recurrent = name == "mixer" and layer.mixer == "gdn" and arch.recurrent != "gdn"
+                lora += sum(lora_rank * (a + b) for a, b in (RECURRENT_PARAMS["adapted"](arch) if recurrent else shapes))
         other += layer_other_params(arch, layer)
     other += arch.hidden  # final norm
     emb = arch.vocab * arch.hidden

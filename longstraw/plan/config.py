@@ -404,6 +404,8 @@ def resolve(model, config: PlanConfig) -> Basis:
                           "the Qwen3.5 / 3.6 families (docs/vision.md)")
     if c.gpus > 1:
         arch = replace(arch, context_ranks=c.gpus)
+    if c.lora_rank:
+        arch = replace(arch, lora=(c.lora_rank, c.lora_targets))
     deal = Deal(c.gpus, c.shard_block_size or c.attention_block_size)
     return Basis(name=name, cfg=cfg, preset=preset, arch=arch, config=c,
                  params=count_parameters(arch, c.lora_rank, c.lora_targets), dtype=dtype, wdt=wdt, b=b,

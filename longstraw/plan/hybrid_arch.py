@@ -145,6 +145,19 @@ def recurrent_linears(arch: Arch) -> list[tuple[int, int]]:
     return [(h, inner + arch.conv_dim + arch.gdn_v_heads), (inner, h)]
 
 
+PEFT_MAMBA_TYPES = frozenset({"falcon_h1", "mamba", "mamba2", "falcon_mamba", "nemotron_h"})
+"""Model types on which PEFT refuses LoRA on any module named out_proj (or conv1d):
+`peft.tuners.tuners_utils._check_lora_target_modules_mamba` (Mamba's fused kernels read
+out_proj's weight). Bamba and Granite 4.0 are not among them."""
+
+
+def recurrent_lora_linears(arch: Arch) -> list[tuple[int, int]]:
+    """(in, out) of the linears of a KDA or Mamba2 mixer that LoRA adapts: every one, but
+    Mamba2's out_proj where PEFT refuses it (`PEFT_MAMBA_TYPES`: Nemotron-H, Falcon-H1)."""
+    shapes = recurrent_linears(arch)
+    return shapes[:1] if arch.recurrent == "mamba2" and arch.model_type in PEFT_MAMBA_TYPES else shapes
+
+
 def recurrent_other_params(arch: Arch) -> int:
     """A KDA or Mamba2 mixer's non-linear parameters: conv (+ bias), decays, norm."""
     if arch.recurrent == "kda":  # conv (no bias), dt_bias per channel, A_log per head, o_norm
@@ -156,4 +169,4 @@ def recurrent_other_params(arch: Arch) -> int:
 
 
 _arch.HYBRID_LAYERS.update({**{mt: mamba2_layers for mt in MAMBA2_TYPES}, "kimi_linear": kimi_linear_layers})
-_arch.RECURRENT_PARAMS.update(linears=recurrent_linears, other=recurrent_other_params)
+_arch.RECURRENT_PARAMS.update(linears=recurrent_linears, other=recurrent_other_params, adapted=recurrent_lora_linears)

@@ -136,11 +136,12 @@ def offload_plan(arch, *, b: int, acc: int, exact: bool, prompt: int, chunk: int
         # + the seeds: each chunk's gradient rows, full width (zeros where another rank holds them)
         h2d["reverse"] = r_all * prefix_rows + (r_walk + g_walk) * prefix_rows + g_all * n
         d2h["reverse"] = g_walk * prefix_rows
-    slot_bytes = 2 * (max(rows, default=0) + max(grads, default=0)) * S
+    slots = min(2, len(layers))  # layers alternate between two slots; one staged layer fills one
     return {
         "staged_layers": len(layers),
         "host_bytes": host_bytes(arch, b=b, acc=acc, exact=exact, rows=S),
-        "slot_bytes": slot_bytes,
+        "slot_bytes": slots * (max(rows, default=0) + max(grads, default=0)) * S,
+        "grad_slot_bytes": slots * max(grads, default=0) * S,
         "h2d_bytes": h2d,
         "d2h_bytes": d2h,
         "traffic_bytes": sum(h2d.values()) + sum(d2h.values()),
@@ -180,10 +181,13 @@ def plan_offload(s: Basis, state: StatePlan, replay: ReplayPlan, capture: Captur
                            held_pieces=replay.held // T, score_passes=c.score_passes,
                            divided_capture=capture.divided, decode_steps=s.R if c.generate else 0)
     line = (f"offload: {figures['staged_layers']} layers' per-token rows (+ exact mode's gradient rows) in host "
-            "memory; on the device two slots of the largest layer's rows (+ its gradient rows) and the constant "
+            "memory; on the device two slots (one if one layer is staged) of the largest layer's rows (+ its "
+            "gradient rows, after capture) and the constant "
             "state; every pass stages each layer it visits once (traffic and its time at "
             f"{c.host_bandwidth_gbs:g} GB/s host link; copies overlap compute, so the step takes at least the "
             "larger of the two)")
-    return OffloadPlan(figures=figures, state_gpu=st["fixed"] + figures["slot_bytes"],
+    grad_slots = figures["grad_slot_bytes"]  # exact mode's gradient sinks: with the state gradients, after capture
+    return OffloadPlan(figures=figures, state_gpu=st["fixed"] + figures["slot_bytes"] - grad_slots,
                        state_host=figures["host_bytes"],
-                       state_grad_gpu=snapshot_grad_bytes(st, b, acc) if exact else 0, assumptions=(line,))
+                       state_grad_gpu=(snapshot_grad_bytes(st, b, acc) + grad_slots) if exact else 0,
+                       assumptions=(line,))

@@ -191,7 +191,7 @@ def _offload_rows(r: dict) -> list[tuple[str, str]]:
     return [
         ("offload: host memory per rank", hb(r["offload_host_bytes_per_rank"]) + " (per-token rows"
          + (" + their fp32 gradients)" if r["mode"] == "exact" else ")")),
-        ("offload: device slots", hb(r["offload_slot_bytes_per_rank"]) + " (2 layers' rows"
+        ("offload: device slots", hb(r["offload_slot_bytes_per_rank"]) + " (2 layers' rows, 1 if one is staged"
          + (" + gradients)" if r["mode"] == "exact" else ")")),
         ("offload: traffic per step", hb(r["offload_traffic_bytes_per_step"])
          + f" = {r['offload_transfer_time_s']:,.1f} s at {i['host_bandwidth_gbs']:g} GB/s  (H2D "

@@ -17,10 +17,16 @@ rank W - 1 the fewest, so it receives the most of capture's traffic and, unlike 
 (the source), the gradients' broadcast. The peak compared is the higher rank's; the bytes
 received per phase the most either rank received (the planner's: the busiest rank's).
 
-Rehearsed so far: full training in the compute dtype (no LoRA, no quantised weights), a
-tree of at most one shared segment (`--tree Sx1,LxG`, or `LxG`), no images, the state on
-the device, the weights replicated (no FSDP2, no expert parallelism). Anything else is
-refused with `ConfigError` before a fake model is built.
+Host memory is compared apart: the rehearsal's `host_bytes` (`longstraw.host.host_tensor`:
+state offload's arenas, exact mode's offloaded snapshots) beside the planner's host
+figure; the peaks are the device's alone, on the CPU branches too.
+
+Rehearsed so far: full training or LoRA (`--lora-rank`, the planner's adapters:
+`rehearsal/lora.py`) over weights in the compute dtype (no quantised weights), a tree of
+at most one shared segment (`--tree Sx1,LxG`, or `LxG`), no images, the state on the
+device or offloaded (`--offload-state`, `--offload-snapshots`), the weights replicated
+(no FSDP2, no expert parallelism). Anything else is refused with `ConfigError` before a
+fake model is built.
 """
 
 from __future__ import annotations
@@ -71,12 +77,14 @@ def shared_prefix(c: PlanConfig) -> int:
 def refuse_unrehearsed(c: PlanConfig) -> None:
     """`ConfigError` for a planned configuration a rehearsal cannot run yet (before any work)."""
     deep_tree = c.tree is not None and (len(c.tree) > 2 or (len(c.tree) == 2 and c.tree[0][1] != 1))
-    unsupported = {"--lora-rank (a rehearsal builds no adapters)": c.lora_rank is not None,
-                   "--weight-dtype": c.weight_dtype not in (None, c.dtype),
+    quant = c.weight_dtype not in (None, c.dtype)
+    unsupported = {f"--weight-dtype {c.weight_dtype} (quantized weights are bitsandbytes' / torchao's packed "
+                   "tensors: they are quantized from real data on load, and their matmuls are CUDA kernels with no "
+                   "fake-tensor implementation, so a fake model cannot hold them; bitsandbytes is not installed "
+                   "here either; rehearse the same adapters over bf16 weights: only the frozen weights' "
+                   "bytes differ, and the planner states those)": quant,
                    "--tree beyond one shared segment (Sx1,LxG: a rehearsal draws one shared prefix)": deep_tree,
                    "--images": bool(c.images),
-                   "--offload-state (on the CPU branches the host and the device are one: the offloaded rows "
-                   "would count as device bytes)": c.offload_state,
                    "--shard-params (FSDP2's rehearsed peak is not yet the real one's)": c.shard_params,
                    "--expert-parallel": c.expert_parallel, "--score-passes": bool(c.score_passes),
                    "--data-parallel > 1": c.data_parallel > 1, "--generate": c.generate}
@@ -113,19 +121,22 @@ def rehearse_plan(model, c: PlanConfig, *, steps: int = 1, allow_position_overfl
         raise ConfigError(f"longstraw plan --rehearse: dtype {c.dtype!r} is not one of {', '.join(DTYPES)}")
     return rehearse(hf_config(model), rehearsal_exec_config(c, allow_position_overflow), prompt_tokens=c.prompt_tokens, group=c.group,
                     response_tokens=c.response_tokens, device="cpu", dtype=dtype, steps=steps,
-                    world_size=c.gpus, rank=rehearsed_plan_ranks(c), shared_prefix=shared_prefix(c))
+                    world_size=c.gpus, rank=rehearsed_plan_ranks(c), shared_prefix=shared_prefix(c),
+                    lora_rank=c.lora_rank, lora_targets=c.lora_targets)
 
 
 def planned_as_rehearsed(model, c: PlanConfig) -> dict:
     """The planner's figures for the step a rehearsal runs: first group (no gradients
     during capture), optimizer state taken off. {"peak_bytes_per_rank", "phases",
-    "comm_bytes": {phase: bytes the busiest rank receives}}."""
+    "comm_bytes": {phase: bytes the busiest rank receives}, "host_bytes": state offload's
+    host arenas and exact mode's offloaded snapshots}."""
     r = estimate(model, dataclasses.replace(c, grads_during_capture=False))
     opt = r["optimizer_bytes"]
     phases = {PHASE_OF_PLANNER.get(k, k): v - opt for k, v in r["breakdown"]["phase_peak_bytes"].items()}
     comm = {k: sum(v["bytes"].values()) for k, v in r["comm"]["phases"].items() if "bytes" in v}
+    host = r["offload_host_bytes_per_rank"] + (r["exact_snapshots"] or {}).get("host_bytes", 0)
     return {"peak_bytes_per_rank": r["peak_bytes_per_rank"] - opt, "phases": phases,
-            "comm_bytes": {k: v for k, v in comm.items() if v}}
+            "comm_bytes": {k: v for k, v in comm.items() if v}, "host_bytes": host}
 
 
 def received(reh: Rehearsal) -> dict[str, int]:
@@ -147,6 +158,8 @@ def comparison(model, c: PlanConfig, reh: Rehearsal) -> dict:
     for name, got in phases.items():
         if planned["phases"].get(name):
             ratio[name] = got / planned["phases"][name]
+    if planned["host_bytes"]:
+        ratio["host_bytes"] = reh.host_bytes / planned["host_bytes"]
     got_comm = received(reh)
     for name, got in got_comm.items():
         if planned["comm_bytes"].get(name):
@@ -156,6 +169,7 @@ def comparison(model, c: PlanConfig, reh: Rehearsal) -> dict:
     return {"peak_bytes_per_rank": reh.peak_bytes_per_rank, "phases": phases,
             "step_peaks": [s.peak_bytes for s in reh.steps], "ops": [s.ops for s in reh.steps],
             "comm_bytes": {k: dict(v) for k, v in reh.comm_bytes.items()}, "comm_received": got_comm,
+            "host_bytes": reh.host_bytes, "host_phases": dict(reh.host_phases),
             "rank": reh.rank, "rank_peaks": dict(reh.rank_peaks), "world_size": reh.world_size,
             "flops": dict(reh.flops), "host_syncs": reh.host_syncs, "wall_s": reh.wall_s, "device": reh.device,
             "planner": planned, "ratio": ratio,
@@ -170,6 +184,8 @@ def format_comparison(entry: dict) -> str:
     rows = [("peak", planned["peak_bytes_per_rank"], entry["peak_bytes_per_rank"], gib)]
     rows += [(k, planned["phases"].get(k), v, gib) for k, v in entry["phases"].items()]
     rows += [(k, v, None, gib) for k, v in planned["phases"].items() if k not in entry["phases"]]
+    if planned.get("host_bytes") or entry.get("host_bytes"):
+        rows.append(("host", planned.get("host_bytes"), entry.get("host_bytes"), gib))
     comm = entry.get("comm_received", {})
     rows += [(f"{k} recv", planned["comm_bytes"].get(k), comm.get(k), mib)
              for k in list(comm) + [k for k in planned["comm_bytes"] if k not in comm]]

@@ -3,7 +3,7 @@
 `measure_steps` installs an `Engine.phase_hook` that opens the tracker's phase (capture,
 replay, walk) around each phase of `Engine.step` (the tracker counts its bytes and FLOPs), runs the steps (and
 an optimizer step per step when given one), and returns per step the peak live bytes,
-the per-phase peaks, the FLOPs per phase, the host syncs (`longstraw.host.HostSyncs`) and,
+the per-phase peaks (of the device, and apart of host memory), the FLOPs per phase, the host syncs (`longstraw.host.HostSyncs`) and,
 under context parallelism, the bytes each collective brought this rank per phase (read
 from the engine's own counter, `parallel.collectives.Traffic.by_collective`, around the
 same phases; "gradients" is the rest of the step: replicated gradients made the first
@@ -36,6 +36,11 @@ class StepFigures:
     """Ops the tracker saw during the step (on fake tensors: what a rehearsal's time goes into)."""
     comm_bytes: dict[str, dict[str, int]] = field(default_factory=dict)
     """{phase: {collective: bytes this rank received}} (`Traffic`'s model); {} in one process."""
+    host_peak_bytes: int = 0
+    """Highest live host bytes during the step (`longstraw.host.host_tensor`: offloaded
+    snapshots, state offload's arenas), not among `peak_bytes` (on the CPU branches too)."""
+    host_phases: dict[str, int] = field(default_factory=dict)
+    """Peak live host bytes per phase."""
     metrics: dict = field(default_factory=dict)
     """The step's own metrics (`StepResult.metrics`: `comm_bytes_capture`, ... among them)."""
 
@@ -73,6 +78,7 @@ def measure_steps(engine, group, grpo, *, steps: int = 1, tracker: LiveBytes, op
     try:
         for _ in range(steps):
             tracker.peak, tracker.phase_peaks, tracker.phase_flops, tracker.ops = tracker.live, {}, {}, 0
+            tracker.host_peak, tracker.host_phase_peaks = tracker.host_live, {}
             HostSyncs.count = 0
             comm.clear()
             start = marks["start"] = dict(Traffic.by_collective)
@@ -91,6 +97,7 @@ def measure_steps(engine, group, grpo, *, steps: int = 1, tracker: LiveBytes, op
             engine.model.zero_grad(set_to_none=True)
             out.append(StepFigures(peak_bytes=tracker.peak, phases=dict(tracker.phase_peaks), flops=dict(tracker.phase_flops),
                                    host_syncs=syncs, ops=tracker.ops, comm_bytes={k: dict(v) for k, v in comm.items() if v},
+                                   host_peak_bytes=tracker.host_peak, host_phases=dict(tracker.host_phase_peaks),
                                    metrics=metrics))
     finally:
         engine.phase_hook = before

@@ -13,6 +13,7 @@ device (tests/test_rehearse.py checks this against real tiny models).
 from __future__ import annotations
 
 import contextlib
+import copy
 import time
 from dataclasses import dataclass, field
 
@@ -26,6 +27,7 @@ from longstraw.engine import Engine
 from longstraw.errors import ConfigError
 from longstraw.group import Group
 from longstraw.rehearsal.fast_fake import fake_mode
+from longstraw.rehearsal.lora import check_lora, check_twin, like, twin_adapters, with_adapters, with_lora
 from longstraw.rehearsal.kernels import DeviceKernels, needs_device_kernels
 from longstraw.rehearsal.measure import StepFigures, measure_steps
 from longstraw.rehearsal.ranks import check_world, fake_group, rehearsed_ranks, shard_fake
@@ -53,6 +55,11 @@ class Rehearsal:
     """{phase: {collective: bytes}} this rank received in the first step (capture, replay,
     walk, gradients; `parallel.collectives.Traffic`'s model, the engine's `comm_bytes_*`
     split by collective); {} for world_size 1."""
+    host_bytes: int = 0
+    """The highest live host bytes over every rehearsed step (the planner's host figure:
+    offloaded snapshots, state offload's arenas; never among `peak_bytes_per_rank`)."""
+    host_phases: dict[str, int] = field(default_factory=dict)
+    """Peak live host bytes per phase, worst step."""
     rank: int = 0
     """The rank these figures are of: of the rehearsed ranks, the one with the highest peak."""
     world_size: int = 1
@@ -68,6 +75,7 @@ class Rehearsal:
                 "flops": dict(self.flops), "host_syncs": self.host_syncs, "wall_s": self.wall_s,
                 "device": self.device, "step_peaks": [s.peak_bytes for s in self.steps],
                 "ops": [s.ops for s in self.steps], "comm_bytes": {k: dict(v) for k, v in self.comm_bytes.items()},
+                "host_bytes": self.host_bytes, "host_phases": dict(self.host_phases),
                 "rank": self.rank, "world_size": self.world_size, "rank_peaks": dict(self.rank_peaks),
                 "rank_comm_bytes": {r: {k: dict(v) for k, v in c.items()} for r, c in self.rank_comm_bytes.items()}}
 
@@ -76,18 +84,32 @@ def _default_device() -> str:
     return "cuda" if torch.backends.cuda.is_built() else "cpu"
 
 
-def fake_model(config, *, device: str, dtype: torch.dtype, mode: FakeTensorMode) -> nn.Module:
+def fake_model(config, *, device: str, dtype: torch.dtype, mode: FakeTensorMode, lora: tuple[int, str] | None = None,
+               adapters=None, like: dict | None = None) -> nn.Module:
     """A stock HF causal LM of `config` whose parameters and buffers are fake tensors on
-    `device` (built on the meta device, nothing initialised, nothing allocated)."""
+    `device` (built on the meta device, nothing initialised, nothing allocated).
+
+    `lora` = (rank, targets): wrapped with PEFT LoRA on the planner's linears
+    (`rehearsal.lora.with_lora`). `adapters`: a PEFT model's own (`lora.twin_adapters`),
+    each parameter then given the dtype and `requires_grad` of `like`'s (`lora.like`)."""
+    config = copy.deepcopy(config)  # the caller's (a real model's) keeps its attention implementation
     config._attn_implementation = "sdpa"
     with torch.device("meta"):
         model = transformers.AutoModelForCausalLM.from_config(config, dtype=dtype)
+    if lora is not None:
+        model = with_lora(model, *lora)
+    elif adapters is not None:
+        model = with_adapters(model, adapters)
+    if like is not None:
+        check_twin(model, like)
     with mode:
-        for module in model.modules():
+        for prefix, module in model.named_modules():
             for name, p in list(module._parameters.items()):
                 if p is not None:
-                    module._parameters[name] = nn.Parameter(torch.empty(p.shape, dtype=p.dtype, device=device),
-                                                            requires_grad=p.requires_grad)
+                    _, dt, grad = (like or {}).get(f"{prefix}.{name}" if prefix else name, (None, p.dtype,
+                                                                                            p.requires_grad))
+                    module._parameters[name] = nn.Parameter(torch.empty(p.shape, dtype=dt, device=device),
+                                                            requires_grad=grad)
             for name, b in list(module._buffers.items()):
                 if b is not None:
                     module._buffers[name] = torch.empty(b.shape, dtype=b.dtype, device=device)
@@ -111,7 +133,8 @@ def rehearse(model, config: ExecConfig | None = None, *, prompt_tokens: int, gro
              world_size: int = 1, rank: int | list[int] | None = None, shard_params: bool = False,
              device: str | None = None, steps: int = 1, generate: bool = False,
              dtype: torch.dtype = torch.bfloat16, grpo: GRPOConfig | None = None,
-             optimizer: bool = False, shared_prefix: int = 0) -> Rehearsal:
+             optimizer: bool = False, shared_prefix: int = 0, lora_rank: int | None = None,
+             lora_targets: str = "attention") -> Rehearsal:
     """Run `Engine.step` at full size on fake tensors and measure it: live bytes per
     phase, FLOPs per phase, host syncs per step, collective bytes per phase, wall time.
 
@@ -145,10 +168,15 @@ def rehearse(model, config: ExecConfig | None = None, *, prompt_tokens: int, gro
         shared_prefix: the responses' common first tokens (< response_tokens): with
             `ExecConfig(share_response_prefixes=True)` a prefix tree of one shared segment
             and G leaves.
+        lora_rank: train PEFT LoRA adapters of this rank instead of every weight (the base
+            frozen), on the linears the planner counts for `lora_targets` ("attention":
+            the token mixers' projections; "all-linear": also the dense and shared-expert
+            MLPs'), in the weights' dtype (`rehearsal/lora.py`). A PEFT model passed as
+            `model` keeps its own adapters instead (then leave lora_rank None).
 
     Returns:
-        `Rehearsal` (`peak_bytes_per_rank`, `phases`, `flops`, `host_syncs`, `comm_bytes`,
-        `rank`, `world_size`, `steps`, `wall_s`).
+        `Rehearsal` (`peak_bytes_per_rank`, `phases`, `host_bytes`, `host_phases`, `flops`,
+        `host_syncs`, `comm_bytes`, `rank`, `world_size`, `steps`, `wall_s`).
     """
     t0 = time.perf_counter()
     config = ExecConfig() if config is None else config
@@ -166,6 +194,7 @@ def rehearse(model, config: ExecConfig | None = None, *, prompt_tokens: int, gro
     if torch.device(device).type == "cuda" and not torch.backends.cuda.is_built():
         raise ConfigError("rehearse: device='cuda' needs a CUDA build of torch (autograd checks the device even on "
                           "fake tensors); pass device='cpu' to rehearse the same code on the CPU branches")
+    build = _build(model, lora_rank, lora_targets)
     hf_config, dtype = (model.config, next(model.parameters()).dtype) if isinstance(model, nn.Module) else (model, dtype)
     inputs = rehearsal_group(prompt_tokens=prompt_tokens, group=group, response_tokens=response_tokens,
                              vocab_size=hf_config.get_text_config().vocab_size, shared_prefix=shared_prefix)
@@ -174,26 +203,48 @@ def rehearse(model, config: ExecConfig | None = None, *, prompt_tokens: int, gro
         with fake_group(r, world_size):
             by_rank[r] = _rehearse_rank(hf_config, config, inputs, device=device, dtype=dtype, steps=steps,
                                         grpo=grpo or GRPOConfig(), optimizer=optimizer,
-                                        shard=world_size if shard_params else 0)
+                                        shard=world_size if shard_params else 0, build=build)
+    return _result(by_rank, t0=t0, device=device, world_size=world_size)
+
+
+def _result(by_rank: dict[int, list[StepFigures]], *, t0: float, device: str, world_size: int) -> Rehearsal:
+    """The `Rehearsal` of the rehearsed ranks' steps: the rank with the highest peak, its
+    worst step's peak per phase (the device's, and the host's apart)."""
     peaks = {r: max(f.peak_bytes for f in figures) for r, figures in by_rank.items()}
     worst = max(peaks, key=lambda r: (peaks[r], -r))
     figures = by_rank[worst]
     phases: dict[str, int] = {}
+    host_phases: dict[str, int] = {}
     for f in figures:
-        for name, peak in f.phases.items():
-            phases[name] = max(phases.get(name, 0), peak)
+        for into, got in ((phases, f.phases), (host_phases, f.host_phases)):
+            for name, peak in got.items():
+                into[name] = max(into.get(name, 0), peak)
     return Rehearsal(peak_bytes_per_rank=peaks[worst], phases=phases, flops=dict(figures[0].flops),
+                     host_bytes=max(f.host_peak_bytes for f in figures), host_phases=host_phases,
                      host_syncs=max(f.host_syncs for f in figures), steps=figures, wall_s=time.perf_counter() - t0,
                      device=device, comm_bytes=figures[0].comm_bytes, rank=worst, world_size=world_size,
                      rank_peaks=peaks, rank_comm_bytes={r: f[0].comm_bytes for r, f in by_rank.items()})
 
 
+def _build(model, lora_rank: int | None, lora_targets: str) -> dict:
+    """`fake_model`'s adapter arguments: the planner's LoRA, a PEFT model's own, or none;
+    `ConfigError` for a bad rank or targets, or a PEFT model given a rank too."""
+    check_lora(lora_rank, lora_targets)
+    adapters = twin_adapters(model) if isinstance(model, nn.Module) else None
+    if lora_rank is None:
+        return {"adapters": adapters, "like": like(model)} if adapters else {}
+    if adapters:
+        raise ConfigError("rehearse: the model is a PEFT model, rehearsed with its own adapters; drop lora_rank, "
+                          "or pass its base model (`model.get_base_model()`) with lora_rank")
+    return {"lora": (lora_rank, lora_targets)}
+
+
 def _rehearse_rank(hf_config, config: ExecConfig, inputs: Group, *, device: str, dtype: torch.dtype, steps: int,
-                   grpo: GRPOConfig, optimizer: bool, shard: int) -> list[StepFigures]:
-    """One rank's measured steps (in the fake group, if any): the fake model, its engine,
-    FSDP2 over `shard` ranks when nonzero."""
+                   grpo: GRPOConfig, optimizer: bool, shard: int, build: dict) -> list[StepFigures]:
+    """One rank's measured steps (in the fake group, if any): the fake model (with the
+    adapters of `build`, `_build`), its engine, FSDP2 over `shard` ranks when nonzero."""
     mode = fake_mode(allow_non_fake_inputs=True)
-    fake = fake_model(hf_config, device=device, dtype=dtype, mode=mode)
+    fake = fake_model(hf_config, device=device, dtype=dtype, mode=mode, **build)
     tracker = LiveBytes(torch.device(device).type)
     kernels = DeviceKernels() if needs_device_kernels(torch.device(device).type, dtype) else contextlib.nullcontext()
     with mode, kernels:

@@ -28,6 +28,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import flop_registry
 from torch.utils._pytree import tree_leaves
 
+from longstraw.host import HostMemory
 from longstraw.ops.workspace import WORKSPACE
 
 
@@ -48,6 +49,9 @@ class LiveBytes(TorchDispatchMode):
         phase_peaks: {phase name: highest `live` while that phase was open}.
         phase_flops: {phase name: FLOPs of the ops run while it was open}.
         ops: ops dispatched (prim metadata queries not counted): a rehearsal's cost.
+        host_live, host_peak, host_phase_peaks: the same of host memory, counted apart:
+            the tensors made through `longstraw.host.host_tensor` (offloaded snapshots,
+            state offload's arenas), on the CPU branches too, where host and device are one.
     """
 
     def __init__(self, device_type: str = "cuda"):
@@ -58,21 +62,27 @@ class LiveBytes(TorchDispatchMode):
         self.peak = 0
         self.phase_peaks: dict[str, int] = {}
         self.phase_flops: dict[str, int] = {}
+        self.host_live = 0
+        self.host_peak = 0
+        self.host_phase_peaks: dict[str, int] = {}
         self._open: list[str] = []
+        self._host_depth = 0  # > 0 inside `host_block`: the CPU storages made are host memory
         self._seen: dict[int, weakref.ref] = {}  # id(storage) -> weakref (finalizers also keyed on it)
         self._bytes: dict[int, int] = {}  # id(storage) -> the bytes counted for it
+        self._host: set[int] = set()  # id(storage) of those counted as host bytes
 
     # --------------------------------------------------------------------------
     def _register(self, t: torch.Tensor) -> None:
-        if t.device.type != self.device_type:
+        host = self._host_depth > 0 and t.device.type == "cpu"
+        if t.device.type != self.device_type and not host:
             return
         try:
             storage = _storage_key(t)
         except (RuntimeError, NotImplementedError):  # tensor subclasses without a storage
             return
-        self._count(storage)
+        self._count(storage, host)
 
-    def _count(self, storage) -> None:
+    def _count(self, storage, host: bool = False) -> None:
         key = id(storage)
         ref = self._seen.get(key)
         if ref is not None and ref() is not None:
@@ -82,12 +92,34 @@ class LiveBytes(TorchDispatchMode):
         except TypeError:
             return
         self._bytes[key] = nbytes = int(storage.nbytes())
-        self.live += nbytes
+        if host:
+            self._host.add(key)
+            self.host_live += nbytes
+        else:
+            self.live += nbytes
         self._bump()
 
     def _free(self, key: int) -> None:
         self._seen.pop(key, None)
-        self.live -= self._bytes.pop(key, 0)
+        if key in self._host:
+            self._host.discard(key)
+            self.host_live -= self._bytes.pop(key, 0)
+        else:
+            self.live -= self._bytes.pop(key, 0)
+
+    @contextlib.contextmanager
+    def host_block(self):
+        """The CPU storages made in the block are host memory (`longstraw.host.host_tensor`)."""
+        self._host_depth += 1
+        try:
+            yield
+        finally:
+            self._host_depth -= 1
+
+    def count_host(self, t: torch.Tensor) -> None:
+        """Count t's storage as host bytes (made where no op showed it: `torch.from_numpy`)."""
+        with self.host_block():
+            self._register(t)
 
     def _resized(self, storage) -> None:
         """A storage resized in place (FSDP2 frees and re-allocates its gathered
@@ -98,6 +130,8 @@ class LiveBytes(TorchDispatchMode):
         ref = self._seen.get(key)
         if ref is None or ref() is None:
             self._count(storage)
+            return
+        if key in self._host:
             return
         nbytes = int(storage.nbytes())
         self.live += nbytes - self._bytes[key]
@@ -113,19 +147,24 @@ class LiveBytes(TorchDispatchMode):
             return out
 
         self._resize, torch.UntypedStorage.resize_ = resize, resize_
+        HostMemory.trackers.append(self)
         return super().__enter__()
 
     def __exit__(self, *exc):
         torch.UntypedStorage.resize_ = self._resize
+        HostMemory.trackers.remove(self)
         return super().__exit__(*exc)
 
     def _bump(self, live: int | None = None) -> None:
         live = self.live if live is None else live
         if live > self.peak:
             self.peak = live
+        self.host_peak = max(self.host_peak, self.host_live)
         for name in self._open:
             if live > self.phase_peaks.get(name, 0):
                 self.phase_peaks[name] = live
+            if self.host_live > self.host_phase_peaks.get(name, 0):
+                self.host_phase_peaks[name] = self.host_live
 
     def adopt(self, tensors) -> None:
         """Count tensors allocated before the tracker started (parameters, a held state);
@@ -142,6 +181,7 @@ class LiveBytes(TorchDispatchMode):
         (at least the live bytes at its start)."""
         self._open.append(name)
         self.phase_peaks[name] = max(self.phase_peaks.get(name, 0), self.live)
+        self.host_phase_peaks[name] = max(self.host_phase_peaks.get(name, 0), self.host_live)
         try:
             yield
         finally:

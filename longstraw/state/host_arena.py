@@ -24,12 +24,18 @@ import weakref
 
 import torch
 
+from longstraw.host import host_tensor
 from longstraw.plan.offload import arena_offsets
 
 
 def host_buffer(nbytes: int, *, pin: bool) -> torch.Tensor:
     """A uint8 [nbytes] CPU tensor; with `pin`, page-locked at exactly `nbytes` (not
-    rounded up), and unregistered when its storage is freed."""
+    rounded up), and unregistered when its storage is freed. Made through
+    `longstraw.host.host_tensor`: a live-bytes tracker counts it as host bytes."""
+    return host_tensor(lambda: _buffer(nbytes, pin))
+
+
+def _buffer(nbytes: int, pin: bool) -> torch.Tensor:
     if not pin or nbytes == 0:
         return torch.empty(nbytes, dtype=torch.uint8)
     import numpy as np

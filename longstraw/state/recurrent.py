@@ -9,7 +9,14 @@ from dataclasses import dataclass, field
 
 import torch
 
+from longstraw.host import host_tensor
 from longstraw.tensors import accumulation_dtype, nbytes
+
+
+def _host_copy(t: torch.Tensor, pin: bool) -> torch.Tensor:
+    """t copied to host memory (page-locked with `pin`)."""
+    out = t.detach().to("cpu", copy=True)
+    return out.pin_memory() if pin else out
 
 
 @dataclass
@@ -66,8 +73,7 @@ class RecurrentState:
         if pair[0] is None or position in self.on_host:
             return
         pin = torch.cuda.is_available()
-        self.snapshots[position] = tuple(t.detach().to("cpu", copy=True).pin_memory() if pin
-                                         else t.detach().to("cpu", copy=True) for t in pair)
+        self.snapshots[position] = tuple(host_tensor(lambda t=t: _host_copy(t, pin)) for t in pair)
         self.on_host.add(position)
         self.d2h_bytes += nbytes(*pair)
 
@@ -81,7 +87,7 @@ class RecurrentState:
         if self.staged is not None and self.staged[0] == position:
             return self.staged[1]
         self.staged = None  # free the previous one first
-        staged = tuple(t.to(device, non_blocking=True) for t in pair)
+        staged = tuple(t.to(device, non_blocking=True, copy=True) for t in pair)  # a copy on CPU too, as on CUDA
         self.h2d_bytes += nbytes(*pair)
         self.staged = (position, staged)
         return staged

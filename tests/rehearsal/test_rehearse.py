@@ -9,10 +9,11 @@ import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
 
 import longstraw as ls
-from longstraw.host import HostSyncs, to_host
+from longstraw.host import HostSyncs, host_tensor, to_host
 from longstraw.rehearsal.measure import measure_steps
 from longstraw.rehearsal.run import rehearsal_group
 from longstraw.rehearsal.tracker import LiveBytes
+from longstraw.state.host_arena import host_buffer
 from longstraw.tiny import tiny_model
 
 P, G, R = 48, 2, 6
@@ -54,6 +55,24 @@ def test_tracker_counts_real_and_fake_alike():
     live, peak, phases = results[0]
     assert live == 2 * 64 * 32 * 4  # the weight and its gradient
     assert phases["forward"] == (64 * 32 + 16 * 64 + 2 * 16 * 32) * 4  # w, x, the matmul and its relu at once
+
+
+def test_host_tensors_count_as_host_bytes_not_device_bytes():
+    """`host_tensor` (the offload paths' one way to host memory): its result is host bytes
+    (`host_peak`, `host_phase_peaks`), not device bytes, though host and device are both
+    CPU here; real and fake alike, and freed host bytes leave `host_live`."""
+    results = []
+    for fake in (False, True):
+        with FakeTensorMode() if fake else torch.enable_grad():
+            tracker = LiveBytes("cpu")
+            with tracker, tracker.phase("offload"):
+                rows = torch.empty(64, 32)
+                copy = host_tensor(lambda rows=rows: rows.to("cpu", copy=True))
+                del rows
+                arena = host_buffer(1000, pin=False)
+                del copy, arena
+            results.append((tracker.peak, tracker.host_peak, dict(tracker.host_phase_peaks), tracker.host_live))
+    assert results[0] == results[1] == (64 * 32 * 4, 64 * 32 * 4 + 1000, {"offload": 64 * 32 * 4 + 1000}, 0)
 
 
 def test_host_seam_counts_and_stands_in():
@@ -99,9 +118,10 @@ MATRIX = [  # (family, ExecConfig fields, shared prefix tokens): the families in
 @pytest.mark.parametrize("family,fields,shared", MATRIX)
 def test_rehearsal_peaks_equal_the_real_step(family, fields, shared):
     """The rehearsal's peak and every phase's peak within 2% of the same step's real
-    live-tensor peak (same tracker); FLOPs per phase equal. On a CPU rehearsal an
-    offloaded state's host rows and the device's tensors are both CPU tensors: the peaks
-    compared are their sum, on both sides alike."""
+    live-tensor peak (same tracker); FLOPs per phase equal. Host memory apart: an
+    offloaded state's host arenas and offloaded snapshots (`longstraw.host.host_tensor`)
+    are host bytes, on the CPU branches too, each phase's within 2% of the real step's;
+    none without offload."""
     model = tiny_model(family)
     cfg = ls.ExecConfig(chunk_size=16, **fields)
     r = TREE_R if shared else R
@@ -112,6 +132,11 @@ def test_rehearsal_peaks_equal_the_real_step(family, fields, shared):
     for name, peak in real.phases.items():
         assert _close(reh.phases[name], peak), (name, reh.phases[name], peak)
     assert reh.flops == real.flops
+    offload = fields.get("state_device") == "cpu" or fields.get("offload_snapshots", False)
+    assert (reh.host_bytes > 0) == (real.host_peak_bytes > 0) == offload, (reh.host_bytes, real.host_peak_bytes)
+    assert _close(reh.host_bytes, real.host_peak_bytes), (reh.host_bytes, real.host_peak_bytes)
+    for name, peak in real.host_phases.items():
+        assert _close(reh.host_phases[name], peak), (name, reh.host_phases[name], peak)
 
 
 def test_host_syncs_do_not_grow_with_chunks():
