@@ -1,7 +1,10 @@
 """Workers for tests/rehearsal/test_ranks.py (spawned gloo ranks, CPU): each rank runs the
 real step of every case under the same tracker and measured step a rehearsal uses
 (`LiveBytes`, `measure_steps`), its collectives counted by the engine's own counter
-(`Traffic.by_collective`, FSDP2's through `counting_fsdp`); then, its gloo group
+(`Traffic.by_collective`, FSDP2's through `counting_fsdp`), every collective settled
+(`bench.live_peak.settled_collectives`: gloo frees a collective's tensors on its worker
+thread, at a time of its own, so an FSDP2 step's real peak came out up to 10% high now
+and then; settled, it is the step's own tensors, as on a GPU); then, its gloo group
 destroyed, it rehearses itself (`ls.rehearse(..., world_size=W, rank=r)`) in the same
 process, and writes both to `out.rank` as JSON."""
 
@@ -14,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 import longstraw as ls
+from bench.live_peak import settled_collectives
 from longstraw.parallel.fsdp_traffic import counting_fsdp
 from longstraw.rehearsal.measure import measure_steps
 from longstraw.rehearsal.run import rehearsal_group
@@ -50,7 +54,7 @@ def real_step(case: dict, world: int) -> dict:
                             vocab_size=model.config.vocab_size)
     tracker = LiveBytes("cpu")
     tracker.adopt(list(model.parameters()) + list(model.buffers()))
-    with counted:
+    with counted, settled_collectives():
         f = measure_steps(engine, group, ls.GRPOConfig(), tracker=tracker)[0]
     dist.barrier()  # FSDP2's gloo reduce-scatters finished on every rank before the next case
     return {"peak": f.peak_bytes, "phases": f.phases, "comm": f.comm_bytes,
