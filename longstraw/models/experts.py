@@ -35,6 +35,7 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from longstraw.host import on_host
 from longstraw.errors import ConfigError, UnsupportedModelError
 from longstraw.parallel.collectives import all_gather
 from longstraw.parallel.experts import SHARD_ATTR, combine_divided, combine_replicated, expert_bounds
@@ -132,8 +133,17 @@ def _sharded_forward(module: nn.Module, lo: int, hi: int, experts: int, cp):
 
         call = active_call()
         if call is not None and call.divides_tokens():  # each rank its own rows
-            n = torch.tensor([float(hidden_states.shape[0])], dtype=torch.float64)
-            counts = [int(c) for c in torch.cat(all_gather(n, cp)).tolist()]
+            with on_host():  # host numbers (a shape), real in a rehearsal too: see `rows_of_every_rank`
+                counts = rows_of_every_rank(hidden_states.shape[0], cp)
             return combine_divided(local, hidden_states, top_k_index, top_k_weights, lo, hi, experts, counts, cp)
         return combine_replicated(local, hidden_states, top_k_index, top_k_weights, lo, hi, cp)
     return forward
+
+
+def rows_of_every_rank(n: int, cp) -> list[int]:
+    """Every rank's rows of a divided call, in rank order (one all-gather of a host
+    number). On a rehearsal's fake process group the all-gather hands back this rank's
+    number W times: the padding is to this rank's own rows, exact for rank 0, the fullest
+    (`parallel.deal.Deal.fullest`), the one a rehearsal measures."""
+    return [int(c) for c in torch.cat(all_gather(torch.tensor([float(n)], dtype=torch.float64), cp)).tolist()]
+

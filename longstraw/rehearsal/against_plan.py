@@ -14,12 +14,17 @@ Under `--gpus W > 1` the step is context parallel (`ExecConfig(context_parallel=
 and ranks 0 and W - 1 are rehearsed on the fake process group (`rehearsal/ranks.py`):
 rank 0 holds the most prompt rows (the planner's per-rank peak is the fullest rank's);
 rank W - 1 the fewest, so it receives the most of capture's traffic and, unlike rank 0
-(the source), the gradients' broadcast. The peak compared is the higher rank's; the bytes
-received per phase the most either rank received (the planner's: the busiest rank's).
+(the source), the gradients' broadcast; under `--expert-parallel` also the first rank
+holding the most experts (`ranks.rehearsed_ranks`). The peak compared is the highest
+rank's; the bytes received per phase the most any rank received (the planner's: the
+busiest rank's). `--shard-params` shards the fake model with FSDP2 over the W ranks as a
+real run's template does (`parallel.sharding.shard_model`, the experts left to expert
+parallelism), `--expert-parallel` gives each rank its slice of the experts
+(`ExecConfig(expert_parallel=True)`).
 
 Rehearsed so far: full training in the compute dtype (no LoRA, no quantised weights), a
 tree of at most one shared segment (`--tree Sx1,LxG`, or `LxG`), no images, the state on
-the device, the weights replicated (no FSDP2, no expert parallelism). Anything else is
+the device. Anything else is
 refused with `ConfigError` before a fake model is built.
 """
 
@@ -37,6 +42,7 @@ from longstraw.plan.arch import load_model_config
 from longstraw.plan.config import PlanConfig
 from longstraw.plan.estimate import estimate
 from longstraw.plan.fit import exec_config
+from longstraw.rehearsal.ranks import rehearsed_ranks
 from longstraw.rehearsal.run import Rehearsal, rehearse
 
 PHASE_OF_PLANNER = {"recompute": "walk"}
@@ -77,8 +83,7 @@ def refuse_unrehearsed(c: PlanConfig) -> None:
                    "--images": bool(c.images),
                    "--offload-state (on the CPU branches the host and the device are one: the offloaded rows "
                    "would count as device bytes)": c.offload_state,
-                   "--shard-params (FSDP2's rehearsed peak is not yet the real one's)": c.shard_params,
-                   "--expert-parallel": c.expert_parallel, "--score-passes": bool(c.score_passes),
+                   "--score-passes": bool(c.score_passes),
                    "--data-parallel > 1": c.data_parallel > 1, "--generate": c.generate}
     bad = [flag for flag, on in unsupported.items() if on]
     if bad:
@@ -87,8 +92,9 @@ def refuse_unrehearsed(c: PlanConfig) -> None:
 
 
 def rehearsal_exec_config(c: PlanConfig) -> ExecConfig:
-    """The `ExecConfig` of planned configuration `c` (context parallel for `--gpus > 1`)."""
-    fields = {k: v for k, v in exec_config(c).items() if k != "expert_parallel"}
+    """The `ExecConfig` of planned configuration `c` (context parallel for `--gpus > 1`,
+    expert parallel for `--expert-parallel`), as `--fit` prints it for a real run."""
+    fields = dict(exec_config(c))
     if fields.get("recompute_layers") is None:
         fields.pop("recompute_layers")
     if fields.get("offload_snapshots") is None:
@@ -96,22 +102,30 @@ def rehearsal_exec_config(c: PlanConfig) -> ExecConfig:
     return ExecConfig(**fields)
 
 
-def rehearsed_plan_ranks(c: PlanConfig) -> list[int] | None:
-    """The ranks `rehearse_plan` rehearses: 0 (the most prompt rows) and W - 1 (the most
-    capture traffic, a receiver of the gradients' broadcast); None for one rank."""
-    return sorted({0, c.gpus - 1}) if c.gpus > 1 else None
+def rehearsed_plan_ranks(c: PlanConfig, hf=None) -> list[int] | None:
+    """The ranks `rehearse_plan` rehearses: 0 (the most prompt rows), W - 1 (the most
+    capture traffic, a receiver of the gradients' broadcast) and, under expert
+    parallelism, the first rank holding the most experts (of HF config `hf`); None for
+    one rank."""
+    if c.gpus == 1:
+        return None
+    most = rehearsed_ranks(hf, rehearsal_exec_config(c), c.gpus, None) if hf is not None else []
+    return sorted({0, c.gpus - 1, *most})
 
 
 def rehearse_plan(model, c: PlanConfig, *, steps: int = 1) -> Rehearsal:
-    """Rehearse the step planned by (`model`, `c`) on the CPU branches: one rank, or ranks
-    0 and W - 1 of `c.gpus` on the fake process group."""
+    """Rehearse the step planned by (`model`, `c`) on the CPU branches: one rank, or the
+    ranks of `rehearsed_plan_ranks` of `c.gpus` on the fake process group, with FSDP2
+    (`c.shard_params`) and expert parallelism (`c.expert_parallel`) as a real run."""
     refuse_unrehearsed(c)
     dtype = DTYPES.get(str(c.dtype or "bf16").lower())
     if dtype is None:
         raise ConfigError(f"longstraw plan --rehearse: dtype {c.dtype!r} is not one of {', '.join(DTYPES)}")
-    return rehearse(hf_config(model), rehearsal_exec_config(c), prompt_tokens=c.prompt_tokens, group=c.group,
+    hf = hf_config(model)
+    return rehearse(hf, rehearsal_exec_config(c), prompt_tokens=c.prompt_tokens, group=c.group,
                     response_tokens=c.response_tokens, device="cpu", dtype=dtype, steps=steps,
-                    world_size=c.gpus, rank=rehearsed_plan_ranks(c), shared_prefix=shared_prefix(c))
+                    world_size=c.gpus, rank=rehearsed_plan_ranks(c, hf), shard_params=c.shard_params,
+                    shared_prefix=shared_prefix(c))
 
 
 def planned_as_rehearsed(model, c: PlanConfig) -> dict:
