@@ -32,8 +32,17 @@ def exec_config(case: dict) -> ls.ExecConfig:
 
 
 def _model(case: dict):
-    return tiny_model(case["family"], dtype=getattr(torch, case.get("dtype", "float32")),
-                      **case.get("overrides", {})).train()
+    """The case's real model: a tiny family's, or one built from `case["config"]` (an HF
+    config dict, random weights of seed 0)."""
+    dtype = getattr(torch, case.get("dtype", "float32"))
+    if "config" in case:
+        import transformers
+
+        torch.manual_seed(0)
+        config = transformers.AutoConfig.for_model(**case["config"])
+        config._attn_implementation = "sdpa"
+        return transformers.AutoModelForCausalLM.from_config(config, dtype=dtype).train()
+    return tiny_model(case["family"], dtype=dtype, **case.get("overrides", {})).train()
 
 
 def real_step(case: dict, world: int) -> dict:

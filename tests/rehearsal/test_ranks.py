@@ -59,6 +59,24 @@ def test_rehearsed_rank_equals_the_real_rank_exact_and_fsdp2(tmp_path, world):
     _check(_run(tmp_path, world, cases), cases)
 
 
+MOE = {"model_type": "qwen3_moe", "vocab_size": 4096, "hidden_size": 256, "intermediate_size": 512,
+       "moe_intermediate_size": 128, "num_experts": 8, "num_experts_per_tok": 2, "num_hidden_layers": 4,
+       "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 64, "max_position_embeddings": 4096,
+       "tie_word_embeddings": False}
+"""A small Qwen3-MoE (8 experts, top 2, every layer MoE): expert parallelism's tiny model
+(aten._grouped_mm's meta kernel takes bf16 only, so it runs in bf16)."""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [2, 3])
+def test_rehearsed_rank_equals_the_real_rank_expert_parallel(tmp_path, world):
+    """Expert parallelism (each rank its slice of the 8 experts: 3, 3, 2 at W = 3), alone and
+    with FSDP2, detached and exact, bf16: comm bytes equal, peaks within 2%."""
+    base = {**CP, "config": MOE, "dtype": "bfloat16", "ep": True, "overrides": {}}
+    cases = [base, {**base, "shard": True}, {**base, "mode": "exact", "shard": True}]
+    _check(_run(tmp_path, world, cases), cases)
+
+
 def test_rehearse_refuses_bad_ranks_and_leaves_a_callers_group_alone():
     """Refused before any work: world_size > 1 without context parallelism, shard_params
     on one rank, a rank outside [0, W), and a process that has a group of its own (which
