@@ -27,6 +27,9 @@ from tests.distributed_worker import _init
 
 
 def exec_config(case: dict) -> ls.ExecConfig:
+    """`case["exec"]` (ExecConfig fields) where given, else chunk, mode and expert parallelism."""
+    if "exec" in case:
+        return ls.ExecConfig(**case["exec"])
     return ls.ExecConfig(chunk_size=case["chunk"], mode=case["mode"], context_parallel=True,
                          expert_parallel=case.get("ep", False))
 
