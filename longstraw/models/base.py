@@ -9,6 +9,7 @@ reading it (replay). It calls the model's own submodules throughout.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 
 import torch
 from torch import nn
@@ -56,6 +57,28 @@ def mlp_pieces(n: int, size: int) -> list[int]:
     return starts
 
 
+MLP_PIECE: contextvars.ContextVar = contextvars.ContextVar("longstraw_mlp_piece", default=None)
+"""(index, size) of the divided capture's MLP piece running (`chunked_mlps`), else None:
+what a rehearsal's MoE call needs to know every rank's rows (`experts.rows_of_every_rank`)."""
+
+
+@contextlib.contextmanager
+def _piece(index: int, size: int):
+    token = MLP_PIECE.set((index, size))
+    try:
+        yield
+    finally:
+        MLP_PIECE.reset(token)
+
+
+def piece_rows(n: int, size: int, index: int) -> int:
+    """Rows of MLP piece `index` of n rows in pieces of `size` (`mlp_pieces`; 0 past the last)."""
+    starts = mlp_pieces(n, size)
+    if index >= len(starts):
+        return 0
+    return (starts[index + 1] if index + 1 < len(starts) else n) - starts[index]
+
+
 def chunked_mlps(layers, size: int, pieces: int | None = None):
     """Within the block (a divided capture, phase DIVIDED), each decoder layer's `mlp` runs
     over pieces of `size` tokens (`mlp_pieces`), so a layer's working set is the attention
@@ -73,8 +96,12 @@ def chunked_mlps(layers, size: int, pieces: int | None = None):
             starts = mlp_pieces(n, size)
             starts += [n] * ((pieces or 0) - len(starts))  # empty pieces: the ranks' collectives pair up
             if len(starts) == 1:
-                return forward(x)
-            outs = [forward(x[:, a:b]) for a, b in zip(starts, starts[1:] + [n])]
+                with _piece(0, size):
+                    return forward(x)
+            outs = []
+            for i, (a, b) in enumerate(zip(starts, starts[1:] + [n])):
+                with _piece(i, size):
+                    outs.append(forward(x[:, a:b]))
             out = torch.cat([o[0] if isinstance(o, tuple) else o for o in outs], dim=1)
             # an MLP returning (output, router scores), gpt-oss's: its layer drops the scores
             return (out, None) if isinstance(outs[0], tuple) else out
