@@ -9,7 +9,6 @@ reading it (replay). It calls the model's own submodules throughout.
 from __future__ import annotations
 
 import contextlib
-import contextvars
 
 import torch
 from torch import nn
@@ -22,6 +21,7 @@ from longstraw.state.prompt import PromptState
 
 from .experts import is_sharded
 from .peft_layers import check_peft
+from .pieces import mlp_pieces, piece as _piece
 from .recompute import recomputed_layers
 from .rope import pinned_rope, rotary_of
 from .routing import AttentionCall, Divided, DividedChunk, Phase, forwards_replaced, run_backbone
@@ -44,39 +44,6 @@ def unwrap_causal_lm(model: nn.Module) -> nn.Module:
 
 def _is_fsdp_module(module: nn.Module) -> bool:
     return FSDPModule is not None and isinstance(module, FSDPModule)
-
-
-def mlp_pieces(n: int, size: int) -> list[int]:
-    """Where a divided capture's MLP pieces of `size` tokens start in n tokens: one piece
-    up to size + 1 tokens, and a last piece of one token joins the one before it."""
-    if n <= size + 1:
-        return [0]
-    starts = list(range(0, n, size))
-    if n - starts[-1] == 1:
-        starts.pop()
-    return starts
-
-
-MLP_PIECE: contextvars.ContextVar = contextvars.ContextVar("longstraw_mlp_piece", default=None)
-"""(index, size) of the divided capture's MLP piece running (`chunked_mlps`), else None:
-what a rehearsal's MoE call needs to know every rank's rows (`experts.rows_of_every_rank`)."""
-
-
-@contextlib.contextmanager
-def _piece(index: int, size: int):
-    token = MLP_PIECE.set((index, size))
-    try:
-        yield
-    finally:
-        MLP_PIECE.reset(token)
-
-
-def piece_rows(n: int, size: int, index: int) -> int:
-    """Rows of MLP piece `index` of n rows in pieces of `size` (`mlp_pieces`; 0 past the last)."""
-    starts = mlp_pieces(n, size)
-    if index >= len(starts):
-        return 0
-    return (starts[index + 1] if index + 1 < len(starts) else n) - starts[index]
 
 
 def chunked_mlps(layers, size: int, pieces: int | None = None):

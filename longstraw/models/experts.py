@@ -41,6 +41,7 @@ from longstraw.parallel.collectives import all_gather
 from longstraw.parallel.deal import Deal
 from longstraw.parallel.experts import SHARD_ATTR, combine_divided, combine_replicated, expert_bounds
 
+from .pieces import MLP_PIECE, piece_rows
 from .routing import Divided, DividedChunk, active_call
 
 __all__ = ["experts_modules", "shard_experts", "is_sharded"]
@@ -159,8 +160,6 @@ def dealt_rows(call) -> list[int] | None:
     """Every rank's rows of a divided call from the deal alone: a divided walk's chunk
     (`DividedChunk`: its positions each rank owns), a divided capture's MLP piece (the
     piece's rows of each rank's own positions, `base.MLP_PIECE`); None where not known."""
-    from .base import MLP_PIECE, piece_rows  # base imports this module
-
     d = call.divided
     if isinstance(d, DividedChunk):
         return Deal(world=d.world, block=d.block).counts(d.start, d.end)
