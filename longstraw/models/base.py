@@ -21,6 +21,7 @@ from longstraw.state.prompt import PromptState
 
 from .experts import is_sharded
 from .peft_layers import check_peft
+from .pieces import mlp_pieces, piece as _piece
 from .recompute import recomputed_layers
 from .rope import pinned_rope, rotary_of
 from .routing import AttentionCall, Divided, DividedChunk, Phase, forwards_replaced, run_backbone
@@ -45,17 +46,6 @@ def _is_fsdp_module(module: nn.Module) -> bool:
     return FSDPModule is not None and isinstance(module, FSDPModule)
 
 
-def mlp_pieces(n: int, size: int) -> list[int]:
-    """Where a divided capture's MLP pieces of `size` tokens start in n tokens: one piece
-    up to size + 1 tokens, and a last piece of one token joins the one before it."""
-    if n <= size + 1:
-        return [0]
-    starts = list(range(0, n, size))
-    if n - starts[-1] == 1:
-        starts.pop()
-    return starts
-
-
 def chunked_mlps(layers, size: int, pieces: int | None = None):
     """Within the block (a divided capture, phase DIVIDED), each decoder layer's `mlp` runs
     over pieces of `size` tokens (`mlp_pieces`), so a layer's working set is the attention
@@ -73,8 +63,12 @@ def chunked_mlps(layers, size: int, pieces: int | None = None):
             starts = mlp_pieces(n, size)
             starts += [n] * ((pieces or 0) - len(starts))  # empty pieces: the ranks' collectives pair up
             if len(starts) == 1:
-                return forward(x)
-            outs = [forward(x[:, a:b]) for a, b in zip(starts, starts[1:] + [n])]
+                with _piece(0, size):
+                    return forward(x)
+            outs = []
+            for i, (a, b) in enumerate(zip(starts, starts[1:] + [n])):
+                with _piece(i, size):
+                    outs.append(forward(x[:, a:b]))
             out = torch.cat([o[0] if isinstance(o, tuple) else o for o in outs], dim=1)
             # an MLP returning (output, router scores), gpt-oss's: its layer drops the scores
             return (out, None) if isinstance(outs[0], tuple) else out

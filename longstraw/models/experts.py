@@ -35,11 +35,14 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from longstraw.host import on_host
 from longstraw.errors import ConfigError, UnsupportedModelError
 from longstraw.parallel.collectives import all_gather
+from longstraw.parallel.deal import Deal
 from longstraw.parallel.experts import SHARD_ATTR, combine_divided, combine_replicated, expert_bounds
 
-from .routing import active_call
+from .pieces import MLP_PIECE, piece_rows
+from .routing import Divided, DividedChunk, active_call
 
 __all__ = ["experts_modules", "shard_experts", "is_sharded"]
 
@@ -132,8 +135,35 @@ def _sharded_forward(module: nn.Module, lo: int, hi: int, experts: int, cp):
 
         call = active_call()
         if call is not None and call.divides_tokens():  # each rank its own rows
-            n = torch.tensor([float(hidden_states.shape[0])], dtype=torch.float64)
-            counts = [int(c) for c in torch.cat(all_gather(n, cp)).tolist()]
+            with on_host():  # host numbers (a shape), real in a rehearsal too: see `rows_of_every_rank`
+                counts = rows_of_every_rank(hidden_states.shape[0], cp, call)
             return combine_divided(local, hidden_states, top_k_index, top_k_weights, lo, hi, experts, counts, cp)
         return combine_replicated(local, hidden_states, top_k_index, top_k_weights, lo, hi, cp)
     return forward
+
+
+def rows_of_every_rank(n: int, cp, call) -> list[int]:
+    """Every rank's rows of a divided call, in rank order: one all-gather of a host number.
+    On a rehearsal's fake process group the all-gather hands back this rank's number W
+    times, so there the deal's counts are taken instead (`dealt_rows`), the same numbers
+    every rank's own count would give; the all-gather still runs (its bytes are a real
+    run's)."""
+    counts = [int(c) for c in torch.cat(all_gather(torch.tensor([float(n)], dtype=torch.float64), cp)).tolist()]
+    if getattr(cp, "backend", None) == "fake":
+        dealt = dealt_rows(call)
+        if dealt is not None and dealt[cp.rank] == n:
+            return dealt
+    return counts
+
+
+def dealt_rows(call) -> list[int] | None:
+    """Every rank's rows of a divided call from the deal alone: a divided walk's chunk
+    (`DividedChunk`: its positions each rank owns), a divided capture's MLP piece (the
+    piece's rows of each rank's own positions, `base.MLP_PIECE`); None where not known."""
+    d = call.divided
+    if isinstance(d, DividedChunk):
+        return Deal(world=d.world, block=d.block).counts(d.start, d.end)
+    piece = MLP_PIECE.get()
+    if isinstance(d, Divided) and piece is not None:
+        return [piece_rows(d.deal.count(d.total, s), piece[1], piece[0]) for s in range(d.world)]
+    return None

@@ -23,6 +23,7 @@ from longstraw.tensors import nbytes
 
 
 def _collective(fn, cp, *args, **kwargs):
+    Traffic.inside += 1  # counted here already: `fsdp_traffic.counting_fsdp` leaves it alone
     try:
         out = fn(*args, group=cp.group, **kwargs)
         beat()  # progress for the launch watchdog (`longstraw.heartbeat`)
@@ -33,6 +34,8 @@ def _collective(fn, cp, *args, **kwargs):
             f"context-parallel collective {fn.__name__} failed on the {backend} backend ({exc}). Every rank must "
             "call it with the same group; if another rank failed first or died, its own error is the cause."
         ) from exc
+    finally:
+        Traffic.inside -= 1
 
 
 class Traffic:
@@ -46,6 +49,8 @@ class Traffic:
 
     received = 0
     by_collective: dict[str, int] = {}
+    inside = 0
+    """Depth of LongStraw's own collectives in progress (their bytes are counted by them)."""
 
     @classmethod
     def add(cls, nbytes: float, collective: str) -> None:

@@ -19,14 +19,20 @@ What is counted, bytes received per rank:
   * expert parallelism: the MoE combines, split by phase (`experts.expert_phase_traffic`);
   * FSDP2 (`shard_params`, every decoder layer `fully_shard`-ed): per pass over the
     layers, (W-1)/W of their non-expert weights all-gathered or of their gradients
-    reduce-scattered. As measured on gloo (tests/comm_worker.py): capture gathers each
-    layer once (its no-grad forwards leave the layers unsharded, so the first branch
-    forward gathers nothing more); every backward pass (a branch piece, a walk chunk)
-    reduce-scatters its gradients and reshards, so each later forward gathers again:
-    replay G x pieces - 1 gathers (+1 per score pass) and G x pieces reduce-scatters,
-    the walk one of each per walk chunk. (Before that check the planner counted a gather
-    per capture chunk and 2-3 per piece, one reduce-scatter per step, and a layer as the
-    whole model's weights over the layer count, embeddings and lm_head included);
+    reduce-scattered. As `parallel.sharding.shard_model` wraps them (every layer resharded
+    after each forward, under one root), measured on gloo (tests/comm_worker.py) and
+    rehearsed (tests/rehearsal/test_against_plan.py): capture gathers each layer once;
+    in replay every piece's forward gathers a layer and its backward gathers it again
+    (the forward resharded it), every held piece's no-grad forward once more: G (3 x
+    pieces - 1) passes of gathers (+1 per score pass), and G x pieces of reduce-scatters;
+    the walk two gathers (recompute, backward) and one reduce-scatter per walk chunk.
+    FSDP2's backward prefetch gathers a layer or two more per step than that (measured
+    17 layer gathers for 16 at G = 2 one piece, 66 for 64 at three pieces: under 6%),
+    not counted. (Before the rehearsal's check the planner counted replay's gathers as
+    G x pieces - 1 and the walk's as one per chunk, as with layers wrapped without a root,
+    which FSDP2 never reshards after forward: half the gathers of `shard_model`; before
+    the gloo check, a gather per capture chunk and 2-3 per piece, one reduce-scatter per
+    step, and a layer as the whole model's weights over the layer count);
   * the replicated gradients made the first rank's (`parallel.gradients.replicate_gradients`,
     after a step whose walk is not divided: detached mode, a replicated walk): one broadcast
     of the gradients every rank holds alike (`replicated_grad_bytes`) and a 16-byte layout
@@ -182,7 +188,7 @@ def plan_comm(s: Basis, *, capture_comm: float, walk_comm: float, divided_captur
     per_pass = (gathered / 2 * len(s.arch.layers) * (W - 1) / W) if sharded else 0.0
     rs_pass = sharded_layer_grad_bytes(s) * (W - 1) / W if sharded else 0.0
     backward = {"replay": G * pieces, "walk": walk_chunks if s.exact else 0}
-    passes = {"capture": 1, "replay": backward["replay"] - 1 + c.score_passes, "walk": backward["walk"]}
+    passes = {"capture": 1, "replay": G * (3 * pieces - 1) + c.score_passes, "walk": 2 * backward["walk"]}
     dp_class, dp_gbs = link(c, W * c.data_parallel)
     gradients = grad_bytes - (0.0 if c.lora_rank else indexer_parameters(s.arch) * s.b / (W if c.shard_params else 1))
     dp = 2 * (c.data_parallel - 1) / c.data_parallel * gradients if c.data_parallel > 1 else 0.0  # DSA indexers: none

@@ -40,7 +40,8 @@ class Peak:
         phases: what each phase holds beyond `static` ('capture', 'replay', exact mode's
             'recompute', 'score' with score passes, 'generate' with `generate`, 'vision'
             with images, 'gradients' for W > 1 without a divided walk: the broadcast of the
-            replicated gradients after backward, one flat bucket).
+            replicated gradients after backward, one flat bucket, no FSDP2 layer gathered:
+            the rehearsal found the planner 1.15x there, `--shard-params` detached).
         phase / peak / fits: the largest phase, static + its bytes, and peak + reserve <= gpu_memory.
     """
 
@@ -74,8 +75,8 @@ def plan_peak(s: Basis, state: StatePlan, weights: WeightPlan, replay: ReplayPla
         bucket = largest_gradient_bucket(s)
         if walk.divided:  # partial_gradients: replay's set aside, the walk's partials in fresh buffers, then summed
             phases["recompute"] = replicated_grad_elements(s) * s.b + max(walk.working, bucket)
-        else:  # replicate_gradients: the first rank's broadcast
-            phases["gradients"] = bucket
+        else:  # replicate_gradients: the first rank's broadcast; FSDP2 has resharded every layer by then
+            phases["gradients"] = bucket - w.gathered
     if w.gathered_grads:  # FSDP2's backward buffers (shard_params), beside the two gathered layers (static)
         phases.update(fsdp2_backward_phases(phases, replay, w, s.exact))
     if c.score_passes:

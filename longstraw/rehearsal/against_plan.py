@@ -14,8 +14,13 @@ Under `--gpus W > 1` the step is context parallel (`ExecConfig(context_parallel=
 and ranks 0 and W - 1 are rehearsed on the fake process group (`rehearsal/ranks.py`):
 rank 0 holds the most prompt rows (the planner's per-rank peak is the fullest rank's);
 rank W - 1 the fewest, so it receives the most of capture's traffic and, unlike rank 0
-(the source), the gradients' broadcast. The peak compared is the higher rank's; the bytes
-received per phase the most either rank received (the planner's: the busiest rank's).
+(the source), the gradients' broadcast; under `--expert-parallel` also the first rank
+holding the most experts (`ranks.rehearsed_ranks`). The peak compared is the highest
+rank's; the bytes received per phase the most any rank received (the planner's: the
+busiest rank's). `--shard-params` shards the fake model with FSDP2 over the W ranks as a
+real run's template does (`parallel.sharding.shard_model`, the experts left to expert
+parallelism), `--expert-parallel` gives each rank its slice of the experts
+(`ExecConfig(expert_parallel=True)`).
 
 Host memory is compared apart: the rehearsal's `host_bytes` (`longstraw.host.host_tensor`:
 state offload's arenas, exact mode's offloaded snapshots) beside the planner's host
@@ -24,9 +29,9 @@ figure; the peaks are the device's alone, on the CPU branches too.
 Rehearsed so far: full training or LoRA (`--lora-rank`, the planner's adapters:
 `rehearsal/lora.py`) over weights in the compute dtype (no quantised weights), a tree of
 at most one shared segment (`--tree Sx1,LxG`, or `LxG`), no images, the state on the
-device or offloaded (`--offload-state`, `--offload-snapshots`), the weights replicated
-(no FSDP2, no expert parallelism). Anything else is refused with `ConfigError` before a
-fake model is built.
+device or offloaded (`--offload-state`, `--offload-snapshots`), the weights replicated or
+sharded (`--shard-params`, `--expert-parallel`). Anything else is refused with
+`ConfigError` before a fake model is built.
 """
 
 from __future__ import annotations
@@ -43,6 +48,7 @@ from longstraw.plan.arch import load_model_config
 from longstraw.plan.config import PlanConfig
 from longstraw.plan.estimate import estimate
 from longstraw.plan.fit import exec_config
+from longstraw.rehearsal.ranks import rehearsed_ranks
 from longstraw.rehearsal.run import Rehearsal, rehearse
 
 PHASE_OF_PLANNER = {"recompute": "walk"}
@@ -85,8 +91,7 @@ def refuse_unrehearsed(c: PlanConfig) -> None:
                    "bytes differ, and the planner states those)": quant,
                    "--tree beyond one shared segment (Sx1,LxG: a rehearsal draws one shared prefix)": deep_tree,
                    "--images": bool(c.images),
-                   "--shard-params (FSDP2's rehearsed peak is not yet the real one's)": c.shard_params,
-                   "--expert-parallel": c.expert_parallel, "--score-passes": bool(c.score_passes),
+                   "--score-passes": bool(c.score_passes),
                    "--data-parallel > 1": c.data_parallel > 1, "--generate": c.generate}
     bad = [flag for flag, on in unsupported.items() if on]
     if bad:
@@ -95,9 +100,10 @@ def refuse_unrehearsed(c: PlanConfig) -> None:
 
 
 def rehearsal_exec_config(c: PlanConfig, allow_position_overflow: bool = False) -> ExecConfig:
-    """The `ExecConfig` of planned configuration `c` (context parallel for `--gpus > 1`;
-    `allow_position_overflow`: P + R may pass the model's `max_position_embeddings`)."""
-    fields = {k: v for k, v in exec_config(c).items() if k != "expert_parallel"}
+    """The `ExecConfig` of planned configuration `c` (context parallel for `--gpus > 1`,
+    expert parallel for `--expert-parallel`), as `--fit` prints it for a real run;
+    `allow_position_overflow`: P + R may pass the model's `max_position_embeddings`."""
+    fields = dict(exec_config(c))
     fields["allow_position_overflow"] = allow_position_overflow
     if fields.get("recompute_layers") is None:
         fields.pop("recompute_layers")
@@ -106,23 +112,30 @@ def rehearsal_exec_config(c: PlanConfig, allow_position_overflow: bool = False) 
     return ExecConfig(**fields)
 
 
-def rehearsed_plan_ranks(c: PlanConfig) -> list[int] | None:
-    """The ranks `rehearse_plan` rehearses: 0 (the most prompt rows) and W - 1 (the most
-    capture traffic, a receiver of the gradients' broadcast); None for one rank."""
-    return sorted({0, c.gpus - 1}) if c.gpus > 1 else None
+def rehearsed_plan_ranks(c: PlanConfig, hf=None) -> list[int] | None:
+    """The ranks `rehearse_plan` rehearses: 0 (the most prompt rows), W - 1 (the most
+    capture traffic, a receiver of the gradients' broadcast) and, under expert
+    parallelism, the first rank holding the most experts (of HF config `hf`); None for
+    one rank."""
+    if c.gpus == 1:
+        return None
+    most = rehearsed_ranks(hf, rehearsal_exec_config(c), c.gpus, None) if hf is not None else []
+    return sorted({0, c.gpus - 1, *most})
 
 
 def rehearse_plan(model, c: PlanConfig, *, steps: int = 1, allow_position_overflow: bool = False) -> Rehearsal:
-    """Rehearse the step planned by (`model`, `c`) on the CPU branches: one rank, or ranks
-    0 and W - 1 of `c.gpus` on the fake process group; `steps` steps."""
+    """Rehearse `steps` of the step planned by (`model`, `c`) on the CPU branches: one rank,
+    or the ranks of `rehearsed_plan_ranks` of `c.gpus` on the fake process group, with FSDP2
+    (`c.shard_params`) and expert parallelism (`c.expert_parallel`) as a real run."""
     refuse_unrehearsed(c)
     dtype = DTYPES.get(str(c.dtype or "bf16").lower())
     if dtype is None:
         raise ConfigError(f"longstraw plan --rehearse: dtype {c.dtype!r} is not one of {', '.join(DTYPES)}")
-    return rehearse(hf_config(model), rehearsal_exec_config(c, allow_position_overflow), prompt_tokens=c.prompt_tokens, group=c.group,
-                    response_tokens=c.response_tokens, device="cpu", dtype=dtype, steps=steps,
-                    world_size=c.gpus, rank=rehearsed_plan_ranks(c), shared_prefix=shared_prefix(c),
-                    lora_rank=c.lora_rank, lora_targets=c.lora_targets)
+    hf = hf_config(model)
+    return rehearse(hf, rehearsal_exec_config(c, allow_position_overflow), prompt_tokens=c.prompt_tokens,
+                    group=c.group, response_tokens=c.response_tokens, device="cpu", dtype=dtype, steps=steps,
+                    world_size=c.gpus, rank=rehearsed_plan_ranks(c, hf), shard_params=c.shard_params,
+                    shared_prefix=shared_prefix(c), lora_rank=c.lora_rank, lora_targets=c.lora_targets)
 
 
 def planned_as_rehearsed(model, c: PlanConfig) -> dict:

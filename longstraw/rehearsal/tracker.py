@@ -123,13 +123,15 @@ class LiveBytes(TorchDispatchMode):
 
     def _resized(self, storage) -> None:
         """A storage resized in place (FSDP2 frees and re-allocates its gathered
-        parameters so: `storage.resize_(0)`, `resize_(n)`): its bytes now."""
-        if storage.device.type != self.device_type:
-            return
+        parameters so: `storage.resize_(0)`, `resize_(n)`): its bytes now. A storage
+        already counted is followed whatever its device says (a fake tensor's storage is
+        on `meta`, not on the fake device: tested by the device, FSDP2's frees on a
+        rehearsal went unseen); one not yet counted, only on the tracked device."""
         key = id(storage)
         ref = self._seen.get(key)
         if ref is None or ref() is None:
-            self._count(storage)
+            if storage.device.type == self.device_type:
+                self._count(storage)
             return
         if key in self._host:
             return

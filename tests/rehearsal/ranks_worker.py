@@ -1,7 +1,10 @@
 """Workers for tests/rehearsal/test_ranks.py (spawned gloo ranks, CPU): each rank runs the
 real step of every case under the same tracker and measured step a rehearsal uses
 (`LiveBytes`, `measure_steps`), its collectives counted by the engine's own counter
-(`Traffic.by_collective`, FSDP2's through `counting_fsdp`); then, its gloo group
+(`Traffic.by_collective`, FSDP2's through `counting_fsdp`), every collective settled
+(`bench.live_peak.settled_collectives`: gloo frees a collective's tensors on its worker
+thread, at a time of its own, so an FSDP2 step's real peak came out up to 10% high now
+and then; settled, it is the step's own tensors, as on a GPU); then, its gloo group
 destroyed, it rehearses itself (`ls.rehearse(..., world_size=W, rank=r)`) in the same
 process, and writes both to `out.rank` as JSON."""
 
@@ -14,6 +17,7 @@ import torch
 import torch.distributed as dist
 
 import longstraw as ls
+from bench.live_peak import settled_collectives
 from longstraw.parallel.fsdp_traffic import counting_fsdp
 from longstraw.rehearsal.measure import measure_steps
 from longstraw.rehearsal.run import rehearsal_group
@@ -23,13 +27,25 @@ from tests.distributed_worker import _init
 
 
 def exec_config(case: dict) -> ls.ExecConfig:
+    """`case["exec"]` (ExecConfig fields) where given, else chunk, mode and expert parallelism."""
+    if "exec" in case:
+        return ls.ExecConfig(**case["exec"])
     return ls.ExecConfig(chunk_size=case["chunk"], mode=case["mode"], context_parallel=True,
                          expert_parallel=case.get("ep", False))
 
 
 def _model(case: dict):
-    return tiny_model(case["family"], dtype=getattr(torch, case.get("dtype", "float32")),
-                      **case.get("overrides", {})).train()
+    """The case's real model: a tiny family's, or one built from `case["config"]` (an HF
+    config dict, random weights of seed 0)."""
+    dtype = getattr(torch, case.get("dtype", "float32"))
+    if "config" in case:
+        import transformers
+
+        torch.manual_seed(0)
+        config = transformers.AutoConfig.for_model(**case["config"])
+        config._attn_implementation = "sdpa"
+        return transformers.AutoModelForCausalLM.from_config(config, dtype=dtype).train()
+    return tiny_model(case["family"], dtype=dtype, **case.get("overrides", {})).train()
 
 
 def real_step(case: dict, world: int) -> dict:
@@ -50,7 +66,7 @@ def real_step(case: dict, world: int) -> dict:
                             vocab_size=model.config.vocab_size)
     tracker = LiveBytes("cpu")
     tracker.adopt(list(model.parameters()) + list(model.buffers()))
-    with counted:
+    with counted, settled_collectives():
         f = measure_steps(engine, group, ls.GRPOConfig(), tracker=tracker)[0]
     dist.barrier()  # FSDP2's gloo reduce-scatters finished on every rank before the next case
     return {"peak": f.peak_bytes, "phases": f.phases, "comm": f.comm_bytes,

@@ -57,6 +57,25 @@ def test_tracker_counts_real_and_fake_alike():
     assert phases["forward"] == (64 * 32 + 16 * 64 + 2 * 16 * 32) * 4  # w, x, the matmul and its relu at once
 
 
+def test_tracker_follows_storage_resizes_real_and_fake_alike():
+    """FSDP2 frees a gathered layer by `storage.resize_(0)` and gathers it again by
+    `resize_(n)`: the live bytes follow on real and on fake tensors alike (a fake
+    tensor's storage is on `meta`: tested by its device, the resizes went unseen)."""
+    results = []
+    for fake in (False, True):
+        with FakeTensorMode() if fake else torch.enable_grad():
+            tracker = LiveBytes("cpu")
+            with tracker:
+                t = torch.empty(1000)
+                seen = [tracker.live]
+                t.untyped_storage().resize_(0)
+                seen.append(tracker.live)
+                t.untyped_storage().resize_(400)
+                seen += [tracker.live, tracker.peak]
+            results.append(seen)
+    assert results[0] == results[1] == [4000, 0, 400, 4000]
+
+
 def test_host_tensors_count_as_host_bytes_not_device_bytes():
     """`host_tensor` (the offload paths' one way to host memory): its result is host bytes
     (`host_peak`, `host_phase_peaks`), not device bytes, though host and device are both
