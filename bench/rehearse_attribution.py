@@ -49,11 +49,11 @@ class AttributedLiveBytes(LiveBytes):
         finally:
             self._adopting = False
 
-    def _count(self, storage) -> None:
+    def _count(self, storage, host: bool = False) -> None:
         key = id(storage)
         if key not in self._bytes:
             self.labels[key] = "(adopted: weights, buffers)" if getattr(self, "_adopting", False) else _where()
-        super()._count(storage)
+        super()._count(storage, host)
 
     def _bump(self, live: int | None = None) -> None:
         super()._bump(live)
@@ -62,7 +62,8 @@ class AttributedLiveBytes(LiveBytes):
             self.best = live
             groups: dict[str, int] = defaultdict(int)
             for key, nbytes in self._bytes.items():
-                groups[self.labels.get(key, "?")] += nbytes
+                if key not in self._host:  # device bytes only (host ones are `host_live`)
+                    groups[self.labels.get(key, "?")] += nbytes
             if live > self.live:
                 groups["(a registered op's declared workspace)"] += live - self.live
             self.at_peak = dict(groups)

@@ -670,16 +670,18 @@ PAPER_QWEN = dict(prompt_tokens=2088960, group=8, response_tokens=8192, gpus=8, 
 
 def test_the_walk_recomputes_layers_and_keeps_snapshots_on_host():
     """The paper's Qwen3.6-27B run in exact mode: layer-wise recompute takes the divided
-    walk's working set from hundreds of GiB to a few, and the GDN snapshots (~73 GiB on
+    walk's working set from ~49 GiB to ~3 (rehearsed without recompute at P = 65,536:
+    planned / rehearsed walk 1.001; the GDN layers' replicated part keeps only the conv's
+    rows and the kernel's inputs), and the GDN snapshots (~73 GiB on
     every rank) move to host memory with offload_snapshots; only one staged pair and two
     gradients per layer stay."""
     off = plan("qwen3.6-27b", branch_chunk_size=2048, recompute_layers=False, **PAPER_QWEN)
-    # recompute asked for: by default the walk's chunk graph (148 GiB) is under 2x what the step holds
+    # recompute asked for: by default the walk's chunk graph is under 2x what the step holds
     on = plan("qwen3.6-27b", branch_chunk_size=2048, recompute_layers=True, **PAPER_QWEN)
     host = plan("qwen3.6-27b", branch_chunk_size=2048, offload_snapshots=True, recompute_layers=True, **PAPER_QWEN)
     assert not plan("qwen3.6-27b", branch_chunk_size=2048, **PAPER_QWEN)["walk_recompute_layers"]
     assert on["walk_recompute_layers"] and not off["walk_recompute_layers"]
-    assert on["recompute_working_bytes"] < off["recompute_working_bytes"] / 20
+    assert on["recompute_working_bytes"] < off["recompute_working_bytes"] / 10
     assert on["flops_exact_extra"] > off["flops_exact_extra"]  # one more forward per walk chunk
     assert on["exact_checkpoint_bytes_per_rank"] > 70 * GiB and not on["exact_snapshots"]["offload"]
     snaps = host["exact_snapshots"]

@@ -331,12 +331,18 @@ def _gathered_walk_row_bytes(arch: Arch, layer: LayerSpec, b: int, gk: bool) -> 
     rows of every rank, gathered, and the chunk's output that every rank computes):
     attention q/k/v and output; MLA the absorbed queries and latent rows, and the latent
     output (the indexer's gathered inputs take no grad and are freed with the layer); GDN
-    its whole replicated conv + recurrence graph."""
+    its replicated conv + recurrence (`models/gated_deltanet.divided_recompute_gdn`): the
+    gathered projected rows, the conv's output before and after its activation, and the
+    decay and write strength the kernel keeps (its registered op keeps only its inputs;
+    the rest of the layer runs on the own rows). Other recurrent mixers: the layer's graph."""
     if layer.mixer == "attention":
         return (2 * arch.heads + 2 * arch.kv_heads) * arch.head_dim * b
     if layer.mixer == "mla":
         kl, r = arch.kv_lora_rank, arch.rope_dim
         return ((arch.heads + 1) * (kl + r) + arch.heads * kl) * b
+    if layer.mixer == "gdn" and arch.recurrent == "gdn" and gk == "torch":
+        hv = arch.gdn_v_heads
+        return (3 * arch.conv_dim + 3 * hv) * b + 4 * hv * max(4, b)
     return graph_bytes_per_token(arch, layer, b, gk)
 
 
