@@ -86,6 +86,10 @@ def main(argv: list[str]) -> None:
     p.add_argument("--phase", default="capture")
     p.add_argument("--layers", type=int, default=None, help="cut the preset to its first N layers")
     p.add_argument("--top", type=int, default=25)
+    p.add_argument("--lora-rank", type=int, default=None)
+    p.add_argument("--lora-targets", default="all-linear")
+    p.add_argument("--offload-snapshots", action="store_true")
+    p.add_argument("--recompute-layers", action="store_true")
     args = p.parse_args(argv)
     _, cfg, _ = load_model_config(args.model)
     fields = {k: v for k, v in cfg.items() if k not in ("model_type", "torch_dtype")}
@@ -103,9 +107,12 @@ def main(argv: list[str]) -> None:
         return trackers[-1]
 
     run.LiveBytes = make
-    config = ls.ExecConfig(mode=args.mode, context_parallel=args.gpus > 1, allow_position_overflow=True)
+    extra = dict(offload_snapshots=True) if args.offload_snapshots else {}
+    extra |= dict(recompute_layers=True) if args.recompute_layers else {}
+    config = ls.ExecConfig(mode=args.mode, context_parallel=args.gpus > 1, allow_position_overflow=True, **extra)
     r = ls.rehearse(hf, config, prompt_tokens=args.prompt_tokens, group=args.group, response_tokens=args.response_tokens,
-                    device="cpu", dtype=torch.bfloat16, world_size=args.gpus, rank=0 if args.gpus > 1 else None)
+                    device="cpu", dtype=torch.bfloat16, world_size=args.gpus, rank=0 if args.gpus > 1 else None,
+                    lora_rank=args.lora_rank, lora_targets=args.lora_targets)
     t = trackers[0]
     gib = 2 ** 30
     print(f"{args.phase} peak {t.best / gib:.3f} GiB (rehearsal phases: "

@@ -320,6 +320,9 @@ def share_snapshots(layer: RecurrentState, d: Divided, end_state: dict, ends: di
         all_reduce_sum(tails, d.cp)
     for i, p in enumerate(d.snapshots):
         layer.put(p, states[i], tails[i])
+    if layer.host and d.snapshots:  # the latest, still on the device, is a view: of every snapshot's block
+        last = d.snapshots[-1]
+        layer.snapshots[last] = tuple(t.clone() for t in layer.snapshots[last])
 
 
 def routed_gdn(modules):

@@ -186,3 +186,21 @@ def test_rehearse_refuses_what_it_cannot_rehearse():
     if not torch.backends.cuda.is_built():
         with pytest.raises(ls.ConfigError, match="CUDA build"):
             ls.rehearse(config, prompt_tokens=P, group=G, response_tokens=R, device="cuda")
+
+
+def test_offloaded_snapshots_leave_the_device_under_context_parallelism():
+    """A divided capture all-reduces a GDN layer's snapshots as one block; with
+    `offload_snapshots` every snapshot but the latest moves to host, and the device must
+    let go of them: the latest was a view of the block, which kept every snapshot on the
+    device (found rehearsing Qwen3.6-27B exact on 8 ranks: +9 GiB a rank at P = 262,144).
+    One rank of two on the fake group; replay's device peak falls by what went to host."""
+    config = tiny_model("qwen3_5").config
+    figures = {}
+    for off in (False, True):
+        cfg = ls.ExecConfig(chunk_size=8, mode="exact", context_parallel=True, attention_block_size=8,
+                            offload_snapshots=off)
+        r = ls.rehearse(config, cfg, prompt_tokens=P, group=G, response_tokens=R, device="cpu", dtype=torch.float32,
+                        world_size=2, rank=0)
+        figures[off] = (r.phases["replay"], r.host_bytes)
+    (device_kept, _), (device_off, host) = figures[False], figures[True]
+    assert host > 0 and device_off <= device_kept - 0.9 * host, (device_kept, device_off, host)
