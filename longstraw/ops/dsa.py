@@ -33,6 +33,7 @@ from dataclasses import dataclass
 import torch
 
 from longstraw.ops.attention import KVSegment, accumulation_dtype
+from longstraw.ops.ranked import ranked_topk
 
 __all__ = ["indexer_topk", "indexer_scores", "select_topk", "select_candidates", "sparse_latent_attention",
            "SparseLatentAttention"]
@@ -43,35 +44,12 @@ __all__ = ["indexer_topk", "indexer_scores", "select_topk", "select_candidates",
 
 
 def select_topk(scores: torch.Tensor, pos: torch.Tensor, topk: int) -> torch.Tensor:
-    """Top-k of each row of `scores` [B, n] (-inf = invisible), columns at increasing absolute
+    """Top-k of each row of `scores` [B, n] (-inf = invisible), columns at absolute
     positions `pos` [n]. Returns [B, topk] positions, best first, ties by lower position,
-    -1 where a row has fewer than topk visible columns.
-
-    Exact and O(B x n): the k-th largest value is the threshold; everything above it is in,
-    and of the columns equal to it the leftmost (= lowest positions) fill the rest."""
+    -1 where a row has fewer than topk visible columns. No read of device data
+    (`ranked.ranked_topk`)."""
     bsz, n = scores.shape
-    device = scores.device
-    sel_pos = torch.full((bsz, topk), -1, dtype=torch.long, device=device)
-    if n == 0 or topk == 0:
-        return sel_pos
-    kt = min(topk, n)
-    thr = scores.topk(kt, dim=-1, sorted=False).values.amin(dim=-1, keepdim=True)  # k-th largest, [B, 1]
-    greater = scores > thr
-    # thr == -inf: the row sees fewer than kt positions; all visible (finite) ones are in.
-    eq = (scores == thr) & torch.isfinite(thr)
-    need = kt - greater.sum(dim=-1, keepdim=True, dtype=torch.int32)
-    chosen = greater | (eq & (eq.cumsum(dim=-1, dtype=torch.int32) <= need))
-    del greater, eq
-    rows, cols = chosen.nonzero(as_tuple=True)  # row-major: columns ascending within a row
-    counts = chosen.sum(dim=-1)
-    del chosen
-    rank = torch.arange(rows.numel(), device=device) - (torch.cumsum(counts, 0) - counts)[rows]
-    sel_pos[rows, rank] = pos[cols]
-    sel_score = torch.full((bsz, topk), float("-inf"), dtype=scores.dtype, device=device)
-    sel_score[rows, rank] = scores[rows, cols]
-    # stable: among equal scores the lower position (earlier slot) stays first; -1 slots (-inf) last
-    order = torch.sort(sel_score, dim=-1, descending=True, stable=True).indices
-    return sel_pos.gather(-1, order)
+    return ranked_topk(scores, pos[None].expand(bsz, n), scores > float("-inf"), topk)[0]
 
 
 @torch.no_grad()
@@ -98,38 +76,9 @@ def select_candidates(scores: torch.Tensor, positions: torch.Tensor, topk: int, 
     empty slots; a row's positions are distinct): best score first, ties to the lower
     position. Returns [T, topk] positions, -1-padded (with `with_scores`, also their scores
     [T, topk], -inf padded). Used to merge per-shard candidates into the global selection.
-
-    O(T n) plus sorts of topk columns (`naive.naive_select_candidates`, its twin, sorts all
-    n twice): the k-th largest score is the threshold; every candidate above it is in, and
-    of those equal to it the lowest positions fill the rest; the chosen are then ordered."""
-    scores = torch.where(positions < 0, torch.full_like(scores, float("-inf")), scores)
-    t, n = scores.shape
-    kt = min(topk, n)
-    if kt == 0:
-        out = positions.new_full((t, topk), -1)
-        return (out, scores.new_full((t, topk), float("-inf"))) if with_scores else out
-    kept, cols = scores.topk(kt, dim=-1, sorted=False)  # a top-k; which of the tied at its cut is arbitrary
-    thr = kept.amin(dim=-1, keepdim=True)  # the k-th largest, [T, 1]
-    tied = (scores == thr) & torch.isfinite(thr)  # thr = -inf: fewer than kt visible; all finite are in
-    if not torch.equal(tied.sum(dim=-1), (kept == thr).sum(dim=-1) * torch.isfinite(thr[:, 0])):
-        # some row leaves a candidate tied at the cut out: take the lowest tied positions
-        chosen = scores > thr
-        need = kt - chosen.sum(dim=-1, keepdim=True)  # (T, 1): how many of the tied go in
-        tied_pos = torch.where(tied, positions, torch.full_like(positions, torch.iinfo(torch.long).max))
-        lowest = tied_pos.topk(int(need.max()), dim=-1, largest=False).values  # (T, max need), ascending
-        cut = lowest.gather(-1, (need - 1).clamp(min=0))  # the need-th lowest tied position
-        chosen |= tied & (positions <= cut) & (need > 0)
-        kept, cols = torch.where(chosen, scores, torch.full_like(scores, float("-inf"))).topk(kt, dim=-1)
-    out = torch.where(torch.isinf(kept), torch.full_like(cols, -1), positions.gather(-1, cols))
-    # order: score descending, equal scores by lower position (-1 / -inf slots last)
-    by_pos = torch.sort(torch.where(out < 0, torch.full_like(out, torch.iinfo(torch.long).max), out), dim=-1,
-                        stable=True).indices
-    out, kept = out.gather(-1, by_pos), kept.gather(-1, by_pos)
-    order = torch.sort(kept, dim=-1, descending=True, stable=True).indices
-    out, kept = out.gather(-1, order), kept.gather(-1, order)
-    if out.shape[1] < topk:
-        out = torch.cat([out, out.new_full((t, topk - out.shape[1]), -1)], dim=1)
-        kept = torch.cat([kept, kept.new_full((t, topk - kept.shape[1]), float("-inf"))], dim=1)
+    No read of device data (`ranked.ranked_topk`; `naive.naive_select_candidates`, its
+    twin, sorts all n twice)."""
+    out, kept = ranked_topk(scores, positions, (positions >= 0) & (scores > float("-inf")), topk)
     return (out, kept) if with_scores else out
 
 

@@ -26,6 +26,7 @@ from __future__ import annotations
 import torch
 
 from longstraw.ops.dsa import select_candidates
+from longstraw.ops.ranked import order_key
 from longstraw.parallel.collectives import all_gather, all_reduce_sum
 from longstraw.plan.traffic import gathered_topk_bytes_per_query, radix_topk_bytes_per_query
 
@@ -37,16 +38,6 @@ POSITION_BITS = 32  # positions below 2^31, keyed as 2^31 - 1 - position (non-ne
 def score_bits(dtype: torch.dtype) -> int:
     """The width of a score's order key: 32 for float32 (and narrower floats, scored in it), 64 for float64."""
     return 64 if dtype == torch.float64 else 32
-
-
-def order_key(scores: torch.Tensor) -> torch.Tensor:
-    """int64 keys of scores (float32 or float64, no NaN) in the same order: the IEEE bits,
-    negative values' magnitude bits flipped (so -0.0 sorts just below +0.0)."""
-    if scores.dtype == torch.float64:
-        bits = scores.contiguous().view(torch.int64)
-        return bits ^ ((bits >> 63) & 0x7FFFFFFFFFFFFFFF)
-    bits = scores.float().contiguous().view(torch.int32)
-    return (bits ^ ((bits >> 31) & 0x7FFFFFFF)).long()
 
 
 def rounds(dtype: torch.dtype) -> int:
@@ -101,12 +92,14 @@ def global_topk(positions: torch.Tensor, scores: torch.Tensor, topk: int, cp):
     count = chosen.sum(1, dtype=torch.int32)  # [B], this rank's share of the selection
     counts = torch.stack(all_gather(count, cp))  # [W, B]
     offset = (counts.cumsum(0) - counts)[cp.rank].long()  # ranks before this one
-    rows, cols = chosen.nonzero(as_tuple=True)  # row-major
-    slot = offset[rows] + torch.arange(rows.numel(), device=device) - (count.long().cumsum(0) - count)[rows]
-    pos_buf = torch.zeros(b, topk, dtype=torch.int32, device=device)
-    sc_buf = torch.zeros(b, topk, dtype=scores.dtype, device=device)
-    pos_buf[rows, slot] = (positions[rows, cols] + 1).to(torch.int32)  # 0 = empty after the sum
-    sc_buf[rows, slot] = scores[rows, cols]
+    # each chosen entry's slot: the ranks' shares before this one, then its place among this rank's
+    # chosen in the row; the others go to a spare last column, dropped (no `nonzero`: no read of device data)
+    slot = torch.where(chosen, offset[:, None] + chosen.cumsum(1) - 1, topk)
+    pos_buf = torch.zeros(b, topk + 1, dtype=torch.int32, device=device)
+    sc_buf = torch.zeros(b, topk + 1, dtype=scores.dtype, device=device)
+    pos_buf.scatter_(1, slot, (positions + 1).to(torch.int32))  # 0 = empty after the sum
+    sc_buf.scatter_(1, slot, scores)
+    pos_buf, sc_buf = pos_buf[:, :topk], sc_buf[:, :topk]
     packed = torch.cat([pos_buf.view(torch.uint8).reshape(b, -1), sc_buf.view(torch.uint8).reshape(b, -1)], 1)
     packed = all_reduce_sum(_as_words(packed), cp)  # one collective; a slot has one rank's bytes, others 0
     raw = packed.view(torch.uint8).reshape(b, -1)

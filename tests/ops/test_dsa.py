@@ -383,12 +383,14 @@ def test_sparse_attention_syncs_with_the_device_once_per_call_not_per_query_bloc
     torch.testing.assert_close(out, c["ref"], rtol=1e-12, atol=1e-12)
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 @pytest.mark.parametrize("topk,n", [(5, 40), (8, 8), (12, 7), (1, 30)])
-def test_select_candidates_equals_sorting_every_candidate(topk, n):
-    """The threshold selection (topk + the lowest tied positions, then sorting topk columns)
-    equals sorting all n candidates: scores drawn from a few values (many ties, zeros, and
-    ties at the cut), empty slots (-1), rows with fewer finite candidates than topk, and
-    distinct positions per row in random order."""
+def test_select_candidates_equals_sorting_every_candidate(topk, n, dtype):
+    """The selection (float32: one top-k over (score, position) keys; float64: the threshold,
+    the lowest tied positions, then sorting topk columns) equals sorting all n candidates:
+    scores drawn from a few values (many ties, zeros of both signs, and ties at the cut),
+    empty slots (-1), rows with fewer finite candidates than topk, and distinct positions per
+    row in random order."""
     from longstraw.ops.dsa import select_candidates
     from longstraw.ops.naive import naive_select_candidates
 
@@ -402,8 +404,45 @@ def test_select_candidates_equals_sorting_every_candidate(topk, n):
     empty[:4] = torch.rand(4, n, generator=g) < 0.9  # rows with fewer candidates than topk
     positions = torch.where(empty, torch.full_like(positions, -1), positions)
     scores[5, :] = float("-inf")  # a row with nothing visible
+    scores[6:10] = torch.where(torch.rand(4, n, generator=g) < 0.5, -scores[6:10], scores[6:10]).clamp(max=0)  # +-0.0
+    assert (torch.signbit(scores[6:10]) & (scores[6:10] == 0)).any()
+    scores = scores.to(dtype)
     got_pos, got_sc = select_candidates(scores, positions, topk, with_scores=True)
     want_pos, want_sc = naive_select_candidates(scores, positions, topk)
     assert torch.equal(got_pos, want_pos)
     assert torch.equal(got_sc, want_sc)
     assert torch.equal(select_candidates(scores, positions, topk), want_pos)
+
+
+class _Ops(TorchDispatchMode):
+    """The names of the aten ops run under it."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = set()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.ops.add(func.__name__.split(".")[0])
+        return func(*args, **(kwargs or {}))
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_selections_never_read_device_data(dtype):
+    """`select_topk` and `select_candidates` run no op whose output size or value the host
+    must wait for (on a GPU a sync per query block; on a rehearsal's fake tensors an error),
+    and give the sorting twin's selection."""
+    from longstraw.ops.dsa import select_candidates, select_topk
+    from longstraw.ops.naive import naive_select_candidates
+
+    g = torch.Generator().manual_seed(3)
+    scores = (torch.randint(0, 3, (16, 20), generator=g) * 0.5).to(dtype)
+    scores[:, 15:] = float("-inf")
+    scores[2] = float("-inf")
+    pos = torch.arange(100, 120)
+    with _Ops() as mode:
+        top = select_topk(scores, pos, 7)
+        cand = select_candidates(scores, pos.expand(16, 20), 7)
+    assert not {"nonzero", "equal", "_local_scalar_dense", "item", "masked_select"} & mode.ops, mode.ops
+    want = naive_select_candidates(scores, pos.expand(16, 20).clone(), 7)[0]
+    assert torch.equal(top, want) and torch.equal(cand, want)
+    assert top[2].tolist() == [-1] * 7 and top[0, 0] >= 100
