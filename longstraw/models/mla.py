@@ -115,7 +115,7 @@ def _select(indexer, layers, q, keys, weights, call, own=None):
     """Top-k absolute positions [T, K] (-1: none) over the whole prompt and the new
     tokens (causal), scored in float32 as HF does, ties to the lower position.
     `layers`: the stacked states' `MLAState`s of this layer (staged, when offloaded).
-    `own` (a divided walk's (index, cp)): see `_select_across_ranks`."""
+    `own` (a divided walk's `DividedChunk`): see `_select_across_ranks`."""
     held = [layer.index for layer in layers if layer.index is not None]
     if any(ix.shard is not None for ix in held):
         return _select_across_ranks(indexer, q, keys, weights, call, held, own=own)
@@ -134,27 +134,27 @@ def _select_across_ranks(indexer, q, keys, weights, call, held, query_block: int
     (score, then lower position), is the global top-k, since every member of the global
     top-k is in its own shard's top-k.
 
-    `own` = (index, cp) (a divided walk; index[s] the query rows rank s owns): the shard
+    `own` (a divided walk's `DividedChunk`, whose rows() are the query rows each rank owns): the shard
     candidates are still taken for every query (each rank's shard serves all of them),
     but each rank scores the replicated keys and merges only for its own rows, and the
-    rows' selections are then gathered (one all-gather of [n, K] positions)."""
+    rows' selections are then gathered (one all-gather of [n, K] positions). Which rows a
+    block holds is known on the host (no read of device data)."""
     topk, scale, t = indexer.index_topk, indexer.softmax_scale, q.shape[0]
     shard_ix = next(ix for ix in held if ix.shard is not None)
     others = [ix for ix in held if ix.shard is None]
     rep_keys = torch.cat([ix.until(call.start) for ix in others] + [keys])
     rep_pos = torch.cat([ix.positions(call.start) for ix in others]
                         + [torch.arange(call.start, call.start + t, device=q.device)])
-    mine = torch.ones(t, dtype=torch.bool, device=q.device)
-    if own is not None:
-        mine = torch.zeros_like(mine).index_fill_(0, own[0][own[1].rank], True)
+    mine = torch.arange(t) if own is None else own.rows()[own.rank]  # (n,) on the host, increasing
     out = torch.full((t, topk), -1, dtype=torch.long, device=q.device)
     for b0 in range(0, t, query_block):
         b1 = min(t, b0 + query_block)
         qb, wb = q[b0:b1].float(), weights[b0:b1]
         shard_pos, shard_sc = prompt_candidates(qb, wb, shard_ix, call.start, topk, scale)  # every rank's, gathered
-        rows = torch.nonzero(mine[b0:b1])[:, 0]  # the block's rows this rank selects for
+        rows = mine[(mine >= b0) & (mine < b1)] - b0  # the block's rows this rank selects for
         if rows.numel() == 0:
             continue
+        rows = rows.to(q.device)
         seen = rep_keys.shape[0] - t + b1  # rep_pos increases: the block's last query sees this many
         rep_sc = indexer_scores(qb[rows], wb[rows], rep_keys[:seen], scale=scale)  # (b, seen)
         query_pos = call.start + b0 + rows
@@ -163,7 +163,8 @@ def _select_across_ranks(indexer, q, keys, weights, call, held, query_block: int
         cand_sc = torch.cat([shard_sc[rows], rep_sc], dim=1)
         out[b0 + rows] = select_candidates(cand_sc, cand_pos, topk)
     if own is not None:  # (positions as int32 on the wire)
-        out = gather_rows(out[own[0][own[1].rank]].to(torch.int32), own[0], own[1]).long()
+        index = own.rows(q.device)
+        out = gather_rows(out[index[own.rank]].to(torch.int32), index, own.cp).long()
     return out
 
 
@@ -334,7 +335,7 @@ def _mla_chunk(module, spec, a: Absorbed, call, prev_indices):
     if topk is not None and topk < call.start + k_new.shape[0]:  # some query sees more than top-k positions
         if indexer is not None:  # a divided walk selects for its own rows (`_select_across_ranks`)
             index_q, new_index_keys, index_w = index_inputs
-            indices = _select(indexer, layers, index_q, new_index_keys, index_w, call, own=own_rows)
+            indices = _select(indexer, layers, index_q, new_index_keys, index_w, call, own=walk)
         else:
             indices = shared_selection(prev_indices)
         o_lat = _sparse_attention(q_full, k_new, latent, indices, [layer.latent for layer in layers], call,

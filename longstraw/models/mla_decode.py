@@ -21,7 +21,8 @@ from __future__ import annotations
 import torch
 
 from longstraw.ops.decode_attention import decode_attention, gathered_partial
-from longstraw.ops.dsa import indexer_scores, select_candidates, select_topk
+from longstraw.ops.dsa import indexer_scores, select_candidates
+from longstraw.ops.ranked import ranked_topk
 from longstraw.ops.flash import merge_partials
 from longstraw.parallel.topk import shard_topk
 from longstraw.state.branch import BranchLatent
@@ -38,12 +39,7 @@ def prompt_candidates(index_q, weights, prompt_index, until: int, topk: int, sca
     (`mla._select_across_ranks`) both use it."""
     keys, pos = prompt_index.until(until), prompt_index.positions(until)
     scores = indexer_scores(index_q, weights, keys, scale=scale)  # (G, S) float32
-    cand = select_topk(scores, pos, topk)  # (G, K)
-    cols = torch.searchsorted(pos, cand.clamp(min=0)).clamp(max=max(pos.numel() - 1, 0))
-    if scores.shape[1]:
-        cand_sc = torch.where(cand < 0, float("-inf"), scores.gather(-1, cols))
-    else:
-        cand_sc = torch.full(cand.shape, float("-inf"), device=cand.device)
+    cand, cand_sc = ranked_topk(scores, pos[None].expand(scores.shape), scores > float("-inf"), topk)  # (G, K) each
     if prompt_index.shard is not None:  # (a prompt of < 2^31 positions)
         cand, cand_sc = shard_topk(cand, cand_sc, topk, prompt_index.shard.cp)
     return cand, cand_sc
