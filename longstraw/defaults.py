@@ -61,6 +61,13 @@ whole piece go together, up to this many rows (fewer, larger kernel calls). Thei
 output and its merge (4 x rows x heads x head_dim in float32) are the planner's divided
 capture transient (`plan/divided_capture.py`)."""
 
+DIVIDED_SPARSE_ENTRIES = 1 << 18
+DIVIDED_SPARSE_QUERIES = 1024
+"""A divided capture's DSA attention over one fetched piece (`parallel.divided_dsa`): the
+queries that selected rows of the piece go in blocks of at most DIVIDED_SPARSE_QUERIES
+queries and DIVIDED_SPARSE_ENTRIES selected rows (the gathered rows, their scores and the
+block's partial output are the planner's transient: `plan/divided_capture.py`)."""
+
 LOGITS_CHUNK_SIZE = 1024
 """Response tokens per lm_head + log-softmax chunk."""
 

@@ -70,16 +70,20 @@ def on_host():
         yield
 
 
-def to_host(t: torch.Tensor, kind=float):
+def to_host(t: torch.Tensor, kind=float, stand_in=None):
     """t's value on the host as `kind` (float, int, bool, list or bytes: its raw bytes),
     counted as one host sync when t is on a device or fake. A fake tensor gives a
-    stand-in: 0 (False), a list of zeros of t's length, or zero bytes of its size."""
+    stand-in: `stand_in` where the caller gives one (what a rehearsal should assume where
+    the value steers the work, e.g. how many queries take rows of a piece), else 0
+    (False), a list of zeros of t's length, or zero bytes of its size."""
     if not isinstance(t, torch.Tensor):
         return kind(t)
     fake = is_fake(t)
     if fake or t.device.type != "cpu":
         HostSyncs.count += 1
     if fake:
+        if stand_in is not None:
+            return stand_in
         return [0] * t.numel() if kind is list else bytes(t.numel() * t.element_size()) if kind is bytes else kind(0)
     if kind is bytes:
         return t.detach().cpu().numpy().tobytes()

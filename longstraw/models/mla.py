@@ -57,7 +57,8 @@ from longstraw.errors import UnsupportedModelError
 from longstraw.ops.attention import prefix_causal_attention
 from longstraw.ops.dsa import indexer_scores, indexer_topk, select_candidates, sparse_latent_attention
 from longstraw.ops.flash import merge_partials
-from longstraw.parallel.attention import divided_causal_attention, divided_indexer_topk, divided_sparse_attention
+from longstraw.parallel.attention import divided_causal_attention
+from longstraw.parallel.divided_dsa import divided_indexer_topk, divided_sparse_attention
 from longstraw.parallel.collectives import MergeAcrossRanks, SumGradAcrossRanks, gather_rows
 from longstraw.state.branch import BranchLatent, BranchState
 from longstraw.state.offload import restage_on_backward, staged_layers, stager_of, write_back

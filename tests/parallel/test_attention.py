@@ -6,9 +6,8 @@ Across ranks they are checked end to end in tests/parallel/test_distributed.py
 import pytest
 import torch
 
-from longstraw.parallel.attention import (divided_causal_attention, divided_indexer_topk,
-                                             divided_sparse_attention)
-from longstraw.ops.naive import naive_attention, naive_indexer_topk, naive_sparse_attention
+from longstraw.parallel.attention import divided_causal_attention
+from longstraw.ops.naive import naive_attention
 
 P, H, R, DR, HI, DI = 17, 3, 6, 4, 3, 8  # positions, heads, latent rank, rope dim, indexer heads / dim
 ONE = dict(rank=0, world=1, block=3, cp=None)
@@ -16,46 +15,6 @@ ONE = dict(rank=0, world=1, block=3, cp=None)
 
 def _ints(g, *shape):
     return torch.randint(-3, 4, shape, generator=g).to(torch.float64)
-
-
-@pytest.mark.parametrize("piece_rows", [1, 5, 100])
-def test_indexer_topk_is_the_global_selection_ties_to_the_lower_position(piece_rows):
-    """Integer data (exact scores whatever the summation order) with duplicated keys, so
-    equal scores meet at the top-k boundary and across pieces."""
-    g = torch.Generator().manual_seed(3)
-    keys = _ints(g, P, DI)
-    keys[7] = keys[2]
-    keys[12] = keys[2]
-    keys[15] = keys[9]
-    q_idx = _ints(g, P, HI, DI)
-    weights = torch.round((torch.rand(P, HI, generator=g, dtype=torch.float64) + 0.5) * 4) / 4  # dyadic: exact sums
-    weights[:, 0] = -0.5
-    pos = torch.arange(P)
-    boundary_ties = 0  # rows where position 2 is in and its twin 7 (visible, same score) is out
-    for topk in (1, 3, 8, P, P + 2):
-        want = naive_indexer_topk(q_idx, weights, keys, pos, pos, topk, 0.5)
-        boundary_ties += sum(2 in row and 7 not in row for row in want[7:].tolist())
-        for query_block, key_block in ((1, 1), (4, 3), (1024, 128)):
-            got = divided_indexer_topk(q_idx, weights, keys, topk, scale=0.5, positions=P, piece_rows=piece_rows,
-                                       query_block=query_block, key_block=key_block, **ONE)
-            assert torch.equal(got, want), (topk, query_block, key_block)
-    assert boundary_ties
-
-
-@pytest.mark.parametrize("piece_rows", [1, 5, 100])
-def test_sparse_attention_over_fetched_pieces_equals_naive(piece_rows):
-    g = torch.Generator().manual_seed(4)
-    q = torch.randn(H, P, R + DR, generator=g, dtype=torch.float64)
-    k = torch.randn(P, R + DR, generator=g, dtype=torch.float64)
-    pos = torch.arange(P)
-    for topk in (1, 4, P + 1):  # P + 1: every row padded with -1
-        scores = torch.randn(P, P, generator=g, dtype=torch.float64)  # any selection of visible positions
-        indices = naive_indexer_topk(scores[:, :, None], torch.ones(P, 1, dtype=torch.float64),
-                                     torch.eye(P, dtype=torch.float64), pos, pos, topk, 1.0)
-        want = naive_sparse_attention(q, k, k[:, :R], pos, indices, pos, 0.3)
-        got = divided_sparse_attention(q, k, indices, value_dim=R, positions=P, scale=0.3, piece_rows=piece_rows,
-                                       **ONE)
-        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
 
 
 @pytest.mark.parametrize("piece_rows", [1, 5, 100])
