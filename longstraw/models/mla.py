@@ -47,6 +47,7 @@ Dv value head dim, K top-k, Hi / Di indexer heads / dim, G branches.
 
 from __future__ import annotations
 
+import bisect
 import functools
 import sys
 from dataclasses import dataclass
@@ -146,16 +147,16 @@ def _select_across_ranks(indexer, q, keys, weights, call, held, query_block: int
     rep_keys = torch.cat([ix.until(call.start) for ix in others] + [keys])
     rep_pos = torch.cat([ix.positions(call.start) for ix in others]
                         + [torch.arange(call.start, call.start + t, device=q.device)])
-    mine = torch.arange(t) if own is None else own.rows()[own.rank]  # (n,) on the host, increasing
+    mine = range(t) if own is None else own.host_rows()  # this rank's query rows, increasing (host ints)
     out = torch.full((t, topk), -1, dtype=torch.long, device=q.device)
     for b0 in range(0, t, query_block):
         b1 = min(t, b0 + query_block)
         qb, wb = q[b0:b1].float(), weights[b0:b1]
         shard_pos, shard_sc = prompt_candidates(qb, wb, shard_ix, call.start, topk, scale)  # every rank's, gathered
-        rows = mine[(mine >= b0) & (mine < b1)] - b0  # the block's rows this rank selects for
-        if rows.numel() == 0:
+        rows = [r - b0 for r in mine[bisect.bisect_left(mine, b0):bisect.bisect_left(mine, b1)]]
+        if not rows:  # none of the block's rows is this rank's
             continue
-        rows = rows.to(q.device)
+        rows = torch.tensor(rows, device=q.device)  # the block's rows this rank selects for
         seen = rep_keys.shape[0] - t + b1  # rep_pos increases: the block's last query sees this many
         rep_sc = indexer_scores(qb[rows], wb[rows], rep_keys[:seen], scale=scale)  # (b, seen)
         query_pos = call.start + b0 + rows

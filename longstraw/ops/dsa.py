@@ -33,6 +33,7 @@ from dataclasses import dataclass
 import torch
 
 from longstraw.ops.attention import KVSegment, accumulation_dtype
+from longstraw.host import to_host
 from longstraw.ops.ranked import ranked_topk
 
 __all__ = ["indexer_topk", "indexer_scores", "select_topk", "select_candidates", "sparse_latent_attention",
@@ -193,7 +194,11 @@ def _block_counts(indices: torch.Tensor, sources: list[_Source], query_block: in
         counts.append(per_block(m))
         del m
     bad = (hits != valid).any().view(1).long()
-    flat = torch.cat([torch.stack(counts).T.reshape(-1), bad]).tolist()  # the one sync
+    # a rehearsal's stand-in (fake tensors: no counts): every entry valid, all in the largest source
+    big = max(range(len(sources)), key=lambda j: sources[j].k.shape[0])
+    sizes = [min(query_block, t - b0) * indices.shape[1] for b0 in range(0, t, query_block)]
+    stand_in = [c for m in sizes for c in [m] + [m if j == big else 0 for j in range(len(sources))]] + [0]
+    flat = to_host(torch.cat([torch.stack(counts).T.reshape(-1), bad]), list, stand_in=stand_in)  # the one sync
     if flat[-1]:
         raise ValueError("an index is neither -1 nor a position of exactly one prefix segment or new token")
     width = len(sources) + 1

@@ -46,6 +46,11 @@ class Divided:
         """This rank's blocks: (first position, end position, first local row)."""
         return self.deal.blocks(self.rank, self.total)
 
+    def host_rows(self) -> list[int]:
+        """rows()[rank] as host ints, made without tensors (in a rehearsal's fake mode every
+        new tensor is fake, so its values cannot be read)."""
+        return [i for i in range(self.end - self.start) if (self.start + i) // self.block % self.world == self.rank]
+
     def positions(self, device=None) -> torch.Tensor:
         """This rank's positions [N], increasing."""
         rows = torch.arange(self.deal.count(self.total, self.rank), device=device)  # (N,)
@@ -104,6 +109,11 @@ class DividedChunk:
         if key not in self._rows:
             self._rows[key] = chunk_rows(self.start, self.end, self.world, self.block, key)
         return self._rows[key]
+
+    def host_rows(self) -> list[int]:
+        """rows()[rank] as host ints, made without tensors (in a rehearsal's fake mode every
+        new tensor is fake, so its values cannot be read)."""
+        return [i for i in range(self.end - self.start) if (self.start + i) // self.block % self.world == self.rank]
 
     def positions(self, device=None) -> torch.Tensor:
         """This rank's positions of the chunk [n], increasing."""
