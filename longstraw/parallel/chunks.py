@@ -49,7 +49,8 @@ class Divided:
     def host_rows(self) -> list[int]:
         """rows()[rank] as host ints, made without tensors (in a rehearsal's fake mode every
         new tensor is fake, so its values cannot be read)."""
-        return [i for i in range(self.end - self.start) if (self.start + i) // self.block % self.world == self.rank]
+        deal = Deal(world=self.world, block=self.block)
+        return [i for i in range(self.end - self.start) if deal.owner(self.start + i) == self.rank]
 
     def positions(self, device=None) -> torch.Tensor:
         """This rank's positions [N], increasing."""
@@ -113,7 +114,8 @@ class DividedChunk:
     def host_rows(self) -> list[int]:
         """rows()[rank] as host ints, made without tensors (in a rehearsal's fake mode every
         new tensor is fake, so its values cannot be read)."""
-        return [i for i in range(self.end - self.start) if (self.start + i) // self.block % self.world == self.rank]
+        deal = Deal(world=self.world, block=self.block)
+        return [i for i in range(self.end - self.start) if deal.owner(self.start + i) == self.rank]
 
     def positions(self, device=None) -> torch.Tensor:
         """This rank's positions of the chunk [n], increasing."""

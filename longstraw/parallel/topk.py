@@ -26,7 +26,7 @@ from __future__ import annotations
 import torch
 
 from longstraw.ops.dsa import select_candidates
-from longstraw.ops.ranked import order_key
+from longstraw.ops.ranked import order_key, ranked_topk
 from longstraw.parallel.collectives import all_gather, all_reduce_sum
 from longstraw.plan.traffic import gathered_topk_bytes_per_query, radix_topk_bytes_per_query
 
@@ -105,12 +105,8 @@ def global_topk(positions: torch.Tensor, scores: torch.Tensor, topk: int, cp):
     raw = packed.view(torch.uint8).reshape(b, -1)
     out_pos = raw[:, : 4 * topk].contiguous().view(torch.int32).long() - 1
     out_sc = raw[:, 4 * topk :].contiguous().view(scores.dtype)
-    out_sc = torch.where(out_pos < 0, float("-inf"), out_sc)
     # order: score descending, equal scores by lower position, empty slots last
-    by_pos = torch.where(out_pos < 0, torch.iinfo(torch.long).max, out_pos).sort(dim=1, stable=True).indices
-    out_pos, out_sc = out_pos.gather(1, by_pos), out_sc.gather(1, by_pos)
-    order = out_sc.sort(dim=1, descending=True, stable=True).indices
-    return out_pos.gather(1, order), out_sc.gather(1, order)
+    return ranked_topk(out_sc, out_pos, out_pos >= 0, topk)
 
 
 def _as_words(packed: torch.Tensor) -> torch.Tensor:
