@@ -13,8 +13,8 @@ sparse attention it restricts (GLM-5.x, DeepSeek-V3.2).
   rows per query block and recomputes them in backward, so memory is
   O(query_block x K x D), never O(T x S); the state segments are read in place and
   their gradient, when wanted, is added into their `KVSegment.grad` sinks. Where each
-  block's entries live is counted once per call (a [T, K] bool/uint8 pass) and read to the
-  host in one sync, so the blocks themselves never wait for the device.
+  block's entries live is planned from bounds known on the host (`dsa_plan.BlockPlan`), so
+  no call reads device data: no host sync per layer and chunk.
 
 Index convention (both ops): indices are ABSOLUTE positions (LongTensor [T, K]);
 -1 means "no position" (a query that sees fewer than K positions). Rows are ordered
@@ -33,7 +33,7 @@ from dataclasses import dataclass
 import torch
 
 from longstraw.ops.attention import KVSegment, accumulation_dtype
-from longstraw.host import to_host
+from longstraw.ops.dsa_plan import BlockPlan, check_indices, dummy_rows, entry_bounds, primary_source
 from longstraw.ops.ranked import ranked_topk
 
 __all__ = ["indexer_topk", "indexer_scores", "select_topk", "select_candidates", "sparse_latent_attention",
@@ -173,110 +173,6 @@ def _sources(prefixes, k_new, v_new, q_start) -> list[_Source]:
     return out
 
 
-def _block_counts(indices: torch.Tensor, sources: list[_Source], query_block: int) -> list[list[int]]:
-    """Per query block of indices [T, K]: [valid entries, entries in each source], read to the
-    host at once (one sync per call, not one per block). ValueError if an index is neither -1
-    nor a position of exactly one source."""
-    t = indices.shape[0]
-    device = indices.device
-    nblocks = -(-t // query_block)
-    row_block = torch.arange(t, device=device) // query_block
-
-    def per_block(mask):  # [T, K] bool -> [nblocks]
-        return torch.zeros(nblocks, dtype=torch.long, device=device).index_add_(0, row_block, mask.sum(-1))
-
-    valid = indices >= 0
-    hits = torch.zeros(indices.shape, dtype=torch.uint8, device=device)  # sources holding each entry
-    counts = [per_block(valid)]
-    for src in sources:
-        m = (indices >= src.start) & (indices < src.start + src.k.shape[0])
-        hits += m
-        counts.append(per_block(m))
-        del m
-    bad = (hits != valid).any().view(1).long()
-    # a rehearsal's stand-in (fake tensors: no counts): every entry valid, all in the largest source
-    big = max(range(len(sources)), key=lambda j: sources[j].k.shape[0])
-    sizes = [min(query_block, t - b0) * indices.shape[1] for b0 in range(0, t, query_block)]
-    stand_in = [c for m in sizes for c in [m] + [m if j == big else 0 for j in range(len(sources))]] + [0]
-    flat = to_host(torch.cat([torch.stack(counts).T.reshape(-1), bad]), list, stand_in=stand_in)  # the one sync
-    if flat[-1]:
-        raise ValueError("an index is neither -1 nor a position of exactly one prefix segment or new token")
-    width = len(sources) + 1
-    return [flat[b * width:(b + 1) * width] for b in range(nblocks)]
-
-
-def _entries(mask: torch.Tensor, count: int) -> torch.Tensor:
-    """Ids of the `count` True entries of a bool vector, ascending. The count is known on the
-    host, so on CUDA this does not wait for the device (`nonzero` would, to learn its size)."""
-    return torch.nonzero_static(mask, size=count).squeeze(1)
-
-
-class _Plan:
-    """Where each entry of a query block's indices [B, K] lives.
-
-    The source holding most entries is `primary`: it is gathered / scattered over all B*K entries
-    at once (row index clamped; the other entries are overwritten / zeroed), the others only over
-    their own entries. So the big rows are read with one index_select into a reused buffer and
-    their gradient written with one index_add_ per sink tensor. `counts` is the block's row of
-    `_block_counts` (validated there), so building a plan never syncs with the device."""
-
-    def __init__(self, idx: torch.Tensor, sources: list[_Source], counts: list[int]):
-        flat = idx.reshape(-1)
-        self.n = flat.numel()
-        valid = flat >= 0
-        n_valid, counts = counts[0], counts[1:]
-        self.primary = max(range(len(sources)), key=counts.__getitem__)
-        p = sources[self.primary]
-        self.primary_rel = (flat - p.start).clamp_(0, p.k.shape[0] - 1)
-        self.others = []  # (source index, entry ids, rows in that source)
-        for j, src in enumerate(sources):
-            if j != self.primary and counts[j] > 0:
-                sel = _entries((flat >= src.start) & (flat < src.start + src.k.shape[0]), counts[j])
-                self.others.append((j, sel, flat[sel] - src.start))
-        in_primary = (flat >= p.start) & (flat < p.start + p.k.shape[0])
-        self.not_primary = _entries(~in_primary, self.n - counts[self.primary])
-        self.invalid = _entries(~valid, self.n - n_valid)
-        self.valid = valid.view(idx.shape)
-
-    def gather(self, sources: list[_Source], attr: str, buf: torch.Tensor) -> torch.Tensor:
-        """Rows [n, width] of `attr` ('k' or 'v') of every entry, written into buf, zero at -1."""
-        out = buf[:self.n]
-        src = getattr(sources[self.primary], attr)
-        if src.dtype == out.dtype:
-            torch.index_select(src, 0, self.primary_rel, out=out)
-        else:
-            out.copy_(src.index_select(0, self.primary_rel))
-        for j, sel, rel in self.others:
-            out.index_copy_(0, sel, getattr(sources[j], attr).index_select(0, rel).to(out.dtype))
-        if self.invalid.numel():
-            out.index_fill_(0, self.invalid, 0)
-        return out
-
-    def scatter(self, targets: list, dk_rows: torch.Tensor, dv_rows: torch.Tensor) -> None:
-        """Add the entries' key/value gradient rows [n, D] / [n, Dv] into each source's targets
-        (dk, dv) (either may be None). dk_rows / dv_rows are scratch: they get overwritten."""
-        for j, sel, rel in self.others:
-            tk, tv = targets[j] or (None, None)
-            if tk is not None:
-                tk.index_add_(0, rel, dk_rows.index_select(0, sel).to(tk.dtype))
-            if tv is not None:
-                tv.index_add_(0, rel, dv_rows.index_select(0, sel).to(tv.dtype))
-        tk, tv = targets[self.primary] or (None, None)
-        if tk is None and tv is None:
-            return
-        if self.not_primary.numel():  # other sources' rows are done; -1 rows are zero already
-            dk_rows.index_fill_(0, self.not_primary, 0)
-            dv_rows.index_fill_(0, self.not_primary, 0)
-        if tk is not None and tv is not None and _is_leading_columns(tv, tk):
-            # a latent sink: dv lives in dk's first Dv columns, so one scatter adds both
-            dk_rows[:, :dv_rows.shape[1]] += dv_rows
-            tv = None
-        if tk is not None:
-            tk.index_add_(0, self.primary_rel, dk_rows.to(tk.dtype))
-        if tv is not None:
-            tv.index_add_(0, self.primary_rel, dv_rows.to(tv.dtype))
-
-
 def _block_rows(plan, sources, latent, kbuf, vbuf, bsz, kk):
     """Gathered keys [B, K, D] and values [B, K, Dv] of a block (values a view of keys if latent)."""
     kb = plan.gather(sources, "k", kbuf).view(bsz, kk, -1)
@@ -302,14 +198,15 @@ class SparseLatentAttention(torch.autograd.Function):
         sources = _sources(prefixes, k_new, v_new, q_start)
         latent = all(_is_leading_columns(s.v, s.k) for s in sources)
         bmax = min(t, query_block)
-        kbuf = torch.empty(bmax * kk, d, dtype=acc, device=q.device)
-        vbuf = None if latent else torch.empty(bmax * kk, dv, dtype=acc, device=q.device)
+        kbuf = torch.empty(bmax * kk + dummy_rows, d, dtype=acc, device=q.device)
+        vbuf = None if latent else torch.empty(bmax * kk + dummy_rows, dv, dtype=acc, device=q.device)
         out = torch.zeros(h, t, dv, dtype=acc, device=q.device)
         lse = torch.full((h, t), float("-inf"), dtype=acc, device=q.device)
-        counts = _block_counts(indices, sources, query_block)
+        check_indices(indices, sources, q_start)
+        primary = primary_source(sources)
         for b0 in range(0, t, query_block):
             b1 = min(t, b0 + query_block)
-            plan = _Plan(indices[b0:b1], sources, counts[b0 // query_block])
+            plan = BlockPlan(indices[b0:b1], sources, entry_bounds(sources, b0, b1, kk), primary)
             kb, vb = _block_rows(plan, sources, latent, kbuf, vbuf, b1 - b0, kk)
             qb = q[:, b0:b1].to(acc).transpose(0, 1)  # [B, H, D]
             scores = torch.matmul(qb, kb.transpose(1, 2)).mul_(scale)  # [B, H, K]
@@ -349,15 +246,16 @@ class SparseLatentAttention(torch.autograd.Function):
         targets = [s.sink for s in sources[:-1]] + [(dk_new, dv_new)]
         need_rows = need_dk or need_dv or any(s.sink is not None for s in sources[:-1])
         bmax = min(t, query_block)
-        kbuf = torch.empty(bmax * kk, d, dtype=acc, device=q.device)
-        vbuf = None if latent else torch.empty(bmax * kk, dv, dtype=acc, device=q.device)
-        dkbuf = torch.empty(bmax * kk, d, dtype=acc, device=q.device) if need_rows else None
-        dvbuf = torch.empty(bmax * kk, dv, dtype=acc, device=q.device) if need_rows else None
-        counts = _block_counts(indices, sources, query_block)
+        rows = bmax * kk + dummy_rows
+        kbuf = torch.empty(rows, d, dtype=acc, device=q.device)
+        vbuf = None if latent else torch.empty(rows, dv, dtype=acc, device=q.device)
+        dkbuf = torch.empty(rows, d, dtype=acc, device=q.device) if need_rows else None
+        dvbuf = torch.empty(rows, dv, dtype=acc, device=q.device) if need_rows else None
+        primary = primary_source(sources)
         for b0 in range(0, t, query_block):
             b1 = min(t, b0 + query_block)
             bsz = b1 - b0
-            plan = _Plan(indices[b0:b1], sources, counts[b0 // query_block])
+            plan = BlockPlan(indices[b0:b1], sources, entry_bounds(sources, b0, b1, kk), primary)
             kb, vb = _block_rows(plan, sources, latent, kbuf, vbuf, bsz, kk)
             qb = q[:, b0:b1].to(acc).transpose(0, 1)  # [B, H, D]
             scores = torch.matmul(qb, kb.transpose(1, 2)).mul_(scale)  # [B, H, K]
@@ -370,9 +268,11 @@ class SparseLatentAttention(torch.autograd.Function):
             if not need_rows:
                 continue
             n = bsz * kk
-            dkb = torch.bmm(dscores.transpose(1, 2), qb, out=dkbuf[:n].view(bsz, kk, d)).mul_(scale)
-            dvb = torch.bmm(probs.transpose(1, 2), gob, out=dvbuf[:n].view(bsz, kk, dv))
-            plan.scatter(targets, dkb.view(n, d), dvb.view(n, dv))
+            torch.bmm(dscores.transpose(1, 2), qb, out=dkbuf[:n].view(bsz, kk, d)).mul_(scale)
+            torch.bmm(probs.transpose(1, 2), gob, out=dvbuf[:n].view(bsz, kk, dv))
+            dkbuf[n].zero_()  # the dummy entry the plan's padding slots add from
+            dvbuf[n].zero_()
+            plan.scatter(targets, dkbuf[:n + 1], dvbuf[:n + 1], _is_leading_columns)
         return (dq.to(q.dtype), None if dk_new is None else dk_new.to(k_new.dtype),
                 None if dv_new is None else dv_new.to(v_new.dtype), None, None, None, None, None)
 
@@ -386,9 +286,9 @@ def sparse_latent_attention(q, k_new, v_new, indices, *, prefixes: list[KVSegmen
         k_new, v_new: [T, D] / [T, Dv] the new tokens' shared key/value rows (v_new may be a view
             of k_new[:, :Dv]).
         indices: LongTensor [T, K] absolute positions to attend to, -1 = none (e.g. from
-            `indexer_topk`); each must lie in exactly one prefix segment or be a new position
-            (else ValueError); order is irrelevant; no duplicates other than -1. Causality is the
-            indices' business (`indexer_topk` only selects visible positions).
+            `indexer_topk`); each must lie in exactly one prefix segment or be a new position at
+            or before its query's own (visible); order is irrelevant; no duplicates other than
+            -1. Checked on the device (`dsa_plan.check_indices`: RuntimeError on CPU).
         prefixes: `KVSegment`s with k [1, S, D], v [1, S, Dv] (v may be a view of k[..., :Dv]),
             all before q_start; optional grad = (dk [1, S, D], dv [1, S, Dv]) sinks, added into
             in place by backward (dv may be a view into dk's first Dv columns).

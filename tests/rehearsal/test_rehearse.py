@@ -166,6 +166,19 @@ def test_host_syncs_do_not_grow_with_chunks():
     assert counts[0] == counts[1] > 0
 
 
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_dsa_host_syncs_do_not_grow_with_chunks_or_pieces(world_size):
+    """GLM-5.x with the DSA selection sparse (topk 8 of P = 48): twice the chunks, and a
+    branch in pieces, the same host syncs per step. Before, sparse attention read its block
+    counts once per call (per layer and chunk or piece)."""
+    config = tiny_model("glm_moe_dsa", index_topk=8).config
+    divided = dict(context_parallel=True, attention_block_size=8) if world_size > 1 else {}
+    counts = [ls.rehearse(config, ls.ExecConfig(chunk_size=c, mode="exact", branch_chunk_size=b, **divided),
+                          prompt_tokens=P, group=G, response_tokens=R, device="cpu", dtype=torch.float32,
+                          world_size=world_size).host_syncs for c, b in ((16, None), (8, None), (8, 2))]
+    assert counts[0] == counts[1] == counts[2] > 0, counts
+
+
 @pytest.mark.slow
 def test_second_rehearsed_step_peaks_as_the_first():
     """Two steps rehearsed (gradients set to None between): no leak, the second peak is the first's."""
