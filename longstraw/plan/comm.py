@@ -75,10 +75,14 @@ def replay_merge_bytes_per_token(s: Basis, recompute: bool, score_passes: int) -
 
         attention   autograd pass (forward + backward): 2 H (Dv + 1); a layer recompute
                     adds H (Dv + 2); a score pass H (Dv + 1)
-        MLA         autograd pass: 2 (H (kv_lora + 1) + kv_lora); recompute adds
-                    H (kv_lora + 2); a score pass H (kv_lora + 1)
+        MLA         autograd pass: H (kv_lora + 2) forward, and in backward the absorbed
+                    queries' gradient H (kv_lora + rope) in the MODEL dtype
+                    (`SumGradAcrossRanks`); recompute adds H (kv_lora + 2); a score pass
+                    H (kv_lora + 1)
 
-    (H heads, Dv the value head dim; MLA merges in the latent space.) A sparse DSA layer
+    (H heads, Dv the value head dim; MLA merges in the latent space. Until stop 55 MLA's
+    autograd pass read 2 (H (kv_lora + 1) + kv_lora) in the accumulation dtype, fitted on a
+    model where 2 kv_lora = H rope: 1.29x GLM-5.2's rehearsed replay bytes.) A sparse DSA layer
     with its own indexer (top-k K below the prompt's positions) also agrees on the global
     top-k of every rank's candidates per forward (`mla_decode.prompt_candidates`,
     `parallel.topk.global_topk`): `candidate_bytes_per_query(W, K)`, 2 (W-1)/W (4 + 16 x
@@ -89,20 +93,23 @@ def replay_merge_bytes_per_token(s: Basis, recompute: bool, score_passes: int) -
     W, arch = s.W, s.arch
     if W == 1:
         return 0.0
-    per = 0.0
+    per, per_model_dtype = 0.0, 0.0
     for layer in arch.layers:
         if layer.mixer == "attention" and layer.window is None:
-            h, d, extra = arch.heads, arch.head_dim, 0
+            h, d = arch.heads, arch.head_dim
+            per += 2 * h * (d + 1)
         elif layer.mixer == "mla":
-            h, d, extra = arch.heads, arch.kv_lora_rank, arch.kv_lora_rank
+            h, d = arch.heads, arch.kv_lora_rank
+            per += h * (d + 2)  # the merge of (o, lse) and the max of lse
+            per_model_dtype += h * (d + arch.rope_dim)  # backward: the absorbed queries' gradient, summed
         else:
             continue
-        per += 2 * (h * (d + 1) + extra) + (h * (d + 2) if recompute else 0) + score_passes * h * (d + 1)
+        per += (h * (d + 2) if recompute else 0) + score_passes * h * (d + 1)
     candidates = 0.0
     if arch.index_topk and arch.index_topk < s.P - 1:  # sparse: top-k below the prompt's positions
         forwards = 1 + (1 if recompute else 0) + score_passes
         candidates = candidate_bytes_per_query(W, arch.index_topk) * forwards * arch.count(mixer="mla", indexer=True)
-    return 2 * (W - 1) / W * per * s.acc + candidates
+    return 2 * (W - 1) / W * (per * s.acc + per_model_dtype * s.b) + candidates
 
 
 def held_merge_bytes_per_token(s: Basis) -> float:

@@ -156,6 +156,30 @@ def test_planner_replay_matches_the_rehearsal_at_the_paper_s_dimensions():
     assert abs(entry["ratio"]["replay"] - 1) <= 0.05, entry["ratio"]
 
 
+@pytest.mark.parametrize("topk", [8, 256])  # sparse DSA (candidates too), and top-k over every position
+def test_planned_mla_replay_bytes_are_the_rehearsed_ones_in_bf16(topk):
+    """GLM-5's replay merges over the sharded prompt at W = 2 in bf16, with and without layer
+    recompute: the planner's bytes equal the rehearsed collectives'. The gloo check
+    (tests/test_plan_comm.py) runs float64, where the model dtype is the accumulation dtype;
+    in bf16 the backward's sum of the absorbed queries' gradient is half as wide. Fails on
+    the planner before stop 55 (its MLA pass read 2 (H (kv_lora + 1) + kv_lora) in float32:
+    125,952 B planned against 82,944 rehearsed here, 320.5 GiB against 248.0 for GLM-5.2)."""
+    import torch
+
+    import longstraw as ls
+    from longstraw.plan import PlanConfig, estimate
+    from longstraw.tiny import tiny_model
+
+    config = tiny_model("glm_moe_dsa", index_topk=topk).config
+    for rc in (False, True):
+        kw = dict(chunk_size=16, mode="detached", attention_block_size=8, recompute_layers=rc)
+        reh = ls.rehearse(config, ls.ExecConfig(context_parallel=True, **kw), prompt_tokens=48, group=2,
+                          response_tokens=6, device="cpu", dtype=torch.bfloat16, world_size=2)
+        plan = estimate(config.to_dict(), PlanConfig(prompt_tokens=48, group=2, response_tokens=6, gpus=2,
+                                                     dtype="bfloat16", **kw))
+        assert sum(reh.comm_bytes["replay"].values()) == plan["comm"]["phases"]["replay"]["bytes"]["context_parallel"]
+
+
 def test_plan_rehearse_steps_gives_each_step_s_peak(capsys):
     """`--rehearse-steps 2`: two steps rehearsed, each one's peak in "step_peaks" (no leak:
     the second peaks as the first); detached mode's empty "walk" is not shown."""
