@@ -33,6 +33,7 @@ from dataclasses import dataclass
 import torch
 
 from longstraw.ops.attention import KVSegment, accumulation_dtype
+from longstraw.ops.indexer_scores import indexer_scores_into
 from longstraw.ops.dsa_plan import BlockPlan, check_indices, dummy_rows, entry_bounds, primary_source
 from longstraw.ops.ranked import ranked_topk
 
@@ -58,17 +59,11 @@ def indexer_scores(q_idx, weights, keys, *, scale, key_block=1024, out=None):
     """HF's index score of each query [T] for each key row [n]: [T, n] (accumulation
     dtype), `relu(q @ k^T * scale)` summed over heads with `weights`. q_idx [T, Hi, Di],
     weights [T, Hi], keys [n, Di]. No masking. `out`: a [T, n] tensor (or view) to write
-    into instead of a new one."""
-    t, hi, di = q_idx.shape
+    into instead of a new one (the registered op writes it in place)."""
     acc = accumulation_dtype(q_idx.dtype)
-    q = q_idx.to(acc).reshape(t * hi, di)
-    w = weights.to(acc)[:, None, :]  # [T, 1, Hi]
     if out is None:
-        out = torch.empty(t, keys.shape[0], dtype=acc, device=q_idx.device)
-    for c0 in range(0, keys.shape[0], key_block):
-        c1 = min(keys.shape[0], c0 + key_block)
-        s = torch.matmul(q, keys[c0:c1].to(acc).T).view(t, hi, c1 - c0).mul_(scale).relu_()
-        out[:, c0:c1] = torch.bmm(w, s)[:, 0]
+        out = torch.empty(q_idx.shape[0], keys.shape[0], dtype=acc, device=q_idx.device)
+    indexer_scores_into(q_idx, weights, keys, out, float(scale), int(key_block))  # one registered op
     return out
 
 
