@@ -1,0 +1,70 @@
+"""Where a rehearsal's ops come from: `rehearse_plan` for a preset (optionally cut to its
+first N layers) with every op the tracker sees counted by the innermost longstraw frame
+that issued it. A rehearsal's wall time is about its op count times the fake dispatch's
+cost an op, so this names the loops to batch or register (issue 44).
+
+    PYTHONPATH=. python bench/rehearse_op_sites.py --model glm-5.2 --layers 4 --prompt-tokens 65536 \\
+        --group 8 --response-tokens 1024 --gpus 32 --lora-rank 8 [--top 25] [--out FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import sys
+import time
+
+import longstraw.rehearsal.tracker as tracker
+from longstraw.plan.arch import load_model_config
+from longstraw.plan.config import PlanConfig
+from longstraw.rehearsal.against_plan import rehearse_plan
+
+
+def _site() -> str | None:
+    f = sys._getframe(2)
+    while f is not None:
+        name = f.f_code.co_filename
+        if "/longstraw/" in name and "/longstraw/rehearsal/" not in name:
+            return f"{name.split('/longstraw/')[-1]}:{f.f_code.co_name}:{f.f_lineno}"
+        f = f.f_back
+    return None
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default="glm-5.2")
+    ap.add_argument("--layers", type=int, default=None, help="keep the first N decoder layers")
+    ap.add_argument("--prompt-tokens", type=int, default=65536)
+    ap.add_argument("--group", type=int, default=8)
+    ap.add_argument("--response-tokens", type=int, default=1024)
+    ap.add_argument("--gpus", type=int, default=32)
+    ap.add_argument("--lora-rank", type=int, default=8)
+    ap.add_argument("--mode", default="detached")
+    ap.add_argument("--top", type=int, default=25)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    _, model, _ = load_model_config(args.model)
+    if args.layers:
+        model["num_hidden_layers"] = args.layers
+    config = PlanConfig(prompt_tokens=args.prompt_tokens, group=args.group, response_tokens=args.response_tokens,
+                        gpus=args.gpus, lora_rank=args.lora_rank, mode=args.mode)
+    counts: collections.Counter = collections.Counter()
+    dispatch = tracker.LiveBytes.__torch_dispatch__
+
+    def counted(self, func, types, args=(), kwargs=None):
+        counts[_site()] += 1
+        return dispatch(self, func, types, args, kwargs)
+
+    tracker.LiveBytes.__torch_dispatch__ = counted
+    t0 = time.perf_counter()
+    rehearse_plan(model, config)
+    lines = [f"# {' '.join(sys.argv)}", f"# wall {time.perf_counter() - t0:.1f} s, {sum(counts.values())} ops",
+             "ops,site"] + [f"{n},{site}" for site, n in counts.most_common(args.top)]
+    print("\n".join(lines))
+    if args.out:
+        with open(args.out, "w") as f:
+            f.write("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    main()
