@@ -247,6 +247,8 @@ class SparseLatentAttention(torch.autograd.Function):
         dkbuf = torch.empty(rows, d, dtype=acc, device=q.device) if need_rows else None
         dvbuf = torch.empty(rows, dv, dtype=acc, device=q.device) if need_rows else None
         primary = primary_source(sources)
+        tk, tv = targets[primary] or (None, None)
+        latent_sink = tk is not None and tv is not None and _is_leading_columns(tv, tk)  # one scatter adds both
         for b0 in range(0, t, query_block):
             b1 = min(t, b0 + query_block)
             bsz = b1 - b0
@@ -267,7 +269,7 @@ class SparseLatentAttention(torch.autograd.Function):
             torch.bmm(probs.transpose(1, 2), gob, out=dvbuf[:n].view(bsz, kk, dv))
             dkbuf[n].zero_()  # the dummy entry the plan's padding slots add from
             dvbuf[n].zero_()
-            plan.scatter(targets, dkbuf[:n + 1], dvbuf[:n + 1], _is_leading_columns)
+            plan.scatter(targets, dkbuf[:n + 1], dvbuf[:n + 1], latent_sink)
         return (dq.to(q.dtype), None if dk_new is None else dk_new.to(k_new.dtype),
                 None if dv_new is None else dv_new.to(v_new.dtype), None, None, None, None, None)
 

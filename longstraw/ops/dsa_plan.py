@@ -29,13 +29,18 @@ dummy_rows = 1
 """Rows past the n entries that a plan's buffers must hold (the padding slots' target)."""
 
 
+def _held(flat: torch.Tensor, src) -> torch.Tensor:
+    """Whether each position of `flat` lies in source `src` (bool, flat's shape)."""
+    return (flat >= src.start) & (flat < src.start + src.k.shape[0])
+
+
 def check_indices(indices: torch.Tensor, sources: list, q_start: int) -> None:
     """Assert on the device that every entry of indices [T, K] is -1 or a visible position
     of exactly one source (new tokens: at or before the query's own position)."""
     valid = indices >= 0
     hits = torch.zeros(indices.shape, dtype=torch.uint8, device=indices.device)
     for src in sources:
-        hits += (indices >= src.start) & (indices < src.start + src.k.shape[0])
+        hits += _held(indices, src)
     own = torch.arange(q_start, q_start + indices.shape[0], device=indices.device)[:, None]
     bad = (hits != valid) | (indices > own)
     torch._assert_async(~bad.any(), "an index is neither -1 nor a visible position of exactly one prefix segment or "
@@ -74,11 +79,11 @@ class BlockPlan:
         for j, src in enumerate(sources):
             if j == primary or bounds[j] == 0:
                 continue
-            mine = (flat >= src.start) & (flat < src.start + src.k.shape[0])
-            sel = torch.nonzero_static(mine, size=bounds[j], fill_value=n).squeeze(1)
-            rel = (torch.cat([flat, flat.new_full((1,), src.start)])[sel] - src.start)
+            sel = torch.nonzero_static(_held(flat, src), size=bounds[j], fill_value=n).squeeze(1)
+            # a padding slot (n) reads some row of the source into the dummy row, and adds the zero dummy row back
+            rel = (flat[sel.clamp(max=n - 1)] - src.start).clamp_(0, src.k.shape[0] - 1)
             self.others.append((j, sel, rel))
-        self.in_primary = (flat >= p.start) & (flat < p.start + p.k.shape[0])
+        self.in_primary = _held(flat, p)
         self.valid = (flat >= 0).view(idx.shape)
 
     def gather(self, sources: list, attr: str, buf: torch.Tensor) -> torch.Tensor:
@@ -94,10 +99,10 @@ class BlockPlan:
         out.masked_fill_(~self.valid.view(-1, 1), 0)
         return out
 
-    def scatter(self, targets: list, dk_rows: torch.Tensor, dv_rows: torch.Tensor, latent_sink) -> None:
+    def scatter(self, targets: list, dk_rows: torch.Tensor, dv_rows: torch.Tensor, latent_sink: bool) -> None:
         """Add the entries' key/value gradient rows [n + 1, D] / [n + 1, Dv] (the last row
         zero) into each source's targets (dk, dv) (either may be None). The first n rows are
-        scratch: they get overwritten. `latent_sink(tk, tv)`: whether dv lives in dk's first
+        scratch: they get overwritten. `latent_sink`: the primary's dv lives in its dk's first
         Dv columns, so one scatter adds both."""
         n = self.n
         for j, sel, rel in self.others:
@@ -113,7 +118,7 @@ class BlockPlan:
         if self.others:  # other sources' rows are done; -1 rows are zero already
             dk_rows.masked_fill_(~self.in_primary[:, None], 0)
             dv_rows.masked_fill_(~self.in_primary[:, None], 0)
-        if tk is not None and tv is not None and latent_sink(tv, tk):
+        if latent_sink:
             dk_rows[:, :dv_rows.shape[1]] += dv_rows
             tv = None
         if tk is not None:

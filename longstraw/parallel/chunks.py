@@ -46,12 +46,6 @@ class Divided:
         """This rank's blocks: (first position, end position, first local row)."""
         return self.deal.blocks(self.rank, self.total)
 
-    def host_rows(self) -> list[int]:
-        """rows()[rank] as host ints, made without tensors (in a rehearsal's fake mode every
-        new tensor is fake, so its values cannot be read)."""
-        deal = Deal(world=self.world, block=self.block)
-        return [i for i in range(self.end - self.start) if deal.owner(self.start + i) == self.rank]
-
     def positions(self, device=None) -> torch.Tensor:
         """This rank's positions [N], increasing."""
         rows = torch.arange(self.deal.count(self.total, self.rank), device=device)  # (N,)
