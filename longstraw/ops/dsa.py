@@ -28,14 +28,12 @@ Arithmetic is float32 for half/float32 inputs and float64 for float64 inputs.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
 from longstraw.ops.attention import KVSegment, accumulation_dtype
 from longstraw.ops.indexer_scores import indexer_scores_into
-from longstraw.ops.dsa_plan import BlockPlan, check_indices, dummy_rows, entry_bounds, primary_source
 from longstraw.ops.ranked import ranked_topk
+from longstraw.ops.sparse_latent import sparse_latent_backward, sparse_latent_forward
 
 __all__ = ["indexer_topk", "indexer_scores", "select_topk", "select_candidates", "sparse_latent_attention",
            "SparseLatentAttention"]
@@ -142,79 +140,27 @@ def indexer_topk(q_idx, weights, key_segments, new_keys, q_start, topk, *, scale
 # sparse attention
 
 
-def _is_leading_columns(part: torch.Tensor, whole: torch.Tensor) -> bool:
-    """True when `part` is the view whole[..., :part.shape[-1]] (same memory, same strides)."""
-    return (part.device == whole.device and part.dtype == whole.dtype and part.dim() == whole.dim()
-            and part.untyped_storage().data_ptr() == whole.untyped_storage().data_ptr()
-            and part.storage_offset() == whole.storage_offset() and part.stride() == whole.stride()
-            and part.shape[:-1] == whole.shape[:-1] and part.shape[-1] <= whole.shape[-1])
-
-
-@dataclass
-class _Source:
-    """A run of key/value rows at absolute positions start .. start + n - 1: a prefix segment
-    (k [n, D], v [n, Dv], its sink rows or None) or, last in the list, the new tokens."""
-
-    k: torch.Tensor
-    v: torch.Tensor
-    start: int
-    sink: tuple | None = None
-
-
-def _sources(prefixes, k_new, v_new, q_start) -> list[_Source]:
-    out = [_Source(seg.k[0], seg.v[0], seg.start, None if seg.grad is None else (seg.grad[0][0], seg.grad[1][0]))
-           for seg in prefixes if seg.k.shape[1] > 0]
-    out.append(_Source(k_new, v_new, q_start))
-    return out
-
-
-def _block_rows(plan, sources, latent, kbuf, vbuf, bsz, kk):
-    """Gathered keys [B, K, D] and values [B, K, Dv] of a block (values a view of keys if latent)."""
-    kb = plan.gather(sources, "k", kbuf).view(bsz, kk, -1)
-    if latent:
-        return kb, kb[..., :sources[-1].v.shape[1]]
-    return kb, plan.gather(sources, "v", vbuf).view(bsz, kk, -1)
-
-
 class SparseLatentAttention(torch.autograd.Function):
     """out [H, T, Dv] (accumulation dtype) of MQA restricted to selected positions, with recompute.
 
     forward(q [H, T, D], k_new [T, D], v_new [T, Dv], indices [T, K], prefixes, q_start, scale,
     query_block). Saves q, k_new, v_new, indices, out and lse; the prefix segments are held by
     reference. Gradients go to q, k_new, v_new, and into each segment's `grad` sink (if any);
-    the segments themselves are constants to autograd.
+    the segments themselves are constants to autograd. Each pass is one registered op
+    (`ops/sparse_latent.py`).
     """
 
     @staticmethod
     def forward(ctx, q, k_new, v_new, indices, prefixes, q_start, scale, query_block):
         acc = accumulation_dtype(q.dtype)
-        h, t, d = q.shape
-        dv, kk = v_new.shape[1], indices.shape[1]
-        sources = _sources(prefixes, k_new, v_new, q_start)
-        latent = all(_is_leading_columns(s.v, s.k) for s in sources)
-        bmax = min(t, query_block)
-        kbuf = torch.empty(bmax * kk + dummy_rows, d, dtype=acc, device=q.device)
-        vbuf = None if latent else torch.empty(bmax * kk + dummy_rows, dv, dtype=acc, device=q.device)
-        out = torch.zeros(h, t, dv, dtype=acc, device=q.device)
+        h, t, _ = q.shape
+        segs = [seg for seg in prefixes if seg.k.shape[1] > 0]
+        out = torch.zeros(h, t, v_new.shape[1], dtype=acc, device=q.device)
         lse = torch.full((h, t), float("-inf"), dtype=acc, device=q.device)
-        check_indices(indices, sources, q_start)
-        primary = primary_source(sources)
-        for b0 in range(0, t, query_block):
-            b1 = min(t, b0 + query_block)
-            plan = BlockPlan(indices[b0:b1], sources, entry_bounds(sources, b0, b1, kk), primary)
-            kb, vb = _block_rows(plan, sources, latent, kbuf, vbuf, b1 - b0, kk)
-            qb = q[:, b0:b1].to(acc).transpose(0, 1)  # [B, H, D]
-            scores = torch.matmul(qb, kb.transpose(1, 2)).mul_(scale)  # [B, H, K]
-            scores.masked_fill_(~plan.valid[:, None, :], float("-inf"))
-            row_max = scores.amax(dim=-1)
-            safe_max = torch.where(torch.isinf(row_max), torch.zeros_like(row_max), row_max)
-            probs = scores.sub_(safe_max[..., None]).exp_()
-            denom = probs.sum(dim=-1)
-            ob = torch.matmul(probs, vb) / torch.where(denom == 0, torch.ones_like(denom), denom)[..., None]
-            out[:, b0:b1] = ob.transpose(0, 1)
-            lse[:, b0:b1] = (safe_max + torch.log(denom)).transpose(0, 1)  # -inf for a row with no index
+        sparse_latent_forward(q, k_new, v_new, indices, [seg.k[0] for seg in segs], [seg.v[0] for seg in segs],
+                              [int(seg.start) for seg in segs], int(q_start), float(scale), int(query_block), out, lse)
         ctx.save_for_backward(q, k_new, v_new, indices, out, lse)
-        ctx.prefixes = prefixes
+        ctx.segs = segs
         ctx.q_start, ctx.scale, ctx.query_block = q_start, scale, query_block
         return out, lse
 
@@ -222,12 +168,7 @@ class SparseLatentAttention(torch.autograd.Function):
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_out, grad_lse=None):
         q, k_new, v_new, indices, out, lse = ctx.saved_tensors
-        q_start, scale, query_block = ctx.q_start, ctx.scale, ctx.query_block
-        acc = out.dtype
-        h, t, d = q.shape
-        dv, kk = v_new.shape[1], indices.shape[1]
-        sources = _sources(ctx.prefixes, k_new, v_new, q_start)
-        latent = all(_is_leading_columns(s.v, s.k) for s in sources)
+        acc, segs = out.dtype, ctx.segs
         grad_out = torch.zeros_like(out) if grad_out is None else grad_out.to(acc)
         delta = (grad_out * out).sum(dim=-1)  # [H, T]
         if grad_lse is not None:  # d lse / d score = softmax: enters like a shift of delta
@@ -238,38 +179,13 @@ class SparseLatentAttention(torch.autograd.Function):
         dq = torch.zeros(q.shape, dtype=acc, device=q.device)
         dk_new = torch.zeros(k_new.shape, dtype=acc, device=q.device) if need_dk else None
         dv_new = torch.zeros(v_new.shape, dtype=acc, device=q.device) if need_dv else None
-        targets = [s.sink for s in sources[:-1]] + [(dk_new, dv_new)]
-        need_rows = need_dk or need_dv or any(s.sink is not None for s in sources[:-1])
-        bmax = min(t, query_block)
-        rows = bmax * kk + dummy_rows
-        kbuf = torch.empty(rows, d, dtype=acc, device=q.device)
-        vbuf = None if latent else torch.empty(rows, dv, dtype=acc, device=q.device)
-        dkbuf = torch.empty(rows, d, dtype=acc, device=q.device) if need_rows else None
-        dvbuf = torch.empty(rows, dv, dtype=acc, device=q.device) if need_rows else None
-        primary = primary_source(sources)
-        tk, tv = targets[primary] or (None, None)
-        latent_sink = tk is not None and tv is not None and _is_leading_columns(tv, tk)  # one scatter adds both
-        for b0 in range(0, t, query_block):
-            b1 = min(t, b0 + query_block)
-            bsz = b1 - b0
-            plan = BlockPlan(indices[b0:b1], sources, entry_bounds(sources, b0, b1, kk), primary)
-            kb, vb = _block_rows(plan, sources, latent, kbuf, vbuf, bsz, kk)
-            qb = q[:, b0:b1].to(acc).transpose(0, 1)  # [B, H, D]
-            scores = torch.matmul(qb, kb.transpose(1, 2)).mul_(scale)  # [B, H, K]
-            scores.masked_fill_(~plan.valid[:, None, :], float("-inf"))
-            probs = scores.sub_(lse[:, b0:b1].transpose(0, 1)[..., None]).exp_()
-            gob = grad_out[:, b0:b1].transpose(0, 1)  # [B, H, Dv]
-            dscores = torch.matmul(gob, vb.transpose(1, 2))
-            dscores.sub_(delta[:, b0:b1].transpose(0, 1)[..., None]).mul_(probs)
-            dq[:, b0:b1] = torch.matmul(dscores, kb).mul_(scale).transpose(0, 1)
-            if not need_rows:
-                continue
-            n = bsz * kk
-            torch.bmm(dscores.transpose(1, 2), qb, out=dkbuf[:n].view(bsz, kk, d)).mul_(scale)
-            torch.bmm(probs.transpose(1, 2), gob, out=dvbuf[:n].view(bsz, kk, dv))
-            dkbuf[n].zero_()  # the dummy entry the plan's padding slots add from
-            dvbuf[n].zero_()
-            plan.scatter(targets, dkbuf[:n + 1], dvbuf[:n + 1], latent_sink)
+        none = q.new_empty(0)
+        sink_k = [none if seg.grad is None else seg.grad[0][0] for seg in segs]
+        sink_v = [none if seg.grad is None else seg.grad[1][0] for seg in segs]
+        sparse_latent_backward(q, k_new, v_new, indices, lse, grad_out, delta,
+                               [seg.k[0] for seg in segs], [seg.v[0] for seg in segs],
+                               [int(seg.start) for seg in segs], sink_k, sink_v, int(ctx.q_start), float(ctx.scale),
+                               int(ctx.query_block), dq, dk_new, dv_new)
         return (dq.to(q.dtype), None if dk_new is None else dk_new.to(k_new.dtype),
                 None if dv_new is None else dv_new.to(v_new.dtype), None, None, None, None, None)
 

@@ -6,6 +6,7 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from longstraw.ops.attention import KVSegment, prefix_causal_attention
+from longstraw.ops import dsa, sparse_latent
 from longstraw.ops.dsa import indexer_topk, sparse_latent_attention
 from longstraw.ops.naive import naive_indexer_scores, naive_indexer_topk, naive_sparse_attention
 
@@ -318,9 +319,16 @@ class _Allocations(TorchDispatchMode):
         return out
 
 
-def test_sparse_attention_never_allocates_state_sized_tensors():
+def _plain_loops(monkeypatch):
+    """Run sparse attention through the registered ops' plain loops, so a mode sees the ops inside."""
+    monkeypatch.setattr(dsa, "sparse_latent_forward", sparse_latent.forward_blocks)
+    monkeypatch.setattr(dsa, "sparse_latent_backward", sparse_latent.backward_blocks)
+
+
+def test_sparse_attention_never_allocates_state_sized_tensors(monkeypatch):
     h, t, s, k = 2, 6, 5000, 5
     c = _attn_case(h, t, [s], k, seed=6, latent_view=True, sink="view", pad=False)
+    _plain_loops(monkeypatch)
     mode = _Allocations()
     with mode:
         out = sparse_latent_attention(c["q"], c["kn"], c["vn"], c["indices"], prefixes=c["segs"],
@@ -375,6 +383,7 @@ def test_sparse_attention_never_reads_device_data(monkeypatch):
     reads = []
     tolist = torch.Tensor.tolist
     monkeypatch.setattr(torch.Tensor, "tolist", lambda self: reads.append(self.shape) or tolist(self))
+    _plain_loops(monkeypatch)
     mode = _Allocations()
     with mode:
         out = sparse_latent_attention(c["q"], c["kn"], c["vn"], c["indices"], prefixes=c["segs"],
