@@ -46,20 +46,27 @@ def _(q_idx, weights, keys, out, scale, key_block):
 
 
 def workspace_bytes(q_idx, weights, keys, out, scale, key_block) -> int:
-    """The most bytes `score_blocks` holds at once: the queries and weights in the
-    accumulation dtype (copies where the dtype differs) and one block's scores [T, Hi, kb],
-    beside either the key block's cast copy (while the scores are made) or their weighted
-    sum [T, 1, kb] (after it is freed)."""
-    n = keys.shape[0]
+    """The most bytes `score_blocks` holds at once (`scoring_bytes` of the arguments' shapes
+    and dtypes)."""
+    t, hi, di = q_idx.shape
+    return scoring_bytes(t, hi, di, keys.shape[0], key_block, [x.dtype for x in (q_idx, weights, keys)], out.dtype)
+
+
+def scoring_bytes(t: int, hi: int, di: int, n: int, key_block: int, dtypes: list, acc: torch.dtype) -> int:
+    """The most bytes `score_blocks` of t queries over n keys holds at once: the queries and
+    weights in the accumulation dtype `acc` (copies where their dtype differs; `dtypes` =
+    those of q_idx, weights, keys) and one block's scores [T, Hi, kb], beside either the key
+    block's cast copy (while the scores are made) or their weighted sum [T, 1, kb] (after it
+    is freed)."""
     if n == 0:
         return 0
-    t, hi, di = q_idx.shape
-    kb, acc = min(key_block, n), out.element_size()
+    kb, a = min(key_block, n), acc.itemsize
 
-    def cast(x, numel):
-        return 0 if x.dtype == out.dtype else numel * acc
+    def cast(dtype, numel):
+        return 0 if dtype == acc else numel * a
 
-    return cast(q_idx, t * hi * di) + cast(weights, t * hi) + t * hi * kb * acc + max(cast(keys, kb * di), t * kb * acc)
+    q, w, k = dtypes
+    return cast(q, t * hi * di) + cast(w, t * hi) + t * hi * kb * a + max(cast(k, kb * di), t * kb * a)
 
 
 INDEXER_SCORES_INTO = torch.ops.longstraw.indexer_scores_into.default

@@ -22,10 +22,10 @@ import torch
 
 from longstraw.defaults import DIVIDED_SPARSE_ENTRIES, DIVIDED_SPARSE_QUERIES
 from longstraw.host import to_host
-from longstraw.ops.dsa import indexer_scores, select_candidates
 from longstraw.ops.flash import merge_partials
 from longstraw.parallel.attention import piece_spans, shard_pieces
 from longstraw.parallel.deal import Deal
+from longstraw.parallel.indexer_pieces import indexer_piece_topk
 from longstraw.tensors import accumulation_dtype
 
 __all__ = ["divided_indexer_topk", "divided_sparse_attention"]
@@ -60,19 +60,16 @@ def divided_indexer_topk(q_idx, weights, keys, topk: int, *, scale: float, posit
                                            piece_rows=piece_rows):
         k_pos = deal.position(torch.arange(r0, r1, device=device), src)  # (n_piece,)
         first_key = deal.position(r0, src)
+        blocks = []  # (b0, b1, seen) of the query blocks that see the piece, planned on the host
         for b0 in range(0, n, query_block):
             b1 = min(n, b0 + query_block)
             if deal.position(b1 - 1, rank) < first_key:
                 continue  # the whole query block comes before the piece
             # the piece's rows are in increasing position: the block's last query sees a prefix of them
             # (counted from the deal, on the host: no read of device data)
-            seen = min(r1, deal.count(deal.position(b1 - 1, rank) + 1, src)) - r0
-            visible = k_pos[None, :seen] <= q_pos[b0:b1, None]  # (B, seen)
-            sc = indexer_scores(q_idx[b0:b1], weights[b0:b1], pk[:seen], scale=scale, key_block=key_block)
-            sc.masked_fill_(~visible, float("-inf"))
-            cand_pos = torch.cat([best[b0:b1], torch.where(visible, k_pos[None, :seen], -1)], dim=1)
-            best[b0:b1], best_sc[b0:b1] = select_candidates(torch.cat([best_sc[b0:b1], sc], dim=1), cand_pos, topk,
-                                                            with_scores=True)
+            blocks += [b0, b1, min(r1, deal.count(deal.position(b1 - 1, rank) + 1, src)) - r0]
+        if blocks:  # one registered op a piece (`parallel/indexer_pieces.py`)
+            indexer_piece_topk(q_idx, weights, pk, q_pos, k_pos, blocks, float(scale), int(key_block), best, best_sc)
     return best
 
 
