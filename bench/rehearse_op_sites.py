@@ -4,7 +4,7 @@ that issued it. A rehearsal's wall time is about its op count times the fake dis
 cost an op, so this names the loops to batch or register (issue 44).
 
     PYTHONPATH=. python bench/rehearse_op_sites.py --model glm-5.2 --layers 4 --prompt-tokens 65536 \\
-        --group 8 --response-tokens 1024 --gpus 32 --lora-rank 8 [--top 25] [--out FILE]
+        --group 8 --response-tokens 1024 --gpus 32 --lora-rank 8 [--top 25] [--out FILE] [--allow-position-overflow]
 """
 
 from __future__ import annotations
@@ -42,6 +42,7 @@ def main() -> None:
     ap.add_argument("--mode", default="detached")
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--allow-position-overflow", action="store_true", help="P + R may pass the model's positions")
     args = ap.parse_args()
     _, model, _ = load_model_config(args.model)
     if args.layers:
@@ -57,7 +58,7 @@ def main() -> None:
 
     tracker.LiveBytes.__torch_dispatch__ = counted
     t0 = time.perf_counter()
-    rehearse_plan(model, config)
+    rehearse_plan(model, config, allow_position_overflow=args.allow_position_overflow)
     lines = [f"# {' '.join(sys.argv)}", f"# wall {time.perf_counter() - t0:.1f} s, {sum(counts.values())} ops",
              "ops,site"] + [f"{n},{site}" for site, n in counts.most_common(args.top)]
     print("\n".join(lines))

@@ -22,10 +22,10 @@ import torch
 
 from longstraw.defaults import DIVIDED_SPARSE_ENTRIES, DIVIDED_SPARSE_QUERIES
 from longstraw.host import to_host
-from longstraw.ops.flash import merge_partials
 from longstraw.parallel.attention import piece_spans, shard_pieces
 from longstraw.parallel.deal import Deal
 from longstraw.parallel.indexer_pieces import indexer_piece_topk
+from longstraw.parallel.sparse_pieces import divided_sparse_piece
 from longstraw.tensors import accumulation_dtype
 
 __all__ = ["divided_indexer_topk", "divided_sparse_attention"]
@@ -81,7 +81,7 @@ def divided_sparse_attention(q, k, indices, *, value_dim: int, positions: int, r
 
     Each rank's shard of latent rows is fetched piece by piece; the queries that selected
     rows of the piece attend over those rows, in blocks of at most `DIVIDED_SPARSE_QUERIES`
-    queries and `DIVIDED_SPARSE_ENTRIES` rows (`_piece_attention`), and the partials are
+    queries and `DIVIDED_SPARSE_ENTRIES` rows (`sparse_pieces.attend_piece`), and the partials are
     merged by log-sum-exp. Each query's entries are sorted once by where they live, so a
     piece's entries are one run per query.
 
@@ -110,21 +110,9 @@ def divided_sparse_attention(q, k, indices, *, value_dim: int, positions: int, r
                                                                    cp=cp, piece_rows=piece_rows), stats):
         if taking == 0:
             continue
-        base = src * stride + r0
-        bounds = torch.tensor([base, src * stride + r1], device=q.device).expand(n, 2).contiguous()
-        lo, hi = torch.searchsorted(place, bounds).unbind(1)  # (N,) each: the run of this piece's entries
-        count = hi - lo
-        touched = torch.nonzero_static(count > 0, size=taking).squeeze(1)  # size known: no wait for the device
-        j = torch.arange(widest, device=q.device)
-        rows = max(1, min(DIVIDED_SPARSE_QUERIES, DIVIDED_SPARSE_ENTRIES // widest))
-        for t0 in range(0, taking, rows):
-            tb = touched[t0:t0 + rows]
-            local = place[tb].gather(1, (lo[tb, None] + j).clamp(max=place.shape[1] - 1)) - base
-            local = torch.where(j < count[tb, None], local, -1)  # (b, widest): rows of the piece
-            o_p, lse_p = _piece_attention(q[:, tb], pk, local, value_dim, scale)
-            o, l = out[:, tb], lse[:, tb]
-            out.index_copy_(1, tb, merge_partials(o_p, lse_p, o, l))
-            lse.index_copy_(1, tb, torch.logaddexp(lse_p, l))
+        rows = max(1, min(DIVIDED_SPARSE_QUERIES, DIVIDED_SPARSE_ENTRIES // widest))  # queries a block
+        divided_sparse_piece(q, pk, place, out, lse, src * stride + r0, src * stride + r1, taking, widest, rows,
+                             value_dim, float(scale))  # one registered op a piece (`parallel/sparse_pieces.py`)
     return out.to(q.dtype)
 
 
@@ -151,17 +139,3 @@ def _piece_stats(place, spans, stride: int, *, deal: Deal, positions: int, rank:
             for i, (c, (_, r0, r1)) in enumerate(zip(could, spans))]
     flat = to_host(torch.cat([taking, widest]), list, stand_in=could + wide)
     return list(zip(flat[:len(spans)], flat[len(spans):]))
-
-
-def _piece_attention(q, rows, local, value_dim: int, scale: float):
-    """q [H, B, D] over `rows` [n, D] (a fetched piece; the value is the first value_dim
-    columns) at local [B, w] (row ids, -1: none; every query has one at least): (o [H, B,
-    value_dim], lse [H, B]) in the accumulation dtype. Memory: the gathered [B, w, D] rows
-    and the [H, B, w] scores."""
-    acc = accumulation_dtype(q.dtype)
-    kb = rows.index_select(0, local.clamp(min=0).reshape(-1)).view(*local.shape, rows.shape[-1]).to(acc)
-    s = torch.einsum("hbd,bwd->hbw", q.to(acc), kb).mul_(scale)
-    s.masked_fill_((local < 0)[None], float("-inf"))
-    lse = torch.logsumexp(s, dim=-1)
-    p = torch.exp(s.sub_(lse[..., None]))
-    return torch.einsum("hbw,bwv->hbv", p, kb[..., :value_dim]), lse
