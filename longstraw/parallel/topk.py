@@ -28,10 +28,9 @@ import torch
 from longstraw.ops.dsa import select_candidates
 from longstraw.ops.ranked import order_key, ranked_topk
 from longstraw.parallel.collectives import all_gather, all_reduce_sum
+from longstraw.parallel.radix_rounds import DIGIT_BITS, radix_histogram, radix_narrow
 from longstraw.plan.traffic import gathered_topk_bytes_per_query, radix_topk_bytes_per_query
 
-DIGIT_BITS = 4
-BINS = 1 << DIGIT_BITS
 POSITION_BITS = 32  # positions below 2^31, keyed as 2^31 - 1 - position (non-negative)
 
 
@@ -56,18 +55,9 @@ def _radix_cut(words: list[tuple[torch.Tensor, int]], valid: torch.Tensor, need:
     for word, bits in words:
         value = torch.zeros_like(need)
         for shift in range(bits - DIGIT_BITS, -1, -DIGIT_BITS):
-            digit = (word >> shift) & (BINS - 1)
-            if shift == bits - DIGIT_BITS:
-                digit = (word >> shift) + BINS // 2  # the sign digit: -8..7 -> 0..15
-            hist = torch.zeros(need.shape[0], BINS, dtype=torch.int32, device=word.device)
-            hist.scatter_add_(1, torch.where(match, digit, 0), match.to(torch.int32))
-            hist = all_reduce_sum(hist, cp)
-            at_or_above = hist.flip(1).cumsum(1).flip(1)  # [B, 16]: candidates in bins >= d
-            d = ((at_or_above >= need[:, None]).sum(1) - 1).clamp(min=0)  # the bin holding the need-th
-            need -= (at_or_above.gather(1, d[:, None]) - hist.gather(1, d[:, None]))[:, 0]
-            top = d - BINS // 2 if shift == bits - DIGIT_BITS else d
-            value += top << shift
-            match &= digit == d[:, None]
+            sign = shift == bits - DIGIT_BITS
+            hist = all_reduce_sum(radix_histogram(word, match, shift, sign), cp)  # [B, 16] over all ranks
+            radix_narrow(hist, word, match, need, value, shift, sign)  # the bin holding the need-th
         cut.append(value)
     return cut
 
