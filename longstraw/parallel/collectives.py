@@ -82,14 +82,22 @@ def all_reduce_max(tensor: torch.Tensor, cp) -> torch.Tensor:
     return _all_reduce(tensor, cp, dist.ReduceOp.MAX)
 
 
+def _gather_into_tensor(output, input, group=None):
+    """All ranks' `input`s into one flat buffer `output` [W * n] (gloo takes it flat);
+    `all_gather_single` is its name from torch 2.13, where `all_gather_into_tensor` is
+    deprecated. Looked up per call, so a patched `torch.distributed` is honoured."""
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    return gather(output, input, group=group)
+
+
 def all_gather(tensor: torch.Tensor, cp) -> list[torch.Tensor]:
     """Every rank's `tensor` (same shape on all ranks), in rank order, on `tensor`'s device."""
     device = getattr(cp, "device", None)
     moved = tensor.contiguous() if device is None else tensor.to(device).contiguous()
     Traffic.add((cp.world - 1) * nbytes(moved), "all_gather")
-    out = [torch.empty_like(moved) for _ in range(cp.world)]
-    _collective(dist.all_gather, cp, out, moved)
-    return [t.to(tensor.device) for t in out]
+    flat = moved.new_empty(cp.world * moved.numel())  # one buffer, not W: one op each way on a rehearsal too
+    _collective(_gather_into_tensor, cp, flat, moved.reshape(-1))
+    return list(flat.view(cp.world, *moved.shape).to(tensor.device).unbind(0))
 
 
 def reduce_scatter_sum(tensor: torch.Tensor, cp) -> torch.Tensor:

@@ -111,15 +111,15 @@ def test_collectives_pick_the_backends_device():
 def test_a_collective_error_is_not_reported_as_a_dead_peer(monkeypatch):
     """NCCL rejecting a CPU tensor used to read "a peer rank may have died"."""
     import torch
-    import torch.distributed as dist
 
     import longstraw as ls
+    from longstraw.parallel import collectives
     from longstraw.parallel.context import ContextParallel, all_gather
 
     def fails(*args, **kwargs):
         raise RuntimeError("No backend type associated with device type cpu")
 
-    monkeypatch.setattr(dist, "all_gather", fails)
+    monkeypatch.setattr(collectives, "_gather_into_tensor", fails)  # the all-gather's collective
     cp = ContextParallel(group=None, rank=0, world=2, backend="nccl", device=None)
     with pytest.raises(ls.LongStrawError) as info:
         all_gather(torch.zeros(3), cp)
