@@ -9,13 +9,13 @@ tests/ops/test_dsa.py (which runs through these ops)."""
 import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.utils.flop_counter import FlopCounterMode
 
 from longstraw.ops.attention import KVSegment
 from longstraw.ops.dsa import sparse_latent_attention
 from longstraw.ops.sparse_latent import (backward_blocks, backward_workspace, forward_blocks, forward_workspace,
                                          sparse_latent_backward, sparse_latent_forward)
 from longstraw.rehearsal.tracker import LiveBytes
+from tests.op_checks import assert_op_is_its_loop
 
 H, D, DV = 4, 24, 16
 
@@ -82,13 +82,9 @@ def test_the_declared_workspace_bounds_the_loop_s_peak_within_one_percent(kw, bl
 @pytest.mark.parametrize("new_grads", [True, False])
 def test_the_declared_flops_are_the_loops_matmuls(new_grads):
     fwd, outs, bwd, grads = _case(sink="none" if not new_grads else "view", new_grads=new_grads)
-    for op, loop, args in ((sparse_latent_forward, forward_blocks, [*fwd, 8, *outs]),
-                           (sparse_latent_backward, backward_blocks, [*bwd, 8, *grads])):
-        with FlopCounterMode(display=False) as registered:
-            op(*args)
-        with FlopCounterMode(display=False) as plain:
-            loop(*args)
-        assert registered.get_total_flops() == plain.get_total_flops() > 0
+    assert_op_is_its_loop(sparse_latent_forward, forward_blocks, [*fwd, 8, *outs], mutated=[-2, -1])
+    assert_op_is_its_loop(sparse_latent_backward, backward_blocks, [*bwd, 8, *grads],
+                          mutated=[i for i, g in zip((-3, -2, -1), grads) if g is not None])
 
 
 def test_on_fake_tensors_a_step_s_ops_do_not_grow_with_query_blocks():

@@ -9,11 +9,11 @@ op count does not grow with its query blocks. Values: tests/parallel/test_divide
 import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.utils.flop_counter import FlopCounterMode
 
 from longstraw.parallel.divided_dsa import divided_indexer_topk
 from longstraw.parallel.indexer_pieces import indexer_piece_topk, merge_piece, workspace_bytes
 from longstraw.rehearsal.tracker import LiveBytes
+from tests.op_checks import assert_op_is_its_loop
 
 N, HI, DI, TOPK = 48, 4, 16, 12
 
@@ -53,14 +53,7 @@ def test_the_declared_workspace_bounds_the_loop_s_peak(dtype, n_keys):
 
 
 def test_the_declared_flops_are_the_loop_s_matmuls_and_the_op_is_the_loop():
-    args = _case(torch.float64)
-    again = [x.clone() if isinstance(x, torch.Tensor) else x for x in args]
-    with FlopCounterMode(display=False) as registered:
-        indexer_piece_topk(*args)
-    with FlopCounterMode(display=False) as plain:
-        merge_piece(*again)
-    assert registered.get_total_flops() == plain.get_total_flops() > 0
-    assert torch.equal(args[-2], again[-2]) and torch.equal(args[-1], again[-1])
+    assert_op_is_its_loop(indexer_piece_topk, merge_piece, _case(torch.float64), mutated=[-2, -1])
 
 
 def test_on_fake_tensors_the_divided_indexer_s_ops_do_not_grow_with_query_blocks():

@@ -9,12 +9,12 @@ against the naive twin."""
 import pytest
 import torch
 from torch._subclasses.fake_tensor import FakeTensorMode
-from torch.utils.flop_counter import FlopCounterMode
 
 from longstraw.ops.naive import naive_indexer_topk
 from longstraw.parallel import divided_dsa
 from longstraw.parallel.sparse_pieces import attend_piece, divided_sparse_piece, workspace_bytes
 from longstraw.rehearsal.tracker import LiveBytes
+from tests.op_checks import assert_op_is_its_loop
 
 H, R, DR = 3, 6, 4  # heads, latent rank, rope dim
 
@@ -60,13 +60,7 @@ def test_the_declared_workspace_bounds_the_loop_s_peak_within_five_percent(monke
 
 def test_the_declared_flops_are_the_loop_s_einsums(monkeypatch):
     for args in _piece_calls(monkeypatch, torch.float64, 60, 8, 16, queries=7):
-        again = [x.clone() if isinstance(x, torch.Tensor) else x for x in args]
-        with FlopCounterMode(display=False) as registered:
-            divided_sparse_piece(*args)
-        with FlopCounterMode(display=False) as plain:
-            attend_piece(*again)
-        assert registered.get_total_flops() == plain.get_total_flops() > 0
-        assert torch.equal(args[3], again[3]) and torch.equal(args[4], again[4])
+        assert_op_is_its_loop(divided_sparse_piece, attend_piece, list(args), mutated=[3, 4])
 
 
 def test_on_fake_tensors_the_attention_s_ops_do_not_grow_with_query_blocks(monkeypatch):
