@@ -131,7 +131,8 @@ def _rehearse(model, config: PlanConfig, report: dict, args) -> str:
     the optimizer state and the reserve is within the GPU memory."""
     from longstraw.rehearsal.against_plan import comparison, format_comparison, rehearse_plan
 
-    reh = rehearse_plan(model, config, steps=args.rehearse_steps, allow_position_overflow=args.allow_position_overflow)
+    reh = rehearse_plan(model, config, steps=args.rehearse_steps, allow_position_overflow=args.allow_position_overflow,
+                        progress=True)  # a line to stderr a phase: the output (table or JSON) stays on stdout
     entry = comparison(model, config, reh)
     entry["fits"] = entry["peak_bytes_per_rank"] + report["optimizer_bytes"] + config.reserve <= config.gpu_memory
     report["rehearsal"] = entry

@@ -123,10 +123,12 @@ def rehearsed_plan_ranks(c: PlanConfig, hf=None) -> list[int] | None:
     return sorted({0, c.gpus - 1, *most})
 
 
-def rehearse_plan(model, c: PlanConfig, *, steps: int = 1, allow_position_overflow: bool = False) -> Rehearsal:
+def rehearse_plan(model, c: PlanConfig, *, steps: int = 1, allow_position_overflow: bool = False,
+                  progress: bool = False) -> Rehearsal:
     """Rehearse `steps` of the step planned by (`model`, `c`) on the CPU branches: one rank,
     or the ranks of `rehearsed_plan_ranks` of `c.gpus` on the fake process group, with FSDP2
-    (`c.shard_params`) and expert parallelism (`c.expert_parallel`) as a real run."""
+    (`c.shard_params`) and expert parallelism (`c.expert_parallel`) as a real run.
+    `progress`: a stderr line as each phase ends (`rehearse`)."""
     refuse_unrehearsed(c)
     dtype = DTYPES.get(str(c.dtype or "bf16").lower())
     if dtype is None:
@@ -135,7 +137,8 @@ def rehearse_plan(model, c: PlanConfig, *, steps: int = 1, allow_position_overfl
     return rehearse(hf, rehearsal_exec_config(c, allow_position_overflow), prompt_tokens=c.prompt_tokens,
                     group=c.group, response_tokens=c.response_tokens, device="cpu", dtype=dtype, steps=steps,
                     world_size=c.gpus, rank=rehearsed_plan_ranks(c, hf), shard_params=c.shard_params,
-                    shared_prefix=shared_prefix(c), lora_rank=c.lora_rank, lora_targets=c.lora_targets)
+                    shared_prefix=shared_prefix(c), lora_rank=c.lora_rank, lora_targets=c.lora_targets,
+                    progress=progress)
 
 
 def planned_as_rehearsed(model, c: PlanConfig) -> dict:

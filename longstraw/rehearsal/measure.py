@@ -49,9 +49,10 @@ def _delta(after: dict[str, int], before: dict[str, int]) -> dict[str, int]:
     return {k: v - before.get(k, 0) for k, v in after.items() if v != before.get(k, 0)}
 
 
-def _hooks(tracker: LiveBytes, comm: dict, marks: dict):
+def _hooks(tracker: LiveBytes, comm: dict, marks: dict, on_phase=None):
     """The phase hook: the tracker's phase, and the collectives' bytes of the phase into
-    `comm` (those before the first phase of a step, from `marks["start"]` on, as "validation")."""
+    `comm` (those before the first phase of a step, from `marks["start"]` on, as "validation");
+    `on_phase(name, ops)` after each phase, if given (ops: the step's so far)."""
     @contextlib.contextmanager
     def hook(name: str):
         before = dict(Traffic.by_collective)
@@ -63,20 +64,26 @@ def _hooks(tracker: LiveBytes, comm: dict, marks: dict):
             finally:
                 for k, v in _delta(Traffic.by_collective, before).items():
                     comm.setdefault(name, {})[k] = comm.get(name, {}).get(k, 0) + v
+        if on_phase is not None:
+            on_phase(name, tracker.ops)
     return hook
 
 
-def measure_steps(engine, group, grpo, *, steps: int = 1, tracker: LiveBytes, optimizer=None) -> list[StepFigures]:
+def measure_steps(engine, group, grpo, *, steps: int = 1, tracker: LiveBytes, optimizer=None,
+                  on_phase=None) -> list[StepFigures]:
     """Run `steps` x `engine.step(group, grpo)` under `tracker` (already adopted the
     weights); after each, `optimizer.step()` (phase "optimizer") if given, then the
-    gradients are set to None, as a training loop's `zero_grad()` does."""
+    gradients are set to None, as a training loop's `zero_grad()` does. `on_phase(step,
+    name, ops)`: called as each phase ends (a long rehearsal's progress)."""
     out = []
     comm: dict[str, dict[str, int]] = {}
     marks: dict[str, dict[str, int]] = {}
-    hook = _hooks(tracker, comm, marks)
+    current = [0]
+    report = None if on_phase is None else (lambda name, ops: on_phase(current[0], name, ops))
+    hook = _hooks(tracker, comm, marks, report)
     before, engine.phase_hook = engine.phase_hook, hook
     try:
-        for _ in range(steps):
+        for current[0] in range(steps):
             tracker.peak, tracker.phase_peaks, tracker.phase_flops, tracker.ops = tracker.live, {}, {}, 0
             tracker.host_peak, tracker.host_phase_peaks = tracker.host_live, {}
             HostSyncs.count = 0

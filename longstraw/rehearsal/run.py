@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import sys
 import time
 from dataclasses import dataclass, field
 
@@ -134,7 +135,7 @@ def rehearse(model, config: ExecConfig | None = None, *, prompt_tokens: int, gro
              device: str | None = None, steps: int = 1, generate: bool = False,
              dtype: torch.dtype = torch.bfloat16, grpo: GRPOConfig | None = None,
              optimizer: bool = False, shared_prefix: int = 0, lora_rank: int | None = None,
-             lora_targets: str = "attention") -> Rehearsal:
+             lora_targets: str = "attention", progress: bool = False) -> Rehearsal:
     """Run `Engine.step` at full size on fake tensors and measure it: live bytes per
     phase, FLOPs per phase, host syncs per step, collective bytes per phase, wall time.
 
@@ -173,6 +174,8 @@ def rehearse(model, config: ExecConfig | None = None, *, prompt_tokens: int, gro
             the token mixers' projections; "all-linear": also the dense and shared-expert
             MLPs'), in the weights' dtype (`rehearsal/lora.py`). A PEFT model passed as
             `model` keeps its own adapters instead (then leave lora_rank None).
+        progress: write a line to stderr as each rank's phase ends (rank, step, phase, time
+            since the start, ops so far): a rehearsal at the paper's size takes minutes.
 
     Returns:
         `Rehearsal` (`peak_bytes_per_rank`, `phases`, `host_bytes`, `host_phases`, `flops`,
@@ -203,7 +206,8 @@ def rehearse(model, config: ExecConfig | None = None, *, prompt_tokens: int, gro
         with fake_group(r, world_size):
             by_rank[r] = _rehearse_rank(hf_config, config, inputs, device=device, dtype=dtype, steps=steps,
                                         grpo=grpo or GRPOConfig(), optimizer=optimizer,
-                                        shard=world_size if shard_params else 0, build=build)
+                                        shard=world_size if shard_params else 0, build=build,
+                                        on_phase=_progress(r, world_size, t0) if progress else None)
     return _result(by_rank, t0=t0, device=device, world_size=world_size)
 
 
@@ -226,6 +230,14 @@ def _result(by_rank: dict[int, list[StepFigures]], *, t0: float, device: str, wo
                      rank_peaks=peaks, rank_comm_bytes={r: f[0].comm_bytes for r, f in by_rank.items()})
 
 
+def _progress(rank: int, world_size: int, t0: float):
+    """`measure_steps`' on_phase for `progress=True`: one stderr line a phase."""
+    def line(step: int, name: str, ops: int) -> None:
+        print(f"rehearse: rank {rank} of {world_size}, step {step + 1}: {name} done at {time.perf_counter() - t0:.0f} s "
+              f"({ops:,} ops in the step so far)", file=sys.stderr, flush=True)
+    return line
+
+
 def _build(model, lora_rank: int | None, lora_targets: str) -> dict:
     """`fake_model`'s adapter arguments: the planner's LoRA, a PEFT model's own, or none;
     `ConfigError` for a bad rank or targets, or a PEFT model given a rank too."""
@@ -240,7 +252,7 @@ def _build(model, lora_rank: int | None, lora_targets: str) -> dict:
 
 
 def _rehearse_rank(hf_config, config: ExecConfig, inputs: Group, *, device: str, dtype: torch.dtype, steps: int,
-                   grpo: GRPOConfig, optimizer: bool, shard: int, build: dict) -> list[StepFigures]:
+                   grpo: GRPOConfig, optimizer: bool, shard: int, build: dict, on_phase=None) -> list[StepFigures]:
     """One rank's measured steps (in the fake group, if any): the fake model (with the
     adapters of `build`, `_build`), its engine, FSDP2 over `shard` ranks when nonzero."""
     mode = fake_mode(allow_non_fake_inputs=True)
@@ -253,4 +265,4 @@ def _rehearse_rank(hf_config, config: ExecConfig, inputs: Group, *, device: str,
         tracker.adopt(list(fake.parameters()) + list(fake.buffers()))
         opt = torch.optim.AdamW(fake.parameters(), foreach=False) if optimizer else None
         with counted:
-            return measure_steps(engine, inputs, grpo, steps=steps, tracker=tracker, optimizer=opt)
+            return measure_steps(engine, inputs, grpo, steps=steps, tracker=tracker, optimizer=opt, on_phase=on_phase)

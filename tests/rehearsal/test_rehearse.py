@@ -217,3 +217,13 @@ def test_offloaded_snapshots_leave_the_device_under_context_parallelism():
         figures[off] = (r.phases["replay"], r.host_bytes)
     (device_kept, _), (device_off, host) = figures[False], figures[True]
     assert host > 0 and device_off <= device_kept - 0.9 * host, (device_kept, device_off, host)
+
+
+def test_progress_writes_a_line_as_each_phase_ends(capsys):
+    """`progress=True`: one stderr line per rank, step and phase, in order (stdout untouched)."""
+    ls.rehearse(tiny_model("qwen3").config, ls.ExecConfig(chunk_size=16, mode="exact"), prompt_tokens=P, group=G,
+                response_tokens=R, device="cpu", dtype=torch.float32, progress=True)
+    out, err = capsys.readouterr()
+    lines = [line for line in err.splitlines() if line.startswith("rehearse: rank 0 of 1, step 1: ")]
+    assert [line.split(": ")[2].split(" done")[0] for line in lines] == ["capture", "replay", "walk"], err
+    assert all(" ops in the step so far)" in line for line in lines) and "rehearse:" not in out
