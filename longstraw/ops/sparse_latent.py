@@ -281,11 +281,11 @@ def backward_workspace(q, k_new, v_new, indices, lse, grad_out, delta, seg_k, se
     cast = max((x.element_size() for pair in sinks for x in pair if x is not None and x.element_size() != acc),
                default=0)
     peak = 0
-    for b, n, kk_kept, build, big in blocks:
+    for b, n, kept, build, big in blocks:
         gather = _gather_bytes(sources, latent, big, n, acc)
         scatter = (big * d * (acc + cast) + n + n * d * cast) if sinks else 0
         attend = b * qcast + 2 * b * h * kk * acc + n + max(b * h * d * acc, scatter)
-        peak = max(peak, kk_kept + max(build, gather, attend))
+        peak = max(peak, kept + max(build, gather, attend))
     return bufs + peak
 
 
