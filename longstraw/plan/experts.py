@@ -70,7 +70,22 @@ def divided_moe_working(arch: Arch, piece: int, world: int, b: int) -> float:
     h, k, e = arch.hidden, arch.experts_per_token, arch.experts
     rows = world * piece  # (W m): every rank's tokens of this call
     return (piece * (4 * h * b + 3 * e * 4 + 3 * arch.shared_intermediate * b)
-            + rows * (2 * h * b + 12 * k + local_choices(arch) * ((3 * arch.moe_intermediate + h) * b + 8)))
+            + rows * (2 * h * b + 12 * k + local_choices(arch) * grouped_mm_bytes_per_choice(arch, b)))
+
+
+def grouped_mm_bytes_per_choice(arch: Arch, b: int) -> float:
+    """Peak bytes per (token, choice) pair of HF's grouped_mm experts forward without
+    autograd (`transformers.integrations.moe.grouped_mm_experts_forward`, which holds rows
+    for every pair, the other ranks' experts' too): the pair's gathered hidden row [H]
+    beside the larger of the up projection (its [2I] output and the masked copy) and the
+    down one (the masked [H] output, then the routing-weighted output and its un-permuted
+    copy, in float32: HF's routers weigh in float32, which promotes a half-precision row),
+    plus the pair's int64 expert id, permutations and float32 weight. Found by a GLM-5.2
+    rehearsal at P = 2,088,960 on 32 ranks with expert parallelism (`bench/rehearse_attribution.py`):
+    the two float32 [T k, H] products were 48 of the capture's 83.6 GiB (4 layers), and
+    the term before (3 I + H per pair) left them out (capture planned 0.40 of rehearsed)."""
+    h, i, w = arch.hidden, arch.moe_intermediate, max(b, 4)
+    return h * b + max(2 * 2 * i * b, h * b + 2 * h * w) + 8 * 4 + 4
 
 
 def expert_elements(arch: Arch) -> int:
