@@ -5,6 +5,8 @@ cost an op, so this names the loops to batch or register (issue 44).
 
     PYTHONPATH=. python bench/rehearse_op_sites.py --model glm-5.2 --layers 4 --prompt-tokens 65536 \\
         --group 8 --response-tokens 1024 --gpus 32 --lora-rank 8 [--top 25] [--out FILE] [--allow-position-overflow]
+        [--chunk-size N] [--branch-chunk-size N] [--recompute-layers] [--expert-parallel] [--shard-params]
+        [--skip-device-queries]
 """
 
 from __future__ import annotations
@@ -43,17 +45,29 @@ def main() -> None:
     ap.add_argument("--top", type=int, default=25)
     ap.add_argument("--out", default=None)
     ap.add_argument("--allow-position-overflow", action="store_true", help="P + R may pass the model's positions")
+    ap.add_argument("--chunk-size", type=int, default=None)
+    ap.add_argument("--branch-chunk-size", type=int, default=None)
+    ap.add_argument("--recompute-layers", action="store_true")
+    ap.add_argument("--expert-parallel", action="store_true")
+    ap.add_argument("--shard-params", action="store_true")
+    ap.add_argument("--skip-device-queries", action="store_true",
+                    help="count as the tracker does (`LiveBytes.ops`): prim.device queries left out")
     args = ap.parse_args()
     _, model, _ = load_model_config(args.model)
     if args.layers:
         model["num_hidden_layers"] = args.layers
+    extra = {k: getattr(args, k) for k in ("chunk_size", "branch_chunk_size") if getattr(args, k) is not None}
+    extra |= {k: True for k in ("recompute_layers", "expert_parallel", "shard_params") if getattr(args, k)}
     config = PlanConfig(prompt_tokens=args.prompt_tokens, group=args.group, response_tokens=args.response_tokens,
-                        gpus=args.gpus, lora_rank=args.lora_rank, mode=args.mode)
+                        gpus=args.gpus, lora_rank=args.lora_rank, mode=args.mode, **extra)
     counts: collections.Counter = collections.Counter()
     dispatch = tracker.LiveBytes.__torch_dispatch__
 
+    skip = args.skip_device_queries
+
     def counted(self, func, types, args=(), kwargs=None):
-        counts[_site()] += 1
+        if not (skip and func.namespace == "prim"):
+            counts[_site()] += 1
         return dispatch(self, func, types, args, kwargs)
 
     tracker.LiveBytes.__torch_dispatch__ = counted

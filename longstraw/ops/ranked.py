@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import torch
 
+from longstraw.ops.workspace import declare_workspace
+
 __all__ = ["order_key", "ranked_topk"]
 
 POSITION_KEY_BITS = 31
@@ -47,7 +49,14 @@ def ranked_topk(scores: torch.Tensor, positions: torch.Tensor, valid: torch.Tens
 
     scores [B, n] (float32 or float64; finite where valid), positions [B, n] (int64,
     distinct within a row where valid, in [0, 2^31)), valid [B, n] bool. No read of device
-    data; O(B n) plus a top-k (float32) or three (float64)."""
+    data; O(B n) plus a top-k (float32) or three (float64). One registered op,
+    `longstraw::ranked_topk` (`rank_entries` inside): a selection is one op, not two dozen,
+    to a rehearsal and the live-byte tracker (its temporaries declared: `workspace_bytes`)."""
+    return tuple(RANKED_TOPK(scores, positions, valid, int(k)))
+
+
+def rank_entries(scores: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor, k: int):
+    """`ranked_topk`'s plain implementation."""
     bsz, n = scores.shape
     kt = min(k, n)
     if kt == 0:
@@ -85,3 +94,35 @@ def _chosen_by_threshold(scores, positions, valid, kt: int):
     by_score = torch.where(picked, masked.gather(-1, cols), float("-inf")).sort(dim=-1, descending=True,
                                                                                 stable=True).indices
     return cols.gather(-1, by_score), picked.gather(-1, by_score)
+
+
+@torch.library.custom_op("longstraw::ranked_topk", mutates_args=())
+def _ranked_topk_op(scores: torch.Tensor, positions: torch.Tensor, valid: torch.Tensor,
+                    k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    out_pos, out_sc = rank_entries(scores, positions, valid, k)
+    return out_pos.contiguous(), out_sc.contiguous()
+
+
+@_ranked_topk_op.register_fake
+def _(scores, positions, valid, k):
+    return positions.new_empty(scores.shape[0], k), scores.new_empty(scores.shape[0], k)
+
+
+def workspace_bytes(scores, positions, valid, k) -> int:
+    """The most bytes `rank_entries` holds at once, its [B, k] outputs included (a bound,
+    measured under the tracker in tests/ops/test_ranked.py). float32: the order keys, three
+    int64 and a float32 copy a candidate (24 B), beside the top-k's [B, kt] values and
+    indices; float64: the threshold selection's masks and int64 copies (28 B a candidate)
+    beside its top-ks' and sorts' [B, kt] outputs. Plus the -1 padding where k > n."""
+    return selection_bytes(*scores.shape, k, scores.dtype == torch.float64)
+
+
+def selection_bytes(b: int, n: int, k: int, float64: bool) -> int:
+    """`workspace_bytes` of a [b, n] selection of k (float64 scores or not), from shapes."""
+    kt = min(k, n)
+    per, kept = (28, 42) if float64 else (24, 12)
+    return b * (per * n + kept * kt + 24 * (k - kt))
+
+
+RANKED_TOPK = torch.ops.longstraw.ranked_topk.default
+declare_workspace(RANKED_TOPK, workspace_bytes)

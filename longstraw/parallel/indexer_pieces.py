@@ -29,17 +29,10 @@ from torch.utils.flop_counter import register_flop_formula
 
 from longstraw.ops.dsa import select_candidates
 from longstraw.ops.indexer_scores import score_blocks, scoring_bytes
+from longstraw.ops.ranked import selection_bytes
 from longstraw.ops.workspace import declare_workspace
 
 Tensor = torch.Tensor
-
-SELECT_BYTES = {4: (25, 0), 8: (28, 42)}
-"""(Bytes per candidate, per kept entry) that `select_candidates` (`ops/ranked.ranked_topk`)
-holds at its peak over its inputs, outputs included, by score bytes. float32: its valid mask
-and three int64 order keys a candidate (exact). float64: its threshold selection's masks
-and int64 copies a candidate, and its top-k's and sorts' [B, K] values and indices (a bound:
-up to 1.12x over). Measured under the tracker (tests/parallel/test_indexer_pieces.py)."""
-
 
 def merge_piece(q_idx, weights, keys, q_pos, k_pos, blocks, scale: float, key_block: int, best, best_sc) -> None:
     """The plain loop (the op's implementation): per planned query block, score the piece's
@@ -73,7 +66,8 @@ def workspace_bytes(q_idx, weights, keys, q_pos, k_pos, blocks, scale, key_block
     (m = K + s candidates): the visible mask [B, s] and the scores [B, s] beside either the
     scoring's own workspace, or the candidates' positions (their [B, s] part, then the
     [B, m] concatenation), or the [B, m] candidates (positions and scores) with
-    `select_candidates`' peak over them and its [B, K] outputs."""
+    `select_candidates`' valid mask and its registered selection's declared workspace
+    (`ops/ranked.selection_bytes`)."""
     topk, acc = best.shape[1], best_sc.element_size()
     _, hi, di = q_idx.shape
     dtypes = [q_idx.dtype, weights.dtype, keys.dtype]
@@ -83,8 +77,7 @@ def workspace_bytes(q_idx, weights, keys, q_pos, k_pos, blocks, scale, key_block
         held = b * seen * (1 + acc)
         scoring = scoring_bytes(b, hi, di, seen, key_block, dtypes, best_sc.dtype) + b * seen
         candidates = 8 * b * (seen + m)
-        per_candidate, per_kept = SELECT_BYTES[acc]
-        select = b * m * (8 + acc + per_candidate) + b * min(topk, m) * per_kept
+        select = b * m * (8 + acc + 1) + selection_bytes(b, m, topk, acc == 8)  # the candidates, their valid mask
         peak = max(peak, held + max(scoring, candidates, select))
     return peak
 
