@@ -78,15 +78,15 @@ def _block_rows(plan, sources, latent, kbuf, vbuf, bsz, kk):
 
 
 def _buffers(sources, latent, bmax, kk, acc, device, grads: bool):
-    """The gather buffers (keys, values or None) of bmax * K entries plus the dummy row, and
-    with `grads` their gradient twins."""
+    """The gather buffers of bmax * K entries plus the dummy row: (keys, values or None,
+    and with `grads` their gradient twins, else None, None)."""
     rows = bmax * kk + dummy_rows
     d, dv = sources[-1].k.shape[1], sources[-1].v.shape[1]
-    kbuf = torch.empty(rows, d, dtype=acc, device=device)
-    vbuf = None if latent else torch.empty(rows, dv, dtype=acc, device=device)
-    if not grads:
-        return kbuf, vbuf
-    return kbuf, vbuf, torch.empty(rows, d, dtype=acc, device=device), torch.empty(rows, dv, dtype=acc, device=device)
+
+    def empty(width):
+        return torch.empty(rows, width, dtype=acc, device=device)
+
+    return empty(d), None if latent else empty(dv), empty(d) if grads else None, empty(dv) if grads else None
 
 
 def forward_blocks(q, k_new, v_new, indices, seg_k, seg_v, starts, q_start, scale, query_block, out, lse) -> None:
@@ -97,7 +97,7 @@ def forward_blocks(q, k_new, v_new, indices, seg_k, seg_v, starts, q_start, scal
     sources = _sources(k_new, v_new, seg_k, seg_v, starts, q_start)
     latent = all(is_leading_columns(s.v, s.k) for s in sources)
     check_indices(indices, sources, q_start)
-    kbuf, vbuf = _buffers(sources, latent, min(t, query_block), kk, acc, q.device, grads=False)
+    kbuf, vbuf, _, _ = _buffers(sources, latent, min(t, query_block), kk, acc, q.device, grads=False)
     primary = primary_source(sources)
     for b0 in range(0, t, query_block):
         b1 = min(t, b0 + query_block)
@@ -128,8 +128,7 @@ def backward_blocks(q, k_new, v_new, indices, lse, grad_out, delta, seg_k, seg_v
     latent = all(is_leading_columns(s.v, s.k) for s in sources)
     targets = [s.sink for s in sources[:-1]] + [(dk_new, dv_new)]
     need_rows = dk_new is not None or dv_new is not None or any(s.sink is not None for s in sources[:-1])
-    bufs = _buffers(sources, latent, min(t, query_block), kk, acc, q.device, grads=need_rows)
-    kbuf, vbuf, dkbuf, dvbuf = bufs if need_rows else (*bufs, None, None)
+    kbuf, vbuf, dkbuf, dvbuf = _buffers(sources, latent, min(t, query_block), kk, acc, q.device, grads=need_rows)
     primary = primary_source(sources)
     tk, tv = targets[primary] or (None, None)
     latent_sink = tk is not None and tv is not None and is_leading_columns(tv, tk)  # one scatter adds both

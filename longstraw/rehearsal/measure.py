@@ -78,12 +78,11 @@ def measure_steps(engine, group, grpo, *, steps: int = 1, tracker: LiveBytes, op
     out = []
     comm: dict[str, dict[str, int]] = {}
     marks: dict[str, dict[str, int]] = {}
-    current = [0]
-    report = None if on_phase is None else (lambda name, ops: on_phase(current[0], name, ops))
+    report = None if on_phase is None else (lambda name, ops: on_phase(len(out), name, ops))  # len(out): this step
     hook = _hooks(tracker, comm, marks, report)
     before, engine.phase_hook = engine.phase_hook, hook
     try:
-        for current[0] in range(steps):
+        for _ in range(steps):
             tracker.peak, tracker.phase_peaks, tracker.phase_flops, tracker.ops = tracker.live, {}, {}, 0
             tracker.host_peak, tracker.host_phase_peaks = tracker.host_live, {}
             HostSyncs.count = 0
