@@ -1,7 +1,8 @@
 """Where a rehearsal's ops come from: `rehearse_plan` for a preset (optionally cut to its
 first N layers) with every op the tracker sees counted by the innermost longstraw frame
 that issued it. A rehearsal's wall time is about its op count times the fake dispatch's
-cost an op, so this names the loops to batch or register (issue 44).
+cost an op, so this names the loops to batch or register (issue 44). The lines starting
+with `#` also give the rehearsal's figures against the planner's (`longstraw plan --rehearse`'s table).
 
     PYTHONPATH=. python bench/rehearse_op_sites.py --model glm-5.2 --layers 4 --prompt-tokens 65536 \\
         --group 8 --response-tokens 1024 --gpus 32 --lora-rank 8 [--top 25] [--out FILE] [--allow-position-overflow]
@@ -19,7 +20,7 @@ import time
 import longstraw.rehearsal.tracker as tracker
 from longstraw.plan.arch import load_model_config
 from longstraw.plan.config import PlanConfig
-from longstraw.rehearsal.against_plan import rehearse_plan
+from longstraw.rehearsal.against_plan import comparison, format_comparison, rehearse_plan
 
 
 def _site() -> str | None:
@@ -72,9 +73,11 @@ def main() -> None:
 
     tracker.LiveBytes.__torch_dispatch__ = counted
     t0 = time.perf_counter()
-    rehearse_plan(model, config, allow_position_overflow=args.allow_position_overflow)
-    lines = [f"# {' '.join(sys.argv)}", f"# wall {time.perf_counter() - t0:.1f} s, {sum(counts.values())} ops",
-             "ops,site"] + [f"{n},{site}" for site, n in counts.most_common(args.top)]
+    reh = rehearse_plan(model, config, allow_position_overflow=args.allow_position_overflow)
+    wall = time.perf_counter() - t0
+    against = format_comparison(comparison(model, config, reh)).splitlines()
+    lines = [f"# {' '.join(sys.argv)}", f"# wall {wall:.1f} s, {sum(counts.values())} ops"]
+    lines += [f"# {line}" for line in against] + ["ops,site"] + [f"{n},{site}" for site, n in counts.most_common(args.top)]
     print("\n".join(lines))
     if args.out:
         with open(args.out, "w") as f:

@@ -68,6 +68,28 @@ queries that selected rows of the piece go in blocks of at most DIVIDED_SPARSE_Q
 queries and DIVIDED_SPARSE_ENTRIES selected rows (the gathered rows, their scores and the
 block's partial output are the planner's transient: `plan/divided_capture.py`)."""
 
+SELECT_QUERY_BLOCK = 128
+SELECT_BLOCK_ELEMENTS = 1 << 26
+SELECT_MAX_QUERY_BLOCK = 1024
+"""Context parallelism's DSA selection across ranks (`models/mla._select_across_ranks`)
+scores queries in blocks, each block's shard top-k agreed by radix rounds (collectives):
+`select_query_block`."""
+
+
+def select_query_block(keys: int) -> int:
+    """Queries a block of the selection across context ranks scores at once, over `keys`
+    positions (the rank's shard plus the replicated ones): the largest power-of-two
+    multiple of SELECT_QUERY_BLOCK, at most SELECT_MAX_QUERY_BLOCK, whose [block, keys]
+    score block holds at most SELECT_BLOCK_ELEMENTS values (what 128 queries over 524,288
+    keys hold), never below SELECT_QUERY_BLOCK. Fewer keys a rank, fewer blocks: fewer
+    loop turns, shard top-ks and radix collectives. The engine's and the planner's one
+    rule. GLM-5.2 on 32 ranks at P = 2,088,960 (73,472 keys a block): 512."""
+    block = SELECT_QUERY_BLOCK
+    while block * 2 <= SELECT_MAX_QUERY_BLOCK and block * 2 * max(keys, 1) <= SELECT_BLOCK_ELEMENTS:
+        block *= 2
+    return block
+
+
 LOGITS_CHUNK_SIZE = 1024
 """Response tokens per lm_head + log-softmax chunk."""
 

@@ -54,6 +54,7 @@ from dataclasses import dataclass
 
 import torch
 
+from longstraw.defaults import select_query_block
 from longstraw.errors import UnsupportedModelError
 from longstraw.ops.attention import prefix_causal_attention
 from longstraw.ops.dsa import indexer_scores, indexer_topk, select_candidates, sparse_latent_attention
@@ -128,7 +129,7 @@ def _select(indexer, layers, q, keys, weights, call, own=None):
 
 
 @torch.no_grad()
-def _select_across_ranks(indexer, q, keys, weights, call, held, query_block: int = 128, own=None):
+def _select_across_ranks(indexer, q, keys, weights, call, held, query_block: int | None = None, own=None):
     """Context parallelism: the same global selection as one process. Each rank takes the
     top-k of its own shard of the prompt's indexer keys; an all-gather collects every
     rank's candidates (positions and scores); the replicated keys (a branch's earlier
@@ -147,6 +148,8 @@ def _select_across_ranks(indexer, q, keys, weights, call, held, query_block: int
     rep_keys = torch.cat([ix.until(call.start) for ix in others] + [keys])
     rep_pos = torch.cat([ix.positions(call.start) for ix in others]
                         + [torch.arange(call.start, call.start + t, device=q.device)])
+    if query_block is None:  # the planner's rule (`defaults.select_query_block`)
+        query_block = select_query_block(shard_ix.until(call.start).shape[0] + rep_keys.shape[0])
     mine = range(t) if own is None else own.host_rows()  # this rank's query rows, increasing (host ints)
     out = torch.full((t, topk), -1, dtype=torch.long, device=q.device)
     for b0 in range(0, t, query_block):

@@ -28,7 +28,7 @@ from .arch import (
     layer_linears,
 )
 from .experts import local_choices
-from ..defaults import FLASH_BACKWARD_BLOCK
+from ..defaults import FLASH_BACKWARD_BLOCK, select_query_block
 
 
 def gdn_kernel_bytes_per_token(arch: Arch, b: int, kernel: str, *, graph: bool) -> float:
@@ -246,8 +246,10 @@ def dsa_selection_bytes(arch: Arch, queries: int, keys: int, b: int, acc: int) -
     under a half dtype, the held indexer keys of one layer upcast to fp32. Check (with the
     [T, K] int64 selection that `attention_working` adds): `indexer_topk` of 4,096 queries
     over 65,536 positions (tiny glm_moe_dsa shapes) holds 130.8 MB of live tensors at its
-    peak; planner 130.0 MB."""
-    qb, n = min(queries, INDEXER_QUERY_BLOCK), keys + queries
+    peak; planner 130.0 MB. Under context parallelism (`keys` the rank's) the selection
+    across ranks scores `defaults.select_query_block` queries at once."""
+    n = keys + queries
+    qb = min(queries, select_query_block(n) if arch.context_ranks > 1 else INDEXER_QUERY_BLOCK)
     w = TOPK_SELECT_BYTES * qb * n + qb * arch.index_heads * min(INDEXER_KEY_BLOCK, n) * acc
     return w + (keys * arch.index_dim * 4 if b < 4 else 0)
 

@@ -16,7 +16,7 @@ from tests import vision_worker
 from tests.ranks import WORLDS, spawn
 
 
-@pytest.mark.parametrize("world,cases", [(2, ["mla", "glm", "glm_sparse", "mla_mlp"]),
+@pytest.mark.parametrize("world,cases", [(2, ["mla", "glm", "glm_sparse", "glm_sparse/select2", "mla_mlp"]),
                                          (3, ["planner", "dense", "hybrid", "dsv32_sparse", "dsv32_sparse_mlp"]),
                                          pytest.param(2, ["planner", "dense", "hybrid"], marks=pytest.mark.slow)])
 def test_context_parallel_equals_single_process(tmp_path, world, cases):
