@@ -17,6 +17,7 @@ import ast
 import dataclasses
 import inspect
 import json
+import os
 import sys
 
 from longstraw import defaults
@@ -44,6 +45,17 @@ def demo(args) -> int:
     from longstraw.demo import demo as run_demo
 
     return run_demo(args)
+
+
+def _positive_int(value: str) -> int:
+    """An int >= 1 (`--rehearse-workers`)."""
+    try:
+        n = int(value)
+    except ValueError:
+        n = 0
+    if n < 1:
+        raise argparse.ArgumentTypeError(f"expected an integer >= 1, got {value!r}")
+    return n
 
 
 def _auto_on_off(value: str):
@@ -132,7 +144,8 @@ def _rehearse(model, config: PlanConfig, report: dict, args) -> str:
     from longstraw.rehearsal.against_plan import comparison, format_comparison, rehearse_plan
 
     reh = rehearse_plan(model, config, steps=args.rehearse_steps, allow_position_overflow=args.allow_position_overflow,
-                        progress=True)  # a line to stderr a phase: the output (table or JSON) stays on stdout
+                        progress=True,  # a line to stderr a phase: the output (table or JSON) stays on stdout
+                        workers=args.rehearse_workers or os.cpu_count() or 1)
     entry = comparison(model, config, reh)
     entry["fits"] = entry["peak_bytes_per_rank"] + report["optimizer_bytes"] + config.reserve <= config.gpu_memory
     report["rehearsal"] = entry
@@ -254,6 +267,10 @@ def _add_fit_flags(p) -> None:
     p.add_argument("--rehearse-steps", type=int, default=1, metavar="N",
                    help="--rehearse: steps to rehearse one after the other (gradients set to None between): a leak "
                         "shows as a later step's higher peak (JSON \"step_peaks\")")
+    p.add_argument("--rehearse-workers", type=_positive_int, default=None, metavar="N",
+                   help="--rehearse: rehearse up to N of the ranks at once, each in a process of its own (default: "
+                        "this machine's CPUs; the ranks rehearsed are rank 0 and, under expert parallelism, the rank "
+                        "with the most experts)")
     p.add_argument("--allow-position-overflow", action="store_true",
                    help="--rehearse: let P + R pass the model's max_position_embeddings, as a run with "
                         "ExecConfig(allow_position_overflow=True) does (the paper's 2.1M-token runs do)")

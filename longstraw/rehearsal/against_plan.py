@@ -124,11 +124,12 @@ def rehearsed_plan_ranks(c: PlanConfig, hf=None) -> list[int] | None:
 
 
 def rehearse_plan(model, c: PlanConfig, *, steps: int = 1, allow_position_overflow: bool = False,
-                  progress: bool = False) -> Rehearsal:
+                  progress: bool = False, workers: int = 1) -> Rehearsal:
     """Rehearse `steps` of the step planned by (`model`, `c`) on the CPU branches: one rank,
     or the ranks of `rehearsed_plan_ranks` of `c.gpus` on the fake process group, with FSDP2
     (`c.shard_params`) and expert parallelism (`c.expert_parallel`) as a real run.
-    `progress`: a stderr line as each phase ends (`rehearse`)."""
+    `progress`: a stderr line as each phase ends; `workers`: ranks rehearsed at once, each in
+    a process of its own (`rehearse`)."""
     refuse_unrehearsed(c)
     dtype = DTYPES.get(str(c.dtype or "bf16").lower())
     if dtype is None:
@@ -138,7 +139,7 @@ def rehearse_plan(model, c: PlanConfig, *, steps: int = 1, allow_position_overfl
                     group=c.group, response_tokens=c.response_tokens, device="cpu", dtype=dtype, steps=steps,
                     world_size=c.gpus, rank=rehearsed_plan_ranks(c, hf), shard_params=c.shard_params,
                     shared_prefix=shared_prefix(c), lora_rank=c.lora_rank, lora_targets=c.lora_targets,
-                    progress=progress)
+                    progress=progress, workers=workers)
 
 
 def planned_as_rehearsed(model, c: PlanConfig) -> dict:

@@ -12,8 +12,10 @@ device (tests/test_rehearse.py checks this against real tiny models).
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import copy
+import multiprocessing
 import sys
 import time
 from dataclasses import dataclass, field
@@ -135,7 +137,7 @@ def rehearse(model, config: ExecConfig | None = None, *, prompt_tokens: int, gro
              device: str | None = None, steps: int = 1, generate: bool = False,
              dtype: torch.dtype = torch.bfloat16, grpo: GRPOConfig | None = None,
              optimizer: bool = False, shared_prefix: int = 0, lora_rank: int | None = None,
-             lora_targets: str = "attention", progress: bool = False) -> Rehearsal:
+             lora_targets: str = "attention", progress: bool = False, workers: int = 1) -> Rehearsal:
     """Run `Engine.step` at full size on fake tensors and measure it: live bytes per
     phase, FLOPs per phase, host syncs per step, collective bytes per phase, wall time.
 
@@ -176,6 +178,9 @@ def rehearse(model, config: ExecConfig | None = None, *, prompt_tokens: int, gro
             `model` keeps its own adapters instead (then leave lora_rank None).
         progress: write a line to stderr as each rank's phase ends (rank, step, phase, time
             since the start, ops so far): a rehearsal at the paper's size takes minutes.
+        workers: rehearse up to this many of the ranks at once, each in a process of its own
+            (spawned; `model` must then be a config). The figures are the same; the wall time
+            is the slowest rank's, each process holds its own RSS.
 
     Returns:
         `Rehearsal` (`peak_bytes_per_rank`, `phases`, `host_bytes`, `host_phases`, `flops`,
@@ -193,6 +198,11 @@ def rehearse(model, config: ExecConfig | None = None, *, prompt_tokens: int, gro
                           f"engine skips the update, nothing would be rehearsed), response_tokens >= 1 and "
                           f"steps >= 1; got {prompt_tokens}, {group}, {response_tokens}, {steps}")
     check_world(config, world_size, rank, shard_params)
+    if not isinstance(workers, int) or isinstance(workers, bool) or workers < 1:
+        raise ConfigError(f"rehearse: workers must be an int >= 1, got {workers!r}")
+    if workers > 1 and isinstance(model, nn.Module):
+        raise ConfigError("rehearse: workers > 1 rehearses the ranks in processes of their own from the model's "
+                          "config; pass the HF config (model.config), or workers=1")
     device = _default_device() if device is None else device
     if torch.device(device).type == "cuda" and not torch.backends.cuda.is_built():
         raise ConfigError("rehearse: device='cuda' needs a CUDA build of torch (autograd checks the device even on "
@@ -201,14 +211,28 @@ def rehearse(model, config: ExecConfig | None = None, *, prompt_tokens: int, gro
     hf_config, dtype = (model.config, next(model.parameters()).dtype) if isinstance(model, nn.Module) else (model, dtype)
     inputs = rehearsal_group(prompt_tokens=prompt_tokens, group=group, response_tokens=response_tokens,
                              vocab_size=hf_config.get_text_config().vocab_size, shared_prefix=shared_prefix)
-    by_rank = {}
-    for r in rehearsed_ranks(hf_config, config, world_size, rank):
-        with fake_group(r, world_size):
-            by_rank[r] = _rehearse_rank(hf_config, config, inputs, device=device, dtype=dtype, steps=steps,
-                                        grpo=grpo or GRPOConfig(), optimizer=optimizer,
-                                        shard=world_size if shard_params else 0, build=build,
-                                        on_phase=_progress(r, world_size, t0) if progress else None)
+    ranks = rehearsed_ranks(hf_config, config, world_size, rank)
+    jobs = {r: dict(hf_config=hf_config, config=config, inputs=inputs, device=device, dtype=dtype, steps=steps,
+                    grpo=grpo or GRPOConfig(), optimizer=optimizer, shard=world_size if shard_params else 0,
+                    build=build, rank=r, world_size=world_size, t0=t0 if progress else None) for r in ranks}
+    if workers > 1 and len(ranks) > 1:
+        ctx = multiprocessing.get_context("spawn")  # a fresh process: no inherited process group or fake mode
+        with concurrent.futures.ProcessPoolExecutor(min(workers, len(ranks)), mp_context=ctx) as pool:
+            by_rank = dict(zip(ranks, pool.map(_rank_job, jobs.values())))
+    else:
+        by_rank = {r: _rank_job(job) for r, job in jobs.items()}
     return _result(by_rank, t0=t0, device=device, world_size=world_size)
+
+
+def _rank_job(job: dict) -> list[StepFigures]:
+    """One rank's steps in its fake group (`job`: `_rehearse_rank`'s arguments, and rank,
+    world_size, t0 (None: no progress lines)); module-level, so a worker process can run it."""
+    job = dict(job)
+    r, world_size, t0 = job.pop("rank"), job.pop("world_size"), job.pop("t0")
+    hf_config, config, inputs = job.pop("hf_config"), job.pop("config"), job.pop("inputs")
+    with fake_group(r, world_size):
+        return _rehearse_rank(hf_config, config, inputs, **job,
+                              on_phase=None if t0 is None else _progress(r, world_size, t0))
 
 
 def _result(by_rank: dict[int, list[StepFigures]], *, t0: float, device: str, world_size: int) -> Rehearsal:

@@ -256,3 +256,11 @@ def test_the_planner_s_lora_graph_saving_is_the_rehearsed_one(targets):
         drops[lora] = (entry["planner"]["phases"]["capture"], entry["phases"]["capture"])
     planned, rehearsed = (drops[None][i] - drops[16][i] for i in (0, 1))
     assert rehearsed > 0 and abs(planned / rehearsed - 1) < 0.05, (planned, rehearsed)
+
+
+def test_plan_rehearse_workers_must_be_positive(capsys):
+    """`--rehearse-workers 0` (or a word) is refused by the argument parser, before any work."""
+    for bad in ("0", "-2", "two"):
+        with pytest.raises(SystemExit) as exit_:
+            main(TINY + ["--rehearse", "--rehearse-workers", bad])
+        assert exit_.value.code == 2 and "expected an integer >= 1" in capsys.readouterr().err

@@ -110,3 +110,26 @@ def test_rehearse_refuses_bad_ranks_and_leaves_a_callers_group_alone():
         assert dist.is_initialized() and dist.get_world_size() == 4
     finally:
         dist.destroy_process_group()
+
+
+def test_ranks_rehearsed_in_worker_processes_give_the_same_figures():
+    """workers=2: ranks 0 and 2 of 3, each in a spawned process of its own, give every
+    figure one process gives them one after the other (peaks per rank and phase, the
+    bytes of each collective, FLOPs, ops, host syncs). Bad `workers`, and a model object
+    with workers > 1 (its weights would be pickled), are refused before any work."""
+    import longstraw as ls
+    from longstraw.tiny import tiny_model
+
+    model = tiny_model("qwen3", **SMALL)
+    kw = dict(prompt_tokens=48, group=2, response_tokens=6, device="cpu", world_size=3, rank=[0, 2])
+    cp = ls.ExecConfig(context_parallel=True, chunk_size=16)
+    one = ls.rehearse(model.config, cp, **kw)
+    two = ls.rehearse(model.config, cp, workers=2, **kw)
+    assert one.rank_peaks == two.rank_peaks and len(one.rank_peaks) == 2
+    assert one.rank_comm_bytes == two.rank_comm_bytes and one.phases == two.phases and one.flops == two.flops
+    assert [s.ops for s in one.steps] == [s.ops for s in two.steps] and one.host_syncs == two.host_syncs
+    for bad in (0, -1, 1.5, True):
+        with pytest.raises(ls.ConfigError, match="workers must be an int >= 1"):
+            ls.rehearse(model.config, cp, workers=bad, **kw)
+    with pytest.raises(ls.ConfigError, match="pass the HF config"):
+        ls.rehearse(model, cp, workers=2, **kw)
