@@ -7,7 +7,7 @@ with `#` also give the rehearsal's figures against the planner's (`longstraw pla
     PYTHONPATH=. python bench/rehearse_op_sites.py --model glm-5.2 --layers 4 --prompt-tokens 65536 \\
         --group 8 --response-tokens 1024 --gpus 32 --lora-rank 8 [--top 25] [--out FILE] [--allow-position-overflow]
         [--chunk-size N] [--branch-chunk-size N] [--recompute-layers] [--expert-parallel] [--shard-params]
-        [--skip-device-queries]
+        [--skip-device-queries] [--offload-snapshots] [--mode exact]
 """
 
 from __future__ import annotations
@@ -51,6 +51,7 @@ def main() -> None:
     ap.add_argument("--recompute-layers", action="store_true")
     ap.add_argument("--expert-parallel", action="store_true")
     ap.add_argument("--shard-params", action="store_true")
+    ap.add_argument("--offload-snapshots", action="store_true")
     ap.add_argument("--skip-device-queries", action="store_true",
                     help="count as the tracker does (`LiveBytes.ops`): prim.device queries left out")
     args = ap.parse_args()
@@ -58,7 +59,7 @@ def main() -> None:
     if args.layers:
         model["num_hidden_layers"] = args.layers
     extra = {k: getattr(args, k) for k in ("chunk_size", "branch_chunk_size") if getattr(args, k) is not None}
-    extra |= {k: True for k in ("recompute_layers", "expert_parallel", "shard_params") if getattr(args, k)}
+    extra |= {k: True for k in ("recompute_layers", "expert_parallel", "shard_params", "offload_snapshots") if getattr(args, k)}
     config = PlanConfig(prompt_tokens=args.prompt_tokens, group=args.group, response_tokens=args.response_tokens,
                         gpus=args.gpus, lora_rank=args.lora_rank, mode=args.mode, **extra)
     counts: collections.Counter = collections.Counter()

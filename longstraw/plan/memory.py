@@ -447,7 +447,7 @@ def plan_walk(s: Basis, capture: CapturePlan, graph_tok: float) -> WalkPlan:
             lambda layer: _gathered_walk_row_bytes(s.arch, layer, s.b, c.gdn_kernel)) if recompute
             else _divided_walk_working(s, walk_chunk, graph_tok))
         comm = divided_walk_traffic(s.cfg, positions=P - 1, world=W, block=s.block, chunk_size=c.chunk_size,
-                                    dtype=s.dtype, grad_bytes=replicated_grad_elements(s) * s.b)
+                                    dtype=s.dtype, grad_bytes=replicated_grad_elements(s) * s.b, recompute=recompute)
     outputs = kept_output_bytes(s, (P - 1) - min(P - 1, kept * C)) if exact and not divided else 0.0
     return WalkPlan(working=working, chunks=chunks, chunk_graph=chunk_graph, kept_chunks=kept,
                     kept_bytes=kept * chunk_graph, divided=bool(divided), chunk=walk_chunk, comm=comm,

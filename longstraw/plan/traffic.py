@@ -85,7 +85,8 @@ def divided_capture_traffic(model, *, positions: int, world: int, block: int, ch
     return worst
 
 def divided_walk_traffic(model, *, positions: int, world: int, block: int, chunk_size: int,
-                         dtype: str | None = None, grad_bytes: float | None = None) -> float:
+                         dtype: str | None = None, grad_bytes: float | None = None,
+                         recompute: bool = False) -> float:
     """Bytes each rank receives in exact mode's divided reverse walk over `positions`
     tokens (the model `parallel.collectives.Traffic` counts by; every rank receives alike). Per
     walk chunk of T tokens, `most` the most any rank owns of it, per layer:
@@ -109,7 +110,11 @@ def divided_walk_traffic(model, *, positions: int, world: int, block: int, chunk
 
     (the backward's all-reduces for every layer but the last, whose output reaches no
     root of a walk chunk), plus, once per step, the all-reduce of the replicated parameters' gradients
-    (`grad_bytes`, default: every parameter but the DSA indexers', in `dtype`). Partials and log-sum-exps are in
+    (`grad_bytes`, default: every parameter but the DSA indexers', in `dtype`). With
+    `recompute` (the walk's layers recomputed in backward, `recompute_layers`) each layer's
+    forward runs twice, its collectives with it: the all-gathers, the forward merges'
+    all-reduces and DSA's selection (the rehearsal of Qwen3.6-27B's first 4 layers at
+    P = 32,768 on 8 ranks received 1.65x the bytes planned without it). Partials and log-sum-exps are in
     the accumulation dtype (fp32 for half types); the gradients summed over ranks in
     `dtype` (the blockwise kernel's, as on GPU; the CPU fused kernel sums the attention's
     dq, dk, dv in its accumulation dtype, the same bytes in fp32 and fp64)."""
@@ -119,7 +124,7 @@ def divided_walk_traffic(model, *, positions: int, world: int, block: int, chunk
     gathered, summed = world - 1, 2 * (world - 1) / world  # all-gather and ring all-reduce, per byte
     h, hkv, d = arch.heads, arch.kv_heads, arch.head_dim
     kl, r = arch.kv_lora_rank, arch.rope_dim
-    deal, total = Deal(world, block), 0.0
+    deal, total, forward = Deal(world, block), 0.0, 0.0  # forward: the forward pass's, run again under recompute
     for a, e in walk_chunk_bounds(positions, chunk_size, world, block, bool(arch.count(mixer="gdn"))):
         t = e - a
         most = max(deal.counts(a, e))
@@ -128,25 +133,30 @@ def divided_walk_traffic(model, *, positions: int, world: int, block: int, chunk
             # seeded), so its backward exchanges nothing
             back = i < len(arch.layers) - 1
             if layer.mixer == "attention":
-                total += gathered * most * ((h + 2 * hkv) * d * b + h * (d + 1) * acc)
+                forward += gathered * most * ((h + 2 * hkv) * d * b + h * (d + 1) * acc)
                 total += back * summed * t * (2 * hkv * d + h * d) * b  # the self part's dk, dv; the output's
                 if a > 0:  # the shard's partials merged (max, then sum: [H, T, D + 2]) and their dq
-                    total += summed * h * t * (d + 2) * acc + back * summed * h * t * d * b
+                    forward += summed * h * t * (d + 2) * acc
+                    total += back * summed * h * t * d * b
             elif layer.mixer == "gdn":
-                total += gathered * most * (arch.conv_dim + 2 * arch.gdn_v_heads) * b
+                forward += gathered * most * (arch.conv_dim + 2 * arch.gdn_v_heads) * b
                 total += back * summed * t * arch.gdn_v_heads * arch.gdn_v_dim * b
             else:
-                total += gathered * most * (h + 1) * (kl + r) * b + back * summed * h * t * kl * b
+                forward += gathered * most * (h + 1) * (kl + r) * b
+                total += back * summed * h * t * kl * b
                 if layer.indexer:
-                    total += gathered * most * ((arch.index_heads + 1) * arch.index_dim * b + arch.index_heads * 4)
+                    forward += gathered * most * ((arch.index_heads + 1) * arch.index_dim * b + arch.index_heads * 4)
                 if not layer.sparse or arch.index_topk >= e:
-                    total += gathered * most * h * (kl + 1) * acc + back * summed * t * (2 * kl + r) * b
+                    forward += gathered * most * h * (kl + 1) * acc
+                    total += back * summed * t * (2 * kl + r) * b
                     if a > 0:
-                        total += summed * h * t * (kl + 2) * acc + back * summed * h * t * (kl + r) * b
+                        forward += summed * h * t * (kl + 2) * acc
+                        total += back * summed * h * t * (kl + r) * b
                 else:
                     if layer.indexer:  # the chunk's global top-k; each rank's rows' selection
-                        total += t * candidate_bytes_per_query(world, arch.index_topk) + gathered * most * arch.index_topk * 4
-                    total += summed * h * t * (kl + 2) * acc + back * summed * h * t * (kl + r) * b
+                        forward += t * candidate_bytes_per_query(world, arch.index_topk) + gathered * most * arch.index_topk * 4
+                    forward += summed * h * t * (kl + 2) * acc
+                    total += back * summed * h * t * (kl + r) * b
     if grad_bytes is None:
         grad_bytes = (count_parameters(arch).total - indexer_parameters(arch)) * b
-    return total + gathered * 16 + summed * grad_bytes
+    return total + forward * (2 if recompute else 1) + gathered * 16 + summed * grad_bytes

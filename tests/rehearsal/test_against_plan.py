@@ -40,15 +40,18 @@ def test_plan_rehearse_refuses_what_it_cannot_rehearse_before_any_work(capsys):
 CP = ["--attention-block-size", "32"]  # 8 blocks of the prompt: every rank owns some (a divided capture)
 
 
-@pytest.mark.parametrize("world, mode", [(2, "detached"), (3, "detached"), (2, "exact")])
-def test_plan_rehearse_gpus_w_compares_each_rank_s_peak_and_received_bytes(capsys, world, mode):
+@pytest.mark.parametrize("world, mode, flags", [(2, "detached", []), (3, "detached", []), (2, "exact", []),
+                                                (2, "exact", ["--recompute-layers", "on"])])
+def test_plan_rehearse_gpus_w_compares_each_rank_s_peak_and_received_bytes(capsys, world, mode, flags):
     """`--gpus W`: ranks 0 and W - 1 rehearsed on the fake process group, context parallel.
     The peak (rank 0's, the most prompt rows) within the single-rank tolerance of the
     planner's; the bytes received per phase (the busiest rank's) equal the planner's
     within 1%: capture's (rank W - 1's, the fewest rows), replay's, the gradients'
     broadcast (detached: rank 0 is its source and receives none) or the divided walk's.
-    Red before the planner's 'gradients' term: tiny qwen3 W = 2 was 1.31 detached, 1.69 exact."""
-    assert main(TINY + CP + ["--gpus", str(world), "--mode", mode, "--rehearse", "--json"]) == 0
+    Red before the planner's 'gradients' term: tiny qwen3 W = 2 was 1.31 detached, 1.69 exact;
+    and, with the walk's layers recomputed, before the planner counted their forward's
+    collectives twice (`plan.traffic.divided_walk_traffic(recompute=True)`)."""
+    assert main(TINY + CP + ["--gpus", str(world), "--mode", mode, *flags, "--rehearse", "--json"]) == 0
     reh = json.loads(capsys.readouterr().out)["rehearsal"]
     assert reh["world_size"] == world and sorted(map(int, reh["rank_peaks"])) == [0, world - 1]
     assert reh["rank"] == 0 and 0.8 < reh["ratio"]["peak_bytes_per_rank"] < 1.25, reh["ratio"]
