@@ -5,11 +5,11 @@ from __future__ import annotations
 
 import json
 import os
-import re
 from dataclasses import dataclass
 from pathlib import Path
 
 from ..errors import ConfigError, UnsupportedModelError
+from .units import human_bytes, parse_bytes  # noqa: F401 (callers import them from here)
 
 PRESETS_PATH = Path(__file__).with_name("presets.json")
 
@@ -63,27 +63,6 @@ SELF_ATTENTION = ("dense", "fused-nograd", "flash")
 # units
 
 
-def parse_bytes(text) -> int:
-    """'96GB' -> 96e9, '96GiB' -> 96 * 2**30, '512MiB', '1.5TB', 1024 -> 1024.
-
-    SI units (KB, MB, GB, TB) are powers of 1000; binary ones (KiB, MiB, GiB, TiB) and the
-    bare letters (K, M, G, T) are powers of 1024. A bare number is bytes.
-    """
-    if isinstance(text, (int, float)) and not isinstance(text, bool):
-        if text < 0:
-            raise ConfigError(f"a memory size must be >= 0, got {text!r}")
-        return int(text)
-    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([kmgt]i?b?|b)?\s*", str(text), flags=re.IGNORECASE)
-    if not m:
-        raise ConfigError(f"cannot read memory size {text!r}: write e.g. 96GB (10^9 bytes) or 96GiB (2^30 bytes)")
-    value, unit = float(m.group(1)), (m.group(2) or "b").lower()
-    if unit == "b":
-        return int(value)
-    power = "kmgt".index(unit[0]) + 1
-    base = 1000 if unit.endswith("b") and not unit.endswith("ib") else 1024
-    return int(round(value * base**power))
-
-
 def canonical_dtype(name: str, *, allow_quant: bool = False) -> str:
     key = str(name).lower().replace("torch.", "")
     key = _DTYPE_ALIASES.get(key, key)
@@ -91,14 +70,6 @@ def canonical_dtype(name: str, *, allow_quant: bool = False) -> str:
         return key
     have = sorted(DTYPE_BYTES) + (sorted(QUANT_BYTES) if allow_quant else [])
     raise ConfigError(f"unknown dtype {name!r}; use one of {have} (or bf16, fp16, fp32, fp64)")
-
-
-def human_bytes(n: float) -> str:
-    """1234567890 -> '1.15 GiB (1.23 GB)'."""
-    for unit, p in (("TiB", 4), ("GiB", 3), ("MiB", 2), ("KiB", 1)):
-        if abs(n) >= 1024**p:
-            return f"{n / 1024**p:,.2f} {unit} ({n / 1000**p:,.2f} {unit.replace('i', '')})"
-    return f"{int(n):,} B"
 
 
 # ----------------------------------------------------------------------------
@@ -451,6 +422,10 @@ def layer_other_params(arch: Arch, layer: LayerSpec) -> int:
     return n
 
 
+def _padded(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
 def indexer_parameters(arch: Arch) -> int:
     """Parameters of the DSA indexers (wq_b, wk, weights_proj, k_norm). The indexer runs
     without grad, so they never get a gradient."""
@@ -472,12 +447,15 @@ class ParamCount:
     matmul_active: int  # active params used in a matmul per token, excluding embedding and lm_head
 
 
-def count_parameters(arch: Arch, lora_rank: int | None = None, lora_targets: str = "attention") -> ParamCount:
+def count_parameters(arch: Arch, lora_rank: int | None = None, lora_targets: str = "attention",
+                     pad_to: int = 1) -> ParamCount:
     """Count parameters from the architecture. LoRA adds r * (in + out) per targeted
     linear: 'attention' = every token-mixer projection (attention q/k/v/o, GDN in/out
     projections, MLA q/kv/o projections; not the DSA indexer); 'all-linear' adds the
     dense-MLP and shared-expert projections (never routed experts, routers or lm_head);
-    Mamba2's out_proj only where PEFT allows it (`hybrid_arch.recurrent_lora_linears`)."""
+    Mamba2's out_proj only where PEFT allows it (`hybrid_arch.recurrent_lora_linears`).
+    `pad_to`: the adapters' first dimension rounded up to a multiple of it, as FSDP2 pads
+    each parameter's shards over W ranks (A [r, in], B [out, r]; `lora` only)."""
     linear = other = lora = inactive = 0
     for layer in arch.layers:
         groups = layer_linears(arch, layer)
@@ -490,7 +468,8 @@ def count_parameters(arch: Arch, lora_rank: int | None = None, lora_targets: str
                 linear += size
             if lora_rank and (name == "mixer" or (name == "mlp" and lora_targets == "all-linear")):
                 recurrent = name == "mixer" and layer.mixer == "gdn" and arch.recurrent != "gdn"
-                lora += sum(lora_rank * (a + b) for a, b in (RECURRENT_PARAMS["adapted"](arch) if recurrent else shapes))
+                lora += sum(_padded(lora_rank, pad_to) * a + _padded(b, pad_to) * lora_rank
+                            for a, b in (RECURRENT_PARAMS["adapted"](arch) if recurrent else shapes))
         other += layer_other_params(arch, layer)
     other += arch.hidden  # final norm
     emb = arch.vocab * arch.hidden

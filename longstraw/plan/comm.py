@@ -55,9 +55,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .arch import indexer_parameters
+from .arch import count_parameters, indexer_parameters, layer_linears, layer_other_params
 from .config import Basis
-from .experts import expert_elements, expert_phase_traffic, expert_slice
+from .experts import expert_elements, expert_phase_traffic, expert_slice, weight_bytes
 from .traffic import candidate_bytes_per_query
 
 
@@ -134,13 +134,37 @@ def replicated_grad_bytes(s: Basis, grad_bytes: float) -> float:
     return grad_bytes - (experts + indexer_parameters(s.arch)) * s.b
 
 
+def padded_lora_elements(s: Basis) -> int:
+    """LoRA's adapter elements as FSDP2 holds them over W ranks: each parameter's first
+    dimension padded to a multiple of W (A [r, in]: r = 8 on 32 ranks is 4x its rows)."""
+    c = s.config
+    return count_parameters(s.arch, c.lora_rank, c.lora_targets, pad_to=s.W).lora if c.lora_rank else 0
+
+
+def fsdp_pass_bytes(s: Basis) -> float:
+    """Bytes one pass over the FSDP2-sharded decoder layers gathers, whole: each layer's
+    weights (under expert parallelism but its routed experts) and LoRA's adapters (padded,
+    `padded_lora_elements`), summed layer by layer. GLM-5.2's dense and MoE layers differ:
+    counted as the largest layer each, its first 4 layers' replay gathers were planned
+    1.13x the rehearsal's."""
+    arch, total = s.arch, 0.0
+    for layer in arch.layers:
+        groups = layer_linears(arch, layer)
+        linear = sum(a * b for name, shapes in groups.items() if name != "experts" for a, b in shapes)
+        if not s.config.expert_parallel:
+            linear += arch.experts * sum(a * b for a, b in groups["experts"])
+        total += weight_bytes(linear, layer_other_params(arch, layer), s.wdt, s.b)
+    return total + padded_lora_elements(s) * s.b
+
+
 def sharded_layer_grad_bytes(s: Basis) -> float:
     """The whole (unsharded) gradients of the FSDP2-sharded decoder layers, what one backward
-    pass reduce-scatters: LoRA's adapters, or every layer parameter but the routed experts
-    (expert parallelism keeps them apart) and the DSA indexers (no gradient)."""
+    pass reduce-scatters: LoRA's adapters (padded as FSDP2 pads them: the planner's 0.48x
+    of GLM-5.2's rehearsed replay reduce-scatter before), or every layer parameter but the
+    routed experts (expert parallelism keeps them apart) and the DSA indexers (no gradient)."""
     c, params = s.config, s.params
     if c.lora_rank:
-        return params.lora * s.b
+        return padded_lora_elements(s) * s.b
     experts = expert_elements(s.arch) if c.expert_parallel else 0
     return (params.total - params.embedding - params.lm_head - s.arch.hidden - experts
             - indexer_parameters(s.arch)) * s.b
@@ -170,14 +194,13 @@ RULE = ("per phase: max(compute + blocking collectives (context-parallel merges 
 
 
 def plan_comm(s: Basis, *, capture_comm: float, walk_comm: float, divided_capture: bool, divided_walk: bool,
-              recompute: bool, walk_recompute: bool, n_chunks: int, walk_chunks: int, gathered: float,
+              recompute: bool, walk_recompute: bool, n_chunks: int, walk_chunks: int,
               grad_bytes: float, compute: dict, offload_s: float, offload_bytes: float = 0.0) -> CommPlan:
     """The step's communication by phase, and its time by the overlap rule.
 
     Args:
         capture_comm / walk_comm: context-parallel bytes of capture and of the divided walk.
         n_chunks / walk_chunks: capture chunks (unused: FSDP2 gathers once) and walk chunks.
-        gathered: FSDP's two gathered layers' bytes (`WeightPlan.gathered`; 0 unsharded).
         grad_bytes: the trainable gradients' bytes on the rank.
         compute: seconds of compute per phase ('capture', 'replay', 'walk').
         offload_s / offload_bytes: the offload traffic's seconds and bytes over the host link.
@@ -189,10 +212,10 @@ def plan_comm(s: Basis, *, capture_comm: float, walk_comm: float, divided_captur
     piece = min(R, c.branch_chunk_size or R)
     held = (R - 1) // piece * piece  # tokens of every piece but the last, forwarded once more without autograd
     merges = replay_merge_bytes_per_token(s, recompute, c.score_passes) * G * R + held_merge_bytes_per_token(s) * G * held
-    # FSDP2: a pass over the layers gathers (W-1)/W of their non-expert weights (`gathered` is two
-    # layers'); a backward pass reduce-scatters (W-1)/W of their gradients (module docstring)
+    # FSDP2: a pass over the layers gathers (W-1)/W of their non-expert weights (`fsdp_pass_bytes`);
+    # a backward pass reduce-scatters (W-1)/W of their gradients (module docstring)
     sharded = c.shard_params and W > 1
-    per_pass = (gathered / 2 * len(s.arch.layers) * (W - 1) / W) if sharded else 0.0
+    per_pass = fsdp_pass_bytes(s) * (W - 1) / W if sharded else 0.0
     rs_pass = sharded_layer_grad_bytes(s) * (W - 1) / W if sharded else 0.0
     backward = {"replay": G * pieces, "walk": walk_chunks if s.exact else 0}
     passes = {"capture": 1, "replay": G * (3 * pieces - 1) + c.score_passes, "walk": 2 * backward["walk"]}

@@ -66,7 +66,7 @@ def estimate(model, config: PlanConfig) -> dict:
     comm = plan_comm(s, capture_comm=capture.comm, walk_comm=walk.comm, divided_capture=capture.divided,
                      divided_walk=walk.divided, recompute=replay.recompute, walk_recompute=walk.recompute,
                      n_chunks=walk.chunks, walk_chunks=walk_chunk_count(s, walk) if s.exact else 0,
-                     gathered=weights.gathered, grad_bytes=weights.grad_bytes,
+                     grad_bytes=weights.grad_bytes,
                      compute={"capture": timing.flops_capture / thr, "replay": s.G * timing.flops_branch / thr,
                               "walk": timing.flops_exact_extra / thr if s.exact else 0.0},
                      offload_s=timing.t_transfer,
