@@ -137,6 +137,15 @@ def plan(args, argv=()) -> int:
     return 0 if fits else 3
 
 
+PARALLEL_REHEARSAL_FROM = 1 << 18
+"""`--rehearse-workers`' default: the machine's CPUs from P = 262,144 prompt tokens (minutes
+a rank), one process below (a spawned process's start costs more than it saves)."""
+
+
+def _default_workers(config: PlanConfig) -> int:
+    return (os.cpu_count() or 1) if config.prompt_tokens >= PARALLEL_REHEARSAL_FROM else 1
+
+
 def _rehearse(model, config: PlanConfig, report: dict, args) -> str:
     """Rehearse the planned step (`--rehearse`, `--rehearse-steps` of them): adds
     report["rehearsal"], returns its table. It fits when its peak (the worst step's) plus
@@ -145,7 +154,7 @@ def _rehearse(model, config: PlanConfig, report: dict, args) -> str:
 
     reh = rehearse_plan(model, config, steps=args.rehearse_steps, allow_position_overflow=args.allow_position_overflow,
                         progress=True,  # a line to stderr a phase: the output (table or JSON) stays on stdout
-                        workers=args.rehearse_workers or os.cpu_count() or 1)
+                        workers=args.rehearse_workers or _default_workers(config))
     entry = comparison(model, config, reh)
     entry["fits"] = entry["peak_bytes_per_rank"] + report["optimizer_bytes"] + config.reserve <= config.gpu_memory
     report["rehearsal"] = entry
@@ -269,8 +278,8 @@ def _add_fit_flags(p) -> None:
                         "shows as a later step's higher peak (JSON \"step_peaks\")")
     p.add_argument("--rehearse-workers", type=_positive_int, default=None, metavar="N",
                    help="--rehearse: rehearse up to N of the ranks at once, each in a process of its own (default: "
-                        "this machine's CPUs; the ranks rehearsed are rank 0 and, under expert parallelism, the rank "
-                        "with the most experts)")
+                        "this machine's CPUs from P = 262,144, else 1; --gpus > 1 rehearses rank 0 and rank W - 1, "
+                        "or the rank with the most experts)")
     p.add_argument("--allow-position-overflow", action="store_true",
                    help="--rehearse: let P + R pass the model's max_position_embeddings, as a run with "
                         "ExecConfig(allow_position_overflow=True) does (the paper's 2.1M-token runs do)")

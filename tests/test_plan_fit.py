@@ -10,7 +10,7 @@ import pytest
 
 from longstraw.cli import main
 from longstraw.plan import PlanConfig, estimate
-from longstraw.plan.fit import Fit, NoFit, exec_config, flags, search
+from longstraw.plan.fit import TIME_TIE, Fit, NoFit, exec_config, flags, search
 
 GiB = 2**30
 # 85% of 96 GiB: the reserve is the other 15%
@@ -83,13 +83,14 @@ def test_plan_without_a_group_is_one_line_exit_2(capsys):
 
 
 def test_the_fit_is_the_fastest_of_a_brute_force_over_a_small_space():
-    """On a small dense plan the search's choice equals the fastest fitting plan of the
-    whole product of its options (pieces, chunks, recompute, offload, sharding)."""
+    """On a small dense plan the search's choice is within `TIME_TIE` of the fastest fitting
+    plan of the whole product of its options (pieces, chunks, recompute, offload,
+    sharding), and no plan that fast replays in fewer pieces."""
     base = PlanConfig(prompt_tokens=262144, group=4, response_tokens=2048, gpus=2, gpu="h100", lora_rank=16,
                       gpu_memory="24GiB")
     got = search("qwen3-8b", base, pinned={"mode"})
     assert isinstance(got, Fit)
-    best = None
+    best, timed = None, []
     for p in (None, 1024, 512, 256):
         for ch in (4096, 2048, 1024, 512):
             for rc in (False, True):
@@ -98,10 +99,12 @@ def test_the_fit_is_the_fastest_of_a_brute_force_over_a_small_space():
                         c = replace(base, branch_chunk_size=p, chunk_size=ch, recompute_layers=rc, offload_state=off,
                                     shard_params=sh)
                         r = estimate("qwen3-8b", c)
-                        if r["peak_bytes_per_rank"] <= c.gpu_memory - c.reserve and (
-                                best is None or r["estimated_time_s"] < best):
-                            best = r["estimated_time_s"]
-    assert got.report["estimated_time_s"] == pytest.approx(best)
+                        if r["peak_bytes_per_rank"] <= c.gpu_memory - c.reserve:
+                            timed.append((r["estimated_time_s"], -(-base.response_tokens // (p or 2048))))
+                            best = min(best or r["estimated_time_s"], r["estimated_time_s"])
+    assert best <= got.report["estimated_time_s"] <= best * (1 + TIME_TIE)
+    pieces = -(-base.response_tokens // (got.config.branch_chunk_size or base.response_tokens))
+    assert pieces == min(n for t, n in timed if t <= best * (1 + TIME_TIE))
     assert got.evaluated < 4 * 4 * 2 * 2 * 2
     assert exec_config(got.config)["context_parallel"] and flags(got.config)[:2] == ["--mode", "detached"]
 
@@ -138,3 +141,20 @@ def test_chunks_above_4096_are_searched_where_only_they_fit():
     assert isinstance(got, Fit), got.binding
     assert got.config.chunk_size > 4096 and got.report["peak_bytes_per_rank"] <= 130 * 2**30
     assert "--chunk-size" in flags(got.config) and str(got.config.chunk_size) in flags(got.config)
+
+
+def test_a_plan_within_the_tie_of_the_fastest_but_simpler_is_chosen(capsys):
+    """GLM-5.2 on 32 H20s at the paper's P: pieces of 256 without layer recompute are planned
+    0.6% faster than whole branches with it. The fit takes whole branches (32 times fewer
+    replay passes for a gain the time model cannot resolve); before `TIME_TIE` it took the
+    pieces."""
+    args = ["plan", "--model", "glm-5.2", "--prompt-tokens", "2088960", "--group", "8", "--response-tokens", "8192",
+            "--gpus", "32", "--lora-rank", "8", "--mode", "detached", "--gpu", "h20", "--reserve", "14.4GiB"]
+    assert main(args + ["--fit", "--json"]) in (0,)
+    fit = json.loads(capsys.readouterr().out)
+    assert "--branch-chunk-size" not in fit["fit"]["flags"] and "--recompute-layers" in fit["fit"]["flags"]
+    assert main(args + ["--chunk-size", "1024", "--branch-chunk-size", "256", "--recompute-layers", "off",
+                        "--expert-parallel", "--shard-params", "--json"]) == 0
+    pieces = json.loads(capsys.readouterr().out)
+    assert pieces["fits"] and pieces["estimated_time_s"] < fit["estimated_time_s"] <= (
+        pieces["estimated_time_s"] * (1 + TIME_TIE))

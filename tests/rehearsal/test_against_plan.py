@@ -267,3 +267,15 @@ def test_plan_rehearse_workers_must_be_positive(capsys):
         with pytest.raises(SystemExit) as exit_:
             main(TINY + ["--rehearse", "--rehearse-workers", bad])
         assert exit_.value.code == 2 and "expected an integer >= 1" in capsys.readouterr().err
+
+
+def test_plan_rehearse_workers_default_to_the_cpus_from_a_long_prompt(monkeypatch):
+    """No `--rehearse-workers`: one process below P = 262,144, the machine's CPUs from it."""
+    import longstraw.cli as cli
+    from longstraw.plan.config import PlanConfig
+
+    monkeypatch.setattr(cli.os, "cpu_count", lambda: 6)
+    assert cli._default_workers(PlanConfig(prompt_tokens=cli.PARALLEL_REHEARSAL_FROM - 1, group=2,
+                                           response_tokens=8)) == 1
+    assert cli._default_workers(PlanConfig(prompt_tokens=cli.PARALLEL_REHEARSAL_FROM, group=2,
+                                           response_tokens=8)) == 6
