@@ -27,7 +27,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from longstraw.config import ExecConfig, GRPOConfig
 from longstraw.engine import Engine
-from longstraw.errors import ConfigError
+from longstraw.errors import ConfigError, LongStrawError
 from longstraw.group import Group
 from longstraw.rehearsal.fast_fake import fake_mode
 from longstraw.rehearsal.lora import check_lora, check_twin, like, twin_adapters, with_adapters, with_lora
@@ -179,8 +179,9 @@ def rehearse(model, config: ExecConfig | None = None, *, prompt_tokens: int, gro
         progress: write a line to stderr as each rank's phase ends (rank, step, phase, time
             since the start, ops so far): a rehearsal at the paper's size takes minutes.
         workers: rehearse up to this many of the ranks at once, each in a process of its own
-            (spawned; `model` must then be a config). The figures are the same; the wall time
-            is the slowest rank's, each process holds its own RSS.
+            (spawned; `model` must then be a config, and a calling script guards its entry
+            point with `if __name__ == "__main__":`). The figures are the same; the wall
+            time is the slowest rank's, each process holds its own RSS.
 
     Returns:
         `Rehearsal` (`peak_bytes_per_rank`, `phases`, `host_bytes`, `host_phases`, `flops`,
@@ -217,8 +218,13 @@ def rehearse(model, config: ExecConfig | None = None, *, prompt_tokens: int, gro
                     build=build, rank=r, world_size=world_size, t0=t0 if progress else None) for r in ranks}
     if workers > 1 and len(ranks) > 1:
         ctx = multiprocessing.get_context("spawn")  # a fresh process: no inherited process group or fake mode
-        with concurrent.futures.ProcessPoolExecutor(min(workers, len(ranks)), mp_context=ctx) as pool:
-            by_rank = dict(zip(ranks, pool.map(_rank_job, jobs.values())))
+        try:
+            with concurrent.futures.ProcessPoolExecutor(min(workers, len(ranks)), mp_context=ctx) as pool:
+                by_rank = dict(zip(ranks, pool.map(_rank_job, jobs.values())))
+        except concurrent.futures.process.BrokenProcessPool as e:
+            raise LongStrawError("rehearse: a rank's worker process ended without a result (killed, or out of "
+                                 "memory?). A script that calls rehearse(workers > 1) must guard its entry point "
+                                 "with `if __name__ == \"__main__\":`; or pass workers=1") from e
     else:
         by_rank = {r: _rank_job(job) for r, job in jobs.items()}
     return _result(by_rank, t0=t0, device=device, world_size=world_size)

@@ -133,3 +133,27 @@ def test_ranks_rehearsed_in_worker_processes_give_the_same_figures():
             ls.rehearse(model.config, cp, workers=bad, **kw)
     with pytest.raises(ls.ConfigError, match="pass the HF config"):
         ls.rehearse(model, cp, workers=2, **kw)
+
+
+def test_a_worker_that_dies_is_a_clear_error(monkeypatch):
+    """A rank's process that ends without a result (killed, out of memory, or a script
+    without the `__main__` guard) is a `LongStrawError` naming the causes, not a bare
+    BrokenProcessPool."""
+    import concurrent.futures
+
+    import longstraw as ls
+    import longstraw.rehearsal.run as run
+    from longstraw.tiny import tiny_model
+
+    class Dying(concurrent.futures.ThreadPoolExecutor):
+        def __init__(self, workers, mp_context=None):
+            super().__init__(workers)
+
+        def map(self, fn, *iterables):
+            raise concurrent.futures.process.BrokenProcessPool("a child process terminated abruptly")
+
+    monkeypatch.setattr(run.concurrent.futures, "ProcessPoolExecutor", Dying)
+    config = tiny_model("qwen3", **SMALL).config
+    with pytest.raises(ls.LongStrawError, match="ended without a result.*__main__"):
+        ls.rehearse(config, ls.ExecConfig(context_parallel=True), prompt_tokens=48, group=2, response_tokens=6,
+                    device="cpu", world_size=2, rank=[0, 1], workers=2)
