@@ -17,6 +17,7 @@ import contextlib
 import copy
 import multiprocessing
 import sys
+import threading
 import time
 from dataclasses import dataclass, field
 
@@ -237,7 +238,7 @@ def _rank_job(job: dict) -> list[StepFigures]:
     r, world_size, t0 = job.pop("rank"), job.pop("world_size"), job.pop("t0")
     hf_config, config, inputs = job.pop("hf_config"), job.pop("config"), job.pop("inputs")
     with fake_group(r, world_size):
-        return _rehearse_rank(hf_config, config, inputs, **job,
+        return _rehearse_rank(hf_config, config, inputs, **job, ticker=(r, world_size, t0),
                               on_phase=None if t0 is None else _progress(r, world_size, t0))
 
 
@@ -268,6 +269,36 @@ def _progress(rank: int, world_size: int, t0: float):
     return line
 
 
+PROGRESS_EVERY_S = 60.0
+"""`progress=True`: besides a line as each phase ends, one every this many seconds while a
+phase runs (the paper's exact walk runs for half an hour)."""
+
+
+@contextlib.contextmanager
+def _ticking(tracker: LiveBytes, rank: int, world_size: int, t0: float | None):
+    """While the block runs (t0 given: progress asked), a stderr line every
+    PROGRESS_EVERY_S seconds: the phase open now and the ops so far, from a daemon thread."""
+    if t0 is None:
+        yield
+        return
+    stop = threading.Event()
+
+    def tick() -> None:
+        while not stop.wait(PROGRESS_EVERY_S):
+            phase = tracker.current_phase
+            if phase is not None:
+                print(f"rehearse: rank {rank} of {world_size}: {phase} running at {time.perf_counter() - t0:.0f} s "
+                      f"({tracker.ops:,} ops so far)", file=sys.stderr, flush=True)
+
+    thread = threading.Thread(target=tick, name="rehearse-progress", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join()
+
+
 def _build(model, lora_rank: int | None, lora_targets: str) -> dict:
     """`fake_model`'s adapter arguments: the planner's LoRA, a PEFT model's own, or none;
     `ConfigError` for a bad rank or targets, or a PEFT model given a rank too."""
@@ -282,9 +313,11 @@ def _build(model, lora_rank: int | None, lora_targets: str) -> dict:
 
 
 def _rehearse_rank(hf_config, config: ExecConfig, inputs: Group, *, device: str, dtype: torch.dtype, steps: int,
-                   grpo: GRPOConfig, optimizer: bool, shard: int, build: dict, on_phase=None) -> list[StepFigures]:
+                   grpo: GRPOConfig, optimizer: bool, shard: int, build: dict, on_phase=None,
+                   ticker: tuple = (0, 1, None)) -> list[StepFigures]:
     """One rank's measured steps (in the fake group, if any): the fake model (with the
-    adapters of `build`, `_build`), its engine, FSDP2 over `shard` ranks when nonzero."""
+    adapters of `build`, `_build`), its engine, FSDP2 over `shard` ranks when nonzero;
+    `ticker` (rank, world_size, t0 or None): `_ticking`'s progress lines."""
     mode = fake_mode(allow_non_fake_inputs=True)
     fake = fake_model(hf_config, device=device, dtype=dtype, mode=mode, **build)
     tracker = LiveBytes(torch.device(device).type)
@@ -294,5 +327,5 @@ def _rehearse_rank(hf_config, config: ExecConfig, inputs: Group, *, device: str,
         counted = shard_fake(fake, shard, torch.device(device).type) if shard else contextlib.nullcontext()
         tracker.adopt(list(fake.parameters()) + list(fake.buffers()))
         opt = torch.optim.AdamW(fake.parameters(), foreach=False) if optimizer else None
-        with counted:
+        with counted, _ticking(tracker, *ticker):
             return measure_steps(engine, inputs, grpo, steps=steps, tracker=tracker, optimizer=opt, on_phase=on_phase)

@@ -177,6 +177,12 @@ class LiveBytes(TorchDispatchMode):
             if isinstance(t, torch.Tensor):
                 self._register(t)
 
+    @property
+    def current_phase(self) -> str | None:
+        """The innermost phase open now (None between phases); safe to read from another thread."""
+        open_ = self._open
+        return open_[-1] if open_ else None
+
     @contextlib.contextmanager
     def phase(self, name: str):
         """Record the peak of live bytes while the block runs as `phase_peaks[name]`

@@ -227,3 +227,20 @@ def test_progress_writes_a_line_as_each_phase_ends(capsys):
     lines = [line for line in err.splitlines() if line.startswith("rehearse: rank 0 of 1, step 1: ")]
     assert [line.split(": ")[2].split(" done")[0] for line in lines] == ["capture", "replay", "walk"], err
     assert all(" ops in the step so far)" in line for line in lines) and "rehearse:" not in out
+
+
+def test_progress_writes_a_line_while_a_long_phase_runs(capsys, monkeypatch):
+    """`progress=True`: a line every PROGRESS_EVERY_S seconds while a phase runs, naming it
+    (patched to a few milliseconds here); none without progress."""
+    import longstraw.rehearsal.run as run
+
+    monkeypatch.setattr(run, "PROGRESS_EVERY_S", 0.005)
+    for progress in (True, False):
+        ls.rehearse(tiny_model("qwen3").config, ls.ExecConfig(chunk_size=16, mode="exact"), prompt_tokens=P, group=G,
+                    response_tokens=R, device="cpu", dtype=torch.float32, progress=progress)
+        err = capsys.readouterr().err
+        running = [line for line in err.splitlines() if " running at " in line]
+        assert bool(running) == progress, err
+        assert all(line.startswith("rehearse: rank 0 of 1: ") and line.endswith(" ops so far)") for line in running)
+        assert {line.split(": ")[2].split(" running")[0] for line in running} <= {"validation", "capture", "replay",
+                                                                             "walk", "gradients"}
