@@ -82,8 +82,7 @@ def select_query_block(keys: int) -> int:
     multiple of SELECT_QUERY_BLOCK, at most SELECT_MAX_QUERY_BLOCK, whose [block, keys]
     score block holds at most SELECT_BLOCK_ELEMENTS values (what 128 queries over 524,288
     keys hold), never below SELECT_QUERY_BLOCK. Fewer keys a rank, fewer blocks: fewer
-    loop turns, shard top-ks and radix collectives. The engine's and the planner's one
-    rule. GLM-5.2 on 32 ranks at P = 2,088,960 (73,472 keys a block): 512."""
+    loop turns, shard top-ks and radix collectives. GLM-5.2 on 32 ranks at P = 2,088,960 (73,472 keys a block): 512."""
     block = SELECT_QUERY_BLOCK
     while block * 2 <= SELECT_MAX_QUERY_BLOCK and block * 2 * max(keys, 1) <= SELECT_BLOCK_ELEMENTS:
         block *= 2

@@ -28,7 +28,7 @@ from .arch import (
     layer_linears,
 )
 from .experts import local_choices
-from ..defaults import FLASH_BACKWARD_BLOCK, select_query_block
+from ..defaults import FLASH_BACKWARD_BLOCK
 
 
 def gdn_kernel_bytes_per_token(arch: Arch, b: int, kernel: str, *, graph: bool) -> float:
@@ -247,9 +247,12 @@ def dsa_selection_bytes(arch: Arch, queries: int, keys: int, b: int, acc: int) -
     [T, K] int64 selection that `attention_working` adds): `indexer_topk` of 4,096 queries
     over 65,536 positions (tiny glm_moe_dsa shapes) holds 130.8 MB of live tensors at its
     peak; planner 130.0 MB. Under context parallelism (`keys` the rank's) the selection
-    across ranks scores `defaults.select_query_block` queries at once."""
-    n = keys + queries
-    qb = min(queries, select_query_block(n) if arch.context_ranks > 1 else INDEXER_QUERY_BLOCK)
+    across ranks scores up to `defaults.select_query_block` queries at once; it is still
+    counted at 128: rehearsed and measured live, that larger block (at most 2^26 scores)
+    set no phase's peak (GLM-5.2 at 2.1M on 32 ranks; tiny glm_moe_dsa on gloo, where
+    counting it planned 1.24x the live peak), so counting it on top of the peak would not
+    be the peak either."""
+    qb, n = min(queries, INDEXER_QUERY_BLOCK), keys + queries
     w = TOPK_SELECT_BYTES * qb * n + qb * arch.index_heads * min(INDEXER_KEY_BLOCK, n) * acc
     return w + (keys * arch.index_dim * 4 if b < 4 else 0)
 

@@ -179,10 +179,8 @@ def rehearse(model, config: ExecConfig | None = None, *, prompt_tokens: int, gro
             `model` keeps its own adapters instead (then leave lora_rank None).
         progress: write a line to stderr as each rank's phase ends (rank, step, phase, time
             since the start, ops so far): a rehearsal at the paper's size takes minutes.
-        workers: rehearse up to this many of the ranks at once, each in a process of its own
-            (spawned; `model` must then be a config, and a calling script guards its entry
-            point with `if __name__ == "__main__":`). The figures are the same; the wall
-            time is the slowest rank's, each process holds its own RSS.
+        workers: ranks rehearsed at once, each in a spawned process (`model` a config; a calling
+            script guards its entry point with `if __name__ == "__main__":`); the same figures.
 
     Returns:
         `Rehearsal` (`peak_bytes_per_rank`, `phases`, `host_bytes`, `host_phases`, `flops`,
@@ -200,11 +198,7 @@ def rehearse(model, config: ExecConfig | None = None, *, prompt_tokens: int, gro
                           f"engine skips the update, nothing would be rehearsed), response_tokens >= 1 and "
                           f"steps >= 1; got {prompt_tokens}, {group}, {response_tokens}, {steps}")
     check_world(config, world_size, rank, shard_params)
-    if not isinstance(workers, int) or isinstance(workers, bool) or workers < 1:
-        raise ConfigError(f"rehearse: workers must be an int >= 1, got {workers!r}")
-    if workers > 1 and isinstance(model, nn.Module):
-        raise ConfigError("rehearse: workers > 1 rehearses the ranks in processes of their own from the model's "
-                          "config; pass the HF config (model.config), or workers=1")
+    _check_workers(workers, model)
     device = _default_device() if device is None else device
     if torch.device(device).type == "cuda" and not torch.backends.cuda.is_built():
         raise ConfigError("rehearse: device='cuda' needs a CUDA build of torch (autograd checks the device even on "
@@ -217,18 +211,31 @@ def rehearse(model, config: ExecConfig | None = None, *, prompt_tokens: int, gro
     jobs = {r: dict(hf_config=hf_config, config=config, inputs=inputs, device=device, dtype=dtype, steps=steps,
                     grpo=grpo or GRPOConfig(), optimizer=optimizer, shard=world_size if shard_params else 0,
                     build=build, rank=r, world_size=world_size, t0=t0 if progress else None) for r in ranks}
-    if workers > 1 and len(ranks) > 1:
-        ctx = multiprocessing.get_context("spawn")  # a fresh process: no inherited process group or fake mode
-        try:
-            with concurrent.futures.ProcessPoolExecutor(min(workers, len(ranks)), mp_context=ctx) as pool:
-                by_rank = dict(zip(ranks, pool.map(_rank_job, jobs.values())))
-        except concurrent.futures.process.BrokenProcessPool as e:
-            raise LongStrawError("rehearse: a rank's worker process ended without a result (killed, or out of "
-                                 "memory?). A script that calls rehearse(workers > 1) must guard its entry point "
-                                 "with `if __name__ == \"__main__\":`; or pass workers=1") from e
-    else:
-        by_rank = {r: _rank_job(job) for r, job in jobs.items()}
-    return _result(by_rank, t0=t0, device=device, world_size=world_size)
+    return _result(_run_jobs(jobs, workers), t0=t0, device=device, world_size=world_size)
+
+
+def _check_workers(workers, model) -> None:
+    """`ConfigError` for a `workers` count `rehearse` cannot use, before any work."""
+    if not isinstance(workers, int) or isinstance(workers, bool) or workers < 1:
+        raise ConfigError(f"rehearse: workers must be an int >= 1, got {workers!r}")
+    if workers > 1 and isinstance(model, nn.Module):
+        raise ConfigError("rehearse: workers > 1 rehearses the ranks in processes of their own from the model's "
+                          "config; pass the HF config (model.config), or workers=1")
+
+
+def _run_jobs(jobs: dict, workers: int) -> dict[int, list[StepFigures]]:
+    """{rank: its steps' figures}: the ranks' `_rank_job`s one after the other, or up to
+    `workers` at once in spawned processes (a fresh process: no inherited group or fake mode)."""
+    if workers == 1 or len(jobs) == 1:
+        return {r: _rank_job(job) for r, job in jobs.items()}
+    ctx = multiprocessing.get_context("spawn")
+    try:
+        with concurrent.futures.ProcessPoolExecutor(min(workers, len(jobs)), mp_context=ctx) as pool:
+            return dict(zip(jobs, pool.map(_rank_job, jobs.values())))
+    except concurrent.futures.process.BrokenProcessPool as e:
+        raise LongStrawError("rehearse: a rank's worker process ended without a result (killed, or out of "
+                             "memory?). A script that calls rehearse(workers > 1) must guard its entry point "
+                             "with `if __name__ == \"__main__\":`; or pass workers=1") from e
 
 
 def _rank_job(job: dict) -> list[StepFigures]:

@@ -21,24 +21,6 @@ def test_the_block_grows_as_a_rank_sees_fewer_keys():
         assert block * keys <= defaults.SELECT_BLOCK_ELEMENTS < 2 * block * keys or block == 1024
 
 
-def test_the_planner_counts_the_rule_s_block():
-    """Under context parallelism the selection's [block, keys] working set is the rule's
-    block; one process keeps the indexer's 128."""
-    import dataclasses
-
-    from longstraw.plan.arch import INDEXER_KEY_BLOCK, INDEXER_QUERY_BLOCK, TOPK_SELECT_BYTES, architecture, load_model_config
-    from longstraw.plan.working import dsa_selection_bytes
-
-    _, cfg, _ = load_model_config("glm-5.2")
-    one = architecture(cfg)
-    ranks = dataclasses.replace(one, context_ranks=32)
-    queries, keys = 8_192, 65_280
-    grown = dsa_selection_bytes(ranks, queries, keys, 2, 4) - dsa_selection_bytes(one, queries, keys, 2, 4)
-    n, more = keys + queries, select_query_block(keys + queries) - INDEXER_QUERY_BLOCK  # 384 more queries a block
-    assert grown == more * (TOPK_SELECT_BYTES * n + one.index_heads * INDEXER_KEY_BLOCK * 4)  # scores, per-head scores
-    assert grown > 0
-
-
 @pytest.mark.parametrize("block", [16, None])
 def test_the_engine_scores_the_rule_s_blocks(monkeypatch, block):
     """A rehearsed step of tiny GLM-5 (sparse DSA) at W = 2: replay's selection takes
