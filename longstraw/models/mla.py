@@ -148,7 +148,7 @@ def _select_across_ranks(indexer, q, keys, weights, call, held, query_block: int
     rep_keys = torch.cat([ix.until(call.start) for ix in others] + [keys])
     rep_pos = torch.cat([ix.positions(call.start) for ix in others]
                         + [torch.arange(call.start, call.start + t, device=q.device)])
-    if query_block is None:  # the planner's rule (`defaults.select_query_block`)
+    if query_block is None:  # larger blocks where a rank sees few keys (`defaults.select_query_block`)
         query_block = select_query_block(shard_ix.until(call.start).shape[0] + rep_keys.shape[0])
     mine = range(t) if own is None else own.host_rows()  # this rank's query rows, increasing (host ints)
     out = torch.full((t, topk), -1, dtype=torch.long, device=q.device)

@@ -55,9 +55,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .arch import count_parameters, indexer_parameters, layer_linears, layer_other_params
+from .arch import count_parameters, indexer_parameters
 from .config import Basis
-from .experts import expert_elements, expert_phase_traffic, expert_slice, weight_bytes
+from .experts import expert_elements, expert_phase_traffic, expert_slice, layer_elements, weight_bytes
 from .traffic import candidate_bytes_per_query
 
 
@@ -147,14 +147,9 @@ def fsdp_pass_bytes(s: Basis) -> float:
     `padded_lora_elements`), summed layer by layer. GLM-5.2's dense and MoE layers differ:
     counted as the largest layer each, its first 4 layers' replay gathers were planned
     1.13x the rehearsal's."""
-    arch, total = s.arch, 0.0
-    for layer in arch.layers:
-        groups = layer_linears(arch, layer)
-        linear = sum(a * b for name, shapes in groups.items() if name != "experts" for a, b in shapes)
-        if not s.config.expert_parallel:
-            linear += arch.experts * sum(a * b for a, b in groups["experts"])
-        total += weight_bytes(linear, layer_other_params(arch, layer), s.wdt, s.b)
-    return total + padded_lora_elements(s) * s.b
+    experts = not s.config.expert_parallel
+    layers = (layer_elements(s.arch, layer, experts=experts) for layer in s.arch.layers)
+    return sum(weight_bytes(linear, other, s.wdt, s.b) for linear, other in layers) + padded_lora_elements(s) * s.b
 
 
 def sharded_layer_grad_bytes(s: Basis) -> float:

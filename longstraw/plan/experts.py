@@ -93,14 +93,20 @@ def expert_elements(arch: Arch) -> int:
     return sum(arch.experts * sum(a * b for a, b in layer_linears(arch, layer)["experts"]) for layer in arch.layers)
 
 
+def layer_elements(arch: Arch, layer, *, experts: bool) -> tuple[int, int]:
+    """(linear, other) elements of one decoder layer: its linear weights (the routed
+    experts' only with `experts`) and its other parameters (norms, biases, convs, routers)."""
+    groups = layer_linears(arch, layer)
+    linear = sum(a * b for name, shapes in groups.items() if name != "experts" for a, b in shapes)
+    if experts:
+        linear += arch.experts * sum(a * b for a, b in groups["experts"])
+    return linear, layer_other_params(arch, layer)
+
+
 def largest_non_expert_layer(arch: Arch) -> tuple[int, int]:
     """(linear, other) elements of the decoder layer with the most parameters that are not
     routed experts (what FSDP2 gathers per layer under expert parallelism)."""
-    def sizes(layer):
-        groups = layer_linears(arch, layer)
-        return (sum(a * b for name, shapes in groups.items() if name != "experts" for a, b in shapes),
-                layer_other_params(arch, layer))
-    return max((sizes(layer) for layer in arch.layers), key=sum)
+    return max((layer_elements(arch, layer, experts=False) for layer in arch.layers), key=sum)
 
 
 def weight_bytes(elements_linear: float, elements_other: float, wdt: str, b: int) -> float:

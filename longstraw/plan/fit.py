@@ -182,9 +182,9 @@ def search(model, base: PlanConfig, pinned=()) -> Fit | NoFit:
         fast = plan(replace(cfg, branch_chunk_size=pieces[0], chunk_size=mine[0]))
         candidates.append((fast["estimated_time_s"], combo))
     candidates.sort(key=lambda x: x[0])
-    fitting = []  # (time, config, report): each combo's first fitting pieces and chunk
+    fitting, fastest = [], float("inf")  # (time, config, report): each combo's first fitting pieces and chunk
     for bound, combo in candidates:
-        if fitting and bound > min(t for t, _, _ in fitting) * (1 + TIME_TIE):
+        if bound > fastest * (1 + TIME_TIE):
             break
         cfg = replace(base, **combo)
         for p, ch in itertools.product(pieces, chunks_of(cfg, chunks)):
@@ -192,6 +192,7 @@ def search(model, base: PlanConfig, pinned=()) -> Fit | NoFit:
             r = plan(c)
             if _fits(r, budget):
                 fitting.append((r["estimated_time_s"], c, r))
+                fastest = min(fastest, r["estimated_time_s"])
                 break
     if not fitting:
         return _no_fit(model, base, pinned, plan, pieces, chunks)

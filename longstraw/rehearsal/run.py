@@ -239,14 +239,10 @@ def _run_jobs(jobs: dict, workers: int) -> dict[int, list[StepFigures]]:
 
 
 def _rank_job(job: dict) -> list[StepFigures]:
-    """One rank's steps in its fake group (`job`: `_rehearse_rank`'s arguments, and rank,
-    world_size, t0 (None: no progress lines)); module-level, so a worker process can run it."""
-    job = dict(job)
-    r, world_size, t0 = job.pop("rank"), job.pop("world_size"), job.pop("t0")
-    hf_config, config, inputs = job.pop("hf_config"), job.pop("config"), job.pop("inputs")
-    with fake_group(r, world_size):
-        return _rehearse_rank(hf_config, config, inputs, **job, ticker=(r, world_size, t0),
-                              on_phase=None if t0 is None else _progress(r, world_size, t0))
+    """One rank's steps in its fake group (`job`: `_rehearse_rank`'s arguments); module-level,
+    so a worker process can run it."""
+    with fake_group(job["rank"], job["world_size"]):
+        return _rehearse_rank(**job)
 
 
 def _result(by_rank: dict[int, list[StepFigures]], *, t0: float, device: str, world_size: int) -> Rehearsal:
@@ -320,11 +316,12 @@ def _build(model, lora_rank: int | None, lora_targets: str) -> dict:
 
 
 def _rehearse_rank(hf_config, config: ExecConfig, inputs: Group, *, device: str, dtype: torch.dtype, steps: int,
-                   grpo: GRPOConfig, optimizer: bool, shard: int, build: dict, on_phase=None,
-                   ticker: tuple = (0, 1, None)) -> list[StepFigures]:
+                   grpo: GRPOConfig, optimizer: bool, shard: int, build: dict, rank: int, world_size: int,
+                   t0: float | None) -> list[StepFigures]:
     """One rank's measured steps (in the fake group, if any): the fake model (with the
     adapters of `build`, `_build`), its engine, FSDP2 over `shard` ranks when nonzero;
-    `ticker` (rank, world_size, t0 or None): `_ticking`'s progress lines."""
+    with `t0` (the rehearsal's start) its progress lines (`_progress`, `_ticking`)."""
+    on_phase = None if t0 is None else _progress(rank, world_size, t0)
     mode = fake_mode(allow_non_fake_inputs=True)
     fake = fake_model(hf_config, device=device, dtype=dtype, mode=mode, **build)
     tracker = LiveBytes(torch.device(device).type)
@@ -334,5 +331,5 @@ def _rehearse_rank(hf_config, config: ExecConfig, inputs: Group, *, device: str,
         counted = shard_fake(fake, shard, torch.device(device).type) if shard else contextlib.nullcontext()
         tracker.adopt(list(fake.parameters()) + list(fake.buffers()))
         opt = torch.optim.AdamW(fake.parameters(), foreach=False) if optimizer else None
-        with counted, _ticking(tracker, *ticker):
+        with counted, _ticking(tracker, rank, world_size, t0):
             return measure_steps(engine, inputs, grpo, steps=steps, tracker=tracker, optimizer=opt, on_phase=on_phase)
