@@ -997,7 +997,7 @@ def _tree_run(models: dict, name: str, mode: str, key: str) -> tuple:
     under context parallelism, "one" in one process, "flat" one process without prefix
     sharing; its loss, every .grad and the group's scores."""
     if name not in models:
-        models[name] = CASES[name.removesuffix(SELECT_BLOCKS)]() if name == "hybrid" else float64_norms(CASES[name]())
+        models[name] = CASES[name]() if name == "hybrid" else float64_norms(CASES[name]())
     model = models[name]
     group = tree_group(["ABD", "ABE", "LC", "L", "AC"], prompt_len=23)
     extra = {"cp": dict(context_parallel=True), "one": {}, "flat": dict(share_response_prefixes=False)}[key]
