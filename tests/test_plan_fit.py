@@ -10,7 +10,7 @@ import pytest
 
 from longstraw.cli import main
 from longstraw.plan import PlanConfig, estimate
-from longstraw.plan.fit import TIME_TIE, Fit, NoFit, exec_config, flags, search
+from longstraw.plan.fit import TIME_TIE, Fit, NoFit, exec_config, flags, free_larger_chunk, search
 
 GiB = 2**30
 # 85% of 96 GiB: the reserve is the other 15%
@@ -158,3 +158,36 @@ def test_a_plan_within_the_tie_of_the_fastest_but_simpler_is_chosen(capsys):
     pieces = json.loads(capsys.readouterr().out)
     assert pieces["fits"] and pieces["estimated_time_s"] < fit["estimated_time_s"] <= (
         pieces["estimated_time_s"] * (1 + TIME_TIE))
+
+
+@pytest.mark.parametrize("plans, want", [
+    ({8192: (10, 101.9), 16384: (11, 100.0)}, 8192),  # 16,384 raises the peak
+    ({8192: (10, 102.1), 16384: (10, 103.0)}, 4096),  # both slower than the tie
+    ({8192: (9, 100.0), 16384: (10, 99.0)}, 16384),  # the largest that costs nothing
+])
+def test_a_larger_chunk_is_taken_only_where_it_costs_no_peak_and_no_time(plans, want):
+    """`free_larger_chunk` on a stand-in planner: chunk -> (peak, time); the chosen 4,096
+    plans (10, 100). Chunks at or above P are not tried."""
+    plans = {4096: (10, 100.0), 32768: (1, 1.0), **plans}
+
+    def plan(c):
+        peak, time = plans[c.chunk_size]
+        return {"peak_bytes_per_rank": peak, "estimated_time_s": time}
+
+    base = PlanConfig(prompt_tokens=32768, chunk_size=4096)
+    c, r = free_larger_chunk(plan, base, plan(base))
+    assert c.chunk_size == want and r == plan(c)
+
+
+def test_the_paper_qwen_exact_fit_takes_the_largest_chunk_at_the_same_peak(capsys):
+    """Qwen3.6-27B exact (bf16) on 8 H20s at the paper's P: replay sets the peak, so the fit's
+    capture chunk grows from 4,096 to 16,384 at the same peak and time (a quarter of the
+    walk's passes and its rehearsal's ops)."""
+    args = [a for a in QWEN[:-2]] + ["--mode", "exact"] + BUDGET
+    code, fit = run(capsys, args + ["--fit"])
+    assert code == 0 and "--chunk-size" in fit["fit"]["flags"]
+    assert fit["fit"]["flags"][fit["fit"]["flags"].index("--chunk-size") + 1] == "16384"
+    rest = [f for f in fit["fit"]["flags"] if f not in ("--chunk-size", "16384")]
+    _, at_4096 = run(capsys, args + rest + ["--chunk-size", "4096"])
+    assert at_4096["peak_bytes_per_rank"] == fit["peak_bytes_per_rank"]
+    assert fit["estimated_time_s"] <= at_4096["estimated_time_s"] * (1 + TIME_TIE)
