@@ -30,29 +30,10 @@ import torch
 from ..tensors import KVSegment, accumulation_dtype
 from . import flash
 from longstraw.parallel.collectives import GatherRows, MergeAcrossRanks, SumGradAcrossRanks
+from .prefix_blocks import prefix_attention_backward, prefix_attention_forward
 from .rows import from_rows, to_rows
 from .flash import (FlashAttention, KeptAttention, can_use_flash_autograd, empty_partial, fused_kernel, fused_takes, merge_partials,
                     merge_sink)
-
-
-def _window_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None, causal: bool) -> torch.Tensor | None:
-    """Boolean [M, N] mask, True where a query may NOT see a key (HF semantics:
-    visible iff k <= q and q - k < window)."""
-    masked = None
-    if causal:
-        masked = k_pos[None, :] > q_pos[:, None]
-    if window is not None:
-        far = (q_pos[:, None] - k_pos[None, :]) >= window
-        masked = far if masked is None else (masked | far)
-    return masked
-
-
-def _key_positions(k_start, b0: int, b1: int, device) -> torch.Tensor:
-    """Positions [b1 - b0] of key rows b0 .. b1 - 1: k_start is the first row's position
-    (an int: consecutive rows), or a LongTensor [S] of every row's position."""
-    if isinstance(k_start, torch.Tensor):
-        return k_start[b0:b1].to(device)
-    return torch.arange(k_start + b0, k_start + b1, device=device)
 
 
 class PrefixAttention(torch.autograd.Function):
@@ -72,31 +53,8 @@ class PrefixAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, q_pos, k_start, scale, window, block_size, sink=None, causal=False):
-        acc = accumulation_dtype(q.dtype)
-        qa = q.to(acc)
-        hkv, m_rows, _ = q.shape
-        s_len = k.shape[1]
-        row_max = torch.full((hkv, m_rows), float("-inf"), dtype=acc, device=q.device)
-        denom = torch.zeros(hkv, m_rows, dtype=acc, device=q.device)
-        out = torch.zeros(hkv, m_rows, v.shape[2], dtype=acc, device=q.device)
-        for b0 in range(0, s_len, block_size):
-            b1 = min(s_len, b0 + block_size)
-            scores = torch.matmul(qa, k[:, b0:b1].to(acc).transpose(1, 2)).mul_(scale)  # (Hkv, M, B)
-            if window is not None or causal:
-                k_pos = _key_positions(k_start, b0, b1, q.device)
-                scores.masked_fill_(_window_mask(q_pos, k_pos, window, causal), float("-inf"))
-            new_max = torch.maximum(row_max, scores.amax(dim=-1))
-            safe_max = torch.where(torch.isinf(new_max), torch.zeros_like(new_max), new_max)
-            probs = scores.sub_(safe_max[..., None]).exp_()  # (Hkv, M, B), in place: one tile
-            del scores
-            rescale = torch.exp(row_max - safe_max)
-            denom = denom * rescale + probs.sum(dim=-1)
-            out = out * rescale[..., None] + torch.matmul(probs, v[:, b0:b1].to(acc))
-            row_max = new_max
-            del probs
-        safe_max = torch.where(torch.isinf(row_max), torch.zeros_like(row_max), row_max)
-        out = out / torch.where(denom == 0, torch.ones_like(denom), denom)[..., None]
-        lse = safe_max + torch.log(denom)  # -inf where no key was visible
+        k_positions, k_first = _split_start(k_start)
+        out, lse = prefix_attention_forward(q, k, v, q_pos, k_positions, k_first, scale, window, block_size, causal)
         ctx.save_for_backward(q, out, lse, q_pos)
         # The prefix is held by reference (it is the captured state), not saved.
         ctx.prefix = (k, v)
@@ -109,47 +67,21 @@ class PrefixAttention(torch.autograd.Function):
     def backward(ctx, grad_out, grad_lse):
         q, out, lse, q_pos = ctx.saved_tensors
         k, v = ctx.prefix
-        scale, window, block_size = ctx.scale, ctx.window, ctx.block_size
-        acc = out.dtype
-        qa = q.to(acc)
         if grad_out is None:
             grad_out = torch.zeros_like(out)
-        grad_out = grad_out.to(acc)
-        delta = (grad_out * out).sum(dim=-1)  # (Hkv, M)
-        if grad_lse is not None:
-            delta = delta - grad_lse.to(acc)
-        # +inf where no key was visible, so exp(s - lse) is 0 there, never NaN.
-        lse = torch.where(torch.isinf(lse), torch.full_like(lse, float("inf")), lse)
         need_dk, need_dv = ctx.needs_input_grad[1], ctx.needs_input_grad[2]
-        sink = ctx.sink
-        dq = torch.zeros_like(qa)
-        dk = torch.zeros(k.shape, dtype=k.dtype, device=k.device) if need_dk else None
-        dv = torch.zeros(v.shape, dtype=v.dtype, device=v.device) if need_dv else None
-        for b0 in range(0, k.shape[1], block_size):
-            b1 = min(k.shape[1], b0 + block_size)
-            kb, vb = k[:, b0:b1].to(acc), v[:, b0:b1].to(acc)
-            # two [Hkv, M, B] tiles at a time: the scores become the probabilities in place,
-            # and dP becomes dS in place
-            scores = torch.matmul(qa, kb.transpose(1, 2)).mul_(scale)  # (Hkv, M, B)
-            if window is not None or ctx.causal:
-                k_pos = _key_positions(ctx.k_start, b0, b1, q.device)
-                scores.masked_fill_(_window_mask(q_pos, k_pos, window, ctx.causal), float("-inf"))
-            probs = scores.sub_(lse[..., None]).exp_()
-            del scores
-            dscores = torch.matmul(grad_out, vb.transpose(1, 2)).sub_(delta[..., None]).mul_(probs)  # (Hkv, M, B)
-            dq += torch.matmul(dscores, kb) * scale
-            if need_dk or need_dv or sink is not None:
-                dk_block = torch.matmul(dscores.transpose(1, 2), qa) * scale  # (Hkv, B, D)
-                dv_block = torch.matmul(probs.transpose(1, 2), grad_out)  # (Hkv, B, Dv)
-                if sink is not None:
-                    sink[0][:, b0:b1] += dk_block.to(sink[0].dtype)
-                    sink[1][:, b0:b1] += dv_block.to(sink[1].dtype)
-                if need_dk:
-                    dk[:, b0:b1] = dk_block.to(k.dtype)
-                if need_dv:
-                    dv[:, b0:b1] = dv_block.to(v.dtype)
-            del probs, dscores
-        return dq.to(q.dtype), dk, dv, None, None, None, None, None, None, None
+        sink_k, sink_v = ctx.sink if ctx.sink is not None else (None, None)
+        k_positions, k_first = _split_start(ctx.k_start)
+        dq, dk, dv = prefix_attention_backward(q, k, v, out, lse, q_pos, k_positions, k_first, grad_out, grad_lse,
+                                               sink_k, sink_v, need_dk, need_dv, ctx.scale, ctx.window,
+                                               ctx.block_size, ctx.causal)
+        return dq, dk if need_dk else None, dv if need_dv else None, None, None, None, None, None, None, None
+
+
+def _split_start(k_start) -> tuple[torch.Tensor | None, int]:
+    """`PrefixAttention`'s k_start as the ops take it: (every key's positions, None) for a
+    LongTensor [S], (None, the first key's position) for an int."""
+    return (k_start, 0) if isinstance(k_start, torch.Tensor) else (None, int(k_start))
 
 
 class KeptPrefixAttention(torch.autograd.Function):
