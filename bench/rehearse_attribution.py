@@ -65,7 +65,7 @@ class AttributedLiveBytes(LiveBytes):
                 if key not in self._host:  # device bytes only (host ones are `host_live`)
                     groups[self.labels.get(key, "?")] += nbytes
             if live > self.live:
-                groups["(a registered op's declared workspace)"] += live - self.live
+                groups[f"(declared workspace: {_where()})"] += live - self.live
             self.at_peak = dict(groups)
 
 
@@ -90,6 +90,9 @@ def main(argv: list[str]) -> None:
     p.add_argument("--lora-targets", default="all-linear")
     p.add_argument("--offload-snapshots", action="store_true")
     p.add_argument("--recompute-layers", action="store_true")
+    p.add_argument("--chunk-size", type=int, default=None)
+    p.add_argument("--shard-params", action="store_true")
+    p.add_argument("--rank", type=int, default=0, help="the rank rehearsed (context parallel)")
     args = p.parse_args(argv)
     _, cfg, _ = load_model_config(args.model)
     fields = {k: v for k, v in cfg.items() if k not in ("model_type", "torch_dtype")}
@@ -109,9 +112,11 @@ def main(argv: list[str]) -> None:
     run.LiveBytes = make
     extra = dict(offload_snapshots=True) if args.offload_snapshots else {}
     extra |= dict(recompute_layers=True) if args.recompute_layers else {}
+    extra |= dict(chunk_size=args.chunk_size) if args.chunk_size else {}
     config = ls.ExecConfig(mode=args.mode, context_parallel=args.gpus > 1, allow_position_overflow=True, **extra)
     r = ls.rehearse(hf, config, prompt_tokens=args.prompt_tokens, group=args.group, response_tokens=args.response_tokens,
-                    device="cpu", dtype=torch.bfloat16, world_size=args.gpus, rank=0 if args.gpus > 1 else None,
+                    device="cpu", dtype=torch.bfloat16, world_size=args.gpus, rank=args.rank if args.gpus > 1 else None,
+                    shard_params=args.shard_params,
                     lora_rank=args.lora_rank, lora_targets=args.lora_targets)
     t = trackers[0]
     gib = 2 ** 30

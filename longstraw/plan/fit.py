@@ -247,8 +247,8 @@ def free_larger_chunk(plan, c: PlanConfig, r: dict) -> tuple[PlanConfig, dict]:
     (replay, the walk), the larger chunk's working set costs nothing, and it is simpler:
     P / chunk fewer capture and walk passes, fewer collectives a layer (a divided walk's
     gathers), fewer recurrent snapshots. Qwen3.6-27B exact on 8 H20s at the paper's P:
-    chunks of 4,096 -> 16,384 at the same 70.30 GiB peak (replay's) and the same time,
-    walk traffic 31.32 -> 21.44 TiB, and a quarter of the walk's ops (its rehearsal's time)."""
+    chunks of 4,096 -> 8,192 at the same 70.30 GiB peak (replay's) and the same time; 16,384
+    would lift the walk (70.36 GiB) above replay."""
     best = (c, r)
     for ch in sorted(x for x in CHUNKS if c.chunk_size < x < c.prompt_tokens):
         cand = replace(c, chunk_size=ch)

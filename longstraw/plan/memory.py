@@ -326,7 +326,27 @@ def held_bytes(s: Basis, state: StatePlan) -> float:
     return w.param_bytes + w.grad_bytes + state.rank + state.grad + state.checkpoints
 
 
-def _gathered_walk_row_bytes(arch: Arch, layer: LayerSpec, b: int, gk: bool) -> float:
+WALK_ATTENTION_KEPT_ROWS = 3
+WALK_ATTENTION_BACKWARD_ROWS = 7
+"""A divided walk's attention layer, per chunk token, in [H, Dv + 1] accumulation-dtype rows:
+the forward keeps 3 for the whole chunk (the own causal parts gathered from every rank,
+the part over the shard, the parts merged across ranks) and the layer's backward holds 7
+more at its peak (the gradients of those and of the merge, summed and scattered). Counted
+from a rehearsal's live set at the walk's peak (`bench/rehearse_attribution.py --phase
+walk`: Qwen3.6-27B cut to 8 layers, P = 262,144 on 8 ranks, exact, chunks of 16,384, layer
+recompute: 3.87 GiB of such rows at the prefix attention's backward, 10.3 rows of
+[H, T, Dv] fp32). The planner had counted the output once, in the model's dtype: its walk was
+1.109 of the rehearsal's at the paper's P (docs/rehearse.md)."""
+
+
+def walk_attention_backward_bytes(arch: Arch, layer: LayerSpec, acc: int) -> float:
+    """Bytes per chunk token a divided walk's attention layer holds only in its backward
+    (`WALK_ATTENTION_BACKWARD_ROWS`); 0 for other mixers. The last layer has none: no root
+    reaches its output (a walk has no loss on the prompt), so its attention runs no backward."""
+    return WALK_ATTENTION_BACKWARD_ROWS * arch.heads * (arch.head_dim + 1) * acc if layer.mixer == "attention" else 0.0
+
+
+def _gathered_walk_row_bytes(arch: Arch, layer: LayerSpec, b: int, gk: bool, acc: int = 4) -> float:
     """Bytes per chunk token a divided reverse walk's layer keeps for the whole chunk (its
     rows of every rank, gathered, and the chunk's output that every rank computes):
     attention q/k/v and output; MLA the absorbed queries and latent rows, and the latent
@@ -335,8 +355,9 @@ def _gathered_walk_row_bytes(arch: Arch, layer: LayerSpec, b: int, gk: bool) -> 
     gathered projected rows, the conv's output before and after its activation, and the
     decay and write strength the kernel keeps (its registered op keeps only its inputs;
     the rest of the layer runs on the own rows). Other recurrent mixers: the layer's graph."""
-    if layer.mixer == "attention":
-        return (2 * arch.heads + 2 * arch.kv_heads) * arch.head_dim * b
+    if layer.mixer == "attention":  # q, k, v gathered; the output's rows in acc
+        return ((arch.heads + 2 * arch.kv_heads) * arch.head_dim * b
+                + WALK_ATTENTION_KEPT_ROWS * arch.heads * (arch.head_dim + 1) * acc)
     if layer.mixer == "mla":
         kl, r = arch.kv_lora_rank, arch.rope_dim
         return ((arch.heads + 1) * (kl + r) + arch.heads * kl) * b
@@ -420,8 +441,10 @@ def _divided_walk_working(s: Basis, walk_chunk: int, graph_tok: float) -> float:
     backward), and per GDN layer its replicated conv + recurrence (bounded by the layer's
     whole graph per token)."""
     own = s.deal.fullest(walk_chunk)
-    gathered_rows = walk_chunk * sum(_gathered_walk_row_bytes(s.arch, layer, s.b, s.config.gdn_kernel)
-                                     for layer in s.arch.layers)
+    gathered_rows = walk_chunk * (sum(_gathered_walk_row_bytes(s.arch, layer, s.b, s.config.gdn_kernel, s.acc)
+                                      for layer in s.arch.layers)
+                                  + max((walk_attention_backward_bytes(s.arch, layer, s.acc)
+                                         for layer in s.arch.layers[:-1]), default=0.0))
     whole, attn = _autograd(s, walk_chunk, s.p_rank)
     self_part = whole - walk_chunk * graph_tok  # the dense self part's scores, when counted
     return _autograd(s, own, s.p_rank, dense_self=False)[0] + gathered_rows + self_part + attn
@@ -444,7 +467,8 @@ def plan_walk(s: Basis, capture: CapturePlan, graph_tok: float) -> WalkPlan:
                                        bool(s.arch.count(mixer="gdn")))
         working = (divided_walk_recompute_working(
             s, walk_chunk, s.deal.fullest(walk_chunk),
-            lambda layer: _gathered_walk_row_bytes(s.arch, layer, s.b, c.gdn_kernel)) if recompute
+            lambda layer: _gathered_walk_row_bytes(s.arch, layer, s.b, c.gdn_kernel, s.acc),
+            lambda layer: walk_attention_backward_bytes(s.arch, layer, s.acc)) if recompute
             else _divided_walk_working(s, walk_chunk, graph_tok))
         comm = divided_walk_traffic(s.cfg, positions=P - 1, world=W, block=s.block, chunk_size=c.chunk_size,
                                     dtype=s.dtype, grad_bytes=replicated_grad_elements(s) * s.b, recompute=recompute)
