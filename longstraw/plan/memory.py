@@ -328,15 +328,10 @@ def held_bytes(s: Basis, state: StatePlan) -> float:
 
 WALK_ATTENTION_KEPT_ROWS = 3
 WALK_ATTENTION_BACKWARD_ROWS = 7
-"""A divided walk's attention layer, per chunk token, in [H, Dv + 1] accumulation-dtype rows:
-the forward keeps 3 for the whole chunk (the own causal parts gathered from every rank,
-the part over the shard, the parts merged across ranks) and the layer's backward holds 7
-more at its peak (the gradients of those and of the merge, summed and scattered). Counted
-from a rehearsal's live set at the walk's peak (`bench/rehearse_attribution.py --phase
-walk`: Qwen3.6-27B cut to 8 layers, P = 262,144 on 8 ranks, exact, chunks of 16,384, layer
-recompute: 3.87 GiB of such rows at the prefix attention's backward, 10.3 rows of
-[H, T, Dv] fp32). The planner had counted the output once, in the model's dtype: its walk was
-1.109 of the rehearsal's at the paper's P (docs/rehearse.md)."""
+"""A divided walk's attention layer, per chunk token, in [H, Dv + 1] acc rows: 3 kept from the
+forward (own causal parts gathered, the shard's part, the merge) and 7 more in its backward,
+counted from a rehearsal's live set at the walk's peak (`bench/rehearse_attribution.py`,
+Qwen3.6-27B cut to 8 layers, P = 262,144, 8 ranks, chunks of 16,384; docs/rehearse.md)."""
 
 
 def walk_attention_backward_bytes(arch: Arch, layer: LayerSpec, acc: int) -> float:
