@@ -79,8 +79,8 @@ class PrefixAttention(torch.autograd.Function):
 
 
 def _split_start(k_start) -> tuple[torch.Tensor | None, int]:
-    """`PrefixAttention`'s k_start as the ops take it: (every key's positions, None) for a
-    LongTensor [S], (None, the first key's position) for an int."""
+    """`PrefixAttention`'s k_start as the ops take it, (k_positions, k_first): (every key's
+    positions, 0) for a LongTensor [S], (None, the first key's position) for an int."""
     return (k_start, 0) if isinstance(k_start, torch.Tensor) else (None, int(k_start))
 
 

@@ -169,15 +169,14 @@ def _(q, k, v, out, lse, q_pos, k_positions, k_first, grad_out, grad_lse, sink_k
             k.new_empty(k.shape if need_dk else (0,)), v.new_empty(v.shape if need_dv else (0,)))
 
 
-def _sizes(q, k, v, acc_size: int, block_size: int) -> tuple[int, int, int, int, int, int]:
-    """(Hkv, M, B, D, Dv, bytes a query row holds in the accumulation dtype per value)."""
-    hkv, m, d = q.shape
-    return hkv, m, max(1, min(block_size, k.shape[1])), d, v.shape[2], acc_size
+def _size(dtype: torch.dtype) -> int:
+    """Bytes of one value of a floating `dtype` (no tensor made: the workspace runs per op)."""
+    return torch.finfo(dtype).bits // 8
 
 
 def _cast(x: Tensor, acc: torch.dtype, numel: int) -> int:
     """Bytes of `numel` values of x cast to acc (0 where x is already acc: `.to` returns x)."""
-    return 0 if x.dtype == acc else numel * torch.empty(0, dtype=acc).element_size()
+    return 0 if x.dtype == acc else numel * _size(acc)
 
 
 def _masks(m: int, b: int, window, causal: bool) -> int:
@@ -198,7 +197,7 @@ def forward_workspace(q, k, v, q_pos, k_positions, k_first, scale, window, block
     if k.shape[1] == 0:
         return 0
     acc = accumulation_dtype(q.dtype)
-    hkv, m, b, d, dv, a = _sizes(q, k, v, torch.empty(0, dtype=acc).element_size(), block_size)
+    (hkv, m, d), b, dv, a = q.shape, min(block_size, k.shape[1]), v.shape[2], _size(acc)
     rows, outs, tile = hkv * m * a, hkv * m * dv * a, hkv * m * b * a
     held = _cast(q, acc, hkv * m * d) + 2 * rows + outs
     scoring = tile + _cast(k, acc, hkv * b * d) + _masks(m, b, window, causal)
@@ -217,7 +216,7 @@ def backward_workspace(q, k, v, out, lse, q_pos, k_positions, k_first, grad_out,
     if k.shape[1] == 0:
         return 0
     acc = out.dtype
-    hkv, m, b, d, dv, a = _sizes(q, k, v, out.element_size(), block_size)
+    (hkv, m, d), b, dv, a = q.shape, min(block_size, k.shape[1]), v.shape[2], out.element_size()
     tile, dq = hkv * m * b * a, hkv * m * d * a
     held = _cast(q, acc, hkv * m * d) + _cast(grad_out, acc, hkv * m * dv) + 2 * hkv * m * a + dq
     held += (k.numel() * k.element_size() if need_dk else 0) + (v.numel() * v.element_size() if need_dv else 0)

@@ -341,7 +341,7 @@ def walk_attention_backward_bytes(arch: Arch, layer: LayerSpec, acc: int) -> flo
     return WALK_ATTENTION_BACKWARD_ROWS * arch.heads * (arch.head_dim + 1) * acc if layer.mixer == "attention" else 0.0
 
 
-def _gathered_walk_row_bytes(arch: Arch, layer: LayerSpec, b: int, gk: bool, acc: int = 4) -> float:
+def _gathered_walk_row_bytes(arch: Arch, layer: LayerSpec, b: int, gk: bool, acc: int) -> float:
     """Bytes per chunk token a divided reverse walk's layer keeps for the whole chunk (its
     rows of every rank, gathered, and the chunk's output that every rank computes):
     attention q/k/v and output; MLA the absorbed queries and latent rows, and the latent

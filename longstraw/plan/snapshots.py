@@ -129,7 +129,7 @@ def walk_recompute_working(s, tokens: int, keys: int) -> float:
     return kept + moment + tokens * (max(retained, 0.0) + seed_bytes_per_token(a, s.b) + selections)
 
 
-def divided_walk_recompute_working(s, walk_chunk: int, own: int, gathered_row_bytes, backward_row_bytes=None) -> float:
+def divided_walk_recompute_working(s, walk_chunk: int, own: int, gathered_row_bytes, backward_row_bytes) -> float:
     """A divided walk chunk of `walk_chunk` tokens, `own` of them this rank's, each layer
     recomputed in backward: the own rows' layer inputs, then per layer its own rows' graph,
     what it keeps for the whole chunk (`gathered_row_bytes(layer)` per chunk token) and, but
@@ -142,7 +142,7 @@ def divided_walk_recompute_working(s, walk_chunk: int, own: int, gathered_row_by
     moment = 0.0
     for i, layer in enumerate(a.layers):
         g = own * graph_bytes_per_token(a, layer, s.b, c.gdn_kernel) + walk_chunk * gathered_row_bytes(layer)
-        if backward_row_bytes is not None and i < len(a.layers) - 1:
+        if i < len(a.layers) - 1:
             g += walk_chunk * backward_row_bytes(layer)
         g += self_scores(a, layer, walk_chunk, s.acc) if dense else 0.0
         attn = attention_working(a, layer, walk_chunk, s.p_rank, c.attention_block_size, s.acc, backward=True, b=s.b)
