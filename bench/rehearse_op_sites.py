@@ -7,7 +7,7 @@ with `#` also give the rehearsal's figures against the planner's (`longstraw pla
     PYTHONPATH=. python bench/rehearse_op_sites.py --model glm-5.2 --layers 4 --prompt-tokens 65536 \\
         --group 8 --response-tokens 1024 --gpus 32 --lora-rank 8 [--top 25] [--out FILE] [--allow-position-overflow]
         [--chunk-size N] [--branch-chunk-size N] [--recompute-layers] [--expert-parallel] [--shard-params]
-        [--skip-device-queries] [--offload-snapshots] [--mode exact]
+        [--skip-device-queries] [--by-phase] [--offload-snapshots] [--mode exact]
 """
 
 from __future__ import annotations
@@ -54,6 +54,7 @@ def main() -> None:
     ap.add_argument("--offload-snapshots", action="store_true")
     ap.add_argument("--skip-device-queries", action="store_true",
                     help="count as the tracker does (`LiveBytes.ops`): prim.device queries left out")
+    ap.add_argument("--by-phase", action="store_true", help="count by (innermost open phase, site)")
     args = ap.parse_args()
     _, model, _ = load_model_config(args.model)
     if args.layers:
@@ -65,11 +66,11 @@ def main() -> None:
     counts: collections.Counter = collections.Counter()
     dispatch = tracker.LiveBytes.__torch_dispatch__
 
-    skip = args.skip_device_queries
+    skip, by_phase = args.skip_device_queries, args.by_phase
 
     def counted(self, func, types, args=(), kwargs=None):
         if not (skip and func.namespace == "prim"):
-            counts[_site()] += 1
+            counts[f"{self.current_phase}:{_site()}" if by_phase else _site()] += 1
         return dispatch(self, func, types, args, kwargs)
 
     tracker.LiveBytes.__torch_dispatch__ = counted
