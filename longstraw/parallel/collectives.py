@@ -90,14 +90,20 @@ def _gather_into_tensor(output, input, group=None):
     return gather(output, input, group=group)
 
 
-def all_gather(tensor: torch.Tensor, cp) -> list[torch.Tensor]:
-    """Every rank's `tensor` (same shape on all ranks), in rank order, on `tensor`'s device."""
+def all_gather_stacked(tensor: torch.Tensor, cp) -> torch.Tensor:
+    """Every rank's `tensor` (same shape on all ranks) stacked in rank order: [W, *tensor.shape],
+    on `tensor`'s device."""
     device = getattr(cp, "device", None)
     moved = tensor.contiguous() if device is None else tensor.to(device).contiguous()
     Traffic.add((cp.world - 1) * nbytes(moved), "all_gather")
     flat = moved.new_empty(cp.world * moved.numel())  # one buffer, not W: one op each way on a rehearsal too
     _collective(_gather_into_tensor, cp, flat, moved.reshape(-1))
-    return list(flat.view(cp.world, *moved.shape).to(tensor.device).unbind(0))
+    return flat.view(cp.world, *moved.shape).to(tensor.device)
+
+
+def all_gather(tensor: torch.Tensor, cp) -> list[torch.Tensor]:
+    """Every rank's `tensor` (same shape on all ranks), in rank order, on `tensor`'s device."""
+    return list(all_gather_stacked(tensor, cp).unbind(0))
 
 
 def reduce_scatter_sum(tensor: torch.Tensor, cp) -> torch.Tensor:
@@ -170,15 +176,23 @@ class GradOnFirstRank(torch.autograd.Function):
 def gather_rows(x: torch.Tensor, index: list[torch.Tensor], cp) -> torch.Tensor:
     """x [.., n_r, F] of this rank's rows of a chunk -> [.., T, F], every rank's rows in
     chunk order (rank s's rows land at `index[s]`, LongTensor [n_s]): one all-gather, each
-    rank's rows padded to the longest. No autograd (`GatherRows` is its differentiable form)."""
-    most = max(int(i.numel()) for i in index)
-    padded = x.new_zeros(*x.shape[:-2], most, x.shape[-1])
-    padded[..., : x.shape[-2], :] = x
-    parts = all_gather(padded, cp)
-    out = x.new_empty(*x.shape[:-2], sum(int(i.numel()) for i in index), x.shape[-1])
-    for part, rows in zip(parts, index):
-        out[..., rows, :] = part[..., : rows.numel(), :]
-    return out
+    rank's rows padded to the longest. No autograd (`GatherRows` is its differentiable form).
+
+    The gathered rows land with one `index_copy_` (not one indexed write per rank: every
+    layer of a divided walk chunk gathers, forward and backward)."""
+    counts = [int(i.numel()) for i in index]
+    most, lead, width = max(counts), x.shape[:-2], x.shape[-1]
+    padded = x
+    if x.shape[-2] != most:
+        padded = x.new_zeros(*lead, most, width)
+        padded[..., : x.shape[-2], :] = x
+    stacked = all_gather_stacked(padded, cp)  # [W, .., most, F]
+    if min(counts) == most:  # every rank holds as many rows (the deal's usual chunk)
+        rows = stacked.movedim(0, -3).reshape(*lead, len(index) * most, width)
+    else:
+        rows = torch.cat([stacked[s, ..., :n, :] for s, n in enumerate(counts)], dim=-2)
+    out = x.new_empty(*lead, sum(counts), width)
+    return out.index_copy_(out.dim() - 2, torch.cat(index), rows)
 
 
 class GatherRows(torch.autograd.Function):
