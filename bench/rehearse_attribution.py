@@ -93,6 +93,8 @@ def main(argv: list[str]) -> None:
     p.add_argument("--chunk-size", type=int, default=None)
     p.add_argument("--shard-params", action="store_true")
     p.add_argument("--rank", type=int, default=0, help="the rank rehearsed (context parallel)")
+    p.add_argument("--expert-parallel", action="store_true")
+    p.add_argument("--branch-chunk-size", type=int, default=None)
     args = p.parse_args(argv)
     _, cfg, _ = load_model_config(args.model)
     fields = {k: v for k, v in cfg.items() if k not in ("model_type", "torch_dtype")}
@@ -113,6 +115,8 @@ def main(argv: list[str]) -> None:
     extra = dict(offload_snapshots=True) if args.offload_snapshots else {}
     extra |= dict(recompute_layers=True) if args.recompute_layers else {}
     extra |= dict(chunk_size=args.chunk_size) if args.chunk_size else {}
+    extra |= dict(expert_parallel=True) if args.expert_parallel else {}
+    extra |= dict(branch_chunk_size=args.branch_chunk_size) if args.branch_chunk_size else {}
     config = ls.ExecConfig(mode=args.mode, context_parallel=args.gpus > 1, allow_position_overflow=True, **extra)
     r = ls.rehearse(hf, config, prompt_tokens=args.prompt_tokens, group=args.group, response_tokens=args.response_tokens,
                     device="cpu", dtype=torch.bfloat16, world_size=args.gpus, rank=args.rank if args.gpus > 1 else None,
