@@ -161,6 +161,21 @@ def routing_weight_bytes(arch: Arch, b: int) -> int:
     return b if arch.model_type.startswith(ROUTING_IN_COMPUTE_DTYPE) else 4
 
 
+def moe_backward_bytes_per_token(arch: Arch, b: int) -> float:
+    """Transient bytes per token of an MoE layer's backward through HF's grouped_mm combine
+    (`grouped_mm_experts_forward`: the routing-weighted rows un-permuted, then summed over
+    each token's k choices), beside the layer's graph: the sum's gradient materialised as
+    [T k, H] (`ViewBackward0` over the expanded sum) and the un-permute's (`IndexBackward0`:
+    zeros [T k, H] and the indexed write), each in the promoted dtype (max(b, routing
+    weight); float32 for HF's float32 routers), and the [T, H] cast back. Found by
+    rehearsing GLM-5.2 (the preset cut to 4 layers, P = 131,072 on 32 ranks, expert parallel,
+    FSDP2, `bench/rehearse_attribution.py --phase replay`): replay's peak is in that backward,
+    three float32 [T k, H] of 1.5 GiB at T = 8,192, which the planner's replay left out
+    (planned 0.87 of rehearsed). A real CPU run holds the same three (an in-place indexed
+    write on CUDA may hold two)."""
+    return (3 * local_choices(arch) + 1) * arch.hidden * max(b, routing_weight_bytes(arch, b))
+
+
 def combine_bytes_per_token(arch: Arch, world: int, b: int) -> dict:
     """Bytes one rank receives per MoE layer and per token, by kind of tokens and pass
     (the table in the module docstring)."""

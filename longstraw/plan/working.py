@@ -27,7 +27,7 @@ from .arch import (
     LayerSpec,
     layer_linears,
 )
-from .experts import local_choices
+from .experts import local_choices, moe_backward_bytes_per_token
 from ..defaults import FLASH_BACKWARD_BLOCK
 
 
@@ -342,6 +342,8 @@ def autograd_pass(arch: Arch, tokens: int, keys: int, block: int, b: int, acc: i
         back = recurrent_backward_bytes_per_token(arch, l, b, gdn_kernel)
         if back:
             attn = max(attn, below - tokens * mlp_graph_bytes_per_token(arch, l, b) - graph + tokens * back)
+        if l.mlp == "moe":  # the combine's backward, the whole graph alive (the MLP's backward runs first)
+            attn = max(attn, tokens * moe_backward_bytes_per_token(arch, b))
     if dense_self:
         graph += sum(self_scores(arch, l, tokens, acc) for l in arch.layers)
         attn = max(attn, max(self_scores(arch, l, tokens, acc) for l in arch.layers))
@@ -388,8 +390,11 @@ def recompute_pass(arch: Arch, tokens: int, keys: int, block: int, b: int, acc: 
                 mixer = g - tokens * mlp_graph_bytes_per_token(arch, layer, b) + tokens * back
             else:
                 mixer = g + tokens * gdn_kernel_bytes_per_token(arch, b, gdn_kernel, graph=False)
-        if mlp_backward and layer.mlp == "dense" and not (not last_output_reached and i == len(arch.layers) - 1):
+        reached = last_output_reached or i < len(arch.layers) - 1
+        if mlp_backward and layer.mlp == "dense" and reached:
             mixer = max(mixer, g + 3 * tokens * arch.intermediate * acc)
+        if layer.mlp == "moe" and reached:  # the combine's backward, with the layer's whole graph alive
+            mixer = max(mixer, g + tokens * moe_backward_bytes_per_token(arch, b))
         moment, graph = max(moment, g, mixer), max(graph, g)
     return kept, moment, graph
 
