@@ -94,6 +94,8 @@ def main(argv: list[str]) -> None:
     p.add_argument("--shard-params", action="store_true")
     p.add_argument("--rank", type=int, default=0, help="the rank rehearsed (context parallel)")
     p.add_argument("--expert-parallel", action="store_true")
+    p.add_argument("--dtype", default="bfloat16", help="a torch dtype name: bfloat16, float32")
+    p.add_argument("--attention-block-size", type=int, default=None)
     p.add_argument("--branch-chunk-size", type=int, default=None)
     args = p.parse_args(argv)
     _, cfg, _ = load_model_config(args.model)
@@ -116,10 +118,11 @@ def main(argv: list[str]) -> None:
     extra |= dict(recompute_layers=True) if args.recompute_layers else {}
     extra |= dict(chunk_size=args.chunk_size) if args.chunk_size else {}
     extra |= dict(expert_parallel=True) if args.expert_parallel else {}
+    extra |= dict(attention_block_size=args.attention_block_size) if args.attention_block_size else {}
     extra |= dict(branch_chunk_size=args.branch_chunk_size) if args.branch_chunk_size else {}
     config = ls.ExecConfig(mode=args.mode, context_parallel=args.gpus > 1, allow_position_overflow=True, **extra)
     r = ls.rehearse(hf, config, prompt_tokens=args.prompt_tokens, group=args.group, response_tokens=args.response_tokens,
-                    device="cpu", dtype=torch.bfloat16, world_size=args.gpus, rank=args.rank if args.gpus > 1 else None,
+                    device="cpu", dtype=getattr(torch, args.dtype), world_size=args.gpus, rank=args.rank if args.gpus > 1 else None,
                     shard_params=args.shard_params,
                     lora_rank=args.lora_rank, lora_targets=args.lora_targets)
     t = trackers[0]
