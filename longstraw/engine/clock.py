@@ -19,14 +19,43 @@ def clock(device: torch.device) -> float:
     return time.perf_counter()
 
 
+_LOOPS: list[list] = []  # the named `progress` loops running now, outermost first: [desc, done, total, start]
+
+
 def progress(iterable, *, enabled: bool, desc: str | None, total: int):
     """One progress bar per phase; desc None: none (a branch's pieces run inside the
     replay bar, so they get no bar of their own). Each item beats (`longstraw.heartbeat`):
-    the loop moved on, progress for the launch watchdog."""
+    the loop moved on, progress for the launch watchdog. A named loop's position is
+    readable while it runs, bar or not (`loop_position`)."""
     bar = iterable if not enabled or desc is None else tqdm(iterable, desc=desc, total=total, leave=False)
-    for item in bar:
-        beat()
-        yield item
+    if desc is None:
+        for item in bar:
+            beat()
+            yield item
+        return
+    state = [desc, 0, total, time.perf_counter()]
+    _LOOPS.append(state)
+    try:
+        for item in bar:
+            beat()
+            yield item
+            state[1] += 1
+    finally:
+        for i in range(len(_LOOPS) - 1, -1, -1):  # by identity: two loops may hold equal values
+            if _LOOPS[i] is state:
+                del _LOOPS[i]
+                break
+
+
+def loop_position() -> tuple[str, int, int, float] | None:
+    """(desc, items done, total, seconds since it began) of the innermost named `progress`
+    loop running now, or None; safe to read from another thread (a rehearsal's progress
+    lines give an estimate of the time left from it)."""
+    loops = list(_LOOPS)
+    if not loops:
+        return None
+    desc, done, total, start = loops[-1]
+    return desc, done, total, time.perf_counter() - start
 
 
 class ProgressCounter:

@@ -28,6 +28,7 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 from longstraw.config import ExecConfig, GRPOConfig
 from longstraw.engine import Engine
+from longstraw.engine.clock import loop_position
 from longstraw.errors import ConfigError, LongStrawError
 from longstraw.group import Group
 from longstraw.rehearsal.fast_fake import fake_mode
@@ -291,7 +292,7 @@ def _ticking(tracker: LiveBytes, rank: int, world_size: int, t0: float | None):
             phase = tracker.current_phase
             if phase is not None:
                 print(f"rehearse: rank {rank} of {world_size}: {phase} running at {time.perf_counter() - t0:.0f} s "
-                      f"({tracker.ops:,} ops so far)", file=sys.stderr, flush=True)
+                      f"({tracker.ops:,} ops so far{_pace(loop_position())})", file=sys.stderr, flush=True)
 
     thread = threading.Thread(target=tick, name="rehearse-progress", daemon=True)
     thread.start()
@@ -300,6 +301,17 @@ def _ticking(tracker: LiveBytes, rank: int, world_size: int, t0: float | None):
     finally:
         stop.set()
         thread.join()
+
+
+def _pace(position) -> str:
+    """'; reverse 37 of 255, ~14 min left in it' from `clock.loop_position` (nothing before
+    the loop's first item finishes): the loop's own pace so far, extrapolated."""
+    if position is None or position[1] < 1:
+        return ""
+    desc, done, total, elapsed = position
+    left = elapsed / done * (total - done)
+    return f"; {desc} {done:,} of {total:,}, ~{left / 60:.0f} min left in it" if left >= 60 else \
+        f"; {desc} {done:,} of {total:,}, ~{left:.0f} s left in it"
 
 
 def _build(model, lora_rank: int | None, lora_targets: str) -> dict:

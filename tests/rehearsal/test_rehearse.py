@@ -231,7 +231,8 @@ def test_progress_writes_a_line_as_each_phase_ends(capsys):
 
 def test_progress_writes_a_line_while_a_long_phase_runs(capsys, monkeypatch):
     """`progress=True`: a line every PROGRESS_EVERY_S seconds while a phase runs, naming it
-    (patched to a few milliseconds here); none without progress."""
+    (patched to a few milliseconds here), with the running loop's position and time left at
+    its pace; none without progress."""
     import longstraw.rehearsal.run as run
 
     monkeypatch.setattr(run, "PROGRESS_EVERY_S", 0.005)
@@ -241,6 +242,25 @@ def test_progress_writes_a_line_while_a_long_phase_runs(capsys, monkeypatch):
         err = capsys.readouterr().err
         running = [line for line in err.splitlines() if " running at " in line]
         assert bool(running) == progress, err
-        assert all(line.startswith("rehearse: rank 0 of 1: ") and line.endswith(" ops so far)") for line in running)
+        assert all(line.startswith("rehearse: rank 0 of 1: ") and " ops so far" in line for line in running)
+        assert not progress or any(" left in it)" in line for line in running), err  # a loop's pace
         assert {line.split(": ")[2].split(" running")[0] for line in running} <= {"validation", "capture", "replay",
                                                                              "walk", "gradients"}
+
+
+def test_a_loop_s_pace_gives_the_time_left():
+    """`clock.loop_position` names the innermost named loop while it runs (nothing after),
+    and `_pace` extrapolates its time left from the items done."""
+    from longstraw.engine.clock import loop_position, progress
+    from longstraw.rehearsal.run import _pace
+
+    assert loop_position() is None
+    seen = []
+    for _ in progress(range(3), enabled=False, desc="reverse", total=3):
+        for _ in progress(range(2), enabled=False, desc=None, total=2):  # unnamed: a branch's pieces
+            seen.append(loop_position()[:3])
+    assert seen == [("reverse", 0, 3)] * 2 + [("reverse", 1, 3)] * 2 + [("reverse", 2, 3)] * 2
+    assert loop_position() is None
+    assert _pace(None) == "" and _pace(("reverse", 0, 255, 10.0)) == ""
+    assert _pace(("reverse", 37, 255, 370.0)) == "; reverse 37 of 255, ~36 min left in it"
+    assert _pace(("capture", 9, 10, 9.0)) == "; capture 9 of 10, ~1 s left in it"
