@@ -33,6 +33,14 @@ def _site() -> str | None:
     return None
 
 
+def emit(lines: list[str], out: str | None) -> None:
+    """Print the lines, and write them to `out` when given."""
+    print("\n".join(lines))
+    if out:
+        with open(out, "w") as f:
+            f.write("\n".join(lines) + "\n")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", default="glm-5.2")
@@ -80,10 +88,7 @@ def main() -> None:
     against = format_comparison(comparison(model, config, reh)).splitlines()
     lines = [f"# {' '.join(sys.argv)}", f"# wall {wall:.1f} s, {sum(counts.values())} ops"]
     lines += [f"# {line}" for line in against] + ["ops,site"] + [f"{n},{site}" for site, n in counts.most_common(args.top)]
-    print("\n".join(lines))
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write("\n".join(lines) + "\n")
+    emit(lines, args.out)
 
 
 if __name__ == "__main__":

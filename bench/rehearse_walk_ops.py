@@ -24,7 +24,7 @@ import longstraw.rehearsal.tracker as tracker
 from longstraw.plan.arch import load_model_config
 from longstraw.plan.config import PlanConfig
 from longstraw.rehearsal.against_plan import rehearse_plan
-from rehearse_op_sites import _site
+from rehearse_op_sites import _site, emit
 
 CHUNK = 8192
 
@@ -71,10 +71,7 @@ def main() -> None:
              f"# walk ops per layer and walk chunk, a rank: {sum(added.values()) / per:.1f}", "ops,site"]
     lines += [f"{n / per:.1f},{site}" for site, n in by_site.most_common(args.top)]
     lines += ["ops,aten op"] + [f"{n / per:.1f},{op}" for op, n in by_op.most_common(args.top)]
-    print("\n".join(lines))
-    if args.out:
-        with open(args.out, "w") as f:
-            f.write("\n".join(lines) + "\n")
+    emit(lines, args.out)
 
 
 if __name__ == "__main__":
