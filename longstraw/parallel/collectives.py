@@ -188,9 +188,10 @@ def gather_rows(x: torch.Tensor, index: list[torch.Tensor], cp) -> torch.Tensor:
         padded[..., : x.shape[-2], :] = x
     stacked = all_gather_stacked(padded, cp)  # [W, .., most, F]
     if min(counts) == most:  # every rank holds as many rows (the deal's usual chunk)
-        rows = stacked.movedim(0, -3).reshape(*lead, len(index) * most, width)
+        rows = stacked.movedim(0, -3).reshape(*lead, len(index) * most, width)  # a copy under leading dims
     else:
         rows = torch.cat([stacked[s, ..., :n, :] for s, n in enumerate(counts)], dim=-2)
+    del stacked, padded  # two gathered-sized buffers at a time, as the per-rank writes held
     out = x.new_empty(*lead, sum(counts), width)
     return out.index_copy_(out.dim() - 2, torch.cat(index), rows)
 

@@ -62,3 +62,21 @@ def test_gather_rows_equals_one_write_per_rank(start, end, world, block, lead, d
             got = collectives.gather_rows(xs[rank], index, _Group(rank, world))
         assert got.dtype == dtype and got.shape == want.shape
         assert torch.equal(got, want)
+
+
+def test_gather_rows_holds_two_gathered_buffers_at_most():
+    """Under leading dims the gathered rows are reordered through one copy: the all-gather's
+    buffer is dropped before the output is made, so no more than two gathered-sized
+    buffers are alive at once (as the per-rank writes held: the buffer and the output)."""
+    from longstraw.rehearsal.tracker import LiveBytes
+
+    index = chunk_rows(0, 48, 3, 4, torch.device("cpu"))
+    xs = [torch.randn(4, 6, int(i.numel()), 32, dtype=torch.float64) for i in index]
+    gathered = sum(x.numel() for x in xs) * 8
+    tracker = LiveBytes("cpu")
+    tracker.adopt(xs)
+    with mock.patch.object(collectives, "all_gather_stacked", _stacking(xs)), tracker, tracker.phase("gather"):
+        out = collectives.gather_rows(xs[1], index, _Group(1, 3))
+    assert torch.equal(out, naive_gather(xs, index))
+    held = tracker.phase_peaks["gather"] - sum(x.numel() for x in xs) * 8
+    assert held <= 2 * gathered + 4096, (held, gathered)  # index tensors: a few KB
