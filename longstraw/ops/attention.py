@@ -55,9 +55,13 @@ class PrefixAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, q_pos, k_start, scale, window, block_size, sink=None, causal=False):
         k_positions, k_first = _split_start(k_start)
         out, lse = prefix_attention_forward(q, k, v, q_pos, k_positions, k_first, scale, window, block_size, causal)
-        ctx.save_for_backward(q, out, lse, q_pos)
-        # The prefix is held by reference (it is the captured state), not saved.
-        ctx.prefix = (k, v)
+        if k.requires_grad or v.requires_grad:  # a chunk's or piece's own keys, made in the graph: saved, so
+            # that a checkpointed layer (layer recompute) holds none of them until its backward recomputes it
+            ctx.save_for_backward(q, out, lse, q_pos, k, v)
+            ctx.prefix = None
+        else:  # the captured state: held by reference (its staged rows may be rewritten in place later)
+            ctx.save_for_backward(q, out, lse, q_pos)
+            ctx.prefix = (k, v)
         ctx.sink = sink
         ctx.k_start, ctx.scale, ctx.window, ctx.block_size, ctx.causal = k_start, scale, window, block_size, causal
         return out, lse
@@ -65,8 +69,9 @@ class PrefixAttention(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, grad_out, grad_lse):
-        q, out, lse, q_pos = ctx.saved_tensors
-        k, v = ctx.prefix
+        saved = ctx.saved_tensors
+        q, out, lse, q_pos = saved[:4]
+        k, v = ctx.prefix if ctx.prefix is not None else saved[4:]
         if grad_out is None:
             grad_out = torch.zeros_like(out)
         need_dk, need_dv = ctx.needs_input_grad[1], ctx.needs_input_grad[2]

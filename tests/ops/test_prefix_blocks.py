@@ -119,3 +119,42 @@ def test_on_fake_tensors_the_kernel_is_two_ops_however_many_blocks():
         assert mode is not None and q.grad.shape == q.shape
         counts.append(tracker.ops)
     assert counts[0] == counts[1], counts
+
+
+def test_a_checkpointed_layer_holds_none_of_its_own_keys_until_its_backward():
+    """Keys and values made in the graph (a walk chunk's or a piece's own, which require grad)
+    are saved tensors, so torch's checkpoint (layer recompute) holds none of them between a
+    layer's forward and its backward: after the forward of 6 checkpointed layers only their
+    inputs and outputs are alive, not 6 layers' keys and values. Red while `PrefixAttention`
+    held every k / v on its ctx (6 x the keys and values alive: the exact walk under layer
+    recompute kept every attention layer's gathered q/k/v, 0.25 GiB a layer at the paper's
+    chunk of 16,384). The gradients are unchanged (float64, against the unsaved layers)."""
+    from torch.utils.checkpoint import checkpoint
+
+    gen = torch.Generator().manual_seed(0)
+    x = torch.randn(HKV, M, D, generator=gen, dtype=torch.float64, requires_grad=True)
+    weights = [torch.randn(D, D + DV, generator=gen, dtype=torch.float64) for _ in range(6)]
+    q_pos = torch.arange(M)
+
+    def layer(h, w):
+        kv = h @ w  # (HKV, M, D + DV): this layer's own keys and values, in the graph
+        out, _ = PrefixAttention.apply(h, kv[..., :D], kv[..., D:], q_pos, 0, 0.3, None, BLOCK, None, True)
+        return h + out[..., :D] if DV >= D else h + torch.nn.functional.pad(out, (0, D - DV))
+
+    def run(ckpt: bool):
+        h = x
+        for w in weights:
+            h = checkpoint(layer, h, w, use_reentrant=False) if ckpt else layer(h, w)
+        return h
+
+    tracker = LiveBytes("cpu")
+    tracker.adopt([x, *weights, q_pos])
+    with tracker:
+        before = tracker.live
+        h = run(True)
+        held = tracker.live - before
+        (g,) = torch.autograd.grad(h.sum(), x)
+    kv_bytes = HKV * M * (D + DV) * 8
+    assert held < 6 * kv_bytes, (held, kv_bytes)  # the inputs and outputs, far under 6 layers' k / v
+    (want,) = torch.autograd.grad(run(False).sum(), x)
+    assert torch.allclose(g, want, rtol=1e-12, atol=1e-12)
