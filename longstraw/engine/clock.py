@@ -28,23 +28,18 @@ def progress(iterable, *, enabled: bool, desc: str | None, total: int):
     the loop moved on, progress for the launch watchdog. A named loop's position is
     readable while it runs, bar or not (`loop_position`)."""
     bar = iterable if not enabled or desc is None else tqdm(iterable, desc=desc, total=total, leave=False)
-    if desc is None:
-        for item in bar:
-            beat()
-            yield item
-        return
-    state = [desc, 0, total, time.perf_counter()]
-    _LOOPS.append(state)
+    state = None if desc is None else [desc, 0, total, time.perf_counter()]
+    if state is not None:
+        _LOOPS.append(state)
     try:
         for item in bar:
             beat()
             yield item
-            state[1] += 1
+            if state is not None:
+                state[1] += 1
     finally:
-        for i in range(len(_LOOPS) - 1, -1, -1):  # by identity: two loops may hold equal values
-            if _LOOPS[i] is state:
-                del _LOOPS[i]
-                break
+        if state is not None:  # by identity: two loops may hold equal values
+            del _LOOPS[next(i for i, s in enumerate(_LOOPS) if s is state)]
 
 
 def loop_position() -> tuple[str, int, int, float] | None:

@@ -71,16 +71,17 @@ def plan_peak(s: Basis, state: StatePlan, weights: WeightPlan, replay: ReplayPla
     if s.exact:  # the walk frees the kept graphs first; a chunk is recomputed only after all of them
         phases["recompute"] = max(kept + (walk.transient if walk.kept_chunks else 0),
                                   walk.working if walk.kept_chunks < walk.chunks else 0)
+    divided_walk = s.W > 1 and walk.divided
     if s.W > 1:  # the replicated gradients' collective after backward (`parallel.gradients`), one flat bucket
         bucket = largest_gradient_bucket(s)
-        if walk.divided:  # partial_gradients: replay's set aside, the walk's partials in fresh buffers, then summed
+        if divided_walk:  # partial_gradients: replay's set aside, the walk's partials in fresh buffers, then summed
             during = walk_reached_grad_elements(s) * s.b + walk.working + w.gathered_grads
             after = replicated_grad_elements(s) * s.b + bucket - w.gathered  # every partial, the first bucket;
             phases["recompute"] = max(during, after)  # FSDP2 has resharded every layer by then
         else:  # replicate_gradients: the first rank's broadcast; FSDP2 has resharded every layer by then
             phases["gradients"] = bucket - w.gathered
     if w.gathered_grads:  # FSDP2's backward buffers (shard_params), beside the two gathered layers (static)
-        phases.update(fsdp2_backward_phases(phases, replay, w, s.exact and not (s.W > 1 and walk.divided)))
+        phases.update(fsdp2_backward_phases(phases, replay, w, s.exact and not divided_walk))
     if c.score_passes:
         phases["score"] = score
     if generate is not None:
