@@ -54,6 +54,11 @@ class LiveBytes(TorchDispatchMode):
             state offload's arenas), on the CPU branches too, where host and device are one.
     """
 
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        return False  # no torch._dynamo wrapper around __torch_dispatch__: nothing is compiled under a tracker,
+        # and C++ asks a fake tensor's device (prim.device) through this mode about twice an op
+
     def __init__(self, device_type: str = "cuda"):
         super().__init__()
         self.device_type = device_type
