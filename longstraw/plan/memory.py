@@ -97,8 +97,7 @@ class WeightPlan:
         trainable: trained elements (LoRA adapters, or every parameter).
         param_bytes / grad_bytes / optimizer_bytes: per rank (sharded 1/W under shard_params).
         gathered: shard_params: two layers' weights gathered at a time (else 0).
-        gathered_grads: shard_params: FSDP2's two gradient-sized buffers of a layer's backward
-            (its unsharded gradients, the last reduce-scatter input), `plan/peak.py` (else 0).
+        gathered_grads: shard_params: FSDP2's two buffers of a layer's backward, `plan/peak.py` (else 0).
         assumptions: the lines of the report these figures rest on.
     """
 
@@ -144,6 +143,9 @@ def plan_weights(s: Basis) -> WeightPlan:
             s.arch, base=base, lora_bytes=param_bytes - base, trainable=trainable, lora=bool(c.lora_rank), adam=adam,
             wdt=wdt, b=b, world=W, shard_params=c.shard_params, whole=whole_weight_bytes(s.arch, params, wdt, b),
             whole_trained=0 if c.lora_rank else whole_elements(s.arch, params))
+        if c.shard_params:  # FSDP2's backward buffers (as `elif` below), of the layers' non-expert part
+            gathered_grads = 2 * (trainable - (0 if c.lora_rank else expert_elements(s.arch) + whole_elements(
+                s.arch, params))) / len(s.arch.layers) * b
         assumptions.append(f"expert parallelism: each rank holds ceil(E/W) = {math.ceil(s.arch.experts / W)} of "
                            f"{s.arch.experts} routed experts per MoE layer, never gathered; "
                            + ("the decoder layers' other weights, grads and optimizer state sharded 1/W (embeddings, "

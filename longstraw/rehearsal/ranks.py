@@ -88,16 +88,23 @@ def fake_group(rank: int, world_size: int):
         dist.destroy_process_group()
 
 
-def shard_fake(model, world_size: int, device_type: str):
-    """FSDP2 over the fake group's W ranks on the fake `model` (`shard_model`, its experts
-    left to expert parallelism), as a real run's template shards it; returns a context
-    that counts FSDP2's collectives (`fsdp_traffic.counting_fsdp`). Call inside the fake
-    mode, after the engine is built (expert parallelism cuts the experts first)."""
+def shard_fake(model, world_size: int, device_type: str, *, expert_parallel: bool = False):
+    """FSDP2 over the fake group's W ranks on the fake `model` (`shard_model`), as a real
+    run's template shards it: under expert parallelism its experts are left out (each rank
+    holds its own slice whole), otherwise FSDP2 shards them with the rest of each layer, as
+    `shard_model(model, mesh)` does. Returns a context that counts FSDP2's collectives
+    (`fsdp_traffic.counting_fsdp`). Call inside the fake mode, after the engine is built
+    (expert parallelism cuts the experts first)."""
     with unset_fake_temporarily():  # the mesh reads its rank map on the host
         mesh = init_device_mesh(device_type, (world_size,))
-    experts = {p for _, m in experts_modules(model) for p in m.parameters(recurse=False)}
-    shard_model(model, mesh, ignored_params=experts)
+    shard_model(model, mesh, ignored_params=expert_slices(model) if expert_parallel else None)
     return counting_fsdp()
 
 
-__all__ = ["check_world", "fake_group", "rehearsed_ranks", "shard_fake"]
+def expert_slices(model) -> set:
+    """The routed experts' own parameters (expert parallelism's slices once the engine cut
+    them), which no FSDP2 unit may manage."""
+    return {p for _, m in experts_modules(model) for p in m.parameters(recurse=False)}
+
+
+__all__ = ["check_world", "expert_slices", "fake_group", "rehearsed_ranks", "shard_fake"]

@@ -340,7 +340,8 @@ def _rehearse_rank(hf_config, config: ExecConfig, inputs: Group, *, device: str,
     kernels = DeviceKernels() if needs_device_kernels(torch.device(device).type, dtype) else contextlib.nullcontext()
     with mode, kernels:
         engine = Engine(fake, config)
-        counted = shard_fake(fake, shard, torch.device(device).type) if shard else contextlib.nullcontext()
+        counted = (shard_fake(fake, shard, torch.device(device).type, expert_parallel=config.expert_parallel)
+                   if shard else contextlib.nullcontext())
         tracker.adopt(list(fake.parameters()) + list(fake.buffers()))
         opt = torch.optim.AdamW(fake.parameters(), foreach=False) if optimizer else None
         with counted, _ticking(tracker, rank, world_size, t0):

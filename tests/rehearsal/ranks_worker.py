@@ -52,14 +52,14 @@ def real_step(case: dict, world: int) -> dict:
     """This rank's figures of the real step of `case` (float32 or bf16 on gloo)."""
     from torch.distributed.device_mesh import init_device_mesh
 
-    from longstraw.models.experts import experts_modules
+    from longstraw.rehearsal.ranks import expert_slices
     from longstraw.parallel.sharding import shard_model
 
     model = _model(case)
     engine = ls.Engine(model, exec_config(case))
     counted = contextlib.nullcontext()
     if case.get("shard"):
-        experts = {p for _, m in experts_modules(model) for p in m.parameters(recurse=False)}
+        experts = expert_slices(model) if case.get("ep") else None  # as shard_fake: FSDP2 shards them without EP
         shard_model(model, init_device_mesh("cpu", (world,)), ignored_params=experts)
         counted = counting_fsdp()
     group = rehearsal_group(prompt_tokens=case["P"], group=case["G"], response_tokens=case["R"],

@@ -83,6 +83,17 @@ def test_rehearsed_rank_equals_the_real_rank_expert_parallel(tmp_path, world):
     _check(_run(tmp_path, world, cases), cases)
 
 
+@pytest.mark.slow
+def test_rehearsed_rank_equals_the_real_rank_fsdp2_over_the_experts(tmp_path):
+    """FSDP2 without expert parallelism on the small Qwen3-MoE, W = 2, exact: the experts
+    sharded by FSDP2 with the rest of each layer, as `shard_model(model, mesh)` shards a
+    real run's model (the rehearsal left them whole on every rank until stop 60)."""
+    fields = dict(chunk_size=128, mode="exact", context_parallel=True, attention_block_size=32)
+    cases = [{**CP, "P": 256, "R": 8, "mode": "exact", "exec": fields, "config": MOE, "dtype": "bfloat16",
+              "ep": False, "shard": True, "overrides": {}}]
+    _check(_run(tmp_path, 2, cases), cases)
+
+
 def test_rehearse_refuses_bad_ranks_and_leaves_a_callers_group_alone():
     """Refused before any work: world_size > 1 without context parallelism, shard_params
     on one rank, a rank outside [0, W), and a process that has a group of its own (which
