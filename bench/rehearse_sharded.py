@@ -1,6 +1,7 @@
 """The sharded options rehearsed, planned and run for real, phase by phase (issue 44):
 `longstraw plan --rehearse` with `--shard-params` (tiny qwen3, fp32) and
-`--expert-parallel` alone and with `--shard-params` (a small Qwen3-MoE, bf16), at W = 2
+`--shard-params` on a small Qwen3-MoE (bf16; FSDP2 over its experts too), and
+`--expert-parallel` alone and with `--shard-params` (the same MoE), at W = 2
 and 3 on gloo (spawned, CPU). For each case and rank: the planner's peak per phase (the
 step a rehearsal runs: first group, no optimizer state, `against_plan.planned_as_rehearsed`),
 the rank's rehearsal (`ls.rehearse(..., world_size=W, rank=r)`) and the same rank's real
@@ -29,6 +30,7 @@ MOE = {"model_type": "qwen3_moe", "vocab_size": 4096, "hidden_size": 256, "inter
 """tests/rehearsal/test_against_plan.py's small Qwen3-MoE."""
 
 CASES = {"fsdp2": ("tiny-qwen3", "fp32", dict(shard_params=True)),
+         "fsdp2-moe": (MOE, "bf16", dict(shard_params=True)),  # FSDP2 shards the experts with each layer
          "ep": (MOE, "bf16", dict(expert_parallel=True)),
          "ep+fsdp2": (MOE, "bf16", dict(expert_parallel=True, shard_params=True))}
 
@@ -76,7 +78,7 @@ def rows_of(option: str, world: int, mode: str, tmp: str) -> list[tuple]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--options", default="fsdp2,ep,ep+fsdp2")
+    ap.add_argument("--options", default="fsdp2,fsdp2-moe,ep,ep+fsdp2")
     ap.add_argument("--worlds", default="2,3")
     ap.add_argument("--modes", default="detached,exact")
     ap.add_argument("--out", default="")
