@@ -18,8 +18,8 @@ rank W - 1 the fewest, so it receives the most of capture's traffic and, unlike 
 holding the most experts (`ranks.rehearsed_ranks`). The peak compared is the highest
 rank's; the bytes received per phase the most any rank received (the planner's: the
 busiest rank's). `--shard-params` shards the fake model with FSDP2 over the W ranks as a
-real run's template does (`parallel.sharding.shard_model`, the experts left to expert
-parallelism), `--expert-parallel` gives each rank its slice of the experts
+real run's template does (`parallel.sharding.shard_model`; the experts too, unless
+expert parallelism holds them), `--expert-parallel` gives each rank its slice of the experts
 (`ExecConfig(expert_parallel=True)`).
 
 Host memory is compared apart: the rehearsal's `host_bytes` (`longstraw.host.host_tensor`:
