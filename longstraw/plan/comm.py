@@ -57,7 +57,8 @@ from dataclasses import dataclass
 
 from .arch import count_parameters, indexer_parameters
 from .config import Basis
-from .experts import expert_elements, expert_phase_traffic, expert_slice, layer_elements, weight_bytes
+from .experts import (expert_elements, expert_phase_traffic, expert_slice, fsdp2_expert_padding, layer_elements,
+                      weight_bytes)
 from .traffic import candidate_bytes_per_query
 
 
@@ -149,7 +150,8 @@ def fsdp_pass_bytes(s: Basis) -> float:
     1.13x the rehearsal's."""
     experts = not s.config.expert_parallel
     layers = (layer_elements(s.arch, layer, experts=experts) for layer in s.arch.layers)
-    return sum(weight_bytes(linear, other, s.wdt, s.b) for linear, other in layers) + padded_lora_elements(s) * s.b
+    padding = weight_bytes(fsdp2_expert_padding(s.arch, s.W) * s.W, 0, s.wdt, s.b) if experts else 0.0
+    return sum(weight_bytes(linear, other, s.wdt, s.b) for linear, other in layers) + padding + padded_lora_elements(s) * s.b
 
 
 def sharded_layer_grad_bytes(s: Basis) -> float:
@@ -160,7 +162,7 @@ def sharded_layer_grad_bytes(s: Basis) -> float:
     c, params = s.config, s.params
     if c.lora_rank:
         return padded_lora_elements(s) * s.b
-    experts = expert_elements(s.arch) if c.expert_parallel else 0
+    experts = expert_elements(s.arch) if c.expert_parallel else -fsdp2_expert_padding(s.arch, s.W) * s.W  # padded
     return (params.total - params.embedding - params.lm_head - s.arch.hidden - experts
             - indexer_parameters(s.arch)) * s.b
 

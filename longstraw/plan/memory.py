@@ -18,7 +18,7 @@ from .arch import DTYPE_BYTES, QUANT_BYTES, Arch, LayerSpec, indexer_parameters
 from .config import Basis
 from .kept_outputs import kept_output_bytes
 from .state_sizes import state_sizes
-from .experts import divided_moe_working, expert_elements, expert_parallel_weights
+from .experts import divided_moe_working, expert_elements, expert_parallel_weights, fsdp2_expert_padding, weight_bytes
 from .traffic import divided_capture_traffic, divided_walk_traffic
 from .tree import takes_tree_path
 from .divided_capture import divided_capture_working
@@ -153,11 +153,11 @@ def plan_weights(s: Basis) -> WeightPlan:
     elif c.shard_params:
         whole = whole_weight_bytes(s.arch, params, wdt, b)  # FSDP2 wraps the decoder layers only
         whole_trained = 0 if c.lora_rank else whole_elements(s.arch, params)
-        per_layer = (base - whole) / len(s.arch.layers)  # a decoder layer's
-        param_bytes = whole + (param_bytes - whole) / W
-        grad_bytes = (whole_trained + (trainable - whole_trained) / W) * b
-        optimizer_bytes = (whole_trained + (trainable - whole_trained) / W) * adam
-        gathered = 2 * per_layer
+        pad = fsdp2_expert_padding(s.arch, W)  # FSDP2 pads the experts' [E, ..] to a multiple of W
+        param_bytes = whole + (param_bytes - whole) / W + weight_bytes(pad, 0, wdt, b)
+        trained = whole_trained + (trainable - whole_trained) / W + (0 if c.lora_rank else pad)
+        grad_bytes, optimizer_bytes = trained * b, trained * adam
+        gathered = 2 * (base - whole) / len(s.arch.layers)  # two decoder layers'
         gathered_grads = 2 * (trainable - whole_trained) / len(s.arch.layers) * b
         assumptions.append("shard_params: the decoder layers' weights, grads and optimizer state sharded 1/W "
                            "(FSDP2 wraps the layers only: embeddings, lm_head and the final norm stay whole on "
