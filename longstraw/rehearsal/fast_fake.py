@@ -46,7 +46,6 @@ import os
 import torch
 from torch._subclasses import fake_tensor as ft
 from torch._subclasses.fake_tensor import FakeTensor, FakeTensorMode
-from torch.fx.experimental.proxy_tensor import get_proxy_mode as _proxy_mode
 
 _KEY = object()  # marks every key this mode builds (never in a plain FakeTensorMode's)
 _TENSOR, _SEQ, _DICT, _TORCH = object(), object(), object(), object()
@@ -135,34 +134,6 @@ class RehearsalFakeMode(FakeTensorMode):
                 func = _VIEW
             return self._cached_dispatch_impl(func, types, args, kwargs)
         return self._dispatch_impl(func, types, args, kwargs)
-
-    def _cached_dispatch_impl(self, func, types, args, kwargs):
-        """torch's cache lookup, for a hit: the same key (torch's header values, then
-        `_prep_args_for_hash`), the same cache and the same entry, without torch's
-        per-call bookkeeping around them. A miss, a bypass, a key torch would extend
-        (symbols, id-hashed arguments) or the cross-check: torch's own code, which
-        builds the same key again."""
-        if not self._fast() or self.cache_crosscheck_enabled:
-            return super()._cached_dispatch_impl(func, types, args, kwargs)
-        state = ft._CacheKeyState(None)
-        values = [func, torch.get_default_dtype(), torch._C._get_default_device(), torch.is_inference_mode_enabled(),
-                  None, _proxy_mode() is not None]  # torch's `_cache_key` header (no shape env: no settings)
-        id_hashed: list = []
-        try:
-            if args:
-                self._prep_args_for_hash(values, args, state, id_hashed)
-            if kwargs:
-                self._prep_args_for_hash(values, kwargs, state, id_hashed)
-        except ft._BypassDispatchCache:
-            return super()._cached_dispatch_impl(func, types, args, kwargs)  # (counts the bypass)
-        if id_hashed or state.known_symbols:
-            return super()._cached_dispatch_impl(func, types, args, kwargs)
-        key = ft._DispatchCacheKey(tuple(values))
-        entry = FakeTensorMode.cache.get(key)
-        if entry is None or isinstance(entry, ft._DispatchCacheBypassEntry):
-            return super()._cached_dispatch_impl(func, types, args, kwargs)
-        FakeTensorMode.cache_hits += 1
-        return self._output_from_cache_entry(state, entry, key, func, args)
 
     def _prep_args_for_hash(self, result, args, state, id_hashed_objects) -> None:
         if not self._fast():
