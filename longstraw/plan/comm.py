@@ -162,8 +162,9 @@ def sharded_layer_grad_bytes(s: Basis) -> float:
     c, params = s.config, s.params
     if c.lora_rank:
         return padded_lora_elements(s) * s.b
-    experts = expert_elements(s.arch) if c.expert_parallel else -fsdp2_expert_padding(s.arch, s.W) * s.W  # padded
-    return (params.total - params.embedding - params.lm_head - s.arch.hidden - experts
+    experts = expert_elements(s.arch) if c.expert_parallel else 0
+    padding = 0 if c.expert_parallel else fsdp2_expert_padding(s.arch, s.W) * s.W  # FSDP2's padded [E, ..]
+    return (params.total - params.embedding - params.lm_head - s.arch.hidden - experts + padding
             - indexer_parameters(s.arch)) * s.b
 
 

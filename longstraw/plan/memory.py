@@ -138,27 +138,23 @@ def plan_weights(s: Basis) -> WeightPlan:
     assumptions.append(f"grads in {dtype}; Adam keeps 2 fp32 moments" + (" + an fp32 master copy" if half else "")
                        + f" = {adam} B per trainable parameter")
     gathered = gathered_grads = 0.0
+    whole_trained = 0 if c.lora_rank else whole_elements(s.arch, params)  # FSDP2 wraps the decoder layers only
     if c.expert_parallel:  # plan/experts.py: each rank its experts' slice for good; the rest as below
         param_bytes, grad_bytes, optimizer_bytes, gathered = expert_parallel_weights(
             s.arch, base=base, lora_bytes=param_bytes - base, trainable=trainable, lora=bool(c.lora_rank), adam=adam,
             wdt=wdt, b=b, world=W, shard_params=c.shard_params, whole=whole_weight_bytes(s.arch, params, wdt, b),
-            whole_trained=0 if c.lora_rank else whole_elements(s.arch, params))
-        if c.shard_params:  # FSDP2's backward buffers (as `elif` below), of the layers' non-expert part
-            gathered_grads = 2 * (trainable - (0 if c.lora_rank else expert_elements(s.arch) + whole_elements(
-                s.arch, params))) / len(s.arch.layers) * b
+            whole_trained=whole_trained)
         assumptions.append(f"expert parallelism: each rank holds ceil(E/W) = {math.ceil(s.arch.experts / W)} of "
                            f"{s.arch.experts} routed experts per MoE layer, never gathered; "
                            + ("the decoder layers' other weights, grads and optimizer state sharded 1/W (embeddings, "
                               "lm_head and the final norm whole), two layers' non-expert weights gathered at a time" if c.shard_params else "the other weights replicated"))
     elif c.shard_params:
-        whole = whole_weight_bytes(s.arch, params, wdt, b)  # FSDP2 wraps the decoder layers only
-        whole_trained = 0 if c.lora_rank else whole_elements(s.arch, params)
+        whole = whole_weight_bytes(s.arch, params, wdt, b)
         pad = fsdp2_expert_padding(s.arch, W)  # FSDP2 pads the experts' [E, ..] to a multiple of W
         param_bytes = whole + (param_bytes - whole) / W + weight_bytes(pad, 0, wdt, b)
         trained = whole_trained + (trainable - whole_trained) / W + (0 if c.lora_rank else pad)
         grad_bytes, optimizer_bytes = trained * b, trained * adam
         gathered = 2 * (base - whole) / len(s.arch.layers)  # two decoder layers'
-        gathered_grads = 2 * (trainable - whole_trained) / len(s.arch.layers) * b
         assumptions.append("shard_params: the decoder layers' weights, grads and optimizer state sharded 1/W "
                            "(FSDP2 wraps the layers only: embeddings, lm_head and the final norm stay whole on "
                            "every rank); two layers' weights gathered at a time (counted in the static memory); "
@@ -166,6 +162,9 @@ def plan_weights(s: Basis) -> WeightPlan:
                            "input (two layers' gradients, in replay and the walk)")
     else:
         assumptions.append("weights, grads and optimizer state replicated on every rank")
+    if c.shard_params:  # FSDP2's backward buffers: two of a layer's gradients (under expert parallelism, its non-expert part)
+        own = expert_elements(s.arch) if c.expert_parallel and not c.lora_rank else 0
+        gathered_grads = 2 * (trainable - whole_trained - own) / len(s.arch.layers) * b
     return WeightPlan(base=base, trainable=trainable, param_bytes=param_bytes, grad_bytes=grad_bytes,
                       optimizer_bytes=optimizer_bytes, gathered=gathered, assumptions=tuple(assumptions),
                       gathered_grads=gathered_grads)
